@@ -1,0 +1,254 @@
+"""Model configuration: one frozen dataclass, validated on creation, and named presets.
+
+`ModelConfig` describes a DeepSeek-V3.2-style sparse-attention ("DSA") model: MLA attention with a
+compressed KV row of `kv_lora_rank + qk_rope_head_dim` values per token and layer, a lightning
+indexer that picks `index_topk` tokens per query, and indexer sharing across groups of
+consecutive layers (GLM-5.2 style).
+
+Presets:
+  * `tiny`: tests (4 layers, 2 indexer groups, top-k 16, widths of a few dozen).
+  * `small`: CPU benchmarks (wide enough that indexer and attention costs are realistic
+    relative to each other, long context).
+  * `deepseek_v32`, `glm5`, `glm52`: the real shapes, used for planning and shape checks only
+    (no weights ship with the project).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+_DTYPES = ("float32", "bfloat16", "float16")
+INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and numerics of a DSA model.
+
+    Attributes:
+      name: preset name (for messages and reports).
+      vocab_size: V.
+      dim: E, the residual width.
+      num_layers: L.
+      num_heads: H, attention heads.
+      q_lora_rank: rank of the query low-rank state (the indexer reads it too).
+      kv_lora_rank: D, the latent width stored in the cache (512 in the real models).
+      qk_nope_head_dim: per-head query/key width without RoPE.
+      qk_rope_head_dim: R, the RoPE key width stored in the cache (64 in the real models).
+      v_head_dim: per-head value width after up-projection.
+      mlp_hidden: hidden width of the (dense, SwiGLU) MLP.
+      index_n_heads: I, indexer heads.
+      index_head_dim: N, indexer head width (a power of two: the Hadamard rotation needs it).
+      index_topk: K, tokens each query attends to.
+      indexer_layers: the first layer of each indexer group, strictly increasing, starting at 0.
+        Layer l belongs to the last group whose first layer is <= l, and attends to that group's
+        top-k. `tuple(range(L))` is one indexer per layer (DeepSeek-V3.2).
+      max_seq_len: S, the context capacity of a request.
+      max_ways: the largest W a decode step accepts (multi-token prediction: 1 + drafts).
+      dtype: parameters and activations.
+      kv_dtype: the KV cache and the indexer keys.
+      index_fp8: simulate FP8 (e4m3) indexer q/k with power-of-two scales per 128 values.
+      rope_theta: RoPE base.
+      norm_eps: RMSNorm / LayerNorm epsilon.
+    """
+
+    name: str
+    vocab_size: int
+    dim: int
+    num_layers: int
+    num_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    mlp_hidden: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    indexer_layers: tuple[int, ...]
+    max_seq_len: int
+    max_ways: int = 4
+    dtype: str = "float32"
+    kv_dtype: str = "bfloat16"
+    index_fp8: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        # Normalise lists given by callers into tuples (frozen dataclass: object.__setattr__).
+        object.__setattr__(self, "indexer_layers", tuple(int(x) for x in self.indexer_layers))
+        positive = (
+            "vocab_size", "dim", "num_layers", "num_heads", "q_lora_rank", "kv_lora_rank",
+            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mlp_hidden", "index_n_heads",
+            "index_head_dim", "index_topk", "max_seq_len", "max_ways",
+        )
+        for field in positive:
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ModelConfig.{field} must be a positive int, got {value!r}")
+        for field in ("dtype", "kv_dtype"):
+            if getattr(self, field) not in _DTYPES:
+                raise ValueError(
+                    f"ModelConfig.{field}={getattr(self, field)!r} is not supported; "
+                    f"use one of {_DTYPES}"
+                )
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE pairs)")
+        n = self.index_head_dim
+        if n & (n - 1):
+            raise ValueError(
+                f"index_head_dim={n} must be a power of two (the indexer's Hadamard rotation "
+                f"needs one); try {1 << max(n.bit_length() - 1, 0)} or {1 << n.bit_length()}"
+            )
+        if self.qk_rope_head_dim > n:
+            raise ValueError(
+                f"qk_rope_head_dim={self.qk_rope_head_dim} must be <= index_head_dim={n}: the "
+                "indexer rotates its first qk_rope_head_dim dims"
+            )
+        layers = self.indexer_layers
+        if not layers or layers[0] != 0:
+            raise ValueError(f"indexer_layers={layers} must start with layer 0")
+        if any(b <= a for a, b in zip(layers, layers[1:])):
+            raise ValueError(f"indexer_layers={layers} must be strictly increasing")
+        if layers[-1] >= self.num_layers:
+            raise ValueError(
+                f"indexer_layers={layers} names layer {layers[-1]} but num_layers={self.num_layers}"
+            )
+        if self.max_seq_len >= INT32_MAX // max(self.max_ways, 1):
+            raise ValueError(f"max_seq_len={self.max_seq_len} overflows int32 token indices")
+        if self.norm_eps <= 0:
+            raise ValueError(f"norm_eps={self.norm_eps} must be > 0")
+
+    # Derived sizes ----------------------------------------------------------------------------
+
+    @property
+    def num_groups(self) -> int:
+        """G: the number of indexer groups (indexer layers)."""
+        return len(self.indexer_layers)
+
+    @property
+    def group_bounds(self) -> tuple[tuple[int, int], ...]:
+        """(first layer, end layer) of each group; layers [first, end) share one top-k."""
+        ends = self.indexer_layers[1:] + (self.num_layers,)
+        return tuple(zip(self.indexer_layers, ends))
+
+    @property
+    def layer_group(self) -> tuple[int, ...]:
+        """The group of each layer."""
+        out = []
+        for g, (lo, hi) in enumerate(self.group_bounds):
+            out += [g] * (hi - lo)
+        return tuple(out)
+
+    @property
+    def kv_width(self) -> int:
+        """D + R: values stored per token and layer."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def jnp_dtype(self) -> Any:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def jnp_kv_dtype(self) -> Any:
+        return jnp.dtype(self.kv_dtype)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes of one token over all layers: L * (D + R) * bytes."""
+        return self.num_layers * self.kv_width * self.jnp_kv_dtype.itemsize
+
+    @property
+    def index_bytes_per_token(self) -> int:
+        """Indexer-key bytes of one token over all groups: G * N * bytes."""
+        return self.num_groups * self.index_head_dim * self.jnp_kv_dtype.itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        """kappa = (L * (D + R) + G * N) * bytes_per_elem."""
+        return self.kv_bytes_per_token + self.index_bytes_per_token
+
+    def replace(self, **changes) -> "ModelConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def balanced_groups(num_layers: int, num_groups: int) -> tuple[int, ...]:
+    """First layers of `num_groups` consecutive groups whose sizes differ by at most one.
+
+    Larger groups come first: 78 layers in 21 groups -> 15 groups of 4, then 6 of 3.
+    """
+    if not 1 <= num_groups <= num_layers:
+        raise ValueError(f"{num_groups=} must be in [1, {num_layers=}]")
+    base, extra = divmod(num_layers, num_groups)
+    starts, at = [], 0
+    for g in range(num_groups):
+        starts.append(at)
+        at += base + (1 if g < extra else 0)
+    return tuple(starts)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        name="tiny", vocab_size=256, dim=64, num_layers=4, num_heads=4, q_lora_rank=32,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        mlp_hidden=128, index_n_heads=4, index_head_dim=16, index_topk=16,
+        indexer_layers=(0, 2), max_seq_len=1024, max_ways=4,
+    ),
+    "small": ModelConfig(
+        name="small", vocab_size=1024, dim=512, num_layers=4, num_heads=8, q_lora_rank=256,
+        kv_lora_rank=256, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
+        mlp_hidden=1024, index_n_heads=8, index_head_dim=64, index_topk=512,
+        indexer_layers=(0, 2), max_seq_len=131072, max_ways=4,
+    ),
+    # DeepSeek-V3.2: 61 layers, one indexer per layer, MLA 512 + 64, 64 indexer heads of 128.
+    "deepseek_v32": ModelConfig(
+        name="deepseek_v32", vocab_size=129280, dim=7168, num_layers=61, num_heads=128,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, mlp_hidden=18432, index_n_heads=64, index_head_dim=128,
+        index_topk=2048, indexer_layers=tuple(range(61)), max_seq_len=163840,
+        dtype="bfloat16", kv_dtype="bfloat16", index_fp8=True,
+    ),
+    # GLM-5: 78 layers of MLA 512 + 64 with an indexer in every layer.
+    "glm5": ModelConfig(
+        name="glm5", vocab_size=154880, dim=6144, num_layers=78, num_heads=64,
+        q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
+        v_head_dim=256, mlp_hidden=12288, index_n_heads=32, index_head_dim=128,
+        index_topk=2048, indexer_layers=tuple(range(78)), max_seq_len=1_048_576,
+        dtype="bfloat16", kv_dtype="bfloat16", index_fp8=True,
+    ),
+    # GLM-5.2: as GLM-5, but 21 indexer layers shared by groups of consecutive layers.
+    "glm52": ModelConfig(
+        name="glm52", vocab_size=154880, dim=6144, num_layers=78, num_heads=64,
+        q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
+        v_head_dim=256, mlp_hidden=12288, index_n_heads=32, index_head_dim=128,
+        index_topk=2048, indexer_layers=balanced_groups(78, 21), max_seq_len=1_048_576,
+        dtype="bfloat16", kv_dtype="bfloat16", index_fp8=True,
+    ),
+}
+
+
+def get_config(name: str) -> ModelConfig:
+    """The preset called `name`; a clear error lists the known ones."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; known presets: {sorted(PRESETS)}") from None
+
+
+def sequence_capacity_check(config: ModelConfig, needed: int) -> None:
+    """Raise if a request needs more than `max_seq_len` positions."""
+    if needed > config.max_seq_len:
+        raise ValueError(
+            f"context of {needed} tokens exceeds max_seq_len={config.max_seq_len} of "
+            f"config {config.name!r}; shorten the prompt / max_new_tokens or raise max_seq_len"
+        )
+

@@ -1,0 +1,18 @@
+"""The DSA model: MLA attention, the lightning indexer, the layer loop."""
+
+from fo_jax.model.attention import dense_attention, sparse_attention
+from fo_jax.model.dsa import DSAModel, check_params, init_params, param_shapes
+from fo_jax.model.forward import forward
+from fo_jax.model.indexer import indexer_scores, select_topk
+
+__all__ = [
+    "DSAModel",
+    "check_params",
+    "dense_attention",
+    "forward",
+    "indexer_scores",
+    "init_params",
+    "param_shapes",
+    "select_topk",
+    "sparse_attention",
+]

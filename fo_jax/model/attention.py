@@ -1,0 +1,109 @@
+"""MLA attention in absorbed form: projections, the compressed KV row, sparse and dense attention.
+
+The cache holds, per token and layer, one row of D + R values: the RMS-normed latent c_kv (D)
+followed by the RoPE key k_pe (R). Queries are absorbed into the latent space:
+
+  q_lat[h] = W_UK[h] q_nope[h]                           [H, D]
+  score[h, s] = (q_lat[h] . c_kv[s] + q_pe[h] . k_pe[s]) * (qk_nope + R)^-0.5
+  p = softmax_s(score) in float32
+  out[h] = W_UV[h] (sum_s p[h, s] c_kv[s]);  y = W_o concat_h out[h]
+
+`sparse_attention` combines the K gathered rows in the order given (the canonical order of
+`select_topk`); it is the one attention every path uses, so paths that gather the same rows are
+bitwise equal.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fo_jax.model.layers import F32, rms_norm, rope
+
+
+def query_lowrank(lp: dict, h: jax.Array, *, config) -> jax.Array:
+    """qr = q_norm(h W_qa): [B, T, E] -> [B, T, q_lora_rank] (the indexer reads it too)."""
+    return rms_norm(jnp.matmul(h, lp["wq_a"]), lp["q_norm"], config.norm_eps)
+
+
+def attention_inputs(lp: dict, h: jax.Array, qr: jax.Array, positions: jax.Array, *, config):
+    """Absorbed queries and the new tokens' KV rows.
+
+    Args:
+      lp: one layer's parameters.
+      h: [B, T, E] normed input; qr: [B, T, q_lora_rank]; positions: [B, T].
+    Returns:
+      q_lat [B, T, H, D] f32, q_pe [B, T, H, R] f32, kv_new [B, T, D + R] in kv_dtype.
+    """
+    heads, nope, r = config.num_heads, config.qk_nope_head_dim, config.qk_rope_head_dim
+    d, v = config.kv_lora_rank, config.v_head_dim
+    q = jnp.matmul(qr, lp["wq_b"]).reshape(h.shape[:-1] + (heads, nope + r))
+    q_nope, q_pe = q[..., :nope], q[..., nope:]
+    q_pe = rope(q_pe, positions, config.rope_theta, interleaved=True)
+    w_kv_b = lp["wkv_b"].reshape(d, heads, nope + v)
+    q_lat = jnp.einsum("bthn,dhn->bthd", q_nope.astype(F32), w_kv_b[..., :nope].astype(F32))
+    kv = jnp.matmul(h, lp["wkv_a"])
+    c_kv = rms_norm(kv[..., :d], lp["kv_norm"], config.norm_eps)
+    k_pe = rope(kv[..., d:], positions, config.rope_theta, interleaved=True)
+    kv_new = jnp.concatenate([c_kv, k_pe], axis=-1).astype(config.jnp_kv_dtype)
+    return q_lat, q_pe.astype(F32), kv_new
+
+
+def sparse_attention(q_lat, q_pe, rows, mask, *, scale: float) -> jax.Array:
+    """Attention of each query over its own K gathered rows, in the given order.
+
+    Args:
+      q_lat: [B, T, H, D] f32; q_pe: [B, T, H, R] f32.
+      rows: [B, T, K, D + R] (any float dtype; rows where mask is False may hold anything,
+        NaN included: they are zeroed before use).
+      mask: [B, T, K] bool.
+    Returns:
+      [B, T, H, D] float32 latent outputs (0 for a query with no selected token).
+    """
+    d = q_lat.shape[-1]
+    rows = jnp.where(mask[..., None], rows.astype(F32), 0.0)
+    c_kv, k_pe = rows[..., :d], rows[..., d:]
+    logits = jnp.einsum("bthd,btkd->bthk", q_lat, c_kv)
+    logits = (logits + jnp.einsum("bthr,btkr->bthk", q_pe, k_pe)) * scale
+    return _softmax_combine(logits, mask[:, :, None, :], c_kv, "bthk,btkd->bthd")
+
+
+def dense_attention(q_lat, q_pe, cache, mask, *, scale: float) -> jax.Array:
+    """Attention of each query over all S cached rows, restricted by mask [B, T, S].
+
+    cache: [B, S, D + R]. The reference `sparse_attention` is checked against (masked to exactly
+    the selected set) and the dense model (top-k >= context) is built on.
+    """
+    d = q_lat.shape[-1]
+    rows = cache.astype(F32)
+    # Rows outside every mask (e.g. NaN-poisoned, unwritten) must not reach the output.
+    used = jnp.any(mask, axis=1)  # [B, S]
+    rows = jnp.where(used[..., None], rows, 0.0)
+    c_kv, k_pe = rows[..., :d], rows[..., d:]
+    logits = jnp.einsum("bthd,bsd->bths", q_lat, c_kv)
+    logits = (logits + jnp.einsum("bthr,bsr->bths", q_pe, k_pe)) * scale
+    return _softmax_combine(logits, mask[:, :, None, :], c_kv, "bths,bsd->bthd")
+
+
+def attention_output(lp: dict, out_lat: jax.Array, *, config) -> jax.Array:
+    """Up-project the latent outputs with W_UV and mix heads with W_o: [B, T, H, D] -> [B, T, E]."""
+    heads, nope, d, v = (config.num_heads, config.qk_nope_head_dim, config.kv_lora_rank,
+                         config.v_head_dim)
+    w_uv = lp["wkv_b"].reshape(d, heads, nope + v)[..., nope:]
+    out = jnp.einsum("bthd,dhv->bthv", out_lat, w_uv.astype(F32))
+    out = out.reshape(out.shape[:-2] + (heads * v,)).astype(config.jnp_dtype)
+    return jnp.matmul(out, lp["wo"])
+
+
+def softmax_scale(config) -> float:
+    return config.qk_head_dim ** -0.5
+
+
+def _softmax_combine(logits, mask, values, combine: str):
+    logits = jnp.where(mask, logits, -jnp.inf)
+    peak = jnp.max(logits, axis=-1, keepdims=True)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    weights = jnp.where(mask, jnp.exp(logits - peak), 0.0)
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    probs = weights / jnp.where(total > 0, total, 1.0)
+    return jnp.einsum(combine, probs, values)

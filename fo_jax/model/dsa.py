@@ -1,0 +1,146 @@
+"""The DSA model's parameters: a Flax NNX module with per-layer weights stacked on a layer axis.
+
+`DSAModel(config, rngs=nnx.Rngs(seed))` owns the parameters; `model.params()` returns them as a
+plain nested dict of arrays, the pytree every pure function of fo_jax takes:
+
+    embed        [V, E]
+    norm         [E]                 final RMSNorm
+    head         [E, V]
+    layers/      stacked on L:
+      attn_norm [L, E]  wq_a [L, E, Q]  q_norm [L, Q]  wq_b [L, Q, H*(nope+R)]
+      wkv_a [L, E, D+R] kv_norm [L, D]  wkv_b [L, D, H*(nope+v)]  wo [L, H*v, E]
+      ffn_norm [L, E]   w1 [L, E, F]    w2 [L, F, E]   w3 [L, E, F]
+    indexer/     stacked on G (one per group):
+      wq_b [G, Q, I*N]  wk [G, E, N]  k_norm_w [G, N]  k_norm_b [G, N]  weights_proj [G, E, I]
+
+Matrices are stored [in, out] (x @ w); safetensors files use the DeepSeek reference checkpoint's
+[out, in] layout and names (see fo_jax.weights).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from fo_jax.config import ModelConfig
+
+
+def param_shapes(config: ModelConfig) -> dict:
+    """Shapes of every parameter, as the nested dict `DSAModel.params()` returns."""
+    c = config
+    num_l, num_g = c.num_layers, c.num_groups
+    q_dim = c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)
+    return {
+        "embed": (c.vocab_size, c.dim),
+        "norm": (c.dim,),
+        "head": (c.dim, c.vocab_size),
+        "layers": {
+            "attn_norm": (num_l, c.dim),
+            "wq_a": (num_l, c.dim, c.q_lora_rank),
+            "q_norm": (num_l, c.q_lora_rank),
+            "wq_b": (num_l, c.q_lora_rank, q_dim),
+            "wkv_a": (num_l, c.dim, c.kv_width),
+            "kv_norm": (num_l, c.kv_lora_rank),
+            "wkv_b": (num_l, c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim)),
+            "wo": (num_l, c.num_heads * c.v_head_dim, c.dim),
+            "ffn_norm": (num_l, c.dim),
+            "w1": (num_l, c.dim, c.mlp_hidden),
+            "w2": (num_l, c.mlp_hidden, c.dim),
+            "w3": (num_l, c.dim, c.mlp_hidden),
+        },
+        "indexer": {
+            "wq_b": (num_g, c.q_lora_rank, c.index_n_heads * c.index_head_dim),
+            "wk": (num_g, c.dim, c.index_head_dim),
+            "k_norm_w": (num_g, c.index_head_dim),
+            "k_norm_b": (num_g, c.index_head_dim),
+            "weights_proj": (num_g, c.dim, c.index_n_heads),
+        },
+    }
+
+
+_ONES = {"norm", "attn_norm", "q_norm", "kv_norm", "ffn_norm", "k_norm_w"}
+_ZEROS = {"k_norm_b"}
+
+
+def init_params(config: ModelConfig, key: jax.Array) -> dict:
+    """Random parameters: normal(0, fan_in^-0.5) matrices, unit norms, zero biases."""
+    shapes = param_shapes(config)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(
+        shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for (path, shape), leaf_key in zip(leaves, keys):
+        name = path[-1].key
+        if name in _ONES:
+            value = jnp.ones(shape, config.jnp_dtype)
+        elif name in _ZEROS:
+            value = jnp.zeros(shape, config.jnp_dtype)
+        elif name == "embed":
+            value = jax.random.normal(leaf_key, shape, config.jnp_dtype)
+        else:
+            fan_in = shape[-2]
+            value = jax.random.normal(leaf_key, shape, config.jnp_dtype) * fan_in ** -0.5
+        out.append(value)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+class _Stack(nnx.Module):
+    """A group of stacked parameters (one nnx.Param per name)."""
+
+    def __init__(self, arrays: dict):
+        for name, value in arrays.items():
+            setattr(self, name, nnx.Param(value))
+
+
+class DSAModel(nnx.Module):
+    """Parameters of a DSA model; the forward passes are the pure functions of fo_jax.resident
+    (whole KV on device) and fo_jax.offload (KV in host memory), which take `self.params()`."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        params = init_params(config, rngs.params())
+        self.embed = nnx.Param(params["embed"])
+        self.norm = nnx.Param(params["norm"])
+        self.head = nnx.Param(params["head"])
+        self.layers = _Stack(params["layers"])
+        self.indexer = _Stack(params["indexer"])
+
+    def params(self) -> dict:
+        """The parameters as a plain nested dict of arrays (see the module docstring)."""
+        return nnx.to_pure_dict(nnx.state(self, nnx.Param))
+
+    def load_params(self, params: dict) -> None:
+        """Replace the parameters by `params` (same structure and shapes)."""
+        check_params(params, self.config)
+        state = nnx.state(self, nnx.Param)
+        nnx.replace_by_pure_dict(state, params)
+        nnx.update(self, state)
+
+
+def check_params(params: dict, config: ModelConfig) -> None:
+    """Raise ValueError naming the first parameter whose presence or shape is wrong."""
+    expected = param_shapes(config)
+
+    def walk(exp, got, prefix):
+        if not isinstance(got, dict):
+            raise ValueError(f"params{prefix}: expected a dict, got {type(got).__name__}")
+        missing = sorted(set(exp) - set(got))
+        extra = sorted(set(got) - set(exp))
+        if missing or extra:
+            raise ValueError(f"params{prefix}: missing {missing}, unexpected {extra}")
+        for name, shape in exp.items():
+            if isinstance(shape, dict):
+                walk(shape, got[name], f"{prefix}/{name}")
+            elif tuple(got[name].shape) != shape:
+                raise ValueError(
+                    f"params{prefix}/{name}: expected shape {shape} for config "
+                    f"{config.name!r}, got {tuple(got[name].shape)}"
+                )
+
+    walk(expected, params, "")
+
+
+def layer_slice(params: dict, index) -> dict:
+    """One layer's parameters (index may be traced: a dynamic slice of each stacked array)."""
+    return jax.tree_util.tree_map(lambda a: a[index], params)

@@ -1,0 +1,214 @@
+"""Reference inference with the whole KV cache and all indexer keys on the device.
+
+Everything fo_jax offloads is measured against this path: the offloaded decode step must produce
+the same logits bit for bit.
+
+    state = ResidentState.create(config, batch=B, capacity=S)
+    logits, state = prefill(params, state, tokens[B, T], num_new[B], config=config)
+    logits, state = decode_step(params, state, tokens[B, W], config=config)
+
+`prefill` appends a chunk (history + new chunk: chunked prefill is repeated calls); requests are
+ragged (`num_new[b]` real tokens in row b, the rest padding). `decode_step` appends W tokens per
+request (the current token plus W - 1 drafts, each query with its own top-k). Both are jitted
+with the state donated; the public wrappers validate shapes and values first and raise before
+any state is touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fo_jax.config import ModelConfig
+from fo_jax.model.attention import dense_attention, softmax_scale, sparse_attention
+from fo_jax.model.forward import forward
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ResidentState:
+    """The resident KV state of a batch.
+
+    Attributes:
+      kv: [L, B, S, D + R] kv_dtype: every layer's KV row of every position.
+      index_keys: [G, B, S, N] kv_dtype: every group's indexer key of every position.
+      lengths: [B] int32: tokens stored per request.
+    """
+
+    kv: jax.Array
+    index_keys: jax.Array
+    lengths: jax.Array
+
+    @classmethod
+    def create(cls, config: ModelConfig, *, batch: int, capacity: int | None = None,
+               fill: float = 0.0) -> "ResidentState":
+        """An empty state for `batch` requests of up to `capacity` tokens (default max_seq_len).
+
+        `fill` is the value of unwritten rows (tests use NaN so a stray read shows).
+        """
+        capacity = config.max_seq_len if capacity is None else capacity
+        if batch < 1:
+            raise ValueError(f"{batch=} must be >= 1")
+        if not 1 <= capacity <= config.max_seq_len:
+            raise ValueError(
+                f"{capacity=} must be in [1, max_seq_len={config.max_seq_len}] of config "
+                f"{config.name!r}")
+        dt = config.jnp_kv_dtype
+        return cls(
+            kv=jnp.full((config.num_layers, batch, capacity, config.kv_width), fill, dt),
+            index_keys=jnp.full((config.num_groups, batch, capacity, config.index_head_dim),
+                                fill, dt),
+            lengths=jnp.zeros((batch,), jnp.int32),
+        )
+
+    @property
+    def batch(self) -> int:
+        return self.kv.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[2]
+
+    def device_bytes(self) -> int:
+        return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
+
+
+class ResidentBackend:
+    """Backend of `forward` over (kv, index_keys): the whole cache on device."""
+
+    def __init__(self, config: ModelConfig, dense: bool):
+        self.config, self.dense = config, dense
+
+    def write_index_keys(self, carry, g, keys, write_pos):
+        kv, ik = carry
+        rows = jnp.arange(ik.shape[1])[:, None]
+        ik = ik.at[g, rows, write_pos].set(keys.astype(ik.dtype), mode="drop")
+        return kv, ik
+
+    def index_keys(self, carry, g):
+        return carry[1][g]
+
+    def plan_group(self, carry, g, tokens, mask):
+        return carry, (tokens, mask)
+
+    def attend(self, carry, l, g, plan, q_lat, q_pe, kv_new, write_pos):
+        kv, ik = carry
+        rows = jnp.arange(kv.shape[1])[:, None]
+        kv = kv.at[l, rows, write_pos].set(kv_new, mode="drop")
+        scale = softmax_scale(self.config)
+        if plan is None:  # dense: the whole causal prefix of each query
+            # Padding queries (write_pos out of range) see nothing, so unwritten rows stay out.
+            positions = jnp.arange(kv.shape[2])
+            causal = ((positions[None, None, :] <= write_pos[..., None])
+                      & (write_pos < kv.shape[2])[..., None])
+            return (kv, ik), dense_attention(q_lat, q_pe, kv[l], causal, scale=scale)
+        tokens, mask = plan
+        gathered = kv[l, rows[:, :, None], jnp.where(mask, tokens, 0)]
+        return (kv, ik), sparse_attention(q_lat, q_pe, gathered, mask, scale=scale)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "dense"), donate_argnames=("state",))
+def _forward_jit(params, state: ResidentState, tokens, num_new, *, config, dense):
+    num_t = tokens.shape[1]
+    offsets = jnp.arange(num_t, dtype=jnp.int32)
+    positions = state.lengths[:, None] + offsets[None, :]
+    write_pos = jnp.where(offsets[None, :] < num_new[:, None], positions, state.capacity)
+    logits, (kv, ik) = forward(params, tokens, positions, write_pos, ResidentBackend(config, dense),
+                               (state.kv, state.index_keys), config=config, dense=dense)
+    new_state = ResidentState(kv=kv, index_keys=ik, lengths=state.lengths + num_new)
+    return logits, new_state
+
+
+def prefill(params, state: ResidentState, tokens, num_new=None, *, config: ModelConfig,
+            dense: bool = False, check: bool = True):
+    """Append a chunk of T tokens per request; return logits [B, T, V] and the new state.
+
+    Args:
+      tokens: [B, T] int token ids (row b's first num_new[b] entries are real, the rest padding).
+      num_new: [B] ints, default T for every request.
+      dense: attend to the whole causal prefix (the dense model) instead of the top-k.
+      check: validate token ids and capacity against concrete values (a device-to-host read of
+        `state.lengths`); shapes are always validated.
+    The state is donated: use the returned one.
+    """
+    tokens = jnp.asarray(tokens)
+    num_t = _check_tokens(tokens, state, config)
+    num_new = (jnp.full((state.batch,), num_t, jnp.int32) if num_new is None
+               else jnp.asarray(num_new, jnp.int32))
+    if num_new.shape != (state.batch,):
+        raise ValueError(f"num_new has shape {num_new.shape}, expected ({state.batch},) "
+                         "(one count per request)")
+    if check:
+        _check_values(tokens, num_new, state, config)
+    return _forward_jit(params, state, tokens.astype(jnp.int32), num_new, config=config,
+                        dense=dense)
+
+
+def decode_step(params, state: ResidentState, tokens, *, config: ModelConfig,
+                dense: bool = False, check: bool = True):
+    """One decode step of W query tokens per request: logits [B, W, V] and the new state.
+
+    tokens: [B, W], W <= config.max_ways (the current token and W - 1 draft tokens); all W are
+    appended. Jitted with the state donated; one trace per (B, W).
+    """
+    tokens = jnp.asarray(tokens)
+    num_w = _check_tokens(tokens, state, config)
+    if num_w > config.max_ways:
+        raise ValueError(f"decode_step got W={num_w} query tokens per request, but "
+                         f"config {config.name!r} allows at most max_ways={config.max_ways}")
+    num_new = jnp.full((state.batch,), num_w, jnp.int32)
+    if check:
+        _check_values(tokens, num_new, state, config)
+    return _forward_jit(params, state, tokens.astype(jnp.int32), num_new, config=config,
+                        dense=dense)
+
+
+def _check_tokens(tokens, state, config) -> int:
+    """Static checks of a [B, T] token batch; returns T."""
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, T], got shape {tokens.shape}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
+    if tokens.shape[0] != state.batch:
+        raise ValueError(f"tokens have batch {tokens.shape[0]} but the state holds "
+                         f"{state.batch} requests: pass one row per request")
+    if tokens.shape[1] < 1:
+        raise ValueError("tokens must hold at least one token per request")
+    return tokens.shape[1]
+
+
+def check_token_values(tokens, config) -> None:
+    """Raise if any token id is outside [0, vocab_size)."""
+    host = np.asarray(tokens)
+    bad = np.argwhere((host < 0) | (host >= config.vocab_size))
+    if bad.size:
+        b, t = bad[0]
+        raise ValueError(f"token id {int(host[b, t])} at [{b}, {t}] is outside the vocabulary "
+                         f"[0, {config.vocab_size}) of config {config.name!r}")
+
+
+def check_capacity(lengths, num_new, capacity: int, config) -> None:
+    """Raise if any request would grow past `capacity` (or max_seq_len) positions."""
+    lengths, num_new = np.asarray(lengths), np.asarray(num_new)
+    if np.any(num_new < 0):
+        raise ValueError(f"num_new must be >= 0, got {num_new.tolist()}")
+    need = lengths + num_new
+    worst = int(np.argmax(need))
+    limit = min(capacity, config.max_seq_len)
+    if need[worst] > limit:
+        raise ValueError(
+            f"request {worst} would hold {int(need[worst])} tokens, beyond the state's capacity "
+            f"of {capacity} (max_seq_len={config.max_seq_len} of config {config.name!r}); "
+            "create the state with a larger capacity or shorten the input")
+
+
+def _check_values(tokens, num_new, state, config) -> None:
+    check_token_values(tokens, config)
+    if np.any(np.asarray(num_new) > tokens.shape[1]):
+        raise ValueError(f"num_new={np.asarray(num_new).tolist()} exceeds the chunk width "
+                         f"{tokens.shape[1]}")
+    check_capacity(state.lengths, num_new, state.capacity, config)

@@ -1,0 +1,1 @@
+"""Pallas kernels of fo_jax, each beside its pure-jnp reference; depends on jax only."""
