@@ -1,0 +1,245 @@
+"""The offloaded decode step: a pure function over (hot cache, cache slots, host pages).
+
+    logits, state, stats = decode_step(params, state, tokens[B, W], config=..., offload=...)
+
+Per indexer group: the group's indexer scores every token and selects each way's top-k with
+the resident path's own `select_topk`; `manage_group` turns the selections into a plan (hits,
+tail tokens, the misses' union, their victim slots). Per layer of the group (`gather_attend`,
+the CopySFA logic): the step's new KV row goes into the tail block, the misses are copied from
+host pages into their victim slots (only the missed rows cross to the device), every selected
+row is gathered from the layer's device rows in the selection's canonical order, and the
+model's own `sparse_attention` combines them. After the layer loop the step's new rows are
+written through to host pages (only the new rows cross back).
+
+Logits are bit for bit those of `fo_jax.resident.decode_step`: both gather the same rows in the
+same order and run the same math.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fo_jax.config import ModelConfig
+from fo_jax.model.attention import softmax_scale, sparse_attention
+from fo_jax.model.forward import forward
+from fo_jax.offload.config import OffloadConfig
+from fo_jax.offload.manage import GroupPlan, GroupStats, manage_group
+from fo_jax.offload.state import CacheSlots, DecodeState, HostPages, PolicyState
+from fo_jax.resident import check_capacity, check_token_values
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeStats:
+    """What one step did, as arrays (a loop can sum them without a host sync).
+
+    Attributes:
+      hits, tail_hits, misses: [G, B, W] per group, request and way.
+      union: [G, B] distinct misses per group (rows copied into each layer of the group).
+      h2d_bytes: [B] host-to-device bytes (misses x layers x row bytes).
+      d2h_bytes: [B] device-to-host bytes (new rows written through).
+      selected: [G, B, W, K] the tokens each way selected (canonical order, -1 padding).
+    """
+
+    hits: jax.Array
+    tail_hits: jax.Array
+    misses: jax.Array
+    union: jax.Array
+    h2d_bytes: jax.Array
+    d2h_bytes: jax.Array
+    selected: jax.Array
+
+
+# Host memory access: kept behind these two functions so the pattern can change per backend.
+
+def _to_host(x, on_host: bool):
+    return jax.device_put(x, jax.memory.Space.Host) if on_host else x
+
+
+def _to_device(x, on_host: bool):
+    return jax.device_put(x, jax.memory.Space.Device) if on_host else x
+
+
+def host_gather_rows(host_kv, layer, tokens, count, *, chunk: int, on_host: bool):
+    """Rows of `tokens` of one layer, from host pages to the device.
+
+    Args:
+      host_kv: [L, B, P, Z, D+R] host pages; layer: [] int; tokens: [B, M] (-1 padding last);
+      count: [B] real entries per request.
+    Returns:
+      [B, M, D+R] device rows (entries past `count` are unspecified).
+    Moves ceil(max(count) / chunk) * chunk rows per request, not M: a while loop whose trip
+    count is the number of chunks actually needed.
+    """
+    batch, size = tokens.shape
+    num_l, _, pages, page, width = host_kv.shape
+    flat_kv = host_kv.reshape(num_l * batch * pages * page, width)
+    padded = -(-size // chunk) * chunk
+    tokens = jnp.pad(jnp.maximum(tokens, 0), ((0, 0), (0, padded - size)))
+    # One flat row index per entry: ((layer * B + b) * S + token).
+    base = (layer * batch + jnp.arange(batch, dtype=jnp.int32)[:, None]) * (pages * page)
+    flat_idx = base + tokens
+    out = jnp.zeros((batch, padded, width), host_kv.dtype)
+    trips = (jnp.max(count) + chunk - 1) // chunk
+
+    def body(i, out):
+        idx = jax.lax.dynamic_slice_in_dim(flat_idx, i * chunk, chunk, axis=1)
+        got = _to_device(flat_kv[_to_host(idx, on_host)], on_host)
+        return jax.lax.dynamic_update_slice_in_dim(out, got, i * chunk, axis=1)
+
+    out = jax.lax.fori_loop(0, trips, body, out)
+    return out[:, :size]
+
+
+def host_write_rows(host_kv, rows_kv, positions, *, on_host: bool):
+    """Write new rows [L, B, T, D+R] at token positions [B, T] into host pages (only them)."""
+    num_l, batch, pages, page, width = host_kv.shape
+    flat_kv = host_kv.reshape(num_l * batch * pages * page, width)
+    layers = jnp.arange(num_l, dtype=jnp.int32)[:, None, None]
+    b = jnp.arange(batch, dtype=jnp.int32)[None, :, None]
+    flat_idx = ((layers * batch + b) * (pages * page) + positions[None]).reshape(-1)
+    flat_kv = flat_kv.at[_to_host(flat_idx, on_host)].set(
+        _to_host(rows_kv.reshape(-1, width), on_host))
+    return flat_kv.reshape(host_kv.shape)
+
+
+def gather_attend(rows_l, host_kv, layer, plan: GroupPlan, q_lat, q_pe, *, scale: float,
+                  chunk: int, on_host: bool):
+    """CopySFA logic for one layer, in XLA: install the misses, gather, attend.
+
+    Args:
+      rows_l: [B, C + 2Z, D+R] the layer's device rows (new tokens already in the tail).
+      host_kv: host pages; layer: [] int; plan: the group's plan; q_lat [B, W, H, D],
+      q_pe [B, W, H, R].
+    Returns:
+      (rows_l with every miss written into its victim slot, out [B, W, H, D] float32).
+    Touches ceil(misses / chunk) * chunk host rows and W K device rows.
+    """
+    batch, rows_total = rows_l.shape[0], rows_l.shape[1]
+    b2 = jnp.arange(batch)[:, None]
+    fetched = host_gather_rows(host_kv, layer, plan.miss_tokens, plan.num_miss, chunk=chunk,
+                               on_host=on_host)
+    rows_l = rows_l.at[b2, jnp.where(plan.victims >= 0, plan.victims, rows_total)].set(
+        fetched, mode="drop")
+    gathered = rows_l[b2[:, :, None], plan.read_row]
+    return rows_l, sparse_attention(q_lat, q_pe, gathered, plan.mask, scale=scale)
+
+
+class OffloadBackend:
+    """Backend of `forward` over the decode state (see fo_jax.model.forward)."""
+
+    def __init__(self, config: ModelConfig, offload: OffloadConfig, host_kv, tail_start, step):
+        self.config, self.offload = config, offload
+        self.host_kv, self.tail_start, self.step = host_kv, tail_start, step
+        self.on_host = offload.host_memory_kind != "device"
+        # (GroupStats, selection) of each group, in group order. plan_group runs at trace time
+        # outside the layer loops, so the stats need not ride in any loop carry.
+        self.group_stats: list = []
+
+    def write_index_keys(self, carry, g, keys, write_pos):
+        ik = carry["index_keys"]
+        rows = jnp.arange(ik.shape[1])[:, None]
+        return {**carry, "index_keys": ik.at[g, rows, write_pos].set(keys.astype(ik.dtype),
+                                                                    mode="drop")}
+
+    def index_keys(self, carry, g):
+        return carry["index_keys"][g]
+
+    def plan_group(self, carry, g, tokens, mask):
+        oc = self.offload
+        plan, stats, slots, policy = manage_group(
+            tokens, mask, carry["slots"], carry["policy"], g, self.tail_start, self.step,
+            policy=oc.policy, hot_slots=oc.hot_slots, page_size=oc.page_size)
+        self.group_stats.append((stats, tokens))
+        return {**carry, "slots": slots, "policy": policy}, plan
+
+    def attend(self, carry, l, g, plan, q_lat, q_pe, kv_new, write_pos):
+        oc = self.offload
+        hot = carry["hot"]
+        rows = jnp.arange(hot.shape[1])[:, None]
+        tail_row = oc.hot_slots + ((write_pos // oc.page_size) % 2) * oc.page_size \
+            + write_pos % oc.page_size
+        hot = hot.at[l, rows, tail_row].set(kv_new)
+        rows_l, out = gather_attend(hot[l], self.host_kv, l, plan, q_lat, q_pe,
+                                    scale=softmax_scale(self.config), chunk=oc.miss_chunk,
+                                    on_host=self.on_host)
+        hot = jax.lax.dynamic_update_index_in_dim(hot, rows_l, l, axis=0)
+        return {**carry, "hot": hot}, out
+
+
+@functools.partial(jax.jit, static_argnames=("config", "offload"), donate_argnames=("state",))
+def _decode_jit(params, state: DecodeState, tokens, *, config: ModelConfig,
+                offload: OffloadConfig):
+    batch, ways = tokens.shape
+    positions = state.lengths[:, None] + jnp.arange(ways, dtype=jnp.int32)[None, :]
+    tail_start = (state.lengths // offload.page_size) * offload.page_size
+    backend = OffloadBackend(config, offload, state.host.kv, tail_start, state.step)
+    p = state.policy
+    carry = {
+        "hot": state.hot,
+        "index_keys": state.index_keys,
+        "slots": (state.slots.token_to_slot, state.slots.slot_to_token),
+        "policy": (p.stamp, p.hand, p.last_used, p.key),
+    }
+    logits, carry = forward(params, tokens, positions, positions, backend, carry, config=config)
+    # Write the step's new rows through to host pages (only them).
+    z = offload.page_size
+    tail_row = offload.hot_slots + ((positions // z) % 2) * z + positions % z
+    new_rows = carry["hot"][:, jnp.arange(batch)[:, None], tail_row]  # [L, B, W, D+R]
+    host_kv = host_write_rows(state.host.kv, new_rows, positions,
+                              on_host=offload.host_memory_kind != "device")
+    stamp, hand, last_used, key = carry["policy"]
+    new_state = DecodeState(
+        host=HostPages(kv=host_kv),
+        hot=carry["hot"],
+        index_keys=carry["index_keys"],
+        slots=CacheSlots(*carry["slots"]),
+        policy=PolicyState(stamp=stamp, hand=hand, last_used=last_used, key=key),
+        lengths=state.lengths + ways,
+        step=state.step + 1,
+    )
+    group_stats = [s for s, _ in backend.group_stats]
+    row_bytes = config.kv_width * config.jnp_kv_dtype.itemsize
+    layers_per_group = jnp.asarray([hi - lo for lo, hi in config.group_bounds], jnp.int32)
+    union = jnp.stack([s.union for s in group_stats])  # [G, B]
+    stats = DecodeStats(
+        hits=jnp.stack([s.hits for s in group_stats]),
+        tail_hits=jnp.stack([s.tail_hits for s in group_stats]),
+        misses=jnp.stack([s.misses for s in group_stats]),
+        union=union,
+        h2d_bytes=jnp.sum(union * layers_per_group[:, None], axis=0) * row_bytes,
+        d2h_bytes=jnp.full((batch,), ways * config.num_layers * row_bytes, jnp.int32),
+        selected=jnp.stack([t for _, t in backend.group_stats]),
+    )
+    return logits, new_state, stats
+
+
+def decode_step(params, state: DecodeState, tokens, *, config: ModelConfig,
+                offload: OffloadConfig, check: bool = True):
+    """One offloaded decode step: (logits [B, W, V], new state, DecodeStats).
+
+    tokens: [B, W] with W <= config.max_ways. The state is donated: use the returned one.
+    Shapes are always validated; with `check`, token ids and host capacity are validated
+    against concrete values too (a read of `state.lengths`). Errors are raised before any
+    state changes.
+    """
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be an int array [batch, W], got {tokens.dtype} "
+                         f"{tokens.shape}")
+    if tokens.shape[0] != state.batch:
+        raise ValueError(f"tokens have batch {tokens.shape[0]} but the state holds "
+                         f"{state.batch} requests: pass one row per request")
+    ways = tokens.shape[1]
+    if not 1 <= ways <= config.max_ways:
+        raise ValueError(f"decode_step got W={ways} query tokens per request; config "
+                         f"{config.name!r} allows 1 to max_ways={config.max_ways}")
+    if check:
+        check_token_values(tokens, config)
+        check_capacity(state.lengths, np.full(state.batch, ways), state.capacity, config)
+    return _decode_jit(params, state, tokens.astype(jnp.int32), config=config, offload=offload)

@@ -1,0 +1,238 @@
+"""State pytrees of the offloaded decode path.
+
+    DecodeState
+      host: HostPages          kv [L, B, P, Z, D+R] in host memory: the authoritative KV
+      hot: [L, B, C + 2Z, D+R] device rows: C hot slots, then two tail blocks of Z tokens
+      index_keys: [G, B, S, N] device: every token's indexer key (needed every step)
+      slots: CacheSlots        token_to_slot [G, B, S], slot_to_token [G, B, C] (int32, -1 = none)
+      policy: PolicyState      the eviction policy's per-slot state
+      lengths: [B] int32, step: [] int32
+
+The batch axis is axis 1 of every per-request array (axis 0 of `lengths`), so it can be sharded
+over a data-parallel mesh axis. Layers sharing an indexer (a group) share one plan, hence the
+slot maps are per group and the rows per layer.
+
+Tokens of the two tail blocks: a token at position p with p >= tail_start = (n // Z) * Z (n the
+length before the step) lives in tail block (p // Z) % 2 at offset p % Z, is served from there,
+and has no hot slot. When a block fills, its tokens become ordinary tokens: host-resident,
+entering the hot cache on a miss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fo_jax.config import ModelConfig
+from fo_jax.offload.config import OffloadConfig
+
+
+def host_sharding(kind: str):
+    """A single-device sharding in memory kind `kind` (`pinned_host` or `device`)."""
+    device = jax.devices()[0]
+    return jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+
+
+def to_memory_kind(x: jax.Array, kind: str) -> jax.Array:
+    return jax.device_put(x, host_sharding(kind))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HostPages:
+    """The authoritative KV of every layer and request, paged in token blocks.
+
+    Attributes:
+      kv: [L, B, P, Z, D + R] kv_dtype, in `pinned_host` memory (or `device` memory under
+        Pallas interpret mode): token t of request b, layer l is kv[l, b, t // Z, t % Z].
+    """
+
+    kv: jax.Array
+
+    @property
+    def page_size(self) -> int:
+        return self.kv.shape[3]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CacheSlots:
+    """The hot cache's maps, one pair per indexer group.
+
+    Attributes:
+      token_to_slot: [G, B, S] int32: hot slot of each token, -1 if not resident.
+      slot_to_token: [G, B, C] int32: token in each slot, -1 if empty.
+    """
+
+    token_to_slot: jax.Array
+    slot_to_token: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PolicyState:
+    """The eviction policies' state, per group and request.
+
+    Attributes:
+      stamp: [G, B, C] int32: the last step at which the slot's token was selected (a slot is
+        protected from eviction in the step whose number it carries; no clearing needed).
+      hand: [G, B] int32: the ring policy's pointer.
+      last_used: [G, B, C] int32 for "lru" (last step of use, -1 empty), [G, B, 0] otherwise.
+      key: PRNG key data [2] uint32 for "random".
+    """
+
+    stamp: jax.Array
+    hand: jax.Array
+    last_used: jax.Array
+    key: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Everything the offloaded decode step reads and writes (see the module docstring).
+
+    Attributes:
+      host: HostPages.
+      hot: [L, B, C + 2Z, D + R] kv_dtype device rows.
+      index_keys: [G, B, S, N] kv_dtype.
+      slots: CacheSlots.
+      policy: PolicyState.
+      lengths: [B] int32 tokens stored per request.
+      step: [] int32, the number of the next step (starts at 1).
+    """
+
+    host: HostPages
+    hot: jax.Array
+    index_keys: jax.Array
+    slots: CacheSlots
+    policy: PolicyState
+    lengths: jax.Array
+    step: jax.Array
+
+    @property
+    def batch(self) -> int:
+        return self.hot.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.index_keys.shape[2]
+
+    def device_bytes(self) -> int:
+        """Bytes of the device-resident part (everything but host pages)."""
+        leaves = jax.tree_util.tree_leaves(dataclasses.replace(self, host=None))
+        return sum(x.size * x.dtype.itemsize for x in leaves)
+
+    def host_bytes(self) -> int:
+        return self.host.kv.size * self.host.kv.dtype.itemsize
+
+    # Construction ------------------------------------------------------------------------
+
+    @classmethod
+    def from_resident(cls, kv, index_keys, lengths, *, config: ModelConfig,
+                      offload: OffloadConfig, fill: float = 0.0) -> "DecodeState":
+        """Hand a prefilled batch over to the offloaded decode path.
+
+        Args:
+          kv: [L, B, S', D + R] the resident KV (S' <= offload.capacity).
+          index_keys: [G, B, S', N]; lengths: [B].
+          fill: value of rows that hold no token (tests use NaN so a stray read shows).
+
+        The host pages receive every token; the tail blocks receive the tokens of the current,
+        partly filled block; the hot cache of every layer receives the most recent
+        min(C, tail_start) tokens before the tail (slots 0, 1, ... in token order), which are
+        the tokens a decode step is most likely to select first. This is the one O(S) step.
+        """
+        offload.validate_for(config)
+        num_l, batch, s_in, width = kv.shape
+        cap, z, c = offload.capacity, offload.page_size, offload.hot_slots
+        if s_in > cap:
+            raise ValueError(f"the prefilled KV has {s_in} positions but offload capacity is "
+                             f"{cap}; raise OffloadConfig.capacity")
+        lengths_np = np.asarray(lengths).astype(np.int32)
+        if np.any(lengths_np > cap):
+            raise ValueError(f"lengths {lengths_np.tolist()} exceed offload capacity {cap}")
+        kv = jnp.pad(kv, ((0, 0), (0, 0), (0, cap - s_in), (0, 0)), constant_values=fill)
+        index_keys = jnp.pad(index_keys, ((0, 0), (0, 0), (0, cap - s_in), (0, 0)),
+                             constant_values=fill)
+        # Rows past each request's length hold `fill` (nothing is stored there yet).
+        positions = jnp.arange(cap)
+        stored = positions[None, :] < jnp.asarray(lengths_np)[:, None]  # [B, S]
+        kv = jnp.where(stored[None, :, :, None], kv, jnp.asarray(fill, kv.dtype))
+        index_keys = jnp.where(stored[None, :, :, None], index_keys,
+                               jnp.asarray(fill, index_keys.dtype))
+        pages = kv.reshape(num_l, batch, cap // z, z, width)
+        host = HostPages(kv=to_memory_kind(pages, offload.host_memory_kind))
+
+        tail_start = (lengths_np // z) * z
+        count = np.minimum(tail_start, c)  # tokens given a hot slot
+        slot_ids = np.arange(c)
+        slot_tok = np.where(slot_ids[None, :] < count[:, None],
+                            (tail_start - count)[:, None] + slot_ids[None, :], -1)  # [B, C]
+        hot = jnp.full((num_l, batch, offload.rows, width), fill, kv.dtype)
+        rows_b = jnp.arange(batch)[:, None]
+        filled = jnp.asarray(slot_tok >= 0)
+        gathered = kv[:, rows_b, jnp.asarray(np.maximum(slot_tok, 0))]  # [L, B, C, W]
+        hot = hot.at[:, :, :c].set(jnp.where(filled[None, :, :, None], gathered,
+                                             jnp.asarray(fill, kv.dtype)))
+        # Tail: the tokens of the partly filled current block.
+        for b in range(batch):
+            lo, hi = int(tail_start[b]), int(lengths_np[b])
+            if hi > lo:
+                block = (lo // z) % 2
+                hot = hot.at[:, b, c + block * z: c + block * z + hi - lo].set(kv[:, b, lo:hi])
+        tok_slot = np.full((batch, cap), -1, np.int32)
+        for b in range(batch):
+            n = int(count[b])
+            tok_slot[b, slot_tok[b, :n]] = np.arange(n)
+        groups = config.num_groups
+        slots = CacheSlots(
+            token_to_slot=jnp.asarray(np.broadcast_to(tok_slot, (groups,) + tok_slot.shape)),
+            slot_to_token=jnp.asarray(np.broadcast_to(slot_tok, (groups,) + slot_tok.shape)
+                                      .astype(np.int32)),
+        )
+        last_used = (np.where(slot_tok >= 0, 0, -1).astype(np.int32) if offload.policy == "lru"
+                     else np.zeros((batch, 0), np.int32))
+        policy = PolicyState(
+            stamp=jnp.full((groups, batch, c), -1, jnp.int32),
+            hand=jnp.asarray(np.broadcast_to(count % c, (groups, batch)).astype(np.int32)),
+            last_used=jnp.asarray(np.broadcast_to(last_used, (groups,) + last_used.shape)),
+            key=jax.random.key_data(jax.random.key(offload.seed)),
+        )
+        return cls(host=host, hot=hot, index_keys=index_keys, slots=slots, policy=policy,
+                   lengths=jnp.asarray(lengths_np), step=jnp.asarray(1, jnp.int32))
+
+    @classmethod
+    def create(cls, config: ModelConfig, offload: OffloadConfig, *, batch: int,
+               fill: float = 0.0) -> "DecodeState":
+        """An empty state (no tokens yet) for `batch` requests."""
+        kv = jnp.zeros((config.num_layers, batch, 1, config.kv_width), config.jnp_kv_dtype)
+        keys = jnp.zeros((config.num_groups, batch, 1, config.index_head_dim),
+                         config.jnp_kv_dtype)
+        return cls.from_resident(kv, keys, np.zeros(batch, np.int32), config=config,
+                                 offload=offload, fill=fill)
+
+
+def device_bytes_formula(config: ModelConfig, offload: OffloadConfig, batch: int) -> dict:
+    """Device bytes of a DecodeState by the design's formula (BRIEF section 2).
+
+    KV: (C + 2Z) rows of D + R per layer and request; indexer keys of all S tokens per group;
+    maps: token_to_slot [G, S] + slot_to_token [G, C] int32; policy: stamp [G, C] (+ last_used
+    [G, C] for lru) + hand [G] int32; lengths, step, key.
+    """
+    kvb = config.jnp_kv_dtype.itemsize
+    c, z, s = offload.hot_slots, offload.page_size, offload.capacity
+    g = config.num_groups
+    lru = c if offload.policy == "lru" else 0
+    parts = {
+        "kv": config.num_layers * batch * (c + 2 * z) * config.kv_width * kvb,
+        "index_keys": g * batch * s * config.index_head_dim * kvb,
+        "maps": 4 * g * batch * (s + c),
+        "policy": 4 * g * batch * (c + lru + 1) + 8,
+        "scalars": 4 * batch + 4,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
