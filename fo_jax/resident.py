@@ -191,7 +191,7 @@ def check_token_values(tokens, config) -> None:
                          f"[0, {config.vocab_size}) of config {config.name!r}")
 
 
-def check_capacity(lengths, num_new, capacity: int, config) -> None:
+def check_capacity(lengths, num_new, capacity: int, config, *, what: str = "the state's") -> None:
     """Raise if any request would grow past `capacity` (or max_seq_len) positions."""
     lengths, num_new = np.asarray(lengths), np.asarray(num_new)
     if np.any(num_new < 0):
@@ -201,7 +201,7 @@ def check_capacity(lengths, num_new, capacity: int, config) -> None:
     limit = min(capacity, config.max_seq_len)
     if need[worst] > limit:
         raise ValueError(
-            f"request {worst} would hold {int(need[worst])} tokens, beyond the state's capacity "
+            f"request {worst} would hold {int(need[worst])} tokens, beyond {what} capacity "
             f"of {capacity} (max_seq_len={config.max_seq_len} of config {config.name!r}); "
             "create the state with a larger capacity or shorten the input")
 

@@ -241,5 +241,6 @@ def decode_step(params, state: DecodeState, tokens, *, config: ModelConfig,
                          f"{config.name!r} allows 1 to max_ways={config.max_ways}")
     if check:
         check_token_values(tokens, config)
-        check_capacity(state.lengths, np.full(state.batch, ways), state.capacity, config)
+        check_capacity(state.lengths, np.full(state.batch, ways), state.capacity, config,
+                       what="the host pages'")
     return _decode_jit(params, state, tokens.astype(jnp.int32), config=config, offload=offload)

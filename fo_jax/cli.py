@@ -1,0 +1,180 @@
+"""The `fo-jax` command.
+
+    fo-jax generate [--offload --hot-slots C [--policy ring] [--check]] [--prompt TEXT] ...
+    fo-jax plan --model glm52 --context 128000 [--budget-gb 29] [--hot-slots 16384]
+
+`generate` runs the embedded tiny model by default (random weights from a seed, byte-level
+tokenizer: no download); `--weights FILE` loads a safetensors file instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_PROMPT = (
+    "FlashOffloading keeps the authoritative KV cache in host memory and only a hot cache of "
+    "recently selected tokens on the device, so that a sparse-attention model can serve "
+    "contexts longer than its accelerator memory. "
+)
+
+
+def encode(text: str) -> list[int]:
+    """Byte-level tokenizer: UTF-8 bytes are the token ids (vocabulary of 256)."""
+    return list(text.encode("utf-8"))
+
+
+def decode(tokens) -> str:
+    return bytes(int(t) % 256 for t in tokens).decode("utf-8", errors="replace")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fo-jax", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text with the (tiny, embedded) model")
+    gen.add_argument("--model", default="tiny", help="model preset (default: tiny)")
+    gen.add_argument("--weights", default=None, help="safetensors weights (default: random)")
+    gen.add_argument("--seed", type=int, default=0, help="weights and sampling seed")
+    gen.add_argument("--prompt", default=DEFAULT_PROMPT)
+    gen.add_argument("--batch", type=int, default=1, help="copies of the prompt to run")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--offload", action="store_true",
+                     help="decode with the KV in host memory (FlashOffloading)")
+    gen.add_argument("--hot-slots", type=int, default=None,
+                     help="hot-cache slots per layer (default: top-k x max ways)")
+    gen.add_argument("--page-size", type=int, default=16, help="host page / tail block tokens")
+    gen.add_argument("--policy", default="ring", help="eviction policy: ring, lru or random")
+    gen.add_argument("--check", action="store_true",
+                     help="run the resident model side by side; exit 1 on any difference")
+    gen.add_argument("--no-progress", action="store_true")
+
+    plan = sub.add_parser("plan", help="capacity planner for a model preset")
+    plan.add_argument("--model", default="glm52")
+    plan.add_argument("--context", type=int, required=True, help="tokens per request")
+    plan.add_argument("--budget-gb", type=float, default=29.0, help="device KV budget (GB)")
+    plan.add_argument("--hot-slots", type=int, default=16384)
+    plan.add_argument("--tail-block", type=int, default=64)
+    plan.add_argument("--num-buffers", type=int, default=4, help="prefill layer buffers")
+    plan.add_argument("--chunk", type=int, default=None, help="prefill chunk tokens")
+    return parser
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _cmd_plan(args) -> int:
+    from fo_jax.config import get_config
+    from fo_jax.plan import format_plan, plan_capacity
+
+    plan = plan_capacity(get_config(args.model), args.context, budget_gb=args.budget_gb,
+                         hot_slots=args.hot_slots, tail_block=args.tail_block,
+                         num_buffers=args.num_buffers, prefill_chunk=args.chunk)
+    print(format_plan(plan))
+    return 0
+
+
+def _cmd_generate(args) -> int:
+    import jax
+    import numpy as np
+
+    from fo_jax import generate as gen
+    from fo_jax.config import get_config
+    from fo_jax.model.dsa import init_params
+    from fo_jax.offload.config import OffloadConfig
+    from fo_jax.resident import ResidentState
+    from fo_jax.weights import load_params
+
+    config = get_config(args.model)
+    if config.vocab_size < 256:
+        raise ValueError(f"the byte tokenizer needs vocab_size >= 256; {config.name!r} has "
+                         f"{config.vocab_size}")
+    if args.batch < 1:
+        raise ValueError(f"--batch must be >= 1, got {args.batch}")
+    prompt = encode(args.prompt)
+    prompts = [prompt] * args.batch
+    need = len(prompt) + args.max_new_tokens
+    page = args.page_size
+    capacity = -(-need // page) * page
+    params = (load_params(args.weights, config) if args.weights
+              else init_params(config, jax.random.key(args.seed)))
+    if args.offload:
+        hot = args.hot_slots or config.index_topk * config.max_ways
+        offload = OffloadConfig(hot_slots=hot, page_size=page, capacity=capacity,
+                                policy=args.policy)
+        engine = gen.OffloadEngine(params, config, offload=offload, batch=args.batch)
+    else:
+        if args.check:
+            raise ValueError("--check compares the offloaded path with the resident one: "
+                             "add --offload")
+        engine = gen.ResidentEngine(params, config, batch=args.batch, capacity=capacity)
+
+    on_step = None
+    if args.check:
+        reference = gen.ResidentEngine(params, config, batch=args.batch, capacity=capacity)
+        mismatch = []
+
+        def on_step(step, fed, logits):
+            ref = reference.step(fed)
+            if not mismatch and not bool((ref == logits).all()):
+                diff = np.argwhere(np.asarray(ref != logits))
+                b, w, v = diff[0]
+                mismatch.append(
+                    f"step {step}: request {b}, position {len(prompt) + step}, logit {v}: "
+                    f"offload {float(logits[b, w, v])!r} != resident {float(ref[b, w, v])!r}")
+
+        tokens, lengths = gen.pad_prompts(prompts)
+        reference.prefill(tokens, lengths)
+
+    key = jax.random.key(args.seed)
+    result = gen.generate(engine, prompts, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, top_p=args.top_p, key=key,
+                          on_step=on_step, progress=not args.no_progress)
+    for b in range(args.batch):
+        print(f"--- request {b} ---")
+        print(args.prompt + decode(result.tokens[b]))
+    print("--- summary ---")
+    print(f"model: {config.name}   path: {engine.name}   batch: {args.batch}")
+    print(f"generated: {result.tokens.size} tokens in {result.seconds:.2f} s "
+          f"({result.tokens_per_second:.1f} tokens/s; prefill {result.prefill_seconds:.2f} s)")
+    print(f"context length: {int(result.context_length.max())} tokens")
+    resident_bytes = ResidentState.create(config, batch=args.batch,
+                                          capacity=capacity).device_bytes()
+    print(f"KV bytes on device: {_fmt_bytes(result.device_kv_bytes)}"
+          + (f"   (resident model: {_fmt_bytes(resident_bytes)}, "
+             f"{result.device_kv_bytes / resident_bytes:.2f}x)" if args.offload else ""))
+    if args.offload:
+        extra = result.extra
+        print(f"hot cache: {engine.offload.hot_slots} slots/layer, policy {args.policy}; "
+              f"hit rate {extra['hit_rate']:.3f}, misses {extra['misses']}")
+        print(f"bytes moved per token: H2D {_fmt_bytes(extra['h2d_bytes_per_token'])}, "
+              f"D2H {_fmt_bytes(extra['d2h_bytes_per_token'])}; "
+              f"host KV {_fmt_bytes(extra['host_kv_bytes'])}")
+    if args.check:
+        if mismatch:
+            print(f"CHECK FAILED: {mismatch[0]}")
+            return 1
+        print(f"check: offloaded logits bitwise equal to the resident model's over "
+              f"{args.max_new_tokens - 1} decode steps")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    try:
+        if args.command == "plan":
+            return _cmd_plan(args)
+        return _cmd_generate(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"fo-jax: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""Text generation over either inference path, and sampling.
+
+    engine = ResidentEngine(params, config, batch=1, capacity=512)
+    engine = OffloadEngine(params, config, offload=OffloadConfig(...), batch=1)
+    result = generate(engine, [prompt_ids], max_new_tokens=32, temperature=0.8, top_p=0.9,
+                      key=jax.random.key(0))
+
+An engine prefills a ragged batch of prompts and then takes decode steps of one token per
+request; `generate` samples (greedy at temperature 0, else temperature + top-p with a PRNG key).
+Offload statistics are summed on the device step by step (no host sync per step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fo_jax import resident
+from fo_jax.config import ModelConfig, sequence_capacity_check
+from fo_jax.offload import decode as offload_decode
+from fo_jax.offload.config import OffloadConfig
+from fo_jax.offload.state import DecodeState
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_p"))
+def sample(logits, key, *, temperature: float, top_p: float):
+    """Next tokens [B] from logits [B, V]: argmax at temperature 0, else nucleus sampling.
+
+    Top-p keeps the smallest set of most likely tokens whose probability reaches `top_p`
+    (always at least the most likely one).
+    """
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits.astype(jnp.float32) / temperature
+    order = jnp.argsort(-scaled, axis=-1)
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each token
+    keep = before < top_p
+    sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
+    choice = jax.random.categorical(key, sorted_logits, axis=-1)
+    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+class ResidentEngine:
+    """The reference path: whole KV on device."""
+
+    name = "resident"
+
+    def __init__(self, params, config: ModelConfig, *, batch: int, capacity: int):
+        self.params, self.config = params, config
+        self.state = resident.ResidentState.create(config, batch=batch, capacity=capacity)
+
+    @property
+    def capacity(self) -> int:
+        return self.state.capacity
+
+    def prefill(self, tokens: np.ndarray, lengths: np.ndarray) -> jax.Array:
+        """Prefill padded prompts [B, T] with `lengths` real tokens; logits of each last token."""
+        logits, self.state = resident.prefill(self.params, self.state, tokens, lengths,
+                                              config=self.config)
+        return logits[jnp.arange(len(lengths)), jnp.asarray(lengths) - 1]
+
+    def step(self, tokens) -> jax.Array:
+        logits, self.state = resident.decode_step(self.params, self.state, tokens,
+                                                  config=self.config, check=False)
+        return logits
+
+    def device_kv_bytes(self) -> int:
+        return self.state.device_bytes()
+
+    def summary(self) -> dict:
+        return {}
+
+
+class OffloadEngine:
+    """FlashOffloading: prefill on device, then decode with the KV in host memory."""
+
+    name = "offload"
+
+    def __init__(self, params, config: ModelConfig, *, offload: OffloadConfig, batch: int):
+        offload.validate_for(config)
+        self.params, self.config, self.offload = params, config, offload
+        self.batch = batch
+        self.state: DecodeState | None = None
+        self.totals = None
+        self.steps = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.offload.capacity
+
+    def prefill(self, tokens: np.ndarray, lengths: np.ndarray) -> jax.Array:
+        prompt = resident.ResidentState.create(self.config, batch=self.batch,
+                                               capacity=tokens.shape[1])
+        logits, prompt = resident.prefill(self.params, prompt, tokens, lengths,
+                                          config=self.config)
+        self.state = DecodeState.from_resident(prompt.kv, prompt.index_keys, prompt.lengths,
+                                               config=self.config, offload=self.offload)
+        return logits[jnp.arange(len(lengths)), jnp.asarray(lengths) - 1]
+
+    def step(self, tokens) -> jax.Array:
+        logits, self.state, stats = offload_decode.decode_step(
+            self.params, self.state, tokens, config=self.config, offload=self.offload,
+            check=False)
+        counts = {"hits": stats.hits.sum(), "tail_hits": stats.tail_hits.sum(),
+                  "misses": stats.misses.sum(), "union": stats.union.sum(),
+                  "h2d_bytes": stats.h2d_bytes.sum(), "d2h_bytes": stats.d2h_bytes.sum()}
+        self.totals = counts if self.totals is None else jax.tree_util.tree_map(
+            jnp.add, self.totals, counts)
+        self.steps += 1
+        return logits
+
+    def device_kv_bytes(self) -> int:
+        return self.state.device_bytes()
+
+    def summary(self) -> dict:
+        """Hit rate and bytes moved per generated token (one host read, at the end)."""
+        if self.totals is None:
+            return {}
+        t = {k: int(v) for k, v in jax.device_get(self.totals).items()}
+        selected = t["hits"] + t["tail_hits"] + t["misses"]
+        tokens = max(self.steps * self.batch, 1)
+        return {
+            "hit_rate": (t["hits"] + t["tail_hits"]) / max(selected, 1),
+            "misses": t["misses"],
+            "h2d_bytes_per_token": t["h2d_bytes"] / tokens,
+            "d2h_bytes_per_token": t["d2h_bytes"] / tokens,
+            "host_kv_bytes": self.state.host_bytes(),
+        }
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """Generated tokens and what it took.
+
+    Attributes:
+      tokens: [B, N] generated token ids.
+      seconds: wall time of the decode loop (after prefill).
+      prefill_seconds: wall time of the prefill.
+      context_length: [B] tokens in each request at the end.
+      device_kv_bytes: bytes of the engine's device state at the end.
+      extra: engine summary (offload: hit rate, bytes moved per token, ...).
+    """
+
+    tokens: np.ndarray
+    seconds: float
+    prefill_seconds: float
+    context_length: np.ndarray
+    device_kv_bytes: int
+    extra: dict
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens.size / max(self.seconds, 1e-9)
+
+
+def pad_prompts(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged prompts -> (tokens [B, T] padded with 0, lengths [B])."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    tokens = np.zeros((len(prompts), int(lengths.max())), np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = p
+    return tokens, lengths
+
+
+def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
+             top_p: float = 1.0, key: jax.Array | None = None,
+             on_step: Callable[[int, jax.Array, jax.Array], None] | None = None,
+             progress: bool = False) -> GenerationResult:
+    """Prefill `prompts`, then decode `max_new_tokens` tokens per request.
+
+    Args:
+      engine: ResidentEngine or OffloadEngine (its batch must equal len(prompts)).
+      temperature: 0 = greedy; > 0 samples with `top_p` nucleus filtering and `key`.
+      on_step: called as on_step(step, tokens_fed [B, 1], logits [B, 1, V]) after each step
+        (the side-by-side check uses it).
+      progress: show a progress bar.
+    Everything is validated before the engine is touched.
+    """
+    config = engine.config
+    if max_new_tokens < 1:
+        raise ValueError(f"{max_new_tokens=} must be >= 1")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"{temperature=} must be >= 0 and {top_p=} in (0, 1]")
+    tokens, lengths = pad_prompts(prompts)
+    resident.check_token_values(tokens, config)
+    need = int(lengths.max()) + max_new_tokens
+    sequence_capacity_check(config, need)
+    if need > engine.capacity:
+        raise ValueError(f"a prompt of {int(lengths.max())} tokens plus {max_new_tokens} new "
+                         f"tokens needs {need} positions; the engine holds {engine.capacity}")
+    key = jax.random.key(0) if key is None else key
+    start = time.perf_counter()
+    logits = engine.prefill(tokens, lengths)
+    key, sub = jax.random.split(key)
+    next_tokens = sample(logits, sub, temperature=temperature, top_p=top_p)
+    next_tokens.block_until_ready()
+    prefill_seconds = time.perf_counter() - start
+    out = [next_tokens]
+    bar = _progress(max_new_tokens, progress)
+    start = time.perf_counter()
+    for step in range(max_new_tokens - 1):
+        fed = next_tokens[:, None]
+        logits = engine.step(fed)
+        if on_step is not None:
+            on_step(step, fed, logits)
+        key, sub = jax.random.split(key)
+        next_tokens = sample(logits[:, -1], sub, temperature=temperature, top_p=top_p)
+        out.append(next_tokens)
+        bar.update(1)
+    generated = np.stack([np.asarray(t) for t in out], axis=1)
+    seconds = time.perf_counter() - start
+    bar.update(1)
+    bar.close()
+    return GenerationResult(
+        tokens=generated, seconds=seconds, prefill_seconds=prefill_seconds,
+        context_length=lengths + max_new_tokens - 1,
+        device_kv_bytes=engine.device_kv_bytes(), extra=engine.summary())
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, disable=not enabled, unit="tok", desc="decode", leave=False)

@@ -1,0 +1,1 @@
+"""Offloading: state, decode step, prefill loop, eviction policies, and their models."""

@@ -1,0 +1,104 @@
+"""Value checks of a DecodeState: what must hold after every offloaded decode step.
+
+These read the whole state to the host (O(L B S)): for tests and a debug flag, never for the
+serving loop. Each failed check raises `AssertionError` naming the group, request, slot or token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fo_jax.config import ModelConfig
+from fo_jax.offload.config import OffloadConfig
+from fo_jax.offload.state import DecodeState
+
+
+def check_invariants(state: DecodeState, *, config: ModelConfig, offload: OffloadConfig,
+                     resident_kv=None, selected=None, poisoned: bool = False) -> None:
+    """Raise AssertionError unless every invariant of the offloaded state holds.
+
+    Checks:
+      * slot maps: token_to_slot and slot_to_token are inverse on resident tokens, indices in
+        range, no tail token (position >= tail start) holds a slot;
+      * every hot-cache row equals its token's row in host pages (every layer of the group);
+      * every tail row of a token of the current tail blocks equals its host row;
+      * with `resident_kv` [L, B, S', D+R]: host pages equal it on every stored position
+        (nothing lost);
+      * with `selected` [G, B, W, K] (the last step's selection, from DecodeStats): every
+        selected token is resident afterwards, or was served from that step's tail blocks;
+      * with `poisoned`: every empty slot holds NaN on every layer.
+    """
+    c, z = offload.hot_slots, offload.page_size
+    t2s = np.asarray(state.slots.token_to_slot)
+    s2t = np.asarray(state.slots.slot_to_token)
+    lengths = np.asarray(state.lengths)
+    hot = np.asarray(state.hot).astype(np.float32)
+    host = np.asarray(state.host.kv).astype(np.float32)
+    num_l, batch, pages, _, width = host.shape
+    host_tok = host.reshape(num_l, batch, pages * z, width)
+    tail_start = (lengths // z) * z
+    for g, (lo, hi) in enumerate(config.group_bounds):
+        for b in range(batch):
+            tok_of = s2t[g, b]
+            slot_of = t2s[g, b]
+            occupied = np.flatnonzero(tok_of >= 0)
+            assert np.all(tok_of[occupied] < lengths[b]), (
+                f"group {g} request {b}: a slot holds a token beyond length {lengths[b]}")
+            back = slot_of[tok_of[occupied]]
+            bad = occupied[back != occupied]
+            assert bad.size == 0, (
+                f"group {g} request {b}: slot {bad[:1]} holds token {tok_of[bad[:1]]} whose "
+                f"token_to_slot is {slot_of[tok_of[bad[:1]]]}")
+            resident = np.flatnonzero(slot_of >= 0)
+            assert np.all(slot_of[resident] < c), f"group {g} request {b}: slot id >= {c}"
+            fwd = tok_of[slot_of[resident]]
+            bad = resident[fwd != resident]
+            assert bad.size == 0, (
+                f"group {g} request {b}: token {bad[:1]} maps to slot {slot_of[bad[:1]]} "
+                f"which holds token {fwd[fwd != resident][:1]}")
+            assert resident.size == occupied.size, (
+                f"group {g} request {b}: {resident.size} resident tokens but {occupied.size} "
+                "occupied slots")
+            in_tail = resident[resident >= tail_start[b]]
+            assert in_tail.size == 0, (
+                f"group {g} request {b}: tail token {in_tail[:1]} also holds a hot slot")
+            for layer in range(lo, hi):
+                got = hot[layer, b, occupied]
+                want = host_tok[layer, b, tok_of[occupied]]
+                same = np.all((got == want) | (np.isnan(got) & np.isnan(want)), axis=-1)
+                assert np.all(same), (
+                    f"layer {layer} request {b}: hot slot {occupied[~same][:1]} differs from "
+                    f"host row of token {tok_of[occupied][~same][:1]}")
+                if poisoned:
+                    empty = np.flatnonzero(tok_of < 0)
+                    assert np.all(np.isnan(hot[layer, b, empty])), (
+                        f"layer {layer} request {b}: an empty slot holds a non-NaN value")
+            if selected is not None:
+                sel_all = np.asarray(selected)
+                # The step's tail: computed from the length before its W new tokens.
+                step_tail = ((lengths[b] - sel_all.shape[2]) // z) * z
+                sel = sel_all[g, b].reshape(-1)
+                sel = sel[sel >= 0]
+                ok = (slot_of[sel] >= 0) | (sel >= step_tail)
+                assert np.all(ok), (
+                    f"group {g} request {b}: selected token {sel[~ok][:1]} is neither resident "
+                    "nor in the tail after the step")
+    for b in range(batch):
+        for p in range(int(tail_start[b]), int(lengths[b])):
+            row = c + ((p // z) % 2) * z + p % z
+            assert np.array_equal(hot[:, b, row], host_tok[:, b, p]), (
+                f"request {b}: tail row of token {p} differs from its host row")
+    if resident_kv is not None:
+        ref = np.asarray(resident_kv).astype(np.float32)
+        for b in range(batch):
+            n = int(lengths[b])
+            same = (host_tok[:, b, :n] == ref[:, b, :n]) | (
+                np.isnan(host_tok[:, b, :n]) & np.isnan(ref[:, b, :n]))
+            assert np.all(same), (
+                f"request {b}: host pages differ from the resident KV at "
+                f"(layer, token) {np.argwhere(~np.all(same, axis=-1))[:1].tolist()}")
+
+
+def occupied_slots(state: DecodeState) -> np.ndarray:
+    """[G, B] number of occupied hot slots."""
+    return np.sum(np.asarray(state.slots.slot_to_token) >= 0, axis=-1)

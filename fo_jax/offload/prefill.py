@@ -1,0 +1,510 @@
+"""The offloaded prefill: the authoritative KV in host pages, a few full-layer device buffers.
+
+    state = PrefillState.create(config, batch=B, capacity=S, page_size=Z)
+    logits, state = prefill(params, state, tokens[B, T], num_new[B], config=config,
+                            num_buffers=4, distance=1)
+    decode_state = to_decode_state(state, config=config, offload=offload)
+
+FlashOffloading's prefill (design brief, section 2): the device holds `num_buffers` full-layer KV
+buffers [n, B, S, D+R] instead of all L layers. Buffer 0 holds layer 0 for the whole prefill (it
+is loaded before the layer loop, so compute starts at once); buffers 1 .. n-1 rotate over layers
+>= 1, layer j in buffer `buffer_of_layer(j, n)` = 1 + (j - 1) % (n - 1). A binding table [n]
+(the layer each buffer holds, -1 none) rides in the loop carry next to the buffers; the indexer
+keys [G, B, S, N] live apart and are never touched by rotation.
+
+It is a backend of the shared layer loop `fo_jax.model.forward`, so the attention math is the
+resident path's own. At layer i (`OffloadPrefillBackend.attend`):
+
+  1. find layer i's buffer in the binding table (its history was loaded by an earlier prefetch);
+  2. write the chunk's new KV rows into it;
+  3. attend over history + chunk: the group's top-k rows gathered in canonical order
+     (`sparse_attention`), or the whole causal prefix (`dense_attention`, `dense=True`);
+  4. write back only the chunk's rows of layer i to host pages (`write_back_rows`, an explicit
+     move to `jax.memory.Space.Host`);
+  5. prefetch the layers `onload_layer_map[i]` into their buffers (`load_history`, an explicit
+     move to `jax.memory.Space.Device`) and bind them.
+
+The scheduling point of map entry i is the end of layer i (after its write-back), so a load may
+go to a buffer whose previous layer is <= i; `normalize_onload_layer_map` (shared with the
+pipeline model) rejects everything else before tracing. Loads read whole pages up to the history:
+`history_pages` = ceil(max(lengths) / Z) pages of every request (a static size: one compiled
+program per history length; pass `history_pages` to bucket them), and nothing for a new batch.
+Rows of a buffer past the loaded pages are left stale (the previous layer's), or set to NaN with
+`poison=True` so that a stray read shows; real queries never read them.
+
+Write-back takes the rows from the chunk's new KV (already on the device), so on an accelerator
+it need not hold the buffer; on CPU every move compiles to nothing (a CPU has no copy engine).
+Results are bit for bit those of `fo_jax.resident.prefill`: same logits for real tokens, host
+pages equal to the resident KV, the same indexer keys (tests/offload/test_prefill.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fo_jax.config import ModelConfig
+from fo_jax.model.attention import dense_attention, softmax_scale, sparse_attention
+from fo_jax.model.forward import forward
+from fo_jax.offload.config import MEMORY_KINDS, OffloadConfig
+from fo_jax.offload.decode import host_gather_rows
+from fo_jax.offload.pipeline_model import (
+    OnloadLayerMap,
+    buffer_of_layer,
+    default_onload_layer_map,
+    normalize_onload_layer_map,
+)
+from fo_jax.offload.state import (
+    CacheSlots,
+    DecodeState,
+    HostPages,
+    PolicyState,
+    host_sharding,
+    to_memory_kind,
+)
+from fo_jax.resident import check_capacity, check_token_values
+
+# Schedule -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillSchedule:
+    """The static prefetch plan of one offloaded prefill (a static argument of the jit).
+
+    Attributes:
+      num_layers: L.
+      num_buffers: n device layer buffers (buffer 0 pinned to layer 0, n - 1 rotating).
+      onload_layer_map: L tuples: entry i lists the layers loaded at the end of layer i.
+    """
+
+    num_layers: int
+    num_buffers: int
+    onload_layer_map: OnloadLayerMap
+
+    @classmethod
+    def create(cls, num_layers: int, num_buffers: int = 4, *, distance: int | None = None,
+               onload_layer_map=None) -> "PrefillSchedule":
+        """Validate a schedule; raises ValueError (naming the layer and the buffer) if invalid.
+
+        Args:
+          num_layers: L.
+          num_buffers: n, 1 <= n <= L (n >= 2 when L >= 2).
+          distance: prefetch distance d (default 1): layer 0 loads layers 1 .. d, layer i >= 1
+            loads layer i + d (`default_onload_layer_map`). Needs d <= n - 2 (or d = 1): a larger
+            d gives no more overlap and is rejected rather than silently capped.
+          onload_layer_map: an explicit map in any form `normalize_onload_layer_map` accepts
+            (dict {i: j or (j, ...)} or a sequence of length L); exclusive with `distance`.
+        """
+        if not isinstance(num_buffers, int) or isinstance(num_buffers, bool) or not (
+                1 <= num_buffers <= num_layers):
+            raise ValueError(f"num_buffers={num_buffers!r} must be an int in [1, num_layers="
+                             f"{num_layers}]: more buffers than layers are never used")
+        if onload_layer_map is not None:
+            if distance is not None:
+                raise ValueError("give either distance or onload_layer_map, not both")
+            schedule = normalize_onload_layer_map(onload_layer_map, num_layers, num_buffers)
+        else:
+            distance = 1 if distance is None else distance
+            limit = max(1, num_buffers - 2)
+            if not isinstance(distance, int) or isinstance(distance, bool) or not (
+                    1 <= distance <= limit):
+                raise ValueError(
+                    f"distance={distance!r} must be an int in [1, {limit}] with "
+                    f"num_buffers={num_buffers}: a distance d needs d + 2 buffers (layer 0, the "
+                    "layer computing, d layers loading); use more buffers or pass an explicit "
+                    "onload_layer_map")
+            schedule = default_onload_layer_map(num_layers, distance, num_buffers)
+            schedule = normalize_onload_layer_map(schedule, num_layers, num_buffers)
+        return cls(num_layers=num_layers, num_buffers=num_buffers, onload_layer_map=schedule)
+
+    @property
+    def max_loads(self) -> int:
+        """M: the most loads any layer issues."""
+        return max((len(t) for t in self.onload_layer_map), default=0)
+
+    def tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """(loads [L, M], buffers [L, M]) int32: what layer i loads into which buffer, -1 none."""
+        width = self.max_loads
+        loads = np.full((self.num_layers, width), -1, np.int32)
+        buffers = np.full((self.num_layers, width), -1, np.int32)
+        for i, targets in enumerate(self.onload_layer_map):
+            for m, j in enumerate(targets):
+                loads[i, m], buffers[i, m] = j, buffer_of_layer(j, self.num_buffers)
+        return loads, buffers
+
+
+# State ----------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefillState:
+    """What the offloaded prefill reads and writes between chunks.
+
+    Attributes:
+      host: HostPages, kv [L, B, P, Z, D + R] kv_dtype in `pinned_host` memory (the
+        authoritative KV; token t of request b, layer l at kv[l, b, t // Z, t % Z]).
+      index_keys: [G, B, S, N] kv_dtype on the device (S = P * Z).
+      lengths: [B] int32 tokens stored per request.
+    """
+
+    host: HostPages
+    index_keys: jax.Array
+    lengths: jax.Array
+
+    @classmethod
+    def create(cls, config: ModelConfig, *, batch: int, capacity: int | None = None,
+               page_size: int = 16, fill: float = 0.0,
+               memory_kind: str = "pinned_host") -> "PrefillState":
+        """An empty state; host pages are built in host memory (never all on the device).
+
+        `fill` is the value of unwritten rows (tests use NaN so a stray read shows);
+        `memory_kind` "device" is for Pallas interpret mode only (see BRIEF section 5).
+        """
+        capacity = config.max_seq_len if capacity is None else capacity
+        if batch < 1:
+            raise ValueError(f"{batch=} must be >= 1")
+        if not 1 <= capacity <= config.max_seq_len:
+            raise ValueError(f"{capacity=} must be in [1, max_seq_len={config.max_seq_len}] of "
+                             f"config {config.name!r}")
+        if page_size < 1 or capacity % page_size:
+            raise ValueError(f"{capacity=} must be a multiple of {page_size=} (>= 1)")
+        if memory_kind not in MEMORY_KINDS:
+            raise ValueError(f"{memory_kind=}; choose one of {MEMORY_KINDS}")
+        dt = config.jnp_kv_dtype
+        shape = (config.num_layers, batch, capacity // page_size, page_size, config.kv_width)
+        host = jax.device_put(np.full(shape, fill, dt), host_sharding(memory_kind))
+        return cls(
+            host=HostPages(kv=host),
+            index_keys=jnp.full((config.num_groups, batch, capacity, config.index_head_dim),
+                                fill, dt),
+            lengths=jnp.zeros((batch,), jnp.int32),
+        )
+
+    @property
+    def batch(self) -> int:
+        return self.host.kv.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.host.kv.shape[2] * self.host.kv.shape[3]
+
+    @property
+    def page_size(self) -> int:
+        return self.host.page_size
+
+
+def layer_bytes(config: ModelConfig, *, batch: int, capacity: int) -> int:
+    """Bytes of one full-layer KV buffer: B * S * (D + R) * bytes (the prefill holds n of them)."""
+    return batch * capacity * config.kv_width * config.jnp_kv_dtype.itemsize
+
+
+# Host memory access: kept behind these two functions so the pattern can change per backend. ---
+
+
+def _to_host(x, on_host: bool):
+    return jax.device_put(x, jax.memory.Space.Host) if on_host else x
+
+
+def _to_device(x, on_host: bool):
+    return jax.device_put(x, jax.memory.Space.Device) if on_host else x
+
+
+def load_history(host_kv, layer, *, history_pages: int, poison: bool, on_host: bool, like):
+    """Layer `layer`'s first `history_pages` pages of every request, as a device layer buffer.
+
+    Args:
+      host_kv: [L, B, P, Z, D+R] host pages; layer: [] int (may be traced).
+      like: a device buffer [B, S, D+R] whose rows past the history are kept (stale) unless
+        `poison`, which sets them to NaN.
+    Returns:
+      [B, S, D+R] device rows: the loaded pages, then `like`'s rows (or NaN).
+    One host read of [1, B, history_pages, Z, D+R] (a dynamic slice, the pattern XLA's host
+    offloading handles) and one move to the device; nothing at all when history_pages is 0.
+    """
+    _, batch, _, page, width = host_kv.shape
+    out = jnp.full_like(like, jnp.nan) if poison else like
+    if history_pages == 0:
+        return out
+    pages = jax.lax.dynamic_slice(host_kv, (layer, 0, 0, 0, 0),
+                                  (1, batch, history_pages, page, width))
+    rows = _to_device(pages, on_host).reshape(batch, history_pages * page, width)
+    return jax.lax.dynamic_update_slice(out, rows, (0, 0, 0))
+
+
+def write_back_rows(host_kv, layer, rows, write_pos, *, on_host: bool):
+    """Write one layer's new rows [B, T, D+R] at positions [B, T] into host pages (only them).
+
+    Positions >= S (padding entries) are dropped. A flat row index ((layer * B + b) * S + pos),
+    moved to host memory with the rows, as in `fo_jax.offload.decode.host_write_rows`.
+    """
+    num_l, batch, pages, page, width = host_kv.shape
+    cap = pages * page
+    flat_kv = host_kv.reshape(num_l * batch * cap, width)
+    b = jnp.arange(batch, dtype=jnp.int32)[:, None]
+    flat_idx = jnp.where(write_pos < cap, (layer * batch + b) * cap + write_pos,
+                         num_l * batch * cap)  # out of range: dropped
+    flat_kv = flat_kv.at[_to_host(flat_idx.reshape(-1), on_host)].set(
+        _to_host(rows.reshape(-1, width).astype(host_kv.dtype), on_host), mode="drop")
+    return flat_kv.reshape(host_kv.shape)
+
+
+# The backend ----------------------------------------------------------------------------------
+
+
+class OffloadPrefillBackend:
+    """Backend of `forward` over (layer buffers, binding table, host pages, indexer keys).
+
+    carry = {"buffers": [n, B, S, D+R], "binding": [n] int32, "host": [L, B, P, Z, D+R],
+             "index_keys": [G, B, S, N]}
+    """
+
+    def __init__(self, config: ModelConfig, dense: bool, schedule: PrefillSchedule, *,
+                 history_pages: int, poison: bool, on_host: bool):
+        self.config, self.dense, self.schedule = config, dense, schedule
+        self.history_pages, self.poison, self.on_host = history_pages, poison, on_host
+
+    def write_index_keys(self, carry, g, keys, write_pos):
+        ik = carry["index_keys"]
+        rows = jnp.arange(ik.shape[1])[:, None]
+        ik = ik.at[g, rows, write_pos].set(keys.astype(ik.dtype), mode="drop")
+        return {**carry, "index_keys": ik}
+
+    def index_keys(self, carry, g):
+        return carry["index_keys"][g]
+
+    def plan_group(self, carry, g, tokens, mask):
+        return carry, (tokens, mask)
+
+    def load(self, carry, layer, buffer):
+        """Load `layer`'s history into `buffer` and bind it (both may be traced)."""
+        buffers = carry["buffers"]
+        old = jax.lax.dynamic_index_in_dim(buffers, buffer, keepdims=False)
+        new = load_history(carry["host"], layer, history_pages=self.history_pages,
+                           poison=self.poison, on_host=self.on_host, like=old)
+        buffers = jax.lax.dynamic_update_index_in_dim(buffers, new, buffer, axis=0)
+        return {**carry, "buffers": buffers, "binding": carry["binding"].at[buffer].set(layer)}
+
+    def attend(self, carry, l, g, plan, q_lat, q_pe, kv_new, write_pos):
+        buffers, binding = carry["buffers"], carry["binding"]
+        # (1) layer l's buffer, from the binding table.
+        b = jnp.argmax(binding == l).astype(jnp.int32)
+        rows = jnp.arange(buffers.shape[1])[:, None]
+        # (2) the chunk's new rows, in place.
+        buffers = buffers.at[b, rows, write_pos].set(kv_new, mode="drop")
+        # (3) attention over history + chunk: the resident path's own math.
+        scale = softmax_scale(self.config)
+        if plan is None:
+            cap = buffers.shape[2]
+            positions = jnp.arange(cap)
+            causal = ((positions[None, None, :] <= write_pos[..., None])
+                      & (write_pos < cap)[..., None])
+            layer_kv = jax.lax.dynamic_index_in_dim(buffers, b, keepdims=False)
+            out = dense_attention(q_lat, q_pe, layer_kv, causal, scale=scale)
+        else:
+            tokens, mask = plan
+            gathered = buffers[b, rows[:, :, None], jnp.where(mask, tokens, 0)]
+            out = sparse_attention(q_lat, q_pe, gathered, mask, scale=scale)
+        # (4) write back the chunk's rows of layer l.
+        host = write_back_rows(carry["host"], l, kv_new, write_pos, on_host=self.on_host)
+        carry = {**carry, "buffers": buffers, "host": host}
+        # (5) prefetch onload_layer_map[l] into free buffers.
+        loads, targets = (jnp.asarray(t) for t in self.schedule.tables())
+        for m in range(self.schedule.max_loads):
+            layer, buffer = loads[l, m], targets[l, m]
+            carry = jax.lax.cond(layer >= 0, self.load, lambda c, *_: c, carry, layer, buffer)
+        return carry, out
+
+
+@functools.partial(
+    jax.jit, static_argnames=("config", "dense", "schedule", "history_pages", "poison", "on_host"),
+    donate_argnames=("state",))
+def _prefill_jit(params, state: PrefillState, tokens, num_new, *, config: ModelConfig,
+                 dense: bool, schedule: PrefillSchedule, history_pages: int, poison: bool,
+                 on_host: bool):
+    batch, num_t = tokens.shape
+    cap = state.capacity
+    offsets = jnp.arange(num_t, dtype=jnp.int32)
+    positions = state.lengths[:, None] + offsets[None, :]
+    write_pos = jnp.where(offsets[None, :] < num_new[:, None], positions, cap)
+    backend = OffloadPrefillBackend(config, dense, schedule, history_pages=history_pages,
+                                    poison=poison, on_host=on_host)
+    width = config.kv_width
+    carry = {
+        "buffers": jnp.full((schedule.num_buffers, batch, cap, width),
+                            jnp.nan if poison else 0.0, config.jnp_kv_dtype),
+        "binding": jnp.full((schedule.num_buffers,), -1, jnp.int32),
+        "host": state.host.kv,
+        "index_keys": state.index_keys,
+    }
+    carry = backend.load(carry, 0, 0)  # buffer 0: layer 0, for the whole prefill
+    logits, carry = forward(params, tokens, positions, write_pos, backend, carry,
+                            config=config, dense=dense)
+    new_state = PrefillState(host=HostPages(kv=carry["host"]), index_keys=carry["index_keys"],
+                             lengths=state.lengths + num_new)
+    return logits, new_state
+
+
+def history_pages_for(lengths, page_size: int, num_pages: int) -> int:
+    """Pages to load per layer: ceil(max(lengths) / Z), at most P (0 for a new batch)."""
+    longest = int(np.max(np.asarray(lengths), initial=0))
+    return min(num_pages, -(-longest // page_size))
+
+
+def prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelConfig,
+            num_buffers: int = 4, distance: int | None = None, onload_layer_map=None,
+            dense: bool = False, history_pages: int | None = None, poison: bool = False,
+            check: bool = True):
+    """Append a chunk of T tokens per request with offloaded KV; (logits [B, T, V], new state).
+
+    Args:
+      state: PrefillState (donated: use the returned one).
+      tokens: [B, T] int token ids (row b's first num_new[b] entries are real, the rest padding;
+        logits of padding entries are unspecified).
+      num_new: [B] ints, default T for every request.
+      num_buffers: n device layer buffers, 1 <= n <= L.
+      distance, onload_layer_map: the prefetch schedule (see `PrefillSchedule.create`); default
+        distance 1.
+      dense: attend to the whole causal prefix (the dense model) instead of the top-k.
+      history_pages: pages of history loaded per layer (static); default
+        `history_pages_for(state.lengths, ...)`, which reads `state.lengths`; must cover the
+        longest history.
+      poison: NaN in buffer rows past the loaded history (tests: a stray read shows).
+      check: validate token ids and capacity against concrete values (reads `state.lengths`).
+    Raises:
+      ValueError: bad shapes, token ids, capacity or schedule, before anything runs.
+    """
+    schedule = PrefillSchedule.create(config.num_layers, num_buffers, distance=distance,
+                                      onload_layer_map=onload_layer_map)
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be an int array [batch, T], got {tokens.dtype} "
+                         f"{tokens.shape}")
+    if tokens.shape[0] != state.batch:
+        raise ValueError(f"tokens have batch {tokens.shape[0]} but the state holds "
+                         f"{state.batch} requests: pass one row per request")
+    num_t = tokens.shape[1]
+    if num_t < 1:
+        raise ValueError("tokens must hold at least one token per request")
+    num_new = (jnp.full((state.batch,), num_t, jnp.int32) if num_new is None
+               else jnp.asarray(num_new, jnp.int32))
+    if num_new.shape != (state.batch,):
+        raise ValueError(f"num_new has shape {num_new.shape}, expected ({state.batch},) "
+                         "(one count per request)")
+    num_pages = state.host.kv.shape[2]
+    if check:
+        check_token_values(tokens, config)
+        if np.any(np.asarray(num_new) > num_t):
+            raise ValueError(f"num_new={np.asarray(num_new).tolist()} exceeds the chunk width "
+                             f"{num_t}")
+        check_capacity(state.lengths, num_new, state.capacity, config)
+    if history_pages is None:
+        history_pages = history_pages_for(state.lengths, state.page_size, num_pages)
+    elif check and history_pages < history_pages_for(state.lengths, state.page_size, num_pages):
+        raise ValueError(f"{history_pages=} does not cover the longest history "
+                         f"({int(np.max(np.asarray(state.lengths)))} tokens)")
+    if not 0 <= history_pages <= num_pages:
+        raise ValueError(f"{history_pages=} must be in [0, {num_pages}]")
+    return _prefill_jit(params, state, tokens.astype(jnp.int32), num_new, config=config,
+                        dense=dense, schedule=schedule, history_pages=int(history_pages),
+                        poison=poison, on_host=state.host.kv.sharding.memory_kind != "device")
+
+
+# Handoff to the offloaded decode path ----------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "on_host"))
+def _gather_hot(host_kv, tokens, fill, *, chunk: int, on_host: bool):
+    """hot [L, B, M, D+R]: row m of request b is token tokens[b, m] of each layer, or fill."""
+    num_l = host_kv.shape[0]
+    batch, size = tokens.shape
+    count = jnp.full((batch,), size, jnp.int32)
+
+    def one_layer(layer):
+        rows = host_gather_rows(host_kv, layer, tokens, count, chunk=chunk, on_host=on_host)
+        return jnp.where((tokens >= 0)[..., None], rows, fill.astype(rows.dtype))
+
+    return jax.lax.map(one_layer, jnp.arange(num_l, dtype=jnp.int32))
+
+
+def to_decode_state(state: PrefillState, *, config: ModelConfig, offload: OffloadConfig,
+                    fill: float = 0.0) -> DecodeState:
+    """Hand a prefilled batch to the offloaded decode path without putting all layers on device.
+
+    Builds the same `DecodeState` as `DecodeState.from_resident(kv, ...)` would from the resident
+    KV (same hot-cache rows, tail blocks, slot maps and policy state), gathering only the hot and
+    tail rows ([L, B, C + 2Z, D+R], the decode state's own size) from host pages. The host pages
+    are reused as they are: rows past each request's length keep what the prefill state was
+    created with, so use the same `fill` for both. Needs offload.page_size and offload.capacity
+    equal to the prefill state's page size and capacity.
+    """
+    offload.validate_for(config)
+    if (offload.page_size, offload.capacity) != (state.page_size, state.capacity):
+        raise ValueError(
+            f"offload page_size={offload.page_size}, capacity={offload.capacity} must equal the "
+            f"prefill state's page_size={state.page_size}, capacity={state.capacity}: the host "
+            "pages are handed over as they are")
+    batch, cap, z, c = state.batch, offload.capacity, offload.page_size, offload.hot_slots
+    lengths_np = np.asarray(state.lengths).astype(np.int32)
+    stored = jnp.arange(cap)[None, :] < jnp.asarray(lengths_np)[:, None]  # [B, S]
+    index_keys = jnp.where(stored[None, :, :, None], state.index_keys,
+                           jnp.asarray(fill, state.index_keys.dtype))
+    host = state.host.kv
+    if host.sharding.memory_kind != offload.host_memory_kind:
+        host = to_memory_kind(host, offload.host_memory_kind)
+
+    # The token of every device row (as DecodeState.from_resident places them), -1 = fill.
+    tail_start = (lengths_np // z) * z
+    count = np.minimum(tail_start, c)
+    slot_ids = np.arange(c)
+    slot_tok = np.where(slot_ids[None, :] < count[:, None],
+                        (tail_start - count)[:, None] + slot_ids[None, :], -1)  # [B, C]
+    row_tok = np.full((batch, offload.rows), -1, np.int32)
+    row_tok[:, :c] = slot_tok
+    for b in range(batch):
+        lo, hi = int(tail_start[b]), int(lengths_np[b])
+        if hi > lo:
+            start = c + ((lo // z) % 2) * z
+            row_tok[b, start:start + hi - lo] = np.arange(lo, hi)
+    on_host = host.sharding.memory_kind != "device"
+    hot = _gather_hot(host, jnp.asarray(row_tok), jnp.asarray(fill, jnp.float32),
+                      chunk=offload.miss_chunk, on_host=on_host)
+
+    tok_slot = np.full((batch, cap), -1, np.int32)
+    for b in range(batch):
+        n = int(count[b])
+        tok_slot[b, slot_tok[b, :n]] = np.arange(n)
+    groups = config.num_groups
+    slots = CacheSlots(
+        token_to_slot=jnp.asarray(np.broadcast_to(tok_slot, (groups,) + tok_slot.shape)),
+        slot_to_token=jnp.asarray(np.broadcast_to(slot_tok, (groups,) + slot_tok.shape)
+                                  .astype(np.int32)),
+    )
+    last_used = (np.where(slot_tok >= 0, 0, -1).astype(np.int32) if offload.policy == "lru"
+                 else np.zeros((batch, 0), np.int32))
+    policy = PolicyState(
+        stamp=jnp.full((groups, batch, c), -1, jnp.int32),
+        hand=jnp.asarray(np.broadcast_to(count % c, (groups, batch)).astype(np.int32)),
+        last_used=jnp.asarray(np.broadcast_to(last_used, (groups,) + last_used.shape)),
+        key=jax.random.key_data(jax.random.key(offload.seed)),
+    )
+    return DecodeState(host=HostPages(kv=host), hot=hot, index_keys=index_keys, slots=slots,
+                       policy=policy, lengths=jnp.asarray(lengths_np),
+                       step=jnp.asarray(1, jnp.int32))
+
+
+__all__ = [
+    "OffloadPrefillBackend",
+    "PrefillSchedule",
+    "PrefillState",
+    "history_pages_for",
+    "layer_bytes",
+    "load_history",
+    "prefill",
+    "to_decode_state",
+    "write_back_rows",
+]

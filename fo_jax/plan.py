@@ -1,0 +1,297 @@
+"""Capacity planner: how many requests of a given context fit on one device, with and without
+offloading the KV cache to host memory (the `fo-jax plan` command).
+
+Notation (see `fo_jax/typing.py`): L layers, G indexer groups, D latent width, R RoPE width,
+N indexer head width, C hot-cache slots per layer, Z tokens per tail block (b in the design
+notes). All sizes are bytes; reports use decimal units (1 kB = 1e3 bytes, 1 GB = 1e9 bytes).
+
+Per token the model stores
+
+    kappa = (L * (D + R) + G * N) * bytes_per_elem
+
+i.e. a KV row of every layer plus an indexer key of every indexer group. Without offloading a
+request of S tokens keeps `S * kappa` on the device. With offloading the device keeps, per request:
+
+    hot cache      C * L * (D + R) * bytes        (C slots in every layer)
+    tail blocks    2 * Z * L * (D + R) * bytes    (two blocks of Z new tokens in every layer)
+    indexer keys   S * G * N * bytes              (every token: the indexer scores all of them)
+    slot maps      4 * G * (S + C)                (int32 token_to_slot [G, S], slot_to_token [G, C])
+
+and the authoritative KV (`S * L * (D + R) * bytes`) lives in host memory. Prefill keeps
+`num_buffers` full-layer buffers of `S` rows instead of all `L` layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from fo_jax.config import ModelConfig, sequence_capacity_check
+
+GB = 1e9
+KB = 1e3
+INT32_BYTES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityPlan:
+    """Device and host memory of one model at one context length, with and without offload.
+
+    All `*_bytes` fields are bytes; `max_batch_*` are request counts.
+
+    Attributes:
+      model: preset name of the config.
+      kv_dtype: dtype of the KV cache and the indexer keys.
+      num_layers: L.
+      num_groups: G, indexer groups.
+      context: S, tokens of one request (prompt + generated).
+      budget_bytes: device memory available for KV state (weights and activations excluded).
+      hot_slots: C, hot-cache slots per layer and request.
+      tail_block: Z, tokens per tail block (two tail blocks per layer and request).
+      num_buffers: full-layer device buffers of the offloaded prefill.
+      prefill_chunk: T, new tokens per prefill forward (at most `context`).
+      kv_bytes_per_token: L * (D + R) * bytes.
+      index_bytes_per_token: G * N * bytes.
+      bytes_per_token: kappa = kv_bytes_per_token + index_bytes_per_token.
+      request_kv_bytes: S * kv_bytes_per_token, the KV of one request.
+      request_index_bytes: S * index_bytes_per_token, the indexer keys of one request.
+      request_bytes: S * kappa, everything one request stores.
+      max_batch_resident: floor(budget / request_bytes), decode batch without offload.
+      hot_cache_bytes: C * L * (D + R) * bytes, device hot cache of one request.
+      tail_bytes: 2 * Z * L * (D + R) * bytes, device tail blocks of one request.
+      index_key_bytes: S * G * N * bytes, device indexer keys of one request
+        (= request_index_bytes).
+      slot_map_bytes: 4 * G * (S + C): int32 token_to_slot [G, S] and slot_to_token [G, C].
+      offload_device_bytes: hot cache + tails + indexer keys + slot maps, per request.
+      max_batch_offload: floor(budget / offload_device_bytes), decode batch with offload.
+      host_bytes_per_request: S * L * (D + R) * bytes, the authoritative KV in host memory.
+      prefill_resident_kv_bytes: S * L * (D + R) * bytes, device KV of a prefill without offload.
+      prefill_offload_kv_bytes: num_buffers * S * (D + R) * bytes, device KV of the offloaded
+        prefill (indexer keys stay on the device in both cases and are not included).
+      prefill_num_chunks: ceil(S / T), forwards of the prefill.
+      prefill_reload_bytes: H2D bytes of the offloaded prefill over all chunks: before chunk c
+        (c = 0, 1, ...) the c * T history rows of every layer but the pinned layer 0 are loaded,
+        (L - 1) * (D + R) * bytes * sum_c c * T. Zero for a single chunk (a new request).
+    """
+
+    model: str
+    kv_dtype: str
+    num_layers: int
+    num_groups: int
+    context: int
+    budget_bytes: float
+    hot_slots: int
+    tail_block: int
+    num_buffers: int
+    prefill_chunk: int
+    kv_bytes_per_token: int
+    index_bytes_per_token: int
+    bytes_per_token: int
+    request_kv_bytes: int
+    request_index_bytes: int
+    request_bytes: int
+    max_batch_resident: int
+    hot_cache_bytes: int
+    tail_bytes: int
+    index_key_bytes: int
+    slot_map_bytes: int
+    offload_device_bytes: int
+    max_batch_offload: int
+    host_bytes_per_request: int
+    prefill_resident_kv_bytes: int
+    prefill_offload_kv_bytes: int
+    prefill_num_chunks: int
+    prefill_reload_bytes: int
+
+    @property
+    def prefill_resident_bytes(self) -> int:
+        """Device bytes of a prefill without offload: all layers' KV plus the indexer keys."""
+        return self.prefill_resident_kv_bytes + self.index_key_bytes
+
+    @property
+    def prefill_offload_bytes(self) -> int:
+        """Device bytes of the offloaded prefill: `num_buffers` layers' KV plus the indexer keys."""
+        return self.prefill_offload_kv_bytes + self.index_key_bytes
+
+
+def _check_int(name: str, value, minimum: int, why: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}{why}, got {value!r}")
+
+
+def plan_capacity(
+    config: ModelConfig,
+    context: int,
+    *,
+    budget_gb: float = 29.0,
+    hot_slots: int = 16384,
+    tail_block: int = 64,
+    num_buffers: int = 4,
+    prefill_chunk: int | None = None,
+) -> CapacityPlan:
+    """Plans device and host memory for requests of `context` tokens of `config`.
+
+    Args:
+      config: the model.
+      context: S, tokens per request (prompt + generated); at most `config.max_seq_len`.
+      budget_gb: device memory left for KV state, in GB (1e9 bytes); 29 GB on a 64 GB decode die
+        holding 25.36 GB of GLM-5.2 weights.
+      hot_slots: C, hot-cache slots per layer and request; at least `config.index_topk` (the
+        slots a step attends to must all be resident). The hot cache has a fixed shape, so it is
+        counted at C slots even when `context < C`.
+      tail_block: Z, tokens per tail block.
+      num_buffers: full-layer device buffers of the offloaded prefill (buffer 0 pinned to layer
+        0, the others rotate over layers >= 1); in [min(2, L), L].
+      prefill_chunk: T, new tokens per prefill forward; None means the whole context in one
+        forward; a chunk longer than the context is cut to the context.
+
+    Returns:
+      The `CapacityPlan`.
+
+    Raises:
+      ValueError: an argument is out of range; the message says what was expected.
+    """
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
+    _check_int("context", context, 1)
+    sequence_capacity_check(config, context)
+    if isinstance(budget_gb, bool) or not isinstance(budget_gb, (int, float)) or not (
+        math.isfinite(budget_gb) and budget_gb > 0
+    ):
+        raise ValueError(f"budget_gb must be a finite number > 0, got {budget_gb!r}")
+    top_k = config.index_topk
+    if isinstance(hot_slots, bool) or not isinstance(hot_slots, int) or hot_slots < top_k:
+        raise ValueError(
+            f"hot_slots={hot_slots!r} must be an int >= the config's index_topk={top_k} "
+            "(every token a step attends to must fit in the hot cache)"
+        )
+    _check_int("tail_block", tail_block, 1)
+    num_layers = config.num_layers
+    min_buffers = min(2, num_layers)
+    if (
+        isinstance(num_buffers, bool)
+        or not isinstance(num_buffers, int)
+        or not min_buffers <= num_buffers <= num_layers
+    ):
+        raise ValueError(
+            f"num_buffers={num_buffers!r} must be an int in [{min_buffers}, {num_layers}] "
+            f"(num_layers={num_layers}): buffer 0 is pinned to layer 0 and at least one more "
+            "rotates over the other layers; more buffers than layers is no offload"
+        )
+    if prefill_chunk is None:
+        chunk = context
+    else:
+        _check_int("prefill_chunk", prefill_chunk, 1)
+        chunk = min(prefill_chunk, context)
+
+    elem = config.jnp_kv_dtype.itemsize
+    row_bytes = config.kv_width * elem  # one token, one layer: (D + R) * bytes
+    num_groups = config.num_groups
+    budget_bytes = float(budget_gb) * GB
+
+    kv_per_token = config.kv_bytes_per_token
+    index_per_token = config.index_bytes_per_token
+    kappa = config.bytes_per_token
+    request_kv = context * kv_per_token
+    request_index = context * index_per_token
+    request = context * kappa
+
+    hot_cache = hot_slots * num_layers * row_bytes
+    tails = 2 * tail_block * num_layers * row_bytes
+    slot_maps = INT32_BYTES * num_groups * (context + hot_slots)
+    offload_device = hot_cache + tails + request_index + slot_maps
+
+    num_chunks = -(-context // chunk)
+    # History rows loaded before chunk c: c * chunk (c = 0 .. num_chunks - 1); layer 0 is pinned.
+    history_rows = chunk * num_chunks * (num_chunks - 1) // 2
+    reload = (num_layers - 1) * row_bytes * history_rows
+
+    return CapacityPlan(
+        model=config.name,
+        kv_dtype=config.kv_dtype,
+        num_layers=num_layers,
+        num_groups=num_groups,
+        context=context,
+        budget_bytes=budget_bytes,
+        hot_slots=hot_slots,
+        tail_block=tail_block,
+        num_buffers=num_buffers,
+        prefill_chunk=chunk,
+        kv_bytes_per_token=kv_per_token,
+        index_bytes_per_token=index_per_token,
+        bytes_per_token=kappa,
+        request_kv_bytes=request_kv,
+        request_index_bytes=request_index,
+        request_bytes=request,
+        max_batch_resident=math.floor(budget_bytes / request),
+        hot_cache_bytes=hot_cache,
+        tail_bytes=tails,
+        index_key_bytes=request_index,
+        slot_map_bytes=slot_maps,
+        offload_device_bytes=offload_device,
+        max_batch_offload=math.floor(budget_bytes / offload_device),
+        host_bytes_per_request=request_kv,
+        prefill_resident_kv_bytes=context * num_layers * row_bytes,
+        prefill_offload_kv_bytes=num_buffers * context * row_bytes,
+        prefill_num_chunks=num_chunks,
+        prefill_reload_bytes=reload,
+    )
+
+
+def _gb(num_bytes: float) -> str:
+    return f"{num_bytes / GB:.2f} GB"
+
+
+def _kb(num_bytes: float) -> str:
+    return f"{num_bytes / KB:.2f} kB"
+
+
+def format_plan(plan: CapacityPlan) -> str:
+    """A readable multi-line report of `plan` (decimal GB and kB, two decimals)."""
+    budget = _gb(plan.budget_bytes)
+    chunks = "chunk" if plan.prefill_num_chunks == 1 else "chunks"
+    ratio = plan.prefill_offload_kv_bytes / plan.prefill_resident_kv_bytes
+    rows = [
+        ("bytes per token (kappa)",
+         f"{_kb(plan.bytes_per_token)}  (KV {_kb(plan.kv_bytes_per_token)}"
+         f" + indexer {_kb(plan.index_bytes_per_token)})"),
+        ("one request",
+         f"{_gb(plan.request_bytes)}  (KV {_gb(plan.request_kv_bytes)}"
+         f" + indexer keys {_gb(plan.request_index_bytes)})"),
+        None,
+        "Decode without offload",
+        ("max batch", f"{plan.max_batch_resident}"),
+        None,
+        f"Decode with offload (hot cache C = {plan.hot_slots:,} slots per layer,"
+        f" tail blocks 2 x {plan.tail_block} tokens)",
+        ("hot-cache KV", _gb(plan.hot_cache_bytes)),
+        ("tail blocks", _gb(plan.tail_bytes)),
+        ("indexer keys + slot maps",
+         f"{_gb(plan.index_key_bytes + plan.slot_map_bytes)}  (keys {_gb(plan.index_key_bytes)}"
+         f" + maps {_gb(plan.slot_map_bytes)})"),
+        ("device bytes per request", _gb(plan.offload_device_bytes)),
+        ("host KV per request", _gb(plan.host_bytes_per_request)),
+        ("max batch", f"{plan.max_batch_offload}"),
+        None,
+        f"Prefill (chunk {plan.prefill_chunk:,} tokens, {plan.prefill_num_chunks:,} {chunks})",
+        (f"device KV, all {plan.num_layers} layers",
+         f"{_gb(plan.prefill_resident_kv_bytes)}  (+ indexer keys {_gb(plan.index_key_bytes)})"),
+        (f"device KV, {plan.num_buffers} buffers",
+         f"{_gb(plan.prefill_offload_kv_bytes)}  (+ indexer keys {_gb(plan.index_key_bytes)};"
+         f" {100 * ratio:.1f}% of resident KV)"),
+        ("history reloaded (H2D)", _gb(plan.prefill_reload_bytes)),
+    ]
+    width = max(len(row[0]) for row in rows if isinstance(row, tuple)) + 2
+    lines = [
+        f"fo-jax plan: {plan.model}, context {plan.context:,} tokens, {plan.kv_dtype} KV,"
+        f" device budget {budget}"
+    ]
+    for row in rows:
+        if row is None:
+            lines.append("")
+        elif isinstance(row, str):
+            lines.append(row)
+        else:
+            label, value = row
+            lines.append(f"  {label + ':':<{width}}{value}")
+    return "\n".join(lines)
