@@ -28,6 +28,11 @@ def decode(tokens) -> str:
     return bytes(int(t) % 256 for t in tokens).decode("utf-8", errors="replace")
 
 
+def printable(text: str) -> str:
+    """Text for a terminal: control characters (but newlines) shown as U+FFFD."""
+    return "".join(ch if ch == "\n" or ch.isprintable() else "\ufffd" for ch in text)
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fo-jax", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -138,7 +143,7 @@ def _cmd_generate(args) -> int:
                           on_step=on_step, progress=not args.no_progress)
     for b in range(args.batch):
         print(f"--- request {b} ---")
-        print(args.prompt + decode(result.tokens[b]))
+        print(printable(args.prompt + decode(result.tokens[b])))
     print("--- summary ---")
     print(f"model: {config.name}   path: {engine.name}   batch: {args.batch}")
     print(f"generated: {result.tokens.size} tokens in {result.seconds:.2f} s "

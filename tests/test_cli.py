@@ -1,0 +1,66 @@
+"""The fo-jax command: the planner's figures, generation, errors."""
+
+import re
+
+import pytest
+
+from fo_jax.cli import decode, encode, main
+
+
+@pytest.mark.parametrize("context,gb,batch", [
+    (64_000, "6.09", 4), (128_000, "12.19", 2), (256_000, "24.38", 1),
+    (512_000, "48.76", 0), (1_024_000, "97.52", 0),
+])
+def test_plan_reproduces_the_glm52_figures(capsys, context, gb, batch):
+    assert main(["plan", "--model", "glm52", "--context", str(context)]) == 0
+    out = capsys.readouterr().out
+    assert "95.23 kB" in out and "89.86 kB" in out and "5.38 kB" in out
+    assert re.search(rf"one request:\s+{gb} GB", out)
+    no_offload = out.split("Decode without offload")[1].split("Decode with offload")[0]
+    assert re.search(rf"max batch:\s+{batch}\b", no_offload)
+
+
+def test_plan_hot_cache_figures(capsys):
+    assert main(["plan", "--model", "glm52", "--context", "128000", "--hot-slots", "16384"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"hot-cache KV:\s+1.47 GB", out)
+    assert re.search(r"indexer keys \+ slot maps:\s+0.70 GB", out)
+    assert "4 buffers" in out
+
+
+def test_generate_offload_check_passes(capsys):
+    code = main(["generate", "--offload", "--check", "--max-new-tokens", "6", "--prompt",
+                 "hello offload world, " * 4, "--hot-slots", "64", "--page-size", "8",
+                 "--no-progress", "--batch", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "hello offload world" in out
+    assert "tokens/s" in out and "context length: 89 tokens" in out
+    assert "hit rate" in out and "bytes moved per token" in out
+    assert re.search(r"KV bytes on device: .*resident model: ", out)
+    assert "bitwise equal to the resident model's over 5 decode steps" in out
+
+
+def test_generate_resident_with_sampling(capsys):
+    code = main(["generate", "--max-new-tokens", "4", "--temperature", "0.8", "--top-p", "0.9",
+                 "--prompt", "abc", "--no-progress"])
+    assert code == 0
+    assert "path: resident" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "--check"], "--check compares the offloaded path with the resident one"),
+    (["generate", "--model", "nope"], "unknown model preset 'nope'"),
+    (["generate", "--offload", "--hot-slots", "20"], "hot_slots=20 < index_topk"),
+    (["generate", "--offload", "--policy", "mru"], "unknown eviction policy 'mru'"),
+    (["plan", "--context", "0"], "context"),
+])
+def test_errors_exit_2_with_a_message(capsys, argv, message):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_byte_tokenizer_round_trip():
+    text = "héllo, wörld"
+    assert decode(encode(text)) == text
+    assert max(encode(text)) < 256
