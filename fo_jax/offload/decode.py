@@ -108,26 +108,28 @@ def host_write_rows(host_kv, rows_kv, positions, *, on_host: bool):
     return flat_kv.reshape(host_kv.shape)
 
 
-def gather_attend(rows_l, host_kv, layer, plan: GroupPlan, q_lat, q_pe, *, scale: float,
+def gather_attend(hot, host_kv, layer, plan: GroupPlan, q_lat, q_pe, *, scale: float,
                   chunk: int, on_host: bool):
     """CopySFA logic for one layer, in XLA: install the misses, gather, attend.
 
     Args:
-      rows_l: [B, C + 2Z, D+R] the layer's device rows (new tokens already in the tail).
+      hot: [L, B, C + 2Z, D+R] device rows of every layer (new tokens already in the tail).
       host_kv: host pages; layer: [] int; plan: the group's plan; q_lat [B, W, H, D],
       q_pe [B, W, H, R].
     Returns:
-      (rows_l with every miss written into its victim slot, out [B, W, H, D] float32).
-    Touches ceil(misses / chunk) * chunk host rows and W K device rows.
+      (hot with every miss of this layer written into its victim slot,
+       out [B, W, H, D] float32).
+    Touches ceil(misses / chunk) * chunk host rows and W K + M device rows: scatters and gathers
+    index the full array directly, so no layer-sized slice is copied.
     """
-    batch, rows_total = rows_l.shape[0], rows_l.shape[1]
+    batch, rows_total = hot.shape[1], hot.shape[2]
     b2 = jnp.arange(batch)[:, None]
     fetched = host_gather_rows(host_kv, layer, plan.miss_tokens, plan.num_miss, chunk=chunk,
                                on_host=on_host)
-    rows_l = rows_l.at[b2, jnp.where(plan.victims >= 0, plan.victims, rows_total)].set(
+    hot = hot.at[layer, b2, jnp.where(plan.victims >= 0, plan.victims, rows_total)].set(
         fetched, mode="drop")
-    gathered = rows_l[b2[:, :, None], plan.read_row]
-    return rows_l, sparse_attention(q_lat, q_pe, gathered, plan.mask, scale=scale)
+    gathered = hot[layer, b2[:, :, None], plan.read_row]
+    return hot, sparse_attention(q_lat, q_pe, gathered, plan.mask, scale=scale)
 
 
 class OffloadBackend:
@@ -165,10 +167,9 @@ class OffloadBackend:
         tail_row = oc.hot_slots + ((write_pos // oc.page_size) % 2) * oc.page_size \
             + write_pos % oc.page_size
         hot = hot.at[l, rows, tail_row].set(kv_new)
-        rows_l, out = gather_attend(hot[l], self.host_kv, l, plan, q_lat, q_pe,
-                                    scale=softmax_scale(self.config), chunk=oc.miss_chunk,
-                                    on_host=self.on_host)
-        hot = jax.lax.dynamic_update_index_in_dim(hot, rows_l, l, axis=0)
+        hot, out = gather_attend(hot, self.host_kv, l, plan, q_lat, q_pe,
+                                 scale=softmax_scale(self.config), chunk=oc.miss_chunk,
+                                 on_host=self.on_host)
         return {**carry, "hot": hot}, out
 
 

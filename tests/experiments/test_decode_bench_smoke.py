@@ -1,0 +1,30 @@
+"""The decode benchmark's smoke mode runs and reports both questions as JSON lines."""
+
+import importlib.util
+import json
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("decode_bench",
+                                                  ROOT / "experiments" / "decode_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_smoke(tmp_path, capsys):
+    out = tmp_path / "bench.jsonl"
+    rows = _load().main(["--smoke", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "management per step" in printed and "whole decode step" in printed
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == len(rows) == 2 * 3 + 1
+    management = [r for r in lines if r["question"] == "management"]
+    assert {r["policy"] for r in management} == {"ring", "lru"}
+    assert all(r["seconds"] > 0 for r in management)
+    assert all(r["jax"] and r["backend"] and r["git"] for r in lines)
+    step = [r for r in lines if r["question"] == "step"][0]
+    assert step["ratio"] > 0 and 0 <= step["hit_rate"] <= 1
