@@ -25,7 +25,8 @@ import numpy as np
 
 from fo_jax.config import ModelConfig
 from fo_jax.model.attention import dense_attention, softmax_scale, sparse_attention
-from fo_jax.model.forward import forward
+from fo_jax.kernels import interpret_params, resolve_implementation
+from fo_jax.model.forward import forward, xla_select
 
 
 @jax.tree_util.register_dataclass
@@ -78,10 +79,28 @@ class ResidentState:
 
 
 class ResidentBackend:
-    """Backend of `forward` over (kv, index_keys): the whole cache on device."""
+    """Backend of `forward` over (kv, index_keys): the whole cache on device.
 
-    def __init__(self, config: ModelConfig, dense: bool):
+    With implementation="pallas" the selection runs LIM (with no hot cache: every slot -1) and
+    the attention runs CopySFA over the whole cache with no misses, so an offloaded step on the
+    Pallas path can be compared bit for bit with a resident step on the same kernels.
+    """
+
+    def __init__(self, config: ModelConfig, dense: bool, implementation: str = "xla",
+                 interpret=False):
         self.config, self.dense = config, dense
+        self.implementation, self.interpret = implementation, interpret_params(interpret)
+
+    def select(self, carry, g, q, w, visible, k):
+        kv, ik = carry
+        if self.implementation == "pallas":
+            from pallas_kernels.lim import lim
+
+            no_slots = jnp.full(ik.shape[:3], -1, jnp.int32)
+            tokens, _, _ = lim(q, w, ik, no_slots, visible.astype(jnp.int32), k=k, group=g,
+                               interpret=self.interpret)
+            return tokens, tokens >= 0, None
+        return xla_select(ik[g], q, w, visible, k)
 
     def write_index_keys(self, carry, g, keys, write_pos):
         kv, ik = carry
@@ -92,7 +111,7 @@ class ResidentBackend:
     def index_keys(self, carry, g):
         return carry[1][g]
 
-    def plan_group(self, carry, g, tokens, mask):
+    def plan_group(self, carry, g, tokens, mask, slots):
         return carry, (tokens, mask)
 
     def attend(self, carry, l, g, plan, q_lat, q_pe, kv_new, write_pos):
@@ -107,17 +126,30 @@ class ResidentBackend:
                       & (write_pos < kv.shape[2])[..., None])
             return (kv, ik), dense_attention(q_lat, q_pe, kv[l], causal, scale=scale)
         tokens, mask = plan
+        if self.implementation == "pallas":
+            from pallas_kernels.copy_sfa import copy_sfa
+
+            batch = kv.shape[1]
+            none = jnp.full((batch, 1), -1, jnp.int32)
+            no_host = jnp.zeros(kv.shape[:2] + (1, kv.shape[3]), kv.dtype)
+            out, kv = copy_sfa(q_lat, q_pe, kv, no_host, jnp.where(mask, tokens, -1), none, none,
+                               jnp.zeros((batch,), jnp.int32), scale=scale, layer=l,
+                               interpret=self.interpret)
+            return (kv, ik), out
         gathered = kv[l, rows[:, :, None], jnp.where(mask, tokens, 0)]
         return (kv, ik), sparse_attention(q_lat, q_pe, gathered, mask, scale=scale)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "dense"), donate_argnames=("state",))
-def _forward_jit(params, state: ResidentState, tokens, num_new, *, config, dense):
+@functools.partial(jax.jit, static_argnames=("config", "dense", "implementation", "interpret"),
+                   donate_argnames=("state",))
+def _forward_jit(params, state: ResidentState, tokens, num_new, *, config, dense,
+                 implementation="xla", interpret=False):
     num_t = tokens.shape[1]
     offsets = jnp.arange(num_t, dtype=jnp.int32)
     positions = state.lengths[:, None] + offsets[None, :]
     write_pos = jnp.where(offsets[None, :] < num_new[:, None], positions, state.capacity)
-    logits, (kv, ik) = forward(params, tokens, positions, write_pos, ResidentBackend(config, dense),
+    backend = ResidentBackend(config, dense, implementation, interpret)
+    logits, (kv, ik) = forward(params, tokens, positions, write_pos, backend,
                                (state.kv, state.index_keys), config=config, dense=dense)
     new_state = ResidentState(kv=kv, index_keys=ik, lengths=state.lengths + num_new)
     return logits, new_state
@@ -149,12 +181,16 @@ def prefill(params, state: ResidentState, tokens, num_new=None, *, config: Model
 
 
 def decode_step(params, state: ResidentState, tokens, *, config: ModelConfig,
-                dense: bool = False, check: bool = True):
+                dense: bool = False, check: bool = True, implementation: str | None = None,
+                interpret=False):
     """One decode step of W query tokens per request: logits [B, W, V] and the new state.
 
     tokens: [B, W], W <= config.max_ways (the current token and W - 1 draft tokens); all W are
     appended. Jitted with the state donated; one trace per (B, W).
+    implementation: "xla", "pallas" (LIM + CopySFA kernels; `interpret=True` off TPU) or None
+    (by backend): see fo_jax.kernels.
     """
+    implementation = resolve_implementation(implementation, interpret)
     tokens = jnp.asarray(tokens)
     num_w = _check_tokens(tokens, state, config)
     if num_w > config.max_ways:
@@ -163,8 +199,12 @@ def decode_step(params, state: ResidentState, tokens, *, config: ModelConfig,
     num_new = jnp.full((state.batch,), num_w, jnp.int32)
     if check:
         _check_values(tokens, num_new, state, config)
+    if implementation == "pallas" and dense:
+        raise ValueError("dense=True attends to every token: there is no selection for the "
+                         "Pallas kernels to run; use implementation='xla'")
     return _forward_jit(params, state, tokens.astype(jnp.int32), num_new, config=config,
-                        dense=dense)
+                        dense=dense, implementation=implementation,
+                        interpret=interpret_params(interpret))
 
 
 def _check_tokens(tokens, state, config) -> int:

@@ -7,12 +7,16 @@ path keeps a hot cache and reads misses from host memory). A backend implements:
 
     write_index_keys(carry, g, keys[B, T, N], write_pos[B, T]) -> carry
     index_keys(carry, g) -> [B, S, N]
-    plan_group(carry, g, tokens[B, T, K], mask[B, T, K]) -> (carry, plan)
+    select(carry, g, q[B, T, I, N], w[B, T, I], visible[B, T], k)
+        -> (tokens[B, T, K], mask[B, T, K], slots[B, T, K] or None)
+    plan_group(carry, g, tokens, mask, slots) -> (carry, plan)
     attend(carry, l, g, plan, q_lat, q_pe, kv_new[B, T, D+R], write_pos) -> (carry, out[B, T, H, D])
 
 `carry` is the backend's pytree state (threaded through the loops). Every backend must call the
-same `sparse_attention` on rows gathered in the selection's canonical order: the math after
-the gather is this module's, so paths differ only in where rows come from.
+same `sparse_attention` (or the same kernel) on rows gathered in the selection's canonical order:
+the math after the gather is shared, so paths differ only in where rows come from.
+`xla_select` is the XLA selection (scores, then `select_topk`); `slots` is what a fused
+selection (LIM) looked up on the way, None otherwise.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from fo_jax.model.layers import F32, rms_norm, swiglu_mlp
 class Backend(Protocol):
     def write_index_keys(self, carry, g: int, keys, write_pos): ...
     def index_keys(self, carry, g: int): ...
-    def plan_group(self, carry, g: int, tokens, mask) -> tuple[Any, Any]: ...
+    def select(self, carry, g: int, q, w, visible, k: int): ...
+    def plan_group(self, carry, g: int, tokens, mask, slots) -> tuple[Any, Any]: ...
     def attend(self, carry, l, g: int, plan, q_lat, q_pe, kv_new, write_pos): ...
 
 
@@ -63,9 +68,9 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, write_pos: ja
         else:
             qr = query_lowrank(first, h, config=config)
             q_i, w_i = indexer_queries(ip, qr, h, positions, config=config)
-            scores = indexer_scores(q_i, w_i, backend.index_keys(carry, g))
-            selected, mask = select_topk(scores, positions + 1, config.index_topk)
-            carry, plan = backend.plan_group(carry, g, selected, mask)
+            selected, mask, slots = backend.select(carry, g, q_i, w_i, positions + 1,
+                                                   config.index_topk)
+            carry, plan = backend.plan_group(carry, g, selected, mask, slots)
 
         def body(l, state, g=g, plan=plan):
             x, carry = state
@@ -83,3 +88,9 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, write_pos: ja
     x = rms_norm(x, params["norm"], config.norm_eps)
     logits = jnp.matmul(x, params["head"]).astype(F32)
     return logits, carry
+
+
+def xla_select(keys, q, w, visible, k: int):
+    """The XLA selection: indexer scores over all S keys [B, S, N], then `select_topk`."""
+    tokens, mask = select_topk(indexer_scores(q, w, keys), visible, k)
+    return tokens, mask, None

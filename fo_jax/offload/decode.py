@@ -26,7 +26,8 @@ import numpy as np
 
 from fo_jax.config import ModelConfig
 from fo_jax.model.attention import softmax_scale, sparse_attention
-from fo_jax.model.forward import forward
+from fo_jax.kernels import interpret_params, resolve_implementation
+from fo_jax.model.forward import forward, xla_select
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.offload.manage import GroupPlan, GroupStats, manage_group
 from fo_jax.offload.state import CacheSlots, DecodeState, HostPages, PolicyState
@@ -135,9 +136,11 @@ def gather_attend(hot, host_kv, layer, plan: GroupPlan, q_lat, q_pe, *, scale: f
 class OffloadBackend:
     """Backend of `forward` over the decode state (see fo_jax.model.forward)."""
 
-    def __init__(self, config: ModelConfig, offload: OffloadConfig, host_kv, tail_start, step):
+    def __init__(self, config: ModelConfig, offload: OffloadConfig, host_kv, tail_start, step,
+                 implementation: str = "xla", interpret=False):
         self.config, self.offload = config, offload
         self.host_kv, self.tail_start, self.step = host_kv, tail_start, step
+        self.implementation, self.interpret = implementation, interpret
         self.on_host = offload.host_memory_kind != "device"
         # (GroupStats, selection) of each group, in group order. plan_group runs at trace time
         # outside the layer loops, so the stats need not ride in any loop carry.
@@ -152,11 +155,22 @@ class OffloadBackend:
     def index_keys(self, carry, g):
         return carry["index_keys"][g]
 
-    def plan_group(self, carry, g, tokens, mask):
+    def select(self, carry, g, q, w, visible, k):
+        ik = carry["index_keys"]
+        if self.implementation == "pallas":
+            from pallas_kernels.lim import lim
+
+            # LIM: scores and the slot lookup in one pass over the group's keys and map.
+            tokens, slots, _ = lim(q, w, ik, carry["slots"][0], visible.astype(jnp.int32),
+                                   k=k, group=g, interpret=self.interpret)
+            return tokens, tokens >= 0, slots
+        return xla_select(ik[g], q, w, visible, k)
+
+    def plan_group(self, carry, g, tokens, mask, slots):
         oc = self.offload
         plan, stats, slots, policy = manage_group(
             tokens, mask, carry["slots"], carry["policy"], g, self.tail_start, self.step,
-            policy=oc.policy, hot_slots=oc.hot_slots, page_size=oc.page_size)
+            policy=oc.policy, hot_slots=oc.hot_slots, page_size=oc.page_size, looked_up=slots)
         self.group_stats.append((stats, tokens))
         return {**carry, "slots": slots, "policy": policy}, plan
 
@@ -167,19 +181,33 @@ class OffloadBackend:
         tail_row = oc.hot_slots + ((write_pos // oc.page_size) % 2) * oc.page_size \
             + write_pos % oc.page_size
         hot = hot.at[l, rows, tail_row].set(kv_new)
+        if self.implementation == "pallas":
+            from pallas_kernels.copy_sfa import copy_sfa
+
+            # CopySFA: hits from the hot cache, misses from host pages straight into their
+            # victim slots and the attention workspace, in the canonical order.
+            num_l, batch, pages, page, width = self.host_kv.shape
+            host = self.host_kv.reshape(num_l, batch, pages * page, width)
+            out, hot = copy_sfa(q_lat, q_pe, hot, host, jnp.where(plan.mask, plan.read_row, -1),
+                                plan.miss_tokens, plan.victims, plan.num_miss,
+                                scale=softmax_scale(self.config), layer=l,
+                                interpret=self.interpret)
+            return {**carry, "hot": hot}, out
         hot, out = gather_attend(hot, self.host_kv, l, plan, q_lat, q_pe,
                                  scale=softmax_scale(self.config), chunk=oc.miss_chunk,
                                  on_host=self.on_host)
         return {**carry, "hot": hot}, out
 
 
-@functools.partial(jax.jit, static_argnames=("config", "offload"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "offload", "implementation", "interpret"),
+                   donate_argnames=("state",))
 def _decode_jit(params, state: DecodeState, tokens, *, config: ModelConfig,
-                offload: OffloadConfig):
+                offload: OffloadConfig, implementation: str = "xla", interpret=False):
     batch, ways = tokens.shape
     positions = state.lengths[:, None] + jnp.arange(ways, dtype=jnp.int32)[None, :]
     tail_start = (state.lengths // offload.page_size) * offload.page_size
-    backend = OffloadBackend(config, offload, state.host.kv, tail_start, state.step)
+    backend = OffloadBackend(config, offload, state.host.kv, tail_start, state.step,
+                             implementation, interpret)
     p = state.policy
     carry = {
         "hot": state.hot,
@@ -221,14 +249,23 @@ def _decode_jit(params, state: DecodeState, tokens, *, config: ModelConfig,
 
 
 def decode_step(params, state: DecodeState, tokens, *, config: ModelConfig,
-                offload: OffloadConfig, check: bool = True):
+                offload: OffloadConfig, check: bool = True, implementation: str | None = None,
+                interpret=False):
     """One offloaded decode step: (logits [B, W, V], new state, DecodeStats).
 
     tokens: [B, W] with W <= config.max_ways. The state is donated: use the returned one.
+    implementation: "xla", "pallas" (LIM + CopySFA; off TPU only with `interpret`, and then the
+    host pages must be in "device" memory kind: a jit mixing an interpret-mode kernel with a
+    host-memory array fails in JAX) or None (by backend): see fo_jax.kernels.
     Shapes are always validated; with `check`, token ids and host capacity are validated
     against concrete values too (a read of `state.lengths`). Errors are raised before any
     state changes.
     """
+    implementation = resolve_implementation(implementation, interpret)
+    if implementation == "pallas" and interpret and offload.host_memory_kind != "device":
+        raise NotImplementedError(
+            "the Pallas kernels in interpret mode cannot share a jit with a host-memory array "
+            "(a JAX bug); use OffloadConfig(host_memory_kind='device') under interpret mode")
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be an int array [batch, W], got {tokens.dtype} "
@@ -244,4 +281,5 @@ def decode_step(params, state: DecodeState, tokens, *, config: ModelConfig,
         check_token_values(tokens, config)
         check_capacity(state.lengths, np.full(state.batch, ways), state.capacity, config,
                        what="the host pages'")
-    return _decode_jit(params, state, tokens.astype(jnp.int32), config=config, offload=offload)
+    return _decode_jit(params, state, tokens.astype(jnp.int32), config=config, offload=offload,
+                       implementation=implementation, interpret=interpret_params(interpret))

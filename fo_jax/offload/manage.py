@@ -65,19 +65,22 @@ class GroupStats:
     union: jax.Array
 
 
-def lookup(tokens, mask, token_to_slot, g, tail_start, *, hot_slots: int, page_size: int):
+def lookup(tokens, mask, token_to_slot, g, tail_start, *, hot_slots: int, page_size: int,
+           slots=None):
     """Classify each selected token.
 
     Args:
       tokens, mask: [B, W, K] the selection; token_to_slot: [G, B, S]; g: the group;
-      tail_start: [B].
+      tail_start: [B]; slots: [B, W, K] the slots a fused selection (LIM) already looked up
+        (-1 = not resident), or None to look them up here.
     Returns:
       slot [B, W, K] (-1 unless a hit), hit, tail, miss [B, W, K] bool, tail_row [B, W, K].
     Touches W K entries of token_to_slot.
     """
     rows = jnp.arange(tokens.shape[0])[:, None, None]
     safe = jnp.where(mask, tokens, 0)
-    slot = jnp.where(mask, token_to_slot[g, rows, safe], -1)
+    found = token_to_slot[g, rows, safe] if slots is None else slots
+    slot = jnp.where(mask, found, -1)
     tail = mask & (safe >= tail_start[:, None, None])
     hit = mask & ~tail & (slot >= 0)
     miss = mask & ~tail & (slot < 0)
@@ -156,7 +159,7 @@ def choose_victims(policy: str, hand, last_used, key, stamp, g, step, num_miss, 
 
 
 def manage_group(tokens, mask, slots, policy_state, g: int, tail_start, step, *, policy: str,
-                 hot_slots: int, page_size: int):
+                 hot_slots: int, page_size: int, looked_up=None):
     """One step of hot-cache management for group g (see the module docstring).
 
     Args:
@@ -164,6 +167,7 @@ def manage_group(tokens, mask, slots, policy_state, g: int, tail_start, step, *,
       slots: (token_to_slot [G, B, S], slot_to_token [G, B, C]).
       policy_state: (stamp [G, B, C], hand [G, B], last_used [G, B, C] or [G, B, 0], key [2]).
       g: the group (static); tail_start: [B]; step: [].
+      looked_up: [B, W, K] slots already found by a fused selection (LIM), or None.
     Returns:
       (plan: GroupPlan, stats: GroupStats, slots, policy_state), updated by scatters that touch
       only the indexed entries of the full arrays (no per-group slice is copied).
@@ -175,7 +179,8 @@ def manage_group(tokens, mask, slots, policy_state, g: int, tail_start, step, *,
     rows2 = jnp.arange(batch)[:, None]
     rows3 = rows2[:, :, None]
     slot, hit, tail, miss, tail_row = lookup(tokens, mask, token_to_slot, g, tail_start,
-                                             hot_slots=hot_slots, page_size=page_size)
+                                             hot_slots=hot_slots, page_size=page_size,
+                                             slots=looked_up)
     miss_tokens, num_miss = union_misses(tokens, miss)
     # Protect this step's hits.
     stamp = stamp.at[g, rows3, jnp.where(hit, slot, hot_slots)].set(step, mode="drop")
