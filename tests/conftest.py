@@ -2,9 +2,16 @@
 
 import os
 
-import jax
-import numpy as np
-from hypothesis import HealthCheck, settings
+from jaxtyping import install_import_hook
+
+# Runtime shape checks of the jaxtyping annotations of the array functions (model and cache
+# management; the state pytrees are left unchecked: JAX rebuilds them with non-array leaves), in
+# tests only. The hook must be installed before the packages are first imported.
+_HOOK = install_import_hook(["fo_jax.model", "fo_jax.offload.manage"], "beartype.beartype")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
     "ci", derandomize=True, deadline=None, print_blob=True,

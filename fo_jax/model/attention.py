@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from fo_jax.model.layers import F32, rms_norm, rope
+from fo_jax.typing import Array, Bool, Float
 
 
 def query_lowrank(lp: dict, h: jax.Array, *, config) -> jax.Array:
@@ -49,7 +50,9 @@ def attention_inputs(lp: dict, h: jax.Array, qr: jax.Array, positions: jax.Array
     return q_lat, q_pe.astype(F32), kv_new
 
 
-def sparse_attention(q_lat, q_pe, rows, mask, *, scale: float) -> jax.Array:
+def sparse_attention(q_lat: Float[Array, "B T H D"], q_pe: Float[Array, "B T H R"],
+                     rows: Float[Array, "B T K DR"], mask: Bool[Array, "B T K"], *,
+                     scale: float) -> Float[Array, "B T H D"]:
     """Attention of each query over its own K gathered rows, in the given order.
 
     Args:
@@ -68,7 +71,9 @@ def sparse_attention(q_lat, q_pe, rows, mask, *, scale: float) -> jax.Array:
     return _softmax_combine(logits, mask[:, :, None, :], c_kv, "bthk,btkd->bthd")
 
 
-def dense_attention(q_lat, q_pe, cache, mask, *, scale: float) -> jax.Array:
+def dense_attention(q_lat: Float[Array, "B T H D"], q_pe: Float[Array, "B T H R"],
+                    cache: Float[Array, "B S DR"], mask: Bool[Array, "B T S"], *,
+                    scale: float) -> Float[Array, "B T H D"]:
     """Attention of each query over all S cached rows, restricted by mask [B, T, S].
 
     cache: [B, S, D + R]. The reference `sparse_attention` is checked against (masked to exactly

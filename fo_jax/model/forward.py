@@ -21,7 +21,7 @@ selection (LIM) looked up on the way, None otherwise.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,7 @@ from fo_jax.model.indexer import indexer_keys, indexer_queries, indexer_scores, 
 from fo_jax.model.layers import F32, rms_norm, swiglu_mlp
 
 
+@runtime_checkable
 class Backend(Protocol):
     def write_index_keys(self, carry, g: int, keys, write_pos): ...
     def index_keys(self, carry, g: int): ...

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from fo_jax.model.layers import F32, fp8_simulate, hadamard_rotate, layer_norm, rope
+from fo_jax.typing import Array, Bool, Float, Int
 
 
 def indexer_keys(ip: dict, h: jax.Array, positions: jax.Array, *, config) -> jax.Array:
@@ -58,7 +59,8 @@ def indexer_queries(ip: dict, qr: jax.Array, h: jax.Array, positions: jax.Array,
     return q, w
 
 
-def indexer_scores(q: jax.Array, w: jax.Array, keys: jax.Array) -> jax.Array:
+def indexer_scores(q: Float[Array, "B T I N"], w: Float[Array, "B T I"],
+                   keys: Float[Array, "B S N"]) -> Float[Array, "B T S"]:
     """score[b, t, s] = sum_h w[b, t, h] * relu(q[b, t, h] . keys[b, s]), float32.
 
     q: [B, T, I, N]; w: [B, T, I]; keys: [B, S, N]. Touches all S keys (the indexer's job).
@@ -67,7 +69,8 @@ def indexer_scores(q: jax.Array, w: jax.Array, keys: jax.Array) -> jax.Array:
     return jnp.einsum("btis,bti->bts", jax.nn.relu(dots), w)
 
 
-def select_topk(scores: jax.Array, visible: jax.Array, k: int):
+def select_topk(scores: Float[Array, "B T S"], visible: Int[Array, "B T"],
+                k: int) -> tuple[Int[Array, "B T K"], Bool[Array, "B T K"]]:
     """The project's selection rule: exact top-k over the causal prefix, canonical order.
 
     Args:

@@ -23,6 +23,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from fo_jax.typing import Array, Bool, Int
+
 BIG = jnp.iinfo(jnp.int32).max
 
 
@@ -88,7 +90,8 @@ def lookup(tokens, mask, token_to_slot, g, tail_start, *, hot_slots: int, page_s
     return slot, hit, tail, miss, tail_row
 
 
-def union_misses(tokens, miss):
+def union_misses(tokens: Int[Array, "B W K"],
+                 miss: Bool[Array, "B W K"]) -> tuple[Int[Array, "B M"], Int[Array, "B"]]:
     """The W ways' misses united: ([B, M] ascending tokens, -1 padding; [B] count), M = W K.
 
     Sorts W K values per request.

@@ -2,7 +2,9 @@
 
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
+import pytest
 
 from fo_jax.model.attention import dense_attention, sparse_attention
 from fo_jax.model.indexer import select_topk
@@ -57,3 +59,12 @@ def test_same_rows_same_order_is_bitwise():
     a = jax.jit(sparse_attention, static_argnames="scale")(q_lat, q_pe, rows, mask, scale=0.2)
     b = sparse_attention(q_lat, q_pe, jnp.array(rows), mask, scale=0.2)
     np.testing.assert_array_equal(a, b)
+
+
+def test_shape_annotations_are_checked_in_tests():
+    # The tests' import hook makes jaxtyping check the axis letters: a mask whose K differs
+    # from the rows' K is caught at the call, before any math runs.
+    q_lat, q_pe, cache = _inputs(4)
+    rows = jnp.zeros((2, 3, 5, cache.shape[-1]))
+    with pytest.raises(jaxtyping.TypeCheckError):
+        sparse_attention(q_lat, q_pe, rows, jnp.ones((2, 3, 4), bool), scale=1.0)
