@@ -64,3 +64,22 @@ def test_byte_tokenizer_round_trip():
     text = "héllo, wörld"
     assert decode(encode(text)) == text
     assert max(encode(text)) < 256
+
+
+def test_check_names_step_and_position_on_a_difference(capsys, monkeypatch):
+    from fo_jax import generate as gen
+
+    original = gen.OffloadEngine.step
+    calls = []
+
+    def perturbed(self, tokens):
+        logits = original(self, tokens)
+        calls.append(1)
+        return logits.at[0, 0, 7].add(1.0) if len(calls) == 3 else logits
+
+    monkeypatch.setattr(gen.OffloadEngine, "step", perturbed)
+    code = main(["generate", "--offload", "--check", "--max-new-tokens", "5", "--prompt",
+                 "abcdefgh" * 3, "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "CHECK FAILED: step 2: request 0, position 26, logit 7" in out

@@ -1,0 +1,57 @@
+"""Sampling and the generation loop over both engines."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fo_jax import generate as gen
+from fo_jax.config import get_config
+from fo_jax.model.dsa import init_params
+from fo_jax.offload.config import OffloadConfig
+
+CONFIG = get_config("tiny")
+
+
+def test_sample_greedy_and_top_p():
+    logits = jnp.log(jnp.array([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3]]))
+    np.testing.assert_array_equal(gen.sample(logits, jax.random.key(0), temperature=0.0,
+                                             top_p=1.0), [1, 0])
+    # top_p small: only the most likely token survives, whatever the key.
+    for seed in range(5):
+        got = gen.sample(logits, jax.random.key(seed), temperature=1.0, top_p=0.05)
+        np.testing.assert_array_equal(got, [1, 0])
+    # top_p = 0.8 keeps {1, 2} for row 0 (0.6 + 0.3 reaches it), never token 0.
+    draws = np.stack([gen.sample(logits, jax.random.key(s), temperature=1.0, top_p=0.8)
+                      for s in range(60)])
+    assert set(draws[:, 0]) == {1, 2}
+    assert set(draws[:, 1]) <= {0, 2}
+
+
+def test_offload_engine_generates_the_resident_tokens():
+    params = init_params(CONFIG, jax.random.key(0))
+    prompts = [list(range(40, 90)), list(range(100, 133))]
+    kwargs = dict(max_new_tokens=12, temperature=0.7, top_p=0.9, key=jax.random.key(3))
+    res = gen.generate(gen.ResidentEngine(params, CONFIG, batch=2, capacity=128), prompts,
+                       **kwargs)
+    offload = OffloadConfig(hot_slots=64, page_size=8, capacity=128)
+    off = gen.generate(gen.OffloadEngine(params, CONFIG, offload=offload, batch=2), prompts,
+                       **kwargs)
+    np.testing.assert_array_equal(off.tokens, res.tokens)
+    np.testing.assert_array_equal(off.context_length, [61, 44])
+    assert 0 <= off.extra["hit_rate"] <= 1 and off.extra["h2d_bytes_per_token"] >= 0
+    assert off.device_kv_bytes < res.device_kv_bytes
+
+
+def test_generate_validates_before_running():
+    params = init_params(CONFIG, jax.random.key(0))
+    engine = gen.ResidentEngine(params, CONFIG, batch=1, capacity=32)
+    with pytest.raises(ValueError, match=r"needs 40 positions; the engine holds 32"):
+        gen.generate(engine, [[1] * 30], max_new_tokens=10)
+    with pytest.raises(ValueError, match=r"max_new_tokens=0 must be >= 1"):
+        gen.generate(engine, [[1]], max_new_tokens=0)
+    with pytest.raises(ValueError, match=r"every prompt needs at least one token"):
+        gen.generate(engine, [[]], max_new_tokens=1)
+    with pytest.raises(ValueError, match=r"token id 300 at \[0, 0\]"):
+        gen.generate(engine, [[300]], max_new_tokens=1)
+    assert int(engine.state.lengths[0]) == 0
