@@ -54,6 +54,10 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--policy", default="ring", help="eviction policy: ring, lru or random")
     gen.add_argument("--check", action="store_true",
                      help="run the resident model side by side; exit 1 on any difference")
+    gen.add_argument("--implementation", default=None, choices=("xla", "pallas"),
+                     help="decode kernels (default: pallas on TPU, xla elsewhere)")
+    gen.add_argument("--interpret", action="store_true",
+                     help="run the Pallas kernels in TPU interpret mode (slow; off TPU)")
     gen.add_argument("--no-progress", action="store_true")
 
     plan = sub.add_parser("plan", help="capacity planner for a model preset")
@@ -112,17 +116,22 @@ def _cmd_generate(args) -> int:
     if args.offload:
         hot = args.hot_slots or config.index_topk * config.max_ways
         offload = OffloadConfig(hot_slots=hot, page_size=page, capacity=capacity,
-                                policy=args.policy)
-        engine = gen.OffloadEngine(params, config, offload=offload, batch=args.batch)
+                                policy=args.policy,
+                                host_memory_kind="device" if args.interpret else "pinned_host")
+        engine = gen.OffloadEngine(params, config, offload=offload, batch=args.batch,
+                                   implementation=args.implementation, interpret=args.interpret)
     else:
         if args.check:
             raise ValueError("--check compares the offloaded path with the resident one: "
                              "add --offload")
-        engine = gen.ResidentEngine(params, config, batch=args.batch, capacity=capacity)
+        engine = gen.ResidentEngine(params, config, batch=args.batch, capacity=capacity,
+                                    implementation=args.implementation, interpret=args.interpret)
 
     on_step = None
     if args.check:
-        reference = gen.ResidentEngine(params, config, batch=args.batch, capacity=capacity)
+        reference = gen.ResidentEngine(params, config, batch=args.batch, capacity=capacity,
+                                       implementation=args.implementation,
+                                       interpret=args.interpret)
         mismatch = []
 
         def on_step(step, fed, logits):
@@ -176,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             return _cmd_plan(args)
         return _cmd_generate(args)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, NotImplementedError) as err:
         print(f"fo-jax: error: {err}", file=sys.stderr)
         return 2
 

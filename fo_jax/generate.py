@@ -53,8 +53,10 @@ class ResidentEngine:
 
     name = "resident"
 
-    def __init__(self, params, config: ModelConfig, *, batch: int, capacity: int):
+    def __init__(self, params, config: ModelConfig, *, batch: int, capacity: int,
+                 implementation: str | None = None, interpret=False):
         self.params, self.config = params, config
+        self.implementation, self.interpret = implementation, interpret
         self.state = resident.ResidentState.create(config, batch=batch, capacity=capacity)
 
     @property
@@ -68,8 +70,9 @@ class ResidentEngine:
         return logits[jnp.arange(len(lengths)), jnp.asarray(lengths) - 1]
 
     def step(self, tokens) -> jax.Array:
-        logits, self.state = resident.decode_step(self.params, self.state, tokens,
-                                                  config=self.config, check=False)
+        logits, self.state = resident.decode_step(
+            self.params, self.state, tokens, config=self.config, check=False,
+            implementation=self.implementation, interpret=self.interpret)
         return logits
 
     def device_kv_bytes(self) -> int:
@@ -84,9 +87,11 @@ class OffloadEngine:
 
     name = "offload"
 
-    def __init__(self, params, config: ModelConfig, *, offload: OffloadConfig, batch: int):
+    def __init__(self, params, config: ModelConfig, *, offload: OffloadConfig, batch: int,
+                 implementation: str | None = None, interpret=False):
         offload.validate_for(config)
         self.params, self.config, self.offload = params, config, offload
+        self.implementation, self.interpret = implementation, interpret
         self.batch = batch
         self.state: DecodeState | None = None
         self.totals = None
@@ -108,7 +113,7 @@ class OffloadEngine:
     def step(self, tokens) -> jax.Array:
         logits, self.state, stats = offload_decode.decode_step(
             self.params, self.state, tokens, config=self.config, offload=self.offload,
-            check=False)
+            check=False, implementation=self.implementation, interpret=self.interpret)
         counts = {"hits": stats.hits.sum(), "tail_hits": stats.tail_hits.sum(),
                   "misses": stats.misses.sum(), "union": stats.union.sum(),
                   "h2d_bytes": stats.h2d_bytes.sum(), "d2h_bytes": stats.d2h_bytes.sum()}

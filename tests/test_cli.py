@@ -54,6 +54,7 @@ def test_generate_resident_with_sampling(capsys):
     (["generate", "--offload", "--hot-slots", "20"], "hot_slots=20 < index_topk"),
     (["generate", "--offload", "--policy", "mru"], "unknown eviction policy 'mru'"),
     (["plan", "--context", "0"], "context"),
+    (["generate", "--offload", "--implementation", "pallas"], "TPU interpret mode"),
 ])
 def test_errors_exit_2_with_a_message(capsys, argv, message):
     assert main(argv) == 2
