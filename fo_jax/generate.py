@@ -24,6 +24,7 @@ import numpy as np
 from fo_jax import resident
 from fo_jax.config import ModelConfig, sequence_capacity_check
 from fo_jax.offload import decode as offload_decode
+from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.offload.state import DecodeState
 
@@ -83,13 +84,15 @@ class ResidentEngine:
 
 
 class OffloadEngine:
-    """FlashOffloading: prefill on device, then decode with the KV in host memory."""
+    """FlashOffloading end to end: the offloaded prefill (a few layer buffers, KV written back
+    to host pages), the handoff, then offloaded decode steps."""
 
     name = "offload"
 
     def __init__(self, params, config: ModelConfig, *, offload: OffloadConfig, batch: int,
-                 implementation: str | None = None, interpret=False):
+                 implementation: str | None = None, interpret=False, num_buffers: int = 4):
         offload.validate_for(config)
+        self.num_buffers = num_buffers
         self.params, self.config, self.offload = params, config, offload
         self.implementation, self.interpret = implementation, interpret
         self.batch = batch
@@ -102,12 +105,14 @@ class OffloadEngine:
         return self.offload.capacity
 
     def prefill(self, tokens: np.ndarray, lengths: np.ndarray) -> jax.Array:
-        prompt = resident.ResidentState.create(self.config, batch=self.batch,
-                                               capacity=tokens.shape[1])
-        logits, prompt = resident.prefill(self.params, prompt, tokens, lengths,
-                                          config=self.config)
-        self.state = DecodeState.from_resident(prompt.kv, prompt.index_keys, prompt.lengths,
-                                               config=self.config, offload=self.offload)
+        oc = self.offload
+        state = offload_prefill.PrefillState.create(
+            self.config, batch=self.batch, capacity=oc.capacity, page_size=oc.page_size,
+            memory_kind=oc.host_memory_kind)
+        num_buffers = min(self.num_buffers, self.config.num_layers)
+        logits, state = offload_prefill.prefill(self.params, state, tokens, lengths,
+                                                config=self.config, num_buffers=num_buffers)
+        self.state = offload_prefill.to_decode_state(state, config=self.config, offload=oc)
         return logits[jnp.arange(len(lengths)), jnp.asarray(lengths) - 1]
 
     def step(self, tokens) -> jax.Array:

@@ -1,6 +1,6 @@
 """The lightning indexer of DeepSeek-V3.2 and the top-k selection rule of fo_jax.
 
-Per indexer layer (BRIEF section 4):
+Per indexer layer (DeepSeek-V3.2):
   q_I = W_qb_I qr                      (qr: the attention's normed query low-rank state)
   k_I = LayerNorm(W_k x)               (one key per token, cached on device)
   RoPE on the first R dims of q_I and k_I, non-interleaved; both rotated by Hadamard * N^-0.5;

@@ -29,7 +29,7 @@ from fo_jax.model.attention import softmax_scale, sparse_attention
 from fo_jax.kernels import interpret_params, resolve_implementation
 from fo_jax.model.forward import forward, xla_select
 from fo_jax.offload.config import OffloadConfig
-from fo_jax.offload.manage import GroupPlan, GroupStats, manage_group
+from fo_jax.offload.manage import GroupPlan, manage_group
 from fo_jax.offload.state import CacheSlots, DecodeState, HostPages, PolicyState
 from fo_jax.resident import check_capacity, check_token_values
 
@@ -66,6 +66,23 @@ def _to_device(x, on_host: bool):
     return jax.device_put(x, jax.memory.Space.Device) if on_host else x
 
 
+_ROWS = jax.lax.GatherDimensionNumbers(offset_dims=(2,), collapsed_slice_dims=(0, 1),
+                                       start_index_map=(0, 1))
+_WRITE = jax.lax.ScatterDimensionNumbers(update_window_dims=(2,), inserted_window_dims=(0, 1),
+                                         scatter_dims_to_operand_dims=(0, 1))
+
+
+def _host_index(host_kv, layer, tokens):
+    """[B, n, 2] (layer * B + b, token) indices into host_kv viewed as [L * B, P * Z, D+R].
+
+    Two int32 coordinates instead of one flat row index: L * B and P * Z each fit int32 at
+    real sizes, their product does not.
+    """
+    batch = tokens.shape[0]
+    rows = layer * batch + jnp.arange(batch, dtype=jnp.int32)[:, None]
+    return jnp.stack([jnp.broadcast_to(rows, tokens.shape), tokens], axis=-1)
+
+
 def host_gather_rows(host_kv, layer, tokens, count, *, chunk: int, on_host: bool):
     """Rows of `tokens` of one layer, from host pages to the device.
 
@@ -75,23 +92,25 @@ def host_gather_rows(host_kv, layer, tokens, count, *, chunk: int, on_host: bool
     Returns:
       [B, M, D+R] device rows (entries past `count` are unspecified).
     Moves ceil(max(count) / chunk) * chunk rows per request, not M: a while loop whose trip
-    count is the number of chunks actually needed.
+    count is the number of chunks actually needed. Each chunk is one gather on the host array
+    with host-side indices, then one move of just those rows to the device.
     """
     batch, size = tokens.shape
     num_l, _, pages, page, width = host_kv.shape
-    flat_kv = host_kv.reshape(num_l * batch * pages * page, width)
+    rows_kv = host_kv.reshape(num_l * batch, pages * page, width)
     padded = -(-size // chunk) * chunk
     tokens = jnp.pad(jnp.maximum(tokens, 0), ((0, 0), (0, padded - size)))
-    # One flat row index per entry: ((layer * B + b) * S + token).
-    base = (layer * batch + jnp.arange(batch, dtype=jnp.int32)[:, None]) * (pages * page)
-    flat_idx = base + tokens
+    index = _host_index(host_kv, layer, tokens)  # [B, padded, 2]
     out = jnp.zeros((batch, padded, width), host_kv.dtype)
     trips = (jnp.max(count) + chunk - 1) // chunk
 
     def body(i, out):
-        idx = jax.lax.dynamic_slice_in_dim(flat_idx, i * chunk, chunk, axis=1)
-        got = _to_device(flat_kv[_to_host(idx, on_host)], on_host)
-        return jax.lax.dynamic_update_slice_in_dim(out, got, i * chunk, axis=1)
+        idx = jax.lax.dynamic_slice_in_dim(index, i * chunk, chunk, axis=1)
+        got = jax.lax.gather(rows_kv, _to_host(idx, on_host), _ROWS,
+                             slice_sizes=(1, 1, width),
+                             mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+        return jax.lax.dynamic_update_slice_in_dim(out, _to_device(got, on_host), i * chunk,
+                                                   axis=1)
 
     out = jax.lax.fori_loop(0, trips, body, out)
     return out[:, :size]
@@ -100,13 +119,14 @@ def host_gather_rows(host_kv, layer, tokens, count, *, chunk: int, on_host: bool
 def host_write_rows(host_kv, rows_kv, positions, *, on_host: bool):
     """Write new rows [L, B, T, D+R] at token positions [B, T] into host pages (only them)."""
     num_l, batch, pages, page, width = host_kv.shape
-    flat_kv = host_kv.reshape(num_l * batch * pages * page, width)
-    layers = jnp.arange(num_l, dtype=jnp.int32)[:, None, None]
-    b = jnp.arange(batch, dtype=jnp.int32)[None, :, None]
-    flat_idx = ((layers * batch + b) * (pages * page) + positions[None]).reshape(-1)
-    flat_kv = flat_kv.at[_to_host(flat_idx, on_host)].set(
-        _to_host(rows_kv.reshape(-1, width), on_host))
-    return flat_kv.reshape(host_kv.shape)
+    flat = host_kv.reshape(num_l * batch, pages * page, width)
+    layers = jnp.arange(num_l, dtype=jnp.int32)
+    index = jax.vmap(lambda l: _host_index(host_kv, l, positions))(layers)  # [L, B, T, 2]
+    index = index.reshape(num_l * batch, -1, 2)
+    flat = jax.lax.scatter(flat, _to_host(index, on_host),
+                           _to_host(rows_kv.reshape(num_l * batch, -1, width), on_host),
+                           _WRITE, mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    return flat.reshape(host_kv.shape)
 
 
 def gather_attend(hot, host_kv, layer, plan: GroupPlan, q_lat, q_pe, *, scale: float,

@@ -27,8 +27,9 @@ resident path's own. At layer i (`OffloadPrefillBackend.attend`):
 The scheduling point of map entry i is the end of layer i (after its write-back), so a load may
 go to a buffer whose previous layer is <= i; `normalize_onload_layer_map` (shared with the
 pipeline model) rejects everything else before tracing. Loads read whole pages up to the history:
-`history_pages` = ceil(max(lengths) / Z) pages of every request (a static size: one compiled
-program per history length; pass `history_pages` to bucket them), and nothing for a new batch.
+`history_pages` = ceil(max(lengths) / Z) pages of every request of the batch (one rectangular
+slice; a static size, so one compiled program per history length: pass `history_pages` rounded
+up to bucket them), and nothing at all when every request is new.
 Rows of a buffer past the loaded pages are left stale (the previous layer's), or set to NaN with
 `poison=True` so that a stray read shows; real queries never read them.
 
@@ -49,7 +50,7 @@ import numpy as np
 
 from fo_jax.config import ModelConfig
 from fo_jax.model.attention import dense_attention, softmax_scale, sparse_attention
-from fo_jax.model.forward import forward
+from fo_jax.model.forward import forward, xla_select
 from fo_jax.offload.config import MEMORY_KINDS, OffloadConfig
 from fo_jax.offload.decode import host_gather_rows
 from fo_jax.offload.pipeline_model import (
@@ -59,11 +60,10 @@ from fo_jax.offload.pipeline_model import (
     normalize_onload_layer_map,
 )
 from fo_jax.offload.state import (
-    CacheSlots,
     DecodeState,
     HostPages,
-    PolicyState,
     host_sharding,
+    initial_layout,
     to_memory_kind,
 )
 from fo_jax.resident import check_capacity, check_token_values
@@ -163,7 +163,8 @@ class PrefillState:
         """An empty state; host pages are built in host memory (never all on the device).
 
         `fill` is the value of unwritten rows (tests use NaN so a stray read shows);
-        `memory_kind` "device" is for Pallas interpret mode only (see BRIEF section 5).
+        `memory_kind` "device" is for Pallas interpret mode only (a jit holding an interpret-mode
+        kernel and a host-memory array fails in JAX).
         """
         capacity = config.max_seq_len if capacity is None else capacity
         if batch < 1:
@@ -206,6 +207,13 @@ def layer_bytes(config: ModelConfig, *, batch: int, capacity: int) -> int:
 # Host memory access: kept behind these two functions so the pattern can change per backend. ---
 
 
+def _on_host(x) -> bool:
+    """Whether `x` lives in host memory (concrete arrays and tracers alike)."""
+    if isinstance(x, jax.core.Tracer):  # e.g. prefill called under an outer jit
+        return jax.typeof(x).memory_space == jax.memory.Space.Host
+    return x.sharding.memory_kind != "device"
+
+
 def _to_host(x, on_host: bool):
     return jax.device_put(x, jax.memory.Space.Host) if on_host else x
 
@@ -239,18 +247,18 @@ def load_history(host_kv, layer, *, history_pages: int, poison: bool, on_host: b
 def write_back_rows(host_kv, layer, rows, write_pos, *, on_host: bool):
     """Write one layer's new rows [B, T, D+R] at positions [B, T] into host pages (only them).
 
-    Positions >= S (padding entries) are dropped. A flat row index ((layer * B + b) * S + pos),
-    moved to host memory with the rows, as in `fo_jax.offload.decode.host_write_rows`.
+    Positions >= S (padding entries) are dropped. A scatter with (layer, request, position)
+    indices moved to host memory with the rows (no flat row index: L * B * S overflows int32 at
+    real sizes).
     """
     num_l, batch, pages, page, width = host_kv.shape
-    cap = pages * page
-    flat_kv = host_kv.reshape(num_l * batch * cap, width)
-    b = jnp.arange(batch, dtype=jnp.int32)[:, None]
-    flat_idx = jnp.where(write_pos < cap, (layer * batch + b) * cap + write_pos,
-                         num_l * batch * cap)  # out of range: dropped
-    flat_kv = flat_kv.at[_to_host(flat_idx.reshape(-1), on_host)].set(
-        _to_host(rows.reshape(-1, width).astype(host_kv.dtype), on_host), mode="drop")
-    return flat_kv.reshape(host_kv.shape)
+    by_token = host_kv.reshape(num_l, batch, pages * page, width)
+    layers = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), write_pos.shape)
+    requests = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], write_pos.shape)
+    by_token = by_token.at[_to_host(layers, on_host), _to_host(requests, on_host),
+                           _to_host(write_pos, on_host)].set(
+        _to_host(rows.astype(host_kv.dtype), on_host), mode="drop")
+    return by_token.reshape(host_kv.shape)
 
 
 # The backend ----------------------------------------------------------------------------------
@@ -277,7 +285,10 @@ class OffloadPrefillBackend:
     def index_keys(self, carry, g):
         return carry["index_keys"][g]
 
-    def plan_group(self, carry, g, tokens, mask):
+    def select(self, carry, g, q, w, visible, k):
+        return xla_select(carry["index_keys"][g], q, w, visible, k)
+
+    def plan_group(self, carry, g, tokens, mask, slots=None):
         return carry, (tokens, mask)
 
     def load(self, carry, layer, buffer):
@@ -411,7 +422,7 @@ def prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelC
         raise ValueError(f"{history_pages=} must be in [0, {num_pages}]")
     return _prefill_jit(params, state, tokens.astype(jnp.int32), num_new, config=config,
                         dense=dense, schedule=schedule, history_pages=int(history_pages),
-                        poison=poison, on_host=state.host.kv.sharding.memory_kind != "device")
+                        poison=poison, on_host=_on_host(state.host.kv))
 
 
 # Handoff to the offloaded decode path ----------------------------------------------------------
@@ -448,7 +459,7 @@ def to_decode_state(state: PrefillState, *, config: ModelConfig, offload: Offloa
             f"offload page_size={offload.page_size}, capacity={offload.capacity} must equal the "
             f"prefill state's page_size={state.page_size}, capacity={state.capacity}: the host "
             "pages are handed over as they are")
-    batch, cap, z, c = state.batch, offload.capacity, offload.page_size, offload.hot_slots
+    cap = offload.capacity
     lengths_np = np.asarray(state.lengths).astype(np.int32)
     stored = jnp.arange(cap)[None, :] < jnp.asarray(lengths_np)[:, None]  # [B, S]
     index_keys = jnp.where(stored[None, :, :, None], state.index_keys,
@@ -457,41 +468,10 @@ def to_decode_state(state: PrefillState, *, config: ModelConfig, offload: Offloa
     if host.sharding.memory_kind != offload.host_memory_kind:
         host = to_memory_kind(host, offload.host_memory_kind)
 
-    # The token of every device row (as DecodeState.from_resident places them), -1 = fill.
-    tail_start = (lengths_np // z) * z
-    count = np.minimum(tail_start, c)
-    slot_ids = np.arange(c)
-    slot_tok = np.where(slot_ids[None, :] < count[:, None],
-                        (tail_start - count)[:, None] + slot_ids[None, :], -1)  # [B, C]
-    row_tok = np.full((batch, offload.rows), -1, np.int32)
-    row_tok[:, :c] = slot_tok
-    for b in range(batch):
-        lo, hi = int(tail_start[b]), int(lengths_np[b])
-        if hi > lo:
-            start = c + ((lo // z) % 2) * z
-            row_tok[b, start:start + hi - lo] = np.arange(lo, hi)
-    on_host = host.sharding.memory_kind != "device"
+    # The same placement as DecodeState.from_resident; rows gathered from host pages.
+    row_tok, slots, policy = initial_layout(config, offload, lengths_np)
     hot = _gather_hot(host, jnp.asarray(row_tok), jnp.asarray(fill, jnp.float32),
-                      chunk=offload.miss_chunk, on_host=on_host)
-
-    tok_slot = np.full((batch, cap), -1, np.int32)
-    for b in range(batch):
-        n = int(count[b])
-        tok_slot[b, slot_tok[b, :n]] = np.arange(n)
-    groups = config.num_groups
-    slots = CacheSlots(
-        token_to_slot=jnp.asarray(np.broadcast_to(tok_slot, (groups,) + tok_slot.shape)),
-        slot_to_token=jnp.asarray(np.broadcast_to(slot_tok, (groups,) + slot_tok.shape)
-                                  .astype(np.int32)),
-    )
-    last_used = (np.where(slot_tok >= 0, 0, -1).astype(np.int32) if offload.policy == "lru"
-                 else np.zeros((batch, 0), np.int32))
-    policy = PolicyState(
-        stamp=jnp.full((groups, batch, c), -1, jnp.int32),
-        hand=jnp.asarray(np.broadcast_to(count % c, (groups, batch)).astype(np.int32)),
-        last_used=jnp.asarray(np.broadcast_to(last_used, (groups,) + last_used.shape)),
-        key=jax.random.key_data(jax.random.key(offload.seed)),
-    )
+                      chunk=offload.miss_chunk, on_host=_on_host(host))
     return DecodeState(host=HostPages(kv=host), hot=hot, index_keys=index_keys, slots=slots,
                        policy=policy, lengths=jnp.asarray(lengths_np),
                        step=jnp.asarray(1, jnp.int32))

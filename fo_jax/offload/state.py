@@ -148,7 +148,7 @@ class DecodeState:
         """
         offload.validate_for(config)
         num_l, batch, s_in, width = kv.shape
-        cap, z, c = offload.capacity, offload.page_size, offload.hot_slots
+        cap, z = offload.capacity, offload.page_size
         if s_in > cap:
             raise ValueError(f"the prefilled KV has {s_in} positions but offload capacity is "
                              f"{cap}; raise OffloadConfig.capacity")
@@ -167,41 +167,11 @@ class DecodeState:
         pages = kv.reshape(num_l, batch, cap // z, z, width)
         host = HostPages(kv=to_memory_kind(pages, offload.host_memory_kind))
 
-        tail_start = (lengths_np // z) * z
-        count = np.minimum(tail_start, c)  # tokens given a hot slot
-        slot_ids = np.arange(c)
-        slot_tok = np.where(slot_ids[None, :] < count[:, None],
-                            (tail_start - count)[:, None] + slot_ids[None, :], -1)  # [B, C]
-        hot = jnp.full((num_l, batch, offload.rows, width), fill, kv.dtype)
-        rows_b = jnp.arange(batch)[:, None]
-        filled = jnp.asarray(slot_tok >= 0)
-        gathered = kv[:, rows_b, jnp.asarray(np.maximum(slot_tok, 0))]  # [L, B, C, W]
-        hot = hot.at[:, :, :c].set(jnp.where(filled[None, :, :, None], gathered,
-                                             jnp.asarray(fill, kv.dtype)))
-        # Tail: the tokens of the partly filled current block.
-        for b in range(batch):
-            lo, hi = int(tail_start[b]), int(lengths_np[b])
-            if hi > lo:
-                block = (lo // z) % 2
-                hot = hot.at[:, b, c + block * z: c + block * z + hi - lo].set(kv[:, b, lo:hi])
-        tok_slot = np.full((batch, cap), -1, np.int32)
-        for b in range(batch):
-            n = int(count[b])
-            tok_slot[b, slot_tok[b, :n]] = np.arange(n)
-        groups = config.num_groups
-        slots = CacheSlots(
-            token_to_slot=jnp.asarray(np.broadcast_to(tok_slot, (groups,) + tok_slot.shape)),
-            slot_to_token=jnp.asarray(np.broadcast_to(slot_tok, (groups,) + slot_tok.shape)
-                                      .astype(np.int32)),
-        )
-        last_used = (np.where(slot_tok >= 0, 0, -1).astype(np.int32) if offload.policy == "lru"
-                     else np.zeros((batch, 0), np.int32))
-        policy = PolicyState(
-            stamp=jnp.full((groups, batch, c), -1, jnp.int32),
-            hand=jnp.asarray(np.broadcast_to(count % c, (groups, batch)).astype(np.int32)),
-            last_used=jnp.asarray(np.broadcast_to(last_used, (groups,) + last_used.shape)),
-            key=jax.random.key_data(jax.random.key(offload.seed)),
-        )
+        row_tok, slots, policy = initial_layout(config, offload, lengths_np)
+        # Device rows: row r of request b holds token row_tok[b, r], or `fill`.
+        gathered = kv[:, jnp.arange(batch)[:, None], jnp.asarray(np.maximum(row_tok, 0))]
+        hot = jnp.where(jnp.asarray(row_tok >= 0)[None, :, :, None], gathered,
+                        jnp.asarray(fill, kv.dtype))
         return cls(host=host, hot=hot, index_keys=index_keys, slots=slots, policy=policy,
                    lengths=jnp.asarray(lengths_np), step=jnp.asarray(1, jnp.int32))
 
@@ -216,8 +186,51 @@ class DecodeState:
                                  offload=offload, fill=fill)
 
 
+def initial_layout(config: ModelConfig, offload: OffloadConfig, lengths: np.ndarray):
+    """Where a prefilled batch's tokens go at the handoff to decode.
+
+    The tail blocks take the tokens of each request's current, partly filled block; hot slots
+    0, 1, ... take the most recent min(C, tail_start) tokens before the tail, in token order
+    (the tokens a decode step is most likely to select first); every group starts with the same
+    maps; the ring hand points at the first empty slot; lru stamps the filled slots 0.
+
+    Returns:
+      row_tok: [B, C + 2Z] int32 numpy: the token of every device row, -1 for none.
+      slots: CacheSlots; policy: PolicyState.
+    """
+    batch, cap = len(lengths), offload.capacity
+    z, c, groups = offload.page_size, offload.hot_slots, config.num_groups
+    tail_start = (lengths // z) * z
+    count = np.minimum(tail_start, c)  # tokens given a hot slot
+    slot_ids = np.arange(c)
+    slot_tok = np.where(slot_ids[None, :] < count[:, None],
+                        (tail_start - count)[:, None] + slot_ids[None, :], -1).astype(np.int32)
+    row_tok = np.full((batch, offload.rows), -1, np.int32)
+    row_tok[:, :c] = slot_tok
+    tok_slot = np.full((batch, cap), -1, np.int32)
+    for b in range(batch):
+        lo, hi = int(tail_start[b]), int(lengths[b])
+        start = c + ((lo // z) % 2) * z
+        row_tok[b, start:start + hi - lo] = np.arange(lo, hi)
+        n = int(count[b])
+        tok_slot[b, slot_tok[b, :n]] = np.arange(n)
+    slots = CacheSlots(
+        token_to_slot=jnp.asarray(np.broadcast_to(tok_slot, (groups,) + tok_slot.shape)),
+        slot_to_token=jnp.asarray(np.broadcast_to(slot_tok, (groups,) + slot_tok.shape)),
+    )
+    last_used = (np.where(slot_tok >= 0, 0, -1).astype(np.int32) if offload.policy == "lru"
+                 else np.zeros((batch, 0), np.int32))
+    policy = PolicyState(
+        stamp=jnp.full((groups, batch, c), -1, jnp.int32),
+        hand=jnp.asarray(np.broadcast_to(count % c, (groups, batch)).astype(np.int32)),
+        last_used=jnp.asarray(np.broadcast_to(last_used, (groups,) + last_used.shape)),
+        key=jax.random.key_data(jax.random.key(offload.seed)),
+    )
+    return row_tok, slots, policy
+
+
 def device_bytes_formula(config: ModelConfig, offload: OffloadConfig, batch: int) -> dict:
-    """Device bytes of a DecodeState by the design's formula (BRIEF section 2).
+    """Device bytes of a DecodeState by the design's formula.
 
     KV: (C + 2Z) rows of D + R per layer and request; indexer keys of all S tokens per group;
     maps: token_to_slot [G, S] + slot_to_token [G, C] int32; policy: stamp [G, C] (+ last_used

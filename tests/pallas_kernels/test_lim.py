@@ -44,7 +44,7 @@ TOLERANCES = {
     jnp.dtype(jnp.bfloat16): dict(rtol=1e-5, atol=1e-5),
 }
 
-# The BRIEF's worked example: 20 candidates and their hot-cache slots.
+# The design's worked example: 20 candidates and their hot-cache slots.
 CACHE_SLOTS = [4, 6, -1, 1, 7, -1, -1, -1, -1, 0, -1, -1, -1, 2, -1, -1, -1, -1, 3, 5]
 
 

@@ -1,0 +1,345 @@
+"""Offloaded prefill (fo_jax/offload/prefill.py): bit for bit the resident prefill, schedules,
+what moves between memories, device memory, and the handoff to the offloaded decode step.
+
+Every comparison with the resident path is exact (`chex.assert_trees_all_equal`), on states
+poisoned with NaN (unwritten rows) and buffers poisoned with NaN past the loaded history.
+Logits are compared on real tokens only (padding logits are unspecified).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fo_jax import resident
+from fo_jax.config import get_config
+from fo_jax.model.dsa import init_params
+from fo_jax.offload import decode as offload_decode
+from fo_jax.offload.config import OffloadConfig
+from fo_jax.offload.prefill import (
+    PrefillSchedule,
+    PrefillState,
+    history_pages_for,
+    layer_bytes,
+    prefill,
+    to_decode_state,
+)
+from fo_jax.offload.state import DecodeState, HostPages, to_memory_kind
+
+NAN = float("nan")
+TINY = get_config("tiny")
+# Six layers in three groups of 2: every buffer count of the grid (3, 4, 6) fits.
+CONFIG = TINY.replace(num_layers=6, indexer_layers=(0, 2, 4), index_topk=8)
+# (distance, num_buffers) pairs of the grid {1, 2, 3} x {3, 4, 6} that are valid: d <= n - 2.
+VALID = [(1, 3), (1, 4), (2, 4), (1, 6), (2, 6), (3, 6)]
+
+
+@functools.cache
+def _base_params():
+    # Seven layers and three indexers: every random config below takes a prefix of them.
+    return init_params(TINY.replace(num_layers=7, indexer_layers=(0, 2, 4)), jax.random.key(0))
+
+
+def _params_for(config):
+    """Parameters of `config` (a tiny variant of <= 7 layers, <= 3 groups), without init cost."""
+    base = _base_params()
+    return {**base,
+            "layers": jax.tree.map(lambda a: a[:config.num_layers], base["layers"]),
+            "indexer": jax.tree.map(lambda a: a[:config.num_groups], base["indexer"])}
+
+
+@pytest.fixture(scope="module")
+def params():
+    return _params_for(CONFIG)
+
+
+def _tokens(rng, shape, config=CONFIG):
+    return rng.integers(0, config.vocab_size, shape, dtype=np.int32)
+
+
+def _run_both(params, config, chunks, *, batch, capacity, page_size, dense, runs, start=0):
+    """Resident prefill over `chunks` [(tokens, num_new)], then offloaded prefill per run kwargs.
+
+    The offloaded runs start from the resident state after the first `start` chunks (its KV
+    copied into host pages), so a test can reach a history without compiling the chunks that
+    built it. Asserts, after every offloaded chunk, logits of real tokens, host pages vs the
+    resident KV, indexer keys and lengths bit for bit equal.
+    """
+    rs = resident.ResidentState.create(config, batch=batch, capacity=capacity, fill=NAN)
+    expected = []
+    for tokens, num_new in chunks:
+        expected.append(jax.device_get(rs))  # the state before the chunk (host copy)
+        logits, rs = resident.prefill(params, rs, tokens, num_new, config=config, dense=dense)
+        expected[-1] = (expected[-1], np.asarray(logits), jax.device_get(rs))
+    for kwargs in runs:
+        before = expected[start][0]
+        ps = PrefillState(
+            host=HostPages(kv=to_memory_kind(jnp.asarray(before.kv.reshape(
+                before.kv.shape[:2] + (capacity // page_size, page_size, -1))), "pinned_host")),
+            index_keys=jnp.asarray(before.index_keys), lengths=jnp.asarray(before.lengths))
+        for (tokens, num_new), (_, want_logits, want) in zip(chunks[start:], expected[start:]):
+            logits, ps = prefill(params, ps, tokens, num_new, config=config, dense=dense,
+                                 poison=True, **kwargs)
+            assert ps.host.kv.sharding.memory_kind == "pinned_host"
+            logits = np.asarray(logits)
+            for b, n in enumerate(num_new):
+                chex.assert_trees_all_equal(logits[b, :n], want_logits[b, :n])
+            host = np.asarray(ps.host.kv)
+            chex.assert_trees_all_equal(host.reshape(want.kv.shape), want.kv)
+            chex.assert_trees_all_equal(np.asarray(ps.index_keys), want.index_keys)
+            chex.assert_trees_all_equal(np.asarray(ps.lengths), want.lengths)
+
+
+# Bit for bit --------------------------------------------------------------------------------
+
+
+def test_every_valid_distance_and_buffer_count(params):
+    # A new batch (nothing to load), then a chunk on top of ragged histories (11 and 6 tokens:
+    # a partial page is loaded whole) with ragged num_new.
+    rng = np.random.default_rng(0)
+    chunks = [(_tokens(rng, (2, 11)), [11, 6]), (_tokens(rng, (2, 9)), [9, 4])]
+    runs = [dict(distance=d, num_buffers=n) for d, n in VALID]
+    # The first chunk (a new batch: nothing loaded) runs offloaded for one pair only.
+    _run_both(params, CONFIG, chunks, batch=2, capacity=32, page_size=4, dense=False,
+              runs=runs[:1])
+    _run_both(params, CONFIG, chunks, batch=2, capacity=32, page_size=4, dense=False,
+              runs=runs[1:], start=1)
+
+
+def test_dense_mode(params):
+    rng = np.random.default_rng(1)
+    chunks = [(_tokens(rng, (1, 13)), [13]), (_tokens(rng, (1, 6)), [5])]
+    _run_both(params, CONFIG, chunks, batch=1, capacity=32, page_size=8, dense=True,
+              runs=[dict(distance=2, num_buffers=4)])
+
+
+def test_explicit_map_out_of_order(params):
+    # 4 buffers; layer 0 loads 1 and 3, layer 1 loads 2, layer 2 loads 4, layer 3 loads 5:
+    # layer 4 reuses buffer 1 (layer 1 done), layer 5 buffer 2 (layer 2 done at layer 3).
+    rng = np.random.default_rng(2)
+    chunks = [(_tokens(rng, (1, 7)), [7]), (_tokens(rng, (1, 5)), [5])]
+    onload = {0: (1, 3), 1: 2, 2: 4, 3: 5}
+    _run_both(params, CONFIG, chunks, batch=1, capacity=16, page_size=4, dense=False,
+              runs=[dict(onload_layer_map=onload, num_buffers=4)])
+
+
+@st.composite
+def _cases(draw):
+    num_layers = draw(st.sampled_from([6, 7]))
+    extra = draw(st.lists(st.integers(1, num_layers - 1), max_size=2, unique=True))
+    config = TINY.replace(num_layers=num_layers, indexer_layers=tuple(sorted({0, *extra})),
+                          index_topk=draw(st.sampled_from([4, 8, 16])))
+    batch = draw(st.integers(1, 2))
+    page_size = draw(st.sampled_from([4, 8]))
+    capacity = 48
+    # Two chunks (the second loads history); request 0 always has new tokens, others may not.
+    chunks = []
+    for _ in range(2):
+        width = draw(st.integers(2, 13))
+        num_new = [draw(st.integers(1, width))] + draw(
+            st.lists(st.integers(0, width), min_size=batch - 1, max_size=batch - 1))
+        chunks.append((width, num_new))
+    distance, num_buffers = draw(st.sampled_from(VALID))
+    dense = draw(st.booleans())
+    seed = draw(st.integers(0, 2**16))
+    return config, batch, page_size, capacity, chunks, distance, num_buffers, dense, seed
+
+
+@settings(max_examples=4)
+@given(_cases())
+def test_random_configs_and_chunkings(case):
+    config, batch, page_size, capacity, widths, distance, num_buffers, dense, seed = case
+    rng = np.random.default_rng(seed)
+    params = _params_for(config)
+    chunks = [(_tokens(rng, (batch, width), config), num_new) for width, num_new in widths]
+    _run_both(params, config, chunks, batch=batch, capacity=capacity, page_size=page_size,
+              dense=dense, runs=[dict(distance=distance, num_buffers=num_buffers)])
+
+
+# What moves between memories -------------------------------------------------------------------
+
+
+def _moves(jaxpr, out):
+    """(destination, shape) of every device_put in a jaxpr, sub-jaxprs included."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "device_put":
+            out += [(str(eqn.params["devices"][0]).split(".")[-1], v.aval.shape)
+                    for v in eqn.invars]
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    _moves(sub.jaxpr, out)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    _moves(sub, out)
+    return out
+
+
+def test_loads_only_pages_before_the_chunk(params):
+    # lengths [10, 3] with pages of 4: ceil(10 / 4) = 3 pages of both requests per load; a new
+    # batch loads nothing. Write-backs move the chunk's B x T rows and their indices, only them.
+    assert history_pages_for(np.array([10, 3]), 4, 8) == 3
+    assert history_pages_for(np.array([0, 0]), 4, 8) == 0
+    assert history_pages_for(np.array([32, 1]), 4, 8) == 8
+    state = PrefillState.create(CONFIG, batch=2, capacity=32, page_size=4)
+    tokens = jnp.zeros((2, 5), jnp.int32)
+
+    def moves(history_pages):
+        def run(p, s):
+            return prefill(p, s, tokens, config=CONFIG, history_pages=history_pages,
+                           check=False)
+        return _moves(jax.make_jaxpr(run)(params, state).jaxpr, [])
+
+    width = CONFIG.kv_width
+    new = moves(0)
+    assert {shape for kind, shape in new if kind == "Device"} == set()
+    assert {shape for kind, shape in new if kind == "Host"} == {(2, 5), (2, 5, width)}
+    chunked = moves(3)
+    assert {shape for kind, shape in chunked if kind == "Device"} == {(1, 2, 3, 4, width)}
+
+
+# Schedules and errors ----------------------------------------------------------------------------
+
+
+def test_schedule_tables():
+    schedule = PrefillSchedule.create(6, 4, distance=2)
+    assert schedule.onload_layer_map == ((1, 2), (3,), (4,), (5,), (), ())
+    loads, buffers = schedule.tables()
+    np.testing.assert_array_equal(loads, [[1, 2], [3, -1], [4, -1], [5, -1], [-1, -1],
+                                          [-1, -1]])
+    # Layer j >= 1 in buffer 1 + (j - 1) % 3.
+    np.testing.assert_array_equal(buffers, [[1, 2], [3, -1], [1, -1], [2, -1], [-1, -1],
+                                            [-1, -1]])
+    assert PrefillSchedule.create(1, 1).onload_layer_map == ((),)
+
+
+SCHEDULE_ERRORS = {
+    "buffer_not_written_back": (
+        dict(num_buffers=3, onload_layer_map={0: (1, 3), 1: 2, 2: 4, 3: 5}),
+        r"onload_layer_map\[0\] loads layer 3: with num_buffers=3 layer 3 goes to buffer 1, "
+        r"whose previous layer 1 is not yet computed and written back"),
+    "needs_more_buffers": (
+        dict(num_buffers=3, onload_layer_map={0: (1, 2, 3), 3: 4, 4: 5}),
+        r"loads layer 3: .* buffer 1, .* the map needs 4 buffers at layer 0 .* layers "
+        r"\[1, 2, 3\] loaded ahead\), more than num_buffers=3"),
+    "loads_twice": (
+        dict(num_buffers=4, onload_layer_map={0: (1, 2), 1: (2, 3), 2: 4, 3: 5}),
+        r"loads layer 2 twice \(at layers 0 and 1\)"),
+    "never_loads": (
+        dict(num_buffers=4, onload_layer_map={0: 1, 1: 2, 2: 3, 3: 4}),
+        r"never loads layers \[5\]"),
+    "loads_layer_0": (
+        dict(num_buffers=4, onload_layer_map={0: (0, 1), 1: 2, 2: 3, 3: 4, 4: 5}),
+        r"loads 0: expected a layer in \[1, 6\)"),
+    "distance_too_far": (
+        dict(num_buffers=4, distance=3),
+        r"distance=3 must be an int in \[1, 2\] with num_buffers=4"),
+    "distance_and_map": (
+        dict(num_buffers=4, distance=1, onload_layer_map={0: 1, 1: 2, 2: 3, 3: 4, 4: 5}),
+        r"either distance or onload_layer_map"),
+    "too_many_buffers": (
+        dict(num_buffers=7), r"num_buffers=7 must be an int in \[1, num_layers=6\]"),
+    "too_few_buffers": (
+        dict(num_buffers=1), r"num_buffers=1 must be an int >= 2 for num_layers=6"),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULE_ERRORS))
+def test_invalid_schedules_raise_before_anything_runs(params, name):
+    kwargs, message = SCHEDULE_ERRORS[name]
+    state = PrefillState.create(CONFIG, batch=1, capacity=16, page_size=4)
+    with pytest.raises(ValueError, match=message):
+        prefill(params, state, jnp.zeros((1, 4), jnp.int32), config=CONFIG, **kwargs)
+    assert not state.host.kv.is_deleted()  # nothing was traced, run or donated
+
+
+def test_invalid_inputs(params):
+    state = PrefillState.create(CONFIG, batch=1, capacity=16, page_size=4)
+    with pytest.raises(ValueError, match=r"token id 256 at \[0, 1\] is outside"):
+        prefill(params, state, jnp.array([[1, 256]]), config=CONFIG)
+    with pytest.raises(ValueError, match=r"would hold 17 tokens, beyond the state's capacity"):
+        prefill(params, state, jnp.zeros((1, 17), jnp.int32), config=CONFIG)
+    with pytest.raises(ValueError, match=r"tokens have batch 2 but the state holds 1"):
+        prefill(params, state, jnp.zeros((2, 3), jnp.int32), config=CONFIG)
+    with pytest.raises(ValueError, match=r"capacity=18 must be a multiple of page_size=4"):
+        PrefillState.create(CONFIG, batch=1, capacity=18, page_size=4)
+    assert not state.host.kv.is_deleted()
+
+
+# Device memory --------------------------------------------------------------------------------
+
+
+def test_compiled_prefill_holds_num_buffers_layers():
+    # The compiled program's own allocations (temp) against the resident program on the same
+    # shapes: host pages and the resident KV are arguments (the CPU counts host-kind arguments
+    # like any other), so temp(offload) - temp(resident) is the layer buffers.
+    # 12 layers of a 4096-token batch; 64 pages of history loaded per layer.
+    config = TINY.replace(num_layers=12, indexer_layers=(0, 4, 8), max_seq_len=4096)
+    params = init_params(config, jax.random.key(0))
+    batch, capacity, page = 1, 4096, 16
+    tokens = jnp.zeros((batch, 16), jnp.int32)
+    one_layer = layer_bytes(config, batch=batch, capacity=capacity)
+
+    rs = resident.ResidentState.create(config, batch=batch, capacity=capacity)
+    res = jax.jit(lambda p, s, t: resident.prefill(p, s, t, config=config, check=False))
+    res_mem = res.lower(params, rs, tokens).compile().memory_analysis()
+    assert res_mem.argument_size_in_bytes >= config.num_layers * one_layer  # the whole KV
+
+    state = PrefillState.create(config, batch=batch, capacity=capacity, page_size=page)
+    for num_buffers in (2, 4):
+        off = jax.jit(lambda p, s, t, n=num_buffers: prefill(
+            p, s, t, config=config, num_buffers=n, history_pages=64, check=False))
+        mem = off.lower(params, state, tokens).compile().memory_analysis()
+        extra = (mem.temp_size_in_bytes - res_mem.temp_size_in_bytes) / one_layer
+        assert num_buffers <= extra <= num_buffers + 1.25, (num_buffers, extra)
+        assert extra < config.num_layers / 2
+
+
+# Handoff to the offloaded decode path ------------------------------------------------------------
+
+
+def test_handoff_to_decode_state_and_decode_steps():
+    config = TINY  # top-k 16, max_ways 4: 64 hot slots
+    params = init_params(config, jax.random.key(3))
+    offload = OffloadConfig(hot_slots=64, page_size=8, capacity=128)
+    rng = np.random.default_rng(3)
+    batch = 2
+    # 100 and 87 tokens in two chunks: tokens before the hot window live only in host pages,
+    # so decode steps miss and copy from the pages the prefill wrote.
+    chunks = [(_tokens(rng, (batch, 60), config), [60, 60]),
+              (_tokens(rng, (batch, 40), config), [40, 27])]
+    rs = resident.ResidentState.create(config, batch=batch, capacity=128, fill=NAN)
+    ps = PrefillState.create(config, batch=batch, capacity=128, page_size=8, fill=NAN)
+    for tokens, num_new in chunks:
+        _, rs = resident.prefill(params, rs, tokens, num_new, config=config)
+        _, ps = prefill(params, ps, tokens, num_new, config=config, distance=2, num_buffers=4)
+
+    handed = to_decode_state(ps, config=config, offload=offload, fill=NAN)
+    want = DecodeState.from_resident(rs.kv, rs.index_keys, rs.lengths, config=config,
+                                     offload=offload, fill=NAN)
+    chex.assert_trees_all_equal(jax.device_get(handed), jax.device_get(want))
+    assert handed.host.kv.sharding.memory_kind == "pinned_host"
+
+    misses = 0
+    for step in range(3):
+        tokens = _tokens(rng, (batch, 2), config)
+        want_logits, rs = resident.decode_step(params, rs, tokens, config=config)
+        logits, handed, stats = offload_decode.decode_step(params, handed, tokens,
+                                                           config=config, offload=offload)
+        chex.assert_trees_all_equal(np.asarray(logits), np.asarray(want_logits))
+        misses += int(np.sum(stats.union))
+    assert misses > 0  # the steps did read rows the prefill wrote to host pages
+
+
+def test_handoff_needs_matching_pages():
+    state = PrefillState.create(TINY, batch=1, capacity=64, page_size=8)
+    offload = OffloadConfig(hot_slots=64, page_size=16, capacity=64)
+    with pytest.raises(ValueError, match=r"page_size=16, capacity=64 must equal the prefill "
+                                         r"state's page_size=8, capacity=64"):
+        to_decode_state(state, config=TINY, offload=offload)
