@@ -104,17 +104,25 @@ def _cmd_generate(args) -> int:
     if config.vocab_size < 256:
         raise ValueError(f"the byte tokenizer needs vocab_size >= 256; {config.name!r} has "
                          f"{config.vocab_size}")
-    if args.batch < 1:
-        raise ValueError(f"--batch must be >= 1, got {args.batch}")
+    for flag in ("batch", "page_size", "max_new_tokens"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.hot_slots is not None and args.hot_slots < 1:
+        raise ValueError(f"--hot-slots must be >= 1, got {args.hot_slots}")
     prompt = encode(args.prompt)
     prompts = [prompt] * args.batch
-    need = len(prompt) + args.max_new_tokens
+    need = len(prompt) + args.max_new_tokens - 1
     page = args.page_size
-    capacity = -(-need // page) * page
+    capacity = -(-need // page) * page  # host pages hold whole pages
+    if capacity > config.max_seq_len:
+        raise ValueError(f"prompt ({len(prompt)} tokens) + --max-new-tokens needs {capacity} "
+                         f"positions in pages of {page}, beyond max_seq_len="
+                         f"{config.max_seq_len} of {config.name!r}: shorten the prompt")
     params = (load_params(args.weights, config) if args.weights
               else init_params(config, jax.random.key(args.seed)))
     if args.offload:
-        hot = args.hot_slots or config.index_topk * config.max_ways
+        hot = (config.index_topk * config.max_ways if args.hot_slots is None
+               else args.hot_slots)
         offload = OffloadConfig(hot_slots=hot, page_size=page, capacity=capacity,
                                 policy=args.policy,
                                 host_memory_kind="device" if args.interpret else "pinned_host")

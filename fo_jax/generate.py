@@ -65,7 +65,12 @@ class ResidentEngine:
         return self.state.capacity
 
     def prefill(self, tokens: np.ndarray, lengths: np.ndarray) -> jax.Array:
-        """Prefill padded prompts [B, T] with `lengths` real tokens; logits of each last token."""
+        """Prefill padded prompts [B, T] with `lengths` real tokens; logits of each last token.
+
+        Starts a new batch: whatever an earlier generation left is dropped.
+        """
+        self.state = resident.ResidentState.create(self.config, batch=self.state.batch,
+                                                   capacity=self.state.capacity)
         logits, self.state = resident.prefill(self.params, self.state, tokens, lengths,
                                               config=self.config)
         return logits[jnp.arange(len(lengths)), jnp.asarray(lengths) - 1]
@@ -113,15 +118,17 @@ class OffloadEngine:
         logits, state = offload_prefill.prefill(self.params, state, tokens, lengths,
                                                 config=self.config, num_buffers=num_buffers)
         self.state = offload_prefill.to_decode_state(state, config=self.config, offload=oc)
+        self.totals, self.steps = None, 0
         return logits[jnp.arange(len(lengths)), jnp.asarray(lengths) - 1]
 
     def step(self, tokens) -> jax.Array:
         logits, self.state, stats = offload_decode.decode_step(
             self.params, self.state, tokens, config=self.config, offload=self.offload,
             check=False, implementation=self.implementation, interpret=self.interpret)
-        counts = {"hits": stats.hits.sum(), "tail_hits": stats.tail_hits.sum(),
-                  "misses": stats.misses.sum(), "union": stats.union.sum(),
-                  "h2d_bytes": stats.h2d_bytes.sum(), "d2h_bytes": stats.d2h_bytes.sum()}
+        # float32 sums: int32 byte counters would overflow within a few steps at real sizes.
+        counts = {name: getattr(stats, name).astype(jnp.float32).sum()
+                  for name in ("hits", "tail_hits", "misses", "union", "h2d_bytes",
+                               "d2h_bytes")}
         self.totals = counts if self.totals is None else jax.tree_util.tree_map(
             jnp.add, self.totals, counts)
         self.steps += 1
@@ -134,12 +141,12 @@ class OffloadEngine:
         """Hit rate and bytes moved per generated token (one host read, at the end)."""
         if self.totals is None:
             return {}
-        t = {k: int(v) for k, v in jax.device_get(self.totals).items()}
+        t = {k: float(v) for k, v in jax.device_get(self.totals).items()}
         selected = t["hits"] + t["tail_hits"] + t["misses"]
         tokens = max(self.steps * self.batch, 1)
         return {
             "hit_rate": (t["hits"] + t["tail_hits"]) / max(selected, 1),
-            "misses": t["misses"],
+            "misses": int(t["misses"]),
             "h2d_bytes_per_token": t["h2d_bytes"] / tokens,
             "d2h_bytes_per_token": t["d2h_bytes"] / tokens,
             "host_kv_bytes": self.state.host_bytes(),
@@ -203,7 +210,8 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
         raise ValueError(f"{temperature=} must be >= 0 and {top_p=} in (0, 1]")
     tokens, lengths = pad_prompts(prompts)
     resident.check_token_values(tokens, config)
-    need = int(lengths.max()) + max_new_tokens
+    # The last sampled token is returned, never fed back: it needs no position.
+    need = int(lengths.max()) + max_new_tokens - 1
     sequence_capacity_check(config, need)
     if need > engine.capacity:
         raise ValueError(f"a prompt of {int(lengths.max())} tokens plus {max_new_tokens} new "

@@ -46,7 +46,7 @@ def test_offload_engine_generates_the_resident_tokens():
 def test_generate_validates_before_running():
     params = init_params(CONFIG, jax.random.key(0))
     engine = gen.ResidentEngine(params, CONFIG, batch=1, capacity=32)
-    with pytest.raises(ValueError, match=r"needs 40 positions; the engine holds 32"):
+    with pytest.raises(ValueError, match=r"needs 39 positions; the engine holds 32"):
         gen.generate(engine, [[1] * 30], max_new_tokens=10)
     with pytest.raises(ValueError, match=r"max_new_tokens=0 must be >= 1"):
         gen.generate(engine, [[1]], max_new_tokens=0)

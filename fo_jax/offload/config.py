@@ -25,7 +25,8 @@ class OffloadConfig:
       host_memory_kind: where host pages live: "pinned_host" (real offload) or "device" (Pallas
         interpret mode, whose jit cannot mix memory kinds; on a CPU it is the same RAM).
       miss_chunk: host rows fetched per iteration of the miss loop; a step fetches
-        ceil(misses / miss_chunk) * miss_chunk rows per layer, not K * W.
+        ceil(max over the batch of misses / miss_chunk) * miss_chunk rows per request and layer,
+        not K * W.
       seed: seed of the random policy.
     """
 

@@ -123,9 +123,11 @@ def host_write_rows(host_kv, rows_kv, positions, *, on_host: bool):
     layers = jnp.arange(num_l, dtype=jnp.int32)
     index = jax.vmap(lambda l: _host_index(host_kv, l, positions))(layers)  # [L, B, T, 2]
     index = index.reshape(num_l * batch, -1, 2)
+    # FILL_OR_DROP: a position past capacity (only possible with unchecked inputs) is dropped,
+    # never written out of bounds.
     flat = jax.lax.scatter(flat, _to_host(index, on_host),
                            _to_host(rows_kv.reshape(num_l * batch, -1, width), on_host),
-                           _WRITE, mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+                           _WRITE, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
     return flat.reshape(host_kv.shape)
 
 
@@ -140,7 +142,8 @@ def gather_attend(hot, host_kv, layer, plan: GroupPlan, q_lat, q_pe, *, scale: f
     Returns:
       (hot with every miss of this layer written into its victim slot,
        out [B, W, H, D] float32).
-    Touches ceil(misses / chunk) * chunk host rows and W K + M device rows: scatters and gathers
+    Touches ceil(max over the batch of misses / chunk) * chunk host rows per request and
+    W K + M device rows: scatters and gathers
     index the full array directly, so no layer-sized slice is copied.
     """
     batch, rows_total = hot.shape[1], hot.shape[2]
@@ -268,6 +271,42 @@ def _decode_jit(params, state: DecodeState, tokens, *, config: ModelConfig,
     return logits, new_state, stats
 
 
+def check_state(state: DecodeState, *, config: ModelConfig, offload: OffloadConfig) -> None:
+    """Raise ValueError unless `state` was built for this config and offload setting.
+
+    Static (shape, dtype, memory kind) checks only: a state stepped with another setting would
+    read the wrong tail rows and maps without any error.
+    """
+    offload.validate_for(config)
+    batch = state.batch
+    expect = {
+        "hot": (state.hot.shape, (config.num_layers, batch, offload.rows, config.kv_width)),
+        "host.kv": (state.host.kv.shape, (config.num_layers, batch, offload.num_pages,
+                                          offload.page_size, config.kv_width)),
+        "index_keys": (state.index_keys.shape, (config.num_groups, batch, offload.capacity,
+                                                config.index_head_dim)),
+        "slots.token_to_slot": (state.slots.token_to_slot.shape,
+                                (config.num_groups, batch, offload.capacity)),
+        "slots.slot_to_token": (state.slots.slot_to_token.shape,
+                                (config.num_groups, batch, offload.hot_slots)),
+        "policy.last_used": (state.policy.last_used.shape,
+                             (config.num_groups, batch,
+                              offload.hot_slots if offload.policy == "lru" else 0)),
+    }
+    for name, (got, want) in expect.items():
+        if tuple(got) != want:
+            raise ValueError(
+                f"state.{name} has shape {tuple(got)}, expected {want} for config "
+                f"{config.name!r} and {offload}: build the state with the same settings "
+                "(DecodeState.from_resident / to_decode_state) that step it")
+    if state.hot.dtype != config.jnp_kv_dtype:
+        raise ValueError(f"state.hot is {state.hot.dtype}, expected kv_dtype {config.kv_dtype}")
+    kind = getattr(state.host.kv.sharding, "memory_kind", None)
+    if kind is not None and kind != offload.host_memory_kind:
+        raise ValueError(f"host pages live in memory kind {kind!r} but the offload setting says "
+                         f"{offload.host_memory_kind!r}")
+
+
 def decode_step(params, state: DecodeState, tokens, *, config: ModelConfig,
                 offload: OffloadConfig, check: bool = True, implementation: str | None = None,
                 interpret=False):
@@ -297,6 +336,7 @@ def decode_step(params, state: DecodeState, tokens, *, config: ModelConfig,
     if not 1 <= ways <= config.max_ways:
         raise ValueError(f"decode_step got W={ways} query tokens per request; config "
                          f"{config.name!r} allows 1 to max_ways={config.max_ways}")
+    check_state(state, config=config, offload=offload)
     if check:
         check_token_values(tokens, config)
         check_capacity(state.lengths, np.full(state.batch, ways), state.capacity, config,

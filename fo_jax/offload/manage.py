@@ -152,8 +152,9 @@ def choose_victims(policy: str, hand, last_used, key, stamp, g, step, num_miss, 
         return victims, hand, last_used, jax.random.key_data(key)
     if policy == "lru":
         # Least recently used first; empty slots (-1) before any; protected slots never.
-        # top_k over C: O(C) per step, like the HiSparse / ECHO baselines.
-        priority = jnp.where(stamp[g] == step, BIG, last_used[g])
+        # top_k over C: O(C) per step, like the HiSparse / ECHO baselines. float32 keys keep
+        # top_k on its fast path (int32 falls back to a sort) and are exact below 2^24 steps.
+        priority = jnp.where(stamp[g] == step, jnp.inf, last_used[g].astype(jnp.float32))
         _, order = jax.lax.top_k(-priority, size)  # ties: lower slot first
         take = jnp.arange(size)[None, :] < num_miss[:, None]
         victims = jnp.where(take, order, -1).astype(jnp.int32)
@@ -177,6 +178,9 @@ def manage_group(tokens, mask, slots, policy_state, g: int, tail_start, step, *,
     """
     token_to_slot, slot_to_token = slots
     stamp, hands, last_used, key = policy_state
+    if slot_to_token.shape[-1] != hot_slots or stamp.shape[-1] != hot_slots:
+        raise ValueError(f"{hot_slots=} but the maps hold {slot_to_token.shape[-1]} slots: the "
+                         "state and the offload setting disagree")
     batch, ways, k = tokens.shape
     size = ways * k
     rows2 = jnp.arange(batch)[:, None]

@@ -324,11 +324,20 @@ class OffloadPrefillBackend:
         host = write_back_rows(carry["host"], l, kv_new, write_pos, on_host=self.on_host)
         carry = {**carry, "buffers": buffers, "host": host}
         # (5) prefetch onload_layer_map[l] into free buffers.
+        # Only the buffers and the binding pass through the cond: the host pages are closed over,
+        # so no branch returns (and no copy is made of) the whole host array.
         loads, targets = (jnp.asarray(t) for t in self.schedule.tables())
+
+        def do_load(bound, layer, buffer):
+            loaded = self.load({"host": host, "buffers": bound[0], "binding": bound[1]}, layer,
+                               buffer)
+            return loaded["buffers"], loaded["binding"]
+
+        bound = (carry["buffers"], carry["binding"])
         for m in range(self.schedule.max_loads):
             layer, buffer = loads[l, m], targets[l, m]
-            carry = jax.lax.cond(layer >= 0, self.load, lambda c, *_: c, carry, layer, buffer)
-        return carry, out
+            bound = jax.lax.cond(layer >= 0, do_load, lambda b, *_: b, bound, layer, buffer)
+        return {**carry, "buffers": bound[0], "binding": bound[1]}, out
 
 
 @functools.partial(
@@ -449,8 +458,9 @@ def to_decode_state(state: PrefillState, *, config: ModelConfig, offload: Offloa
     Builds the same `DecodeState` as `DecodeState.from_resident(kv, ...)` would from the resident
     KV (same hot-cache rows, tail blocks, slot maps and policy state), gathering only the hot and
     tail rows ([L, B, C + 2Z, D+R], the decode state's own size) from host pages. The host pages
-    are reused as they are: rows past each request's length keep what the prefill state was
-    created with, so use the same `fill` for both. Needs offload.page_size and offload.capacity
+    are reused as they are (the same buffer when the memory kinds match: the first decode step
+    donates it, after which the PrefillState must not be used); rows past each request's length
+    keep what the prefill state was created with, so use the same `fill` for both. Needs offload.page_size and offload.capacity
     equal to the prefill state's page size and capacity.
     """
     offload.validate_for(config)

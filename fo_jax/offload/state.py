@@ -152,9 +152,19 @@ class DecodeState:
         if s_in > cap:
             raise ValueError(f"the prefilled KV has {s_in} positions but offload capacity is "
                              f"{cap}; raise OffloadConfig.capacity")
+        want_kv = (config.num_layers, batch, s_in, config.kv_width)
+        want_keys = (config.num_groups, batch, s_in, config.index_head_dim)
+        if tuple(kv.shape) != want_kv or tuple(index_keys.shape) != want_keys:
+            raise ValueError(f"kv {tuple(kv.shape)} / index_keys {tuple(index_keys.shape)} do "
+                             f"not match config {config.name!r}: expected {want_kv} / "
+                             f"{want_keys}")
+        if kv.dtype != config.jnp_kv_dtype or index_keys.dtype != config.jnp_kv_dtype:
+            raise ValueError(f"kv {kv.dtype} / index_keys {index_keys.dtype} must be the "
+                             f"config's kv_dtype {config.kv_dtype}")
         lengths_np = np.asarray(lengths).astype(np.int32)
-        if np.any(lengths_np > cap):
-            raise ValueError(f"lengths {lengths_np.tolist()} exceed offload capacity {cap}")
+        if lengths_np.shape != (batch,) or np.any(lengths_np < 0) or np.any(lengths_np > s_in):
+            raise ValueError(f"lengths {lengths_np.tolist()} must be {batch} counts in "
+                             f"[0, {s_in}] (the prefilled positions)")
         kv = jnp.pad(kv, ((0, 0), (0, 0), (0, cap - s_in), (0, 0)), constant_values=fill)
         index_keys = jnp.pad(index_keys, ((0, 0), (0, 0), (0, cap - s_in), (0, 0)),
                              constant_values=fill)

@@ -174,3 +174,30 @@ def test_bad_inputs_raise_before_the_state_changes():
         offload_decode.decode_step(params, full, np.zeros((2, 2), np.int32), config=config,
                                    offload=small)
     chex.assert_trees_all_equal(jax.tree_util.tree_map(np.asarray, dec), before)
+
+
+def test_a_state_stepped_with_other_settings_is_refused():
+    config, offload, params, res, dec, rng = _setup(
+        batch=1, ways=1, k=4, hot=8, page=4, lengths=[20], policy="ring", shared=True, steps=1)
+    other = OffloadConfig(hot_slots=12, page_size=4, capacity=offload.capacity)
+    with pytest.raises(ValueError, match=r"state.hot has shape \(4, 1, 16, 40\), expected "
+                                         r"\(4, 1, 20, 40\)"):
+        offload_decode.decode_step(params, dec, np.zeros((1, 1), np.int32), config=config,
+                                   offload=other)
+    lru = OffloadConfig(hot_slots=8, page_size=4, capacity=offload.capacity, policy="lru")
+    with pytest.raises(ValueError, match=r"state.policy.last_used has shape"):
+        offload_decode.decode_step(params, dec, np.zeros((1, 1), np.int32), config=config,
+                                   offload=lru)
+    assert int(dec.lengths[0]) == 20  # untouched
+
+
+def test_handoff_validates_its_inputs():
+    config, offload, params, res, dec, rng = _setup(
+        batch=2, ways=1, k=4, hot=8, page=4, lengths=[20, 9], policy="ring", shared=True,
+        steps=1)
+    with pytest.raises(ValueError, match=r"must be 2 counts in \[0, "):
+        DecodeState.from_resident(res.kv, res.index_keys, np.array([20, -1]), config=config,
+                                  offload=offload)
+    with pytest.raises(ValueError, match=r"must be the config's kv_dtype bfloat16"):
+        DecodeState.from_resident(res.kv.astype(jnp.float32), res.index_keys, res.lengths,
+                                  config=config, offload=offload)
