@@ -208,14 +208,18 @@ def decode_step(params, state: ResidentState, tokens, *, config: ModelConfig,
 
 
 def _check_tokens(tokens, state, config) -> int:
-    """Static checks of a [B, T] token batch; returns T."""
+    return check_token_batch(tokens, state.batch)
+
+
+def check_token_batch(tokens, batch: int) -> int:
+    """Static checks of a [B, T] token batch for a state of `batch` requests; returns T."""
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [batch, T], got shape {tokens.shape}")
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
-    if tokens.shape[0] != state.batch:
+    if tokens.shape[0] != batch:
         raise ValueError(f"tokens have batch {tokens.shape[0]} but the state holds "
-                         f"{state.batch} requests: pass one row per request")
+                         f"{batch} requests: pass one row per request")
     if tokens.shape[1] < 1:
         raise ValueError("tokens must hold at least one token per request")
     return tokens.shape[1]

@@ -31,7 +31,7 @@ from fo_jax.model.forward import forward, xla_select
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.offload.manage import GroupPlan, manage_group
 from fo_jax.offload.state import CacheSlots, DecodeState, HostPages, PolicyState
-from fo_jax.resident import check_capacity, check_token_values
+from fo_jax.resident import check_capacity, check_token_batch, check_token_values
 
 
 @jax.tree_util.register_dataclass
@@ -326,14 +326,8 @@ def decode_step(params, state: DecodeState, tokens, *, config: ModelConfig,
             "the Pallas kernels in interpret mode cannot share a jit with a host-memory array "
             "(a JAX bug); use OffloadConfig(host_memory_kind='device') under interpret mode")
     tokens = jnp.asarray(tokens)
-    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise ValueError(f"tokens must be an int array [batch, W], got {tokens.dtype} "
-                         f"{tokens.shape}")
-    if tokens.shape[0] != state.batch:
-        raise ValueError(f"tokens have batch {tokens.shape[0]} but the state holds "
-                         f"{state.batch} requests: pass one row per request")
-    ways = tokens.shape[1]
-    if not 1 <= ways <= config.max_ways:
+    ways = check_token_batch(tokens, state.batch)
+    if ways > config.max_ways:
         raise ValueError(f"decode_step got W={ways} query tokens per request; config "
                          f"{config.name!r} allows 1 to max_ways={config.max_ways}")
     check_state(state, config=config, offload=offload)

@@ -66,7 +66,7 @@ from fo_jax.offload.state import (
     initial_layout,
     to_memory_kind,
 )
-from fo_jax.resident import check_capacity, check_token_values
+from fo_jax.resident import check_capacity, check_token_batch, check_token_values
 
 # Schedule -------------------------------------------------------------------------------------
 
@@ -401,15 +401,7 @@ def prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelC
     schedule = PrefillSchedule.create(config.num_layers, num_buffers, distance=distance,
                                       onload_layer_map=onload_layer_map)
     tokens = jnp.asarray(tokens)
-    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise ValueError(f"tokens must be an int array [batch, T], got {tokens.dtype} "
-                         f"{tokens.shape}")
-    if tokens.shape[0] != state.batch:
-        raise ValueError(f"tokens have batch {tokens.shape[0]} but the state holds "
-                         f"{state.batch} requests: pass one row per request")
-    num_t = tokens.shape[1]
-    if num_t < 1:
-        raise ValueError("tokens must hold at least one token per request")
+    num_t = check_token_batch(tokens, state.batch)
     num_new = (jnp.full((state.batch,), num_t, jnp.int32) if num_new is None
                else jnp.asarray(num_new, jnp.int32))
     if num_new.shape != (state.batch,):
