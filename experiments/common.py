@@ -1,4 +1,4 @@
-"""Shared helpers of the experiment scripts: timing, run metadata, JSON lines."""
+"""Shared helpers of the experiment scripts: timing, run metadata, JSON lines, synthetic states."""
 
 from __future__ import annotations
 
@@ -10,6 +10,11 @@ import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fo_jax import resident
+from fo_jax.offload.state import DecodeState
 
 
 def run_metadata() -> dict[str, Any]:
@@ -44,3 +49,25 @@ def write_jsonl(path: str | None, rows: list[dict]) -> None:
     with open(path, "a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
+
+
+def synthetic_states(config, offload, batch, context, seed, heavy=0.1, boost=4.0):
+    """Resident and offloaded states holding the same random history of `context` tokens.
+
+    A random `heavy` fraction of the tokens gets indexer keys `boost` times longer, so the
+    indexer keeps preferring them step after step: the temporal locality real long-context
+    sessions show (a working set smaller than the hot cache). heavy=0 gives uniform keys, where
+    every step's top-k is an independent draw and the hit rate falls to about C / context.
+    """
+    keys = jax.random.split(jax.random.key(seed), 3)
+    capacity = offload.capacity
+    kv = jax.random.normal(keys[0], (config.num_layers, batch, capacity, config.kv_width),
+                           jnp.float32).astype(config.jnp_kv_dtype)
+    ik = jax.random.normal(keys[1], (config.num_groups, batch, capacity,
+                                     config.index_head_dim), jnp.float32)
+    favoured = jax.random.bernoulli(keys[2], heavy, (1, batch, capacity, 1))
+    ik = jnp.where(favoured, ik * boost, ik).astype(config.jnp_kv_dtype)
+    lengths = np.full((batch,), context, np.int32)
+    dec = DecodeState.from_resident(kv, ik, lengths, config=config, offload=offload)
+    res = resident.ResidentState(kv=kv, index_keys=ik, lengths=jnp.asarray(lengths))
+    return res, dec

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from common import median_time, run_metadata, write_jsonl  # noqa: E402
+from common import median_time, run_metadata, synthetic_states, write_jsonl  # noqa: E402
 
 from fo_jax import resident  # noqa: E402
 from fo_jax.config import get_config  # noqa: E402
@@ -37,7 +37,6 @@ from fo_jax.model.dsa import init_params  # noqa: E402
 from fo_jax.offload import decode as offload_decode  # noqa: E402
 from fo_jax.offload.config import OffloadConfig  # noqa: E402
 from fo_jax.offload.manage import manage_group  # noqa: E402
-from fo_jax.offload.state import DecodeState  # noqa: E402
 
 
 # Management ---------------------------------------------------------------------------------
@@ -117,29 +116,6 @@ def run_management(args, meta):
 
 # Whole step ---------------------------------------------------------------------------------
 
-def _synthetic_states(config, offload, batch, context, seed, heavy=0.1, boost=4.0):
-    """Resident and offloaded states holding the same random history of `context` tokens.
-
-    A random `heavy` fraction of the tokens gets indexer keys `boost` times longer, so the
-    indexer keeps preferring them step after step: the temporal locality real long-context
-    sessions show (a working set smaller than the hot cache). heavy=0 gives uniform keys, where
-    every step's top-k is an independent draw and the hit rate falls to about C / context.
-    """
-    keys = jax.random.split(jax.random.key(seed), 3)
-    capacity = offload.capacity
-    kv = jax.random.normal(keys[0], (config.num_layers, batch, capacity, config.kv_width),
-                           jnp.float32).astype(config.jnp_kv_dtype)
-    ik = jax.random.normal(keys[1], (config.num_groups, batch, capacity,
-                                     config.index_head_dim), jnp.float32
-                           )
-    favoured = jax.random.bernoulli(keys[2], heavy, (1, batch, capacity, 1))
-    ik = jnp.where(favoured, ik * boost, ik).astype(config.jnp_kv_dtype)
-    lengths = np.full((batch,), context, np.int32)
-    dec = DecodeState.from_resident(kv, ik, lengths, config=config, offload=offload)
-    res = resident.ResidentState(kv=kv, index_keys=ik, lengths=jnp.asarray(lengths))
-    return res, dec
-
-
 def run_step(args, meta):
     config = get_config(args.model)
     config = dataclasses.replace(config, max_ways=args.ways)
@@ -150,7 +126,7 @@ def run_step(args, meta):
     offload = OffloadConfig(hot_slots=hot, page_size=page, capacity=capacity,
                             policy=args.policy)
     params = init_params(config, jax.random.key(0))
-    res, dec = _synthetic_states(config, offload, batch, context, seed=1, heavy=args.heavy)
+    res, dec = synthetic_states(config, offload, batch, context, seed=1, heavy=args.heavy)
     rng = np.random.default_rng(2)
     total = args.warmup + args.steps + 2
     tokens = [jnp.asarray(rng.integers(0, config.vocab_size, (batch, args.ways), np.int32))

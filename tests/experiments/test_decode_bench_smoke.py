@@ -7,9 +7,8 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("decode_bench",
-                                                  ROOT / "experiments" / "decode_bench.py")
+def _load(name="decode_bench"):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -28,3 +27,6 @@ def test_smoke(tmp_path, capsys):
     assert all(r["jax"] and r["backend"] and r["git"] for r in lines)
     step = [r for r in lines if r["question"] == "step"][0]
     assert step["ratio"] > 0 and 0 <= step["hit_rate"] <= 1
+    png = tmp_path / "bench.png"
+    _load("plot_decode_bench").main([str(out), "--out", str(png)])
+    assert png.stat().st_size > 0
