@@ -57,40 +57,47 @@ def _selections(rng, count, batch, ways, k, context, hot, hit_fraction):
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "hot_slots", "page_size"),
+@functools.partial(jax.jit, static_argnames=("policy", "hot_slots", "steps"),
                    donate_argnames=("slots", "policy_state"))
-def _manage(tokens, slots, policy_state, step, *, policy, hot_slots, page_size):
-    mask = tokens >= 0
-    tail_start = jnp.full((tokens.shape[0],), 2**30, jnp.int32)  # no tail tokens here
-    plan, stats, slots, policy_state = manage_group(
-        tokens, mask, slots, policy_state, 0, tail_start, step, policy=policy,
-        hot_slots=hot_slots, page_size=page_size)
-    return plan.read_row, stats.union, slots, policy_state
+def _manage_steps(selections, slots, policy_state, first_step, *, policy, hot_slots, steps):
+    """`steps` management steps in one program (cycling through `selections` [N, B, W, K]),
+    so the per-step time is the management itself, not Python dispatch."""
+    tail_start = jnp.full((selections.shape[1],), 2**30, jnp.int32)  # no tail tokens here
+
+    def body(i, carry):
+        slots, policy_state, total = carry
+        tokens = selections[i % selections.shape[0]]
+        plan, stats, slots, policy_state = manage_group(
+            tokens, tokens >= 0, slots, policy_state, 0, tail_start, first_step + i,
+            policy=policy, hot_slots=hot_slots, page_size=16)
+        return slots, policy_state, total + jnp.sum(plan.read_row) + jnp.sum(stats.union)
+
+    return jax.lax.fori_loop(0, steps, body, (slots, policy_state, jnp.int32(0)))
 
 
-def bench_management(policy, hot, *, batch, ways, k, context, steps, seed=0):
+def bench_management(policy, hot, *, batch, ways, k, context, steps, seed=0, inner=20):
     """Median seconds of one group's management step at hot-cache size `hot`."""
     rng = np.random.default_rng(seed)
     t2s = np.full((1, batch, context), -1, np.int32)
     t2s[:, :, :hot] = np.arange(hot)
     s2t = np.broadcast_to(np.arange(hot, dtype=np.int32), (1, batch, hot)).copy()
-    slots = (jnp.asarray(t2s), jnp.asarray(s2t))
     last = np.zeros((1, batch, hot if policy == "lru" else 0), np.int32)
-    state = (jnp.full((1, batch, hot), -1, jnp.int32), jnp.zeros((1, batch), jnp.int32),
-             jnp.asarray(last), jax.random.key_data(jax.random.key(seed)))
-    sels = _selections(rng, 8, batch, ways, k, context, hot, 0.9)
-    box = {"slots": slots, "state": state, "i": 1}
+    box = {
+        "slots": (jnp.asarray(t2s), jnp.asarray(s2t)),
+        "state": (jnp.full((1, batch, hot), -1, jnp.int32), jnp.zeros((1, batch), jnp.int32),
+                  jnp.asarray(last), jax.random.key_data(jax.random.key(seed))),
+        "step": 1,
+    }
+    selections = jnp.stack(_selections(rng, 8, batch, ways, k, context, hot, 0.9))
 
-    def one():
-        i = box["i"]
-        read, union, box["slots"], box["state"] = _manage(
-            sels[i % len(sels)], box["slots"], box["state"], jnp.int32(i), policy=policy,
-            hot_slots=hot, page_size=16)
-        box["i"] = i + 1
-        read.block_until_ready()
-        return union
+    def run():
+        box["slots"], box["state"], total = _manage_steps(
+            selections, box["slots"], box["state"], jnp.int32(box["step"]), policy=policy,
+            hot_slots=hot, steps=inner)
+        box["step"] += inner
+        total.block_until_ready()
 
-    return median_time(one, warmup=3, repeats=steps)
+    return median_time(run, warmup=2, repeats=steps) / inner
 
 
 def run_management(args, meta):

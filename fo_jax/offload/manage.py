@@ -94,16 +94,17 @@ def union_misses(tokens: Int[Array, "B W K"],
                  miss: Bool[Array, "B W K"]) -> tuple[Int[Array, "B M"], Int[Array, "B"]]:
     """The W ways' misses united: ([B, M] ascending tokens, -1 padding; [B] count), M = W K.
 
-    Sorts W K values per request.
+    One sort of W K values per request, then a scatter that compacts the first of each run.
     """
-    batch = tokens.shape[0]
-    flat = jnp.where(miss, tokens, BIG).reshape(batch, -1)
-    ordered = jnp.sort(flat, axis=-1)
+    batch, size = tokens.shape[0], tokens.shape[1] * tokens.shape[2]
+    ordered = jnp.sort(jnp.where(miss, tokens, BIG).reshape(batch, size), axis=-1)
     previous = jnp.concatenate([jnp.full((batch, 1), -1, ordered.dtype), ordered[:, :-1]], 1)
     first = (ordered != previous) & (ordered != BIG)
-    unique = jnp.sort(jnp.where(first, ordered, BIG), axis=-1)
-    count = jnp.sum(first, axis=-1).astype(jnp.int32)
-    return jnp.where(unique == BIG, -1, unique).astype(jnp.int32), count
+    rank = jnp.cumsum(first, axis=-1) - 1
+    rows = jnp.arange(batch)[:, None]
+    unique = jnp.full((batch, size), -1, jnp.int32).at[
+        rows, jnp.where(first, rank, size)].set(ordered, mode="drop")
+    return unique, jnp.sum(first, axis=-1).astype(jnp.int32)
 
 
 # Eviction policies ------------------------------------------------------------------------
