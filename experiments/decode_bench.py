@@ -131,7 +131,7 @@ def run_step(args, meta):
     page = 64 if hot >= 64 else 16
     capacity = -(-(context + (args.warmup + args.steps + 8) * args.ways) // page) * page
     offload = OffloadConfig(hot_slots=hot, page_size=page, capacity=capacity,
-                            policy=args.policy)
+                            policy=args.policy, miss_chunk=args.miss_chunk)
     params = init_params(config, jax.random.key(0))
     res, dec = synthetic_states(config, offload, batch, context, seed=1, heavy=args.heavy)
     rng = np.random.default_rng(2)
@@ -191,6 +191,7 @@ def main(argv=None):
     parser.add_argument("--model", default="small")
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--policy", default="ring")
+    parser.add_argument("--miss-chunk", type=int, default=64, help="host rows per copy")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=20, help="uncounted decode steps")
     parser.add_argument("--heavy", type=float, default=0.1,

@@ -35,7 +35,7 @@ class OffloadConfig:
     capacity: int = 1024
     policy: str = "ring"
     host_memory_kind: str = "pinned_host"
-    miss_chunk: int = 32
+    miss_chunk: int = 64
     seed: int = 0
 
     def __post_init__(self):
