@@ -1,1 +1,33 @@
-"""Offloading: state, decode step, prefill loop, eviction policies, and their models."""
+"""FlashOffloading: the authoritative KV in host memory, a hot cache on the device.
+
+Decode: `DecodeState` (host pages, hot cache, cache slots, indexer keys, policy state),
+`decode_step` (pure, jitted, state donated), `manage_group` (the LIM logic), `gather_attend`
+(the CopySFA logic), `check_invariants`. Prefill: `PrefillState`, `prefill` (layer buffers and
+`onload_layer_map`), `to_decode_state`. `pipeline_model` simulates the prefill's copy engines.
+"""
+
+from fo_jax.offload.config import OffloadConfig
+from fo_jax.offload.decode import DecodeStats, check_state, decode_step, gather_attend
+from fo_jax.offload.invariants import check_invariants
+from fo_jax.offload.manage import GroupPlan, GroupStats, manage_group
+from fo_jax.offload.prefill import PrefillState, prefill, to_decode_state
+from fo_jax.offload.state import CacheSlots, DecodeState, HostPages, PolicyState
+
+__all__ = [
+    "CacheSlots",
+    "DecodeState",
+    "DecodeStats",
+    "GroupPlan",
+    "GroupStats",
+    "HostPages",
+    "OffloadConfig",
+    "PolicyState",
+    "PrefillState",
+    "check_invariants",
+    "check_state",
+    "decode_step",
+    "gather_attend",
+    "manage_group",
+    "prefill",
+    "to_decode_state",
+]
