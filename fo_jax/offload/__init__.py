@@ -2,15 +2,17 @@
 
 Decode: `DecodeState` (host pages, hot cache, cache slots, indexer keys, policy state),
 `decode_step` (pure, jitted, state donated), `manage_group` (the LIM logic), `gather_attend`
-(the CopySFA logic), `check_invariants`. Prefill: `PrefillState`, `prefill` (layer buffers and
-`onload_layer_map`), `to_decode_state`. `pipeline_model` simulates the prefill's copy engines.
+(the CopySFA logic), `check_invariants`. Prefill: `PrefillState`, `to_decode_state`, and the
+module `fo_jax.offload.prefill` whose `prefill` runs the layer buffers and `onload_layer_map`
+(not re-exported here: the name would shadow the module). `pipeline_model` simulates the
+prefill's copy engines.
 """
 
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.offload.decode import DecodeStats, check_state, decode_step, gather_attend
 from fo_jax.offload.invariants import check_invariants
 from fo_jax.offload.manage import GroupPlan, GroupStats, manage_group
-from fo_jax.offload.prefill import PrefillState, prefill, to_decode_state
+from fo_jax.offload.prefill import PrefillState, to_decode_state
 from fo_jax.offload.state import CacheSlots, DecodeState, HostPages, PolicyState
 
 __all__ = [
@@ -28,6 +30,5 @@ __all__ = [
     "decode_step",
     "gather_attend",
     "manage_group",
-    "prefill",
     "to_decode_state",
 ]
