@@ -168,7 +168,7 @@ def prefill(params, state: ResidentState, tokens, num_new=None, *, config: Model
     The state is donated: use the returned one.
     """
     tokens = jnp.asarray(tokens)
-    num_t = _check_tokens(tokens, state, config)
+    num_t = check_token_batch(tokens, state.batch)
     num_new = (jnp.full((state.batch,), num_t, jnp.int32) if num_new is None
                else jnp.asarray(num_new, jnp.int32))
     if num_new.shape != (state.batch,):
@@ -192,7 +192,7 @@ def decode_step(params, state: ResidentState, tokens, *, config: ModelConfig,
     """
     implementation = resolve_implementation(implementation, interpret)
     tokens = jnp.asarray(tokens)
-    num_w = _check_tokens(tokens, state, config)
+    num_w = check_token_batch(tokens, state.batch)
     if num_w > config.max_ways:
         raise ValueError(f"decode_step got W={num_w} query tokens per request, but "
                          f"config {config.name!r} allows at most max_ways={config.max_ways}")
@@ -205,10 +205,6 @@ def decode_step(params, state: ResidentState, tokens, *, config: ModelConfig,
     return _forward_jit(params, state, tokens.astype(jnp.int32), num_new, config=config,
                         dense=dense, implementation=implementation,
                         interpret=interpret_params(interpret))
-
-
-def _check_tokens(tokens, state, config) -> int:
-    return check_token_batch(tokens, state.batch)
 
 
 def check_token_batch(tokens, batch: int) -> int:

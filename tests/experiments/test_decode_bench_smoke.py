@@ -1,22 +1,11 @@
 """The decode benchmark's smoke mode runs and reports both questions as JSON lines."""
 
-import importlib.util
 import json
-import pathlib
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _load(name="decode_bench"):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_smoke(tmp_path, capsys):
+def test_smoke(load_experiment, tmp_path, capsys):
     out = tmp_path / "bench.jsonl"
-    rows = _load().main(["--smoke", "--out", str(out)])
+    rows = load_experiment("decode_bench").main(["--smoke", "--out", str(out)])
     printed = capsys.readouterr().out
     assert "management per step" in printed and "whole decode step" in printed
     lines = [json.loads(line) for line in out.read_text().splitlines()]
@@ -28,5 +17,5 @@ def test_smoke(tmp_path, capsys):
     step = [r for r in lines if r["question"] == "step"][0]
     assert step["ratio"] > 0 and 0 <= step["hit_rate"] <= 1
     png = tmp_path / "bench.png"
-    _load("plot_decode_bench").main([str(out), "--out", str(png)])
+    load_experiment("plot_decode_bench").main([str(out), "--out", str(png)])
     assert png.stat().st_size > 0

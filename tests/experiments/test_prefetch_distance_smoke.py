@@ -1,24 +1,14 @@
 """The prefetch-distance experiment's smoke mode: model and measurement as JSON lines, a PNG."""
 
-import importlib.util
 import json
 import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_smoke(tmp_path, capsys):
+def test_smoke(load_experiment, tmp_path, capsys):
     out = tmp_path / "prefetch.jsonl"
-    rows = _load("prefetch_distance").main(["--smoke", "--out", str(out)])
+    rows = load_experiment("prefetch_distance").main(["--smoke", "--out", str(out)])
     printed = capsys.readouterr().out
     assert "glm52 @ 128k, chunk 65536, h200:" in printed
     assert "no asynchronous copy engine" in printed
@@ -40,6 +30,6 @@ def test_smoke(tmp_path, capsys):
     assert [r["path"] for r in measured] == ["resident", "offload", "offload"]
     assert all(r["median_s"] > 0 and r["ratio_to_resident"] > 0 for r in measured)
 
-    png = _load("plot_prefetch_distance").main(
+    png = load_experiment("plot_prefetch_distance").main(
         ["--jsonl", str(out), "--out", str(tmp_path / "p.png"), "--chunk", "65536"])
     assert pathlib.Path(png).stat().st_size > 0
