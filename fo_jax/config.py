@@ -53,6 +53,16 @@ class ModelConfig:
       index_fp8: simulate FP8 (e4m3) indexer q/k with power-of-two scales per 128 values.
       rope_theta: RoPE base.
       norm_eps: RMSNorm / LayerNorm epsilon.
+      index_rope_interleave: the indexer rotates interleaved pairs (2i, 2i+1) like MLA (GLM-5,
+        `indexer_rope_interleave` in its config.json) instead of halves (i, i + R/2)
+        (DeepSeek-V3.2's reference indexer).
+      rope_factor: YaRN factor s (1.0: plain RoPE). YaRN applies iff s > 1 and
+        max_seq_len > rope_original_seq_len (`yarn_active`), as in the DeepSeek reference.
+      rope_original_seq_len, rope_beta_fast, rope_beta_slow, rope_mscale: the other YaRN
+        parameters (reference `ModelArgs`: original_seq_len, beta_fast, beta_slow, mscale;
+        Hugging Face `rope_scaling`: original_max_position_embeddings, beta_fast, beta_slow,
+        mscale_all_dim). Under YaRN both RoPEs (MLA and indexer) use the rescaled frequencies and
+        the attention scale is multiplied by (0.1 * rope_mscale * ln(rope_factor) + 1)^2.
     """
 
     name: str
@@ -77,6 +87,12 @@ class ModelConfig:
     index_fp8: bool = False
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    index_rope_interleave: bool = False
+    rope_factor: float = 1.0
+    rope_original_seq_len: int = 4096
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 1.0
 
     def __post_init__(self):
         # Normalise lists given by callers into tuples (frozen dataclass: object.__setattr__).
@@ -122,6 +138,22 @@ class ModelConfig:
             raise ValueError(f"max_seq_len={self.max_seq_len} overflows int32 token indices")
         if self.norm_eps <= 0:
             raise ValueError(f"norm_eps={self.norm_eps} must be > 0")
+        self._check_rope()
+
+    def _check_rope(self) -> None:
+        if not self.rope_theta > 1:
+            raise ValueError(f"rope_theta={self.rope_theta} must be > 1")
+        if not self.rope_factor >= 1:
+            raise ValueError(f"rope_factor={self.rope_factor} must be >= 1 (1.0 turns YaRN off)")
+        n = self.rope_original_seq_len
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"rope_original_seq_len must be a positive int, got {n!r}")
+        if not self.rope_beta_fast > self.rope_beta_slow > 0:
+            raise ValueError(
+                f"YaRN needs rope_beta_fast > rope_beta_slow > 0, got "
+                f"rope_beta_fast={self.rope_beta_fast}, rope_beta_slow={self.rope_beta_slow}")
+        if not self.rope_mscale >= 0:
+            raise ValueError(f"rope_mscale={self.rope_mscale} must be >= 0")
 
     # Derived sizes ----------------------------------------------------------------------------
 
@@ -143,6 +175,11 @@ class ModelConfig:
         for g, (lo, hi) in enumerate(self.group_bounds):
             out += [g] * (hi - lo)
         return tuple(out)
+
+    @property
+    def yarn_active(self) -> bool:
+        """YaRN rescales RoPE: a factor > 1 and a context longer than the original one."""
+        return self.rope_factor > 1.0 and self.max_seq_len > self.rope_original_seq_len
 
     @property
     def kv_width(self) -> int:
@@ -209,21 +246,25 @@ PRESETS: dict[str, ModelConfig] = {
         mlp_hidden=1024, index_n_heads=8, index_head_dim=64, index_topk=512,
         indexer_layers=(0, 2), max_seq_len=131072, max_ways=4,
     ),
-    # DeepSeek-V3.2: 61 layers, one indexer per layer, MLA 512 + 64, 64 indexer heads of 128.
+    # DeepSeek-V3.2: 61 layers, one indexer per layer, MLA 512 + 64, 64 indexer heads of 128;
+    # YaRN as its config.json (factor 40 over 4096 original positions, beta 32 / 1, mscale 1).
     "deepseek_v32": ModelConfig(
         name="deepseek_v32", vocab_size=129280, dim=7168, num_layers=61, num_heads=128,
         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
         v_head_dim=128, mlp_hidden=18432, index_n_heads=64, index_head_dim=128,
         index_topk=2048, indexer_layers=tuple(range(61)), max_seq_len=163840,
         dtype="bfloat16", kv_dtype="bfloat16", index_fp8=True,
+        rope_factor=40.0, rope_original_seq_len=4096, rope_beta_fast=32.0, rope_beta_slow=1.0,
+        rope_mscale=1.0,
     ),
-    # GLM-5: 78 layers of MLA 512 + 64 with an indexer in every layer.
+    # GLM-5: 78 layers of MLA 512 + 64 with an indexer in every layer; the indexer's RoPE is
+    # interleaved (`indexer_rope_interleave: true`).
     "glm5": ModelConfig(
         name="glm5", vocab_size=154880, dim=6144, num_layers=78, num_heads=64,
         q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
         v_head_dim=256, mlp_hidden=12288, index_n_heads=32, index_head_dim=128,
         index_topk=2048, indexer_layers=tuple(range(78)), max_seq_len=1_048_576,
-        dtype="bfloat16", kv_dtype="bfloat16", index_fp8=True,
+        dtype="bfloat16", kv_dtype="bfloat16", index_fp8=True, index_rope_interleave=True,
     ),
     # GLM-5.2: as GLM-5, but 21 indexer layers shared by groups of consecutive layers.
     "glm52": ModelConfig(
@@ -231,7 +272,7 @@ PRESETS: dict[str, ModelConfig] = {
         q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
         v_head_dim=256, mlp_hidden=12288, index_n_heads=32, index_head_dim=128,
         index_topk=2048, indexer_layers=balanced_groups(78, 21), max_seq_len=1_048_576,
-        dtype="bfloat16", kv_dtype="bfloat16", index_fp8=True,
+        dtype="bfloat16", kv_dtype="bfloat16", index_fp8=True, index_rope_interleave=True,
     ),
 }
 

@@ -1,10 +1,11 @@
 """MLA attention in absorbed form: projections, the compressed KV row, sparse and dense attention.
 
 The cache holds, per token and layer, one row of D + R values: the RMS-normed latent c_kv (D)
-followed by the RoPE key k_pe (R). Queries are absorbed into the latent space:
+followed by the RoPE key k_pe (R, interleaved pairs, frequencies from `rope_frequencies`). Queries are absorbed into the latent space:
 
   q_lat[h] = W_UK[h] q_nope[h]                           [H, D]
-  score[h, s] = (q_lat[h] . c_kv[s] + q_pe[h] . k_pe[s]) * (qk_nope + R)^-0.5
+  score[h, s] = (q_lat[h] . c_kv[s] + q_pe[h] . k_pe[s]) * (qk_nope + R)^-0.5  (* mscale^2
+                under YaRN: `softmax_scale`)
   p = softmax_s(score) in float32
   out[h] = W_UV[h] (sum_s p[h, s] c_kv[s]);  y = W_o concat_h out[h]
 
@@ -15,10 +16,13 @@ bitwise equal.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from fo_jax.model.layers import F32, rms_norm, rope
+from fo_jax.model.layers import F32, rms_norm, rope, rope_inv_freq
 from fo_jax.typing import Array, Bool, Float
 
 
@@ -40,12 +44,13 @@ def attention_inputs(lp: dict, h: jax.Array, qr: jax.Array, positions: jax.Array
     d, v = config.kv_lora_rank, config.v_head_dim
     q = jnp.matmul(qr, lp["wq_b"]).reshape(h.shape[:-1] + (heads, nope + r))
     q_nope, q_pe = q[..., :nope], q[..., nope:]
-    q_pe = rope(q_pe, positions, config.rope_theta, interleaved=True)
+    inv_freq = rope_frequencies(config)
+    q_pe = rope(q_pe, positions, inv_freq, interleaved=True)
     w_kv_b = lp["wkv_b"].reshape(d, heads, nope + v)
     q_lat = jnp.einsum("bthn,dhn->bthd", q_nope.astype(F32), w_kv_b[..., :nope].astype(F32))
     kv = jnp.matmul(h, lp["wkv_a"])
     c_kv = rms_norm(kv[..., :d], lp["kv_norm"], config.norm_eps)
-    k_pe = rope(kv[..., d:], positions, config.rope_theta, interleaved=True)
+    k_pe = rope(kv[..., d:], positions, inv_freq, interleaved=True)
     kv_new = jnp.concatenate([c_kv, k_pe], axis=-1).astype(config.jnp_kv_dtype)
     return q_lat, q_pe.astype(F32), kv_new
 
@@ -101,7 +106,28 @@ def attention_output(lp: dict, out_lat: jax.Array, *, config) -> jax.Array:
 
 
 def softmax_scale(config) -> float:
-    return config.qk_head_dim ** -0.5
+    """(qk_nope + R)^-0.5, times mscale^2 under YaRN (the reference's `MLA.__init__`):
+
+      mscale = 0.1 * rope_mscale * ln(rope_factor) + 1     (1.3689 for factor 40, squared 1.8739)
+
+    The indexer's scale is not touched (it has none of its own beyond `indexer_queries`' w).
+    """
+    scale = config.qk_head_dim ** -0.5
+    if config.yarn_active:
+        mscale = 0.1 * config.rope_mscale * math.log(config.rope_factor) + 1.0
+        scale = scale * mscale * mscale
+    return scale
+
+
+def rope_frequencies(config) -> np.ndarray:
+    """[R/2] float32 inverse frequencies of the model's RoPE, YaRN-rescaled when
+    `config.yarn_active`; MLA (q_pe, k_pe) and the indexer share them, as the reference's one
+    `freqs_cis` table."""
+    if not config.yarn_active:
+        return rope_inv_freq(config.qk_rope_head_dim, config.rope_theta)
+    return rope_inv_freq(config.qk_rope_head_dim, config.rope_theta, factor=config.rope_factor,
+                         original_seq_len=config.rope_original_seq_len,
+                         beta_fast=config.rope_beta_fast, beta_slow=config.rope_beta_slow)
 
 
 def _softmax_combine(logits, mask, values, combine: str):

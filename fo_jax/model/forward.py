@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from fo_jax.model.attention import attention_inputs, attention_output, query_lowrank
 from fo_jax.model.dsa import layer_slice
 from fo_jax.model.indexer import indexer_keys, indexer_queries, indexer_scores, select_topk
-from fo_jax.model.layers import F32, rms_norm, swiglu_mlp
+from fo_jax.model.layers import matmul_f32, rms_norm, swiglu_mlp
 
 
 @runtime_checkable
@@ -87,7 +87,7 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, write_pos: ja
 
         x, carry = jax.lax.fori_loop(lo, hi, body, (x, carry))
     x = rms_norm(x, params["norm"], config.norm_eps)
-    logits = jnp.matmul(x, params["head"]).astype(F32)
+    logits = matmul_f32(x, params["head"])  # float32 head, as the reference
     return logits, carry
 
 

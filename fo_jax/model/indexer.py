@@ -3,8 +3,10 @@
 Per indexer layer (DeepSeek-V3.2):
   q_I = W_qb_I qr                      (qr: the attention's normed query low-rank state)
   k_I = LayerNorm(W_k x)               (one key per token, cached on device)
-  RoPE on the first R dims of q_I and k_I, non-interleaved; both rotated by Hadamard * N^-0.5;
-  w = W_w x * I^-0.5 * N^-0.5
+  RoPE on the first R dims of q_I and k_I with the model's frequencies (YaRN included), in
+    halves (DeepSeek-V3.2) or interleaved pairs (GLM-5: `config.index_rope_interleave`);
+  both rotated by Hadamard * N^-0.5;
+  w = W_w x * I^-0.5 * N^-0.5          (W_w x in float32, as the reference)
   score[t, s] = sum_h w[t, h] * ReLU(q_I[t, h] . k_I[s])
 
 Selection rule (one rule, used by every path in the project):
@@ -21,7 +23,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fo_jax.model.layers import F32, fp8_simulate, hadamard_rotate, layer_norm, rope
+from fo_jax.model.attention import rope_frequencies
+from fo_jax.model.layers import F32, fp8_simulate, hadamard_rotate, layer_norm, matmul_f32, rope
 from fo_jax.typing import Array, Bool, Float, Int
 
 
@@ -55,7 +58,7 @@ def indexer_queries(ip: dict, qr: jax.Array, h: jax.Array, positions: jax.Array,
     q = hadamard_rotate(q)
     if config.index_fp8:
         q = fp8_simulate(q)
-    w = jnp.matmul(h, ip["weights_proj"]).astype(F32) * (heads ** -0.5) * (width ** -0.5)
+    w = matmul_f32(h, ip["weights_proj"]) * (heads ** -0.5) * (width ** -0.5)
     return q, w
 
 
@@ -99,7 +102,8 @@ def select_topk(scores: Float[Array, "B T S"], visible: Int[Array, "B T"],
 
 
 def _rope_first(x: jax.Array, positions: jax.Array, config) -> jax.Array:
-    """Non-interleaved RoPE on the first R dims of the last axis."""
+    """RoPE on the first R dims of the last axis, in the layout `config.index_rope_interleave`."""
     r = config.qk_rope_head_dim
-    rotated = rope(x[..., :r], positions, config.rope_theta, interleaved=False)
+    rotated = rope(x[..., :r], positions, rope_frequencies(config),
+                   interleaved=config.index_rope_interleave)
     return jnp.concatenate([rotated, x[..., r:]], axis=-1)

@@ -6,6 +6,7 @@ Pure functions over arrays; float32 math unless stated.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -31,15 +32,58 @@ def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> 
     return (out * weight.astype(F32) + bias.astype(F32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float, *, interleaved: bool) -> jax.Array:
+def rope_inv_freq(width: int, theta: float, *, factor: float = 1.0,
+                  original_seq_len: int | None = None, beta_fast: float = 32.0,
+                  beta_slow: float = 1.0) -> np.ndarray:
+    """RoPE inverse frequencies [width / 2] float32, optionally YaRN-rescaled.
+
+    Plain RoPE: f_i = theta^(-2i / width). YaRN (the DeepSeek reference's `precompute_freqs_cis`,
+    applied when `factor > 1`; the caller decides whether the context exceeds the original):
+    frequency i keeps f_i for the fast dims, becomes f_i / factor for the slow dims, and is
+    blended linearly in between:
+
+      dim(r) = width * ln(original_seq_len / (2 pi r)) / (2 ln theta)   (dims doing r turns)
+      lo = max(floor(dim(beta_fast)), 0),  hi = min(ceil(dim(beta_slow)), width - 1)
+      ramp_i = clip((i - lo) / (hi - lo), 0, 1)      (hi - lo := 0.001 when equal)
+      f'_i = f_i / factor * ramp_i + f_i * (1 - ramp_i)
+
+    float32 arithmetic as in the reference. Touches width / 2 values (host numpy, trace time).
+    """
+    if width % 2:
+        raise ValueError(f"rope_inv_freq: {width=} must be even (RoPE pairs)")
+    freqs = (1.0 / (np.float32(theta) ** (np.arange(0, width, 2, dtype=np.float32) / width)))
+    freqs = freqs.astype(np.float32)
+    if factor == 1.0:
+        return freqs
+    if original_seq_len is None:
+        raise ValueError("rope_inv_freq: YaRN (factor != 1) needs original_seq_len")
+
+    def turns_dim(rotations):
+        return width * math.log(original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo = max(math.floor(turns_dim(beta_fast)), 0)
+    hi = min(math.ceil(turns_dim(beta_slow)), width - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = np.clip((np.arange(width // 2, dtype=np.float32) - lo) / np.float32(hi - lo), 0, 1)
+    keep = (1 - ramp).astype(np.float32)
+    return (freqs / np.float32(factor) * (1 - keep) + freqs * keep).astype(np.float32)
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, *,
+         interleaved: bool) -> jax.Array:
     """Rotary embedding of the last axis of `x` (width R, even) at integer `positions`.
 
     x: [..., T, heads..., R] is broadcast against positions [..., T] through `x.ndim - 1 -
-    positions.ndim` trailing head axes. `interleaved=True` rotates pairs (2i, 2i+1) (MLA in the
-    DeepSeek reference); `False` rotates halves (i, i + R/2) (the DSA indexer).
+    positions.ndim` trailing head axes; inv_freq: [R / 2] (see `rope_inv_freq`), pair i turns by
+    position * inv_freq[i]. `interleaved=True` rotates pairs (2i, 2i+1) (MLA in the DeepSeek
+    reference; GLM-5's indexer); `False` rotates halves (i, i + R/2) (DeepSeek-V3.2's indexer).
     """
     width = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (np.arange(0, width, 2, dtype=np.float32) / width))
+    inv_freq = np.asarray(inv_freq, np.float32)
+    if inv_freq.shape != (width // 2,):
+        raise ValueError(f"rope: inv_freq has shape {inv_freq.shape}, expected ({width // 2},) "
+                         f"for a rotary width of {width}")
     angles = positions.astype(F32)[..., None] * jnp.asarray(inv_freq)  # [..., T, R/2]
     extra = x.ndim - 1 - positions.ndim
     angles = angles.reshape(angles.shape[:-1] + (1,) * extra + angles.shape[-1:])
@@ -53,6 +97,17 @@ def rope(x: jax.Array, positions: jax.Array, theta: float, *, interleaved: bool)
         x1, x2 = xf[..., : width // 2], xf[..., width // 2 :]
         out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
     return out.astype(x.dtype)
+
+
+def matmul_f32(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w in float32: [..., E] @ [E, O] -> [..., O] float32, whatever the operand dtypes.
+
+    The DeepSeek reference runs the output head and the indexer's `weights_proj` in float32 on
+    bf16-valued inputs and weights. The product of two 16-bit floats is exact in float32, so
+    asking for float32 accumulation (`preferred_element_type`, full `precision`) computes that
+    same float32 matmul without materialising a float32 copy of the weight (the head is [E, V]).
+    """
+    return jnp.matmul(x, w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=F32)
 
 
 @functools.lru_cache(maxsize=None)

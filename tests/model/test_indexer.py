@@ -8,7 +8,8 @@ import pytest
 from fo_jax.config import get_config
 from fo_jax.model.dsa import init_params, layer_slice
 from fo_jax.model.indexer import (indexer_keys, indexer_queries, indexer_scores, select_topk)
-from fo_jax.model.layers import fp8_simulate, hadamard_matrix, hadamard_rotate, rope
+from fo_jax.model.layers import (fp8_simulate, hadamard_matrix, hadamard_rotate, rope,
+                                 rope_inv_freq)
 
 
 def test_indexer_score_by_hand():
@@ -58,15 +59,16 @@ def test_hadamard_is_orthogonal():
 
 def test_rope_identity_at_zero_and_norm_preserving():
     x = jax.random.normal(jax.random.key(1), (1, 3, 8))
+    inv_freq = rope_inv_freq(8, 1e4)
     for interleaved in (True, False):
-        np.testing.assert_allclose(rope(x, jnp.zeros((1, 3), jnp.int32), 1e4,
+        np.testing.assert_allclose(rope(x, jnp.zeros((1, 3), jnp.int32), inv_freq,
                                         interleaved=interleaved), x, atol=1e-6)
-        y = rope(x, jnp.array([[1, 5, 100]]), 1e4, interleaved=interleaved)
+        y = rope(x, jnp.array([[1, 5, 100]]), inv_freq, interleaved=interleaved)
         np.testing.assert_allclose(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(x, axis=-1),
                                    rtol=1e-5)
     # The two layouts differ: pairs (0, 1) vs halves (0, 4).
-    a = rope(x, jnp.array([[1, 5, 100]]), 1e4, interleaved=True)
-    b = rope(x, jnp.array([[1, 5, 100]]), 1e4, interleaved=False)
+    a = rope(x, jnp.array([[1, 5, 100]]), inv_freq, interleaved=True)
+    b = rope(x, jnp.array([[1, 5, 100]]), inv_freq, interleaved=False)
     assert not np.allclose(a, b)
 
 
