@@ -2,12 +2,14 @@
 
 Decode: `DecodeState` (host pages, hot cache, cache slots, indexer keys, policy state),
 `decode_step` (pure, jitted, state donated), `manage_group` (the LIM logic), `gather_attend`
-(the CopySFA logic), `check_invariants`. Prefill: `PrefillState`, `to_decode_state`, and the
+(the CopySFA logic), `check_invariants` (numpy) and `check_state_jit` (on the device, under
+checkify). Prefill: `PrefillState`, `to_decode_state`, and the
 module `fo_jax.offload.prefill` whose `prefill` runs the layer buffers and `onload_layer_map`
 (not re-exported here: the name would shadow the module). `pipeline_model` simulates the
 prefill's copy engines.
 """
 
+from fo_jax.offload.checks import check_state_jit
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.offload.decode import DecodeStats, check_state, decode_step, gather_attend
 from fo_jax.offload.invariants import check_invariants
@@ -27,6 +29,7 @@ __all__ = [
     "PrefillState",
     "check_invariants",
     "check_state",
+    "check_state_jit",
     "decode_step",
     "gather_attend",
     "manage_group",

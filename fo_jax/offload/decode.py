@@ -23,11 +23,13 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 from fo_jax.config import ModelConfig
 from fo_jax.model.attention import softmax_scale, sparse_attention
 from fo_jax.kernels import interpret_params, resolve_implementation
 from fo_jax.model.forward import forward, xla_select
+from fo_jax.offload import checks
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.offload.manage import GroupPlan, manage_group
 from fo_jax.offload.state import CacheSlots, DecodeState, HostPages, PolicyState
@@ -222,10 +224,14 @@ class OffloadBackend:
         return {**carry, "hot": hot}, out
 
 
-@functools.partial(jax.jit, static_argnames=("config", "offload", "implementation", "interpret"),
+@functools.partial(jax.jit, static_argnames=("config", "offload", "implementation", "interpret",
+                                             "debug"),
                    donate_argnames=("state",))
 def _decode_jit(params, state: DecodeState, tokens, *, config: ModelConfig,
-                offload: OffloadConfig, implementation: str = "xla", interpret=False):
+                offload: OffloadConfig, implementation: str = "xla", interpret=False,
+                debug: bool = False):
+    """The step, pure. With `debug`, the invariants of fo_jax.offload.checks are checkified
+    after the step (O(G B (S + C)) more work): trace it under `checkify.checkify`."""
     batch, ways = tokens.shape
     positions = state.lengths[:, None] + jnp.arange(ways, dtype=jnp.int32)[None, :]
     tail_start = (state.lengths // offload.page_size) * offload.page_size
@@ -268,7 +274,19 @@ def _decode_jit(params, state: DecodeState, tokens, *, config: ModelConfig,
         d2h_bytes=jnp.full((batch,), ways * config.num_layers * row_bytes, jnp.int32),
         selected=jnp.stack([t for _, t in backend.group_stats]),
     )
+    if debug:
+        checks.check_step(state, new_state, stats, logits, config=config, offload=offload)
     return logits, new_state, stats
+
+
+@functools.partial(jax.jit, static_argnames=("config", "offload", "implementation", "interpret"),
+                   donate_argnames=("state",))
+def _decode_checked(params, state: DecodeState, tokens, *, config: ModelConfig,
+                    offload: OffloadConfig, implementation: str, interpret):
+    """`_decode_jit` with debug checks, functionalised: (checkify.Error, step outputs)."""
+    step = functools.partial(_decode_jit, config=config, offload=offload,
+                             implementation=implementation, interpret=interpret, debug=True)
+    return checkify.checkify(step, errors=checkify.user_checks)(params, state, tokens)
 
 
 def check_state(state: DecodeState, *, config: ModelConfig, offload: OffloadConfig) -> None:
@@ -309,7 +327,7 @@ def check_state(state: DecodeState, *, config: ModelConfig, offload: OffloadConf
 
 def decode_step(params, state: DecodeState, tokens, *, config: ModelConfig,
                 offload: OffloadConfig, check: bool = True, implementation: str | None = None,
-                interpret=False):
+                interpret=False, debug: bool = False):
     """One offloaded decode step: (logits [B, W, V], new state, DecodeStats).
 
     tokens: [B, W] with W <= config.max_ways. The state is donated: use the returned one.
@@ -319,6 +337,10 @@ def decode_step(params, state: DecodeState, tokens, *, config: ModelConfig,
     Shapes are always validated; with `check`, token ids and host capacity are validated
     against concrete values too (a read of `state.lengths`). Errors are raised before any
     state changes.
+    debug: check the state's invariants on the device after the step (fo_jax.offload.checks:
+    maps, occupancy, selection, rows read, finite logits; O(G B (S + C)) more work, a second
+    compiled program) and raise AssertionError naming the first violation (the input state is
+    donated either way).
     """
     implementation = resolve_implementation(implementation, interpret)
     if implementation == "pallas" and interpret and offload.host_memory_kind != "device":
@@ -335,5 +357,11 @@ def decode_step(params, state: DecodeState, tokens, *, config: ModelConfig,
         check_token_values(tokens, config)
         check_capacity(state.lengths, np.full(state.batch, ways), state.capacity, config,
                        what="the host pages'")
+    if debug:
+        err, out = _decode_checked(params, state, tokens.astype(jnp.int32), config=config,
+                                   offload=offload, implementation=implementation,
+                                   interpret=interpret_params(interpret))
+        checks.raise_on_error(err)
+        return out
     return _decode_jit(params, state, tokens.astype(jnp.int32), config=config, offload=offload,
                        implementation=implementation, interpret=interpret_params(interpret))

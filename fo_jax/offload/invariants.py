@@ -14,7 +14,8 @@ from fo_jax.offload.state import DecodeState
 
 
 def check_invariants(state: DecodeState, *, config: ModelConfig, offload: OffloadConfig,
-                     resident_kv=None, selected=None, poisoned: bool = False) -> None:
+                     resident_kv=None, selected=None, poisoned: bool = False,
+                     finite: bool = False, occupied_before=None) -> None:
     """Raise AssertionError unless every invariant of the offloaded state holds.
 
     Checks:
@@ -26,7 +27,11 @@ def check_invariants(state: DecodeState, *, config: ModelConfig, offload: Offloa
         (nothing lost);
       * with `selected` [G, B, W, K] (the last step's selection, from DecodeStats): every
         selected token is resident afterwards, or was served from that step's tail blocks;
-      * with `poisoned`: every empty slot holds NaN on every layer.
+      * with `poisoned`: every empty slot holds NaN on every layer;
+      * with `finite`: every occupied slot and every tail row of a stored token is finite;
+      * with `occupied_before` [G, B] (`occupied_slots` before the last step): no group and
+        request has fewer occupied slots now (once full, the cache stays full).
+    The jittable twin that runs inside compiled loops is fo_jax.offload.checks.
     """
     c, z = offload.hot_slots, offload.page_size
     t2s = np.asarray(state.slots.token_to_slot)
@@ -69,6 +74,11 @@ def check_invariants(state: DecodeState, *, config: ModelConfig, offload: Offloa
                 assert np.all(same), (
                     f"layer {layer} request {b}: hot slot {occupied[~same][:1]} differs from "
                     f"host row of token {tok_of[occupied][~same][:1]}")
+                if finite:
+                    ok = np.all(np.isfinite(got), axis=-1)
+                    assert np.all(ok), (
+                        f"layer {layer} request {b}: hot slot {occupied[~ok][:1]} of token "
+                        f"{tok_of[occupied][~ok][:1]} holds a non-finite value")
                 if poisoned:
                     empty = np.flatnonzero(tok_of < 0)
                     assert np.all(np.isnan(hot[layer, b, empty])), (
@@ -88,6 +98,13 @@ def check_invariants(state: DecodeState, *, config: ModelConfig, offload: Offloa
             row = c + ((p // z) % 2) * z + p % z
             assert np.array_equal(hot[:, b, row], host_tok[:, b, p]), (
                 f"request {b}: tail row of token {p} differs from its host row")
+            assert not finite or np.all(np.isfinite(hot[:, b, row])), (
+                f"request {b}: tail row of token {p} holds a non-finite value")
+    if occupied_before is not None:
+        now, before = np.sum(s2t >= 0, axis=-1), np.asarray(occupied_before)
+        for g, b in np.argwhere(now < before)[:1]:
+            raise AssertionError(f"group {g} request {b}: occupied slots fell from "
+                                 f"{before[g, b]} to {now[g, b]}")
     if resident_kv is not None:
         ref = np.asarray(resident_kv).astype(np.float32)
         for b in range(batch):
