@@ -157,7 +157,8 @@ def compile_jitted(fn, *args, compiler_options: dict | None = None,
     if not hasattr(fn, "lower"):
         raise TypeError(f"{fn!r} is not a jitted function: wrap it in jax.jit first")
     lowered = fn.lower(*args, **kwargs)
-    return lowered.compile(compiler_options) if compiler_options else lowered.compile()
+    return lowered.compile(compiler_options=compiler_options) if compiler_options \
+        else lowered.compile()
 
 
 class _Captured(Exception):
@@ -294,16 +295,35 @@ def _fused_and_applied(computations) -> tuple[set[str], set[str]]:
     return fused, applied
 
 
+def _first_operand(inst: Instruction) -> str | None:
+    match = re.search(re.escape(inst.opcode) + r"\(%?([\w.\-]+)", inst.line)
+    return match.group(1) if match else None
+
+
 def _root_opcodes(computations, roots, name: str) -> list[str]:
-    """Opcodes that produce each output of a fused computation (through bitcasts)."""
+    """Opcodes that produce each output of a fused computation (through bitcasts).
+
+    An in-place update (dynamic-update-slice, scatter) counts as one only when the array it
+    updates is a parameter of the fusion; one into an array made inside the fusion (e.g.
+    `jnp.zeros(...).at[i].set(x)`) writes every element and is reported as "fresh <opcode>".
+    """
     by_name = {inst.name: inst for inst in computations.get(name, [])}
 
-    def producer(inst_name: str) -> str:
-        inst = by_name.get(inst_name)
+    def through_bitcasts(inst):
         while inst is not None and inst.opcode == "bitcast":
-            operand = re.search(r"bitcast\(%?([\w.\-]+)", inst.line)
-            inst = by_name.get(operand.group(1)) if operand else None
-        return inst.opcode if inst is not None else "?"
+            operand = _first_operand(inst)
+            inst = by_name.get(operand) if operand else None
+        return inst
+
+    def producer(inst_name: str) -> str:
+        inst = through_bitcasts(by_name.get(inst_name))
+        if inst is None:
+            return "?"
+        if inst.opcode in _IN_PLACE:
+            target = through_bitcasts(by_name.get(_first_operand(inst) or ""))
+            if target is None or target.opcode != "parameter":
+                return f"fresh {inst.opcode}"
+        return inst.opcode
 
     root = by_name.get(roots.get(name, ""))
     if root is None:

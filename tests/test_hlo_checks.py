@@ -84,6 +84,45 @@ def test_a_full_shape_elementwise_op_is_reported():
     hlo_checks.assert_no_state_copies(compiled, STATE, created=("x",))
 
 
+# Hand-written optimized HLO: two fusions write x's shape; `good` updates its parameter in
+# place (through a bitcast), `bad` updates an array it broadcast itself (every element written).
+HAND_HLO = """HloModule m, input_output_alias={ {0}: (0, {}, may-alias) }
+
+%fused_bad (p0: f32[], p1: f32[1,7]) -> f32[5,7] {
+  %p0 = f32[] parameter(0)
+  %b = f32[5,7]{1,0} broadcast(%p0), dimensions={}
+  %p1 = f32[1,7]{1,0} parameter(1)
+  %c = s32[] constant(0)
+  ROOT %d = f32[5,7]{1,0} dynamic-update-slice(%b, %p1, %c, %c)
+}
+
+%fused_good (p0.1: f32[5,7], p1.1: f32[1,7]) -> f32[5,7] {
+  %p0.1 = f32[5,7]{1,0} parameter(0)
+  %p1.1 = f32[1,7]{1,0} parameter(1)
+  %c.1 = s32[] constant(0)
+  %bc = f32[5,7]{1,0} bitcast(%p0.1)
+  ROOT %d.1 = f32[5,7]{1,0} dynamic-update-slice(%bc, %p1.1, %c.1, %c.1)
+}
+
+ENTRY %main (x: f32[5,7], u: f32[1,7]) -> (f32[5,7], f32[5,7]) {
+  %x = f32[5,7]{1,0} parameter(0)
+  %u = f32[1,7]{1,0} parameter(1)
+  %z = f32[] constant(0)
+  %good = f32[5,7]{1,0} fusion(%x, %u), kind=kLoop, calls=%fused_good
+  %bad = f32[5,7]{1,0} fusion(%z, %u), kind=kLoop, calls=%fused_bad
+  ROOT %t = (f32[5,7]{1,0}, f32[5,7]{1,0}) tuple(%good, %bad)
+}
+"""
+
+
+def test_an_update_into_an_array_made_in_the_fusion_is_reported():
+    found = hlo_checks.state_array_writes(HAND_HLO, {"x": X})
+    assert len(found) == 1 and "%bad = f32[5,7]" in found[0], found
+    assert hlo_checks.input_output_aliases(HAND_HLO) == [((0,), 0, ())]
+    assert hlo_checks.entry_parameters(HAND_HLO)[0][:2] == ("f32", (5, 7))
+    hlo_checks.assert_donation_aliased(HAND_HLO, {"x": X})
+
+
 def test_sorts_and_top_k_over_a_size():
     @jax.jit
     def f(a, b):
