@@ -462,7 +462,8 @@ def assert_donation_aliased(compiled, state, *, ignore: Iterable[str] = ()) -> N
         need.setdefault((leaf.dtype, leaf.dims), []).append(leaf.name)
     missing = [f"{'/'.join(names)} ({dtype}[{','.join(map(str, dims))}]): "
                f"{len(names)} needed, {aliased.get((dtype, dims), 0)} aliased"
-               for (dtype, dims), names in need.items() if aliased.get((dtype, dims), 0) < len(names)]
+               for (dtype, dims), names in need.items()
+               if aliased.get((dtype, dims), 0) < len(names)]
     if missing:
         raise AssertionError("donated state leaves without an input_output_alias (each step "
                              "allocates and fills a new buffer):\n  " + "\n  ".join(missing))
@@ -501,4 +502,4 @@ def assert_no_sort_over(compiled, size: int, *, what: str = "C") -> None:
     found = sorts_over(compiled, size)
     if found:
         raise AssertionError(f"{len(found)} sorts / top-ks over {what} = {size} elements "
-                             "(O(" + what + " log " + what + ") per step):\n  " + "\n  ".join(found))
+                             f"(O({what} log {what}) per step):\n  " + "\n  ".join(found))
