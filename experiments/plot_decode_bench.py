@@ -17,24 +17,30 @@ def main(argv=None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series = defaultdict(dict)  # policy -> {C: ratio} (the last run wins)
+    series = defaultdict(dict)  # policy -> {C: (ratio, q25, q75)} (the last run wins)
     meta = None
     with open(args.jsonl) as f:
         for line in f:
             row = json.loads(line)
             if row["question"] == "management":
-                series[row["policy"]][row["hot_slots"]] = row["ratio"]
+                ratio = row["ratio"]
+                series[row["policy"]][row["hot_slots"]] = (
+                    ratio, row.get("ratio_q25", ratio), row.get("ratio_q75", ratio))
                 meta = row
     if meta is None:
         raise SystemExit(f"{args.jsonl} holds no management rows")
     fig, ax = plt.subplots(figsize=(6, 4))
     for policy, points in sorted(series.items()):
         sizes = sorted(points)
-        ax.plot(sizes, [points[c] for c in sizes], "o-", label=policy)
-    ax.axhline(1.2, color="grey", lw=0.8, ls="--", label="1.2x")
+        mid = [points[c][0] for c in sizes]
+        spread = [[m - points[c][1] for c, m in zip(sizes, mid)],
+                  [points[c][2] - m for c, m in zip(sizes, mid)]]
+        ax.errorbar(sizes, mid, yerr=spread, fmt="o-", capsize=3,
+                    label=f"{policy} (median, IQR)")
+    ax.axhline(1.15, color="grey", lw=0.8, ls="--", label="1.15x")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("hot-cache slots C")
-    ax.set_ylabel("management time / time at smallest C")
+    ax.set_ylabel("management time / time at smallest C (per round)")
     ax.set_title(f"k={meta['k']}, W={meta['ways']}, batch {meta['batch']}, "
                  f"context {meta['context']} ({meta['backend']})")
     ax.grid(alpha=0.3)

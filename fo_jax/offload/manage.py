@@ -13,7 +13,9 @@ Given each way's selection (the resident path's own `select_topk`, canonical ord
      device rows: a hot slot or a tail position) and the copy plan (host token -> slot).
 
 Nothing here touches O(C) or O(S) elements, except the lru policy: scatters and gathers into
-`token_to_slot` [S] and `slot_to_token` [C] touch only the indexed entries.
+`token_to_slot` [S] and `slot_to_token` [C] touch only the indexed entries, and every read of
+an array is ordered before the scatters into it, so XLA updates the maps and the policy state
+in place (no whole-array copy: tests/offload/test_decode_hlo.py checks the compiled step).
 """
 
 from __future__ import annotations
@@ -159,6 +161,9 @@ def choose_victims(policy: str, hand, last_used, key, stamp, g, step, num_miss, 
         _, order = jax.lax.top_k(-priority, size)  # ties: lower slot first
         take = jnp.arange(size)[None, :] < num_miss[:, None]
         victims = jnp.where(take, order, -1).astype(jnp.int32)
+        # Order the read of last_used before the caller's scatters into it (else XLA copies
+        # the whole [G, B, C] array to keep this read's input intact).
+        victims, last_used = jax.lax.optimization_barrier((victims, last_used))
         return victims, hand, last_used, key
     raise ValueError(f"unknown eviction policy {policy!r}")
 
@@ -198,6 +203,10 @@ def manage_group(tokens, mask, slots, policy_state, g: int, tail_start, step, *,
     valid = victims >= 0
     # Evict: the victims' old tokens leave the hot cache.
     old = jnp.where(valid, slot_to_token[g, rows2, jnp.maximum(victims, 0)], -1)
+    # The install scatter below does not depend on this gather, so XLA could run it first and
+    # would then copy the whole [G, B, C] map to keep the gather's input intact. The barrier
+    # orders the gather first: the scatter updates the map in place (tests/test_hlo_checks.py).
+    old, slot_to_token = jax.lax.optimization_barrier((old, slot_to_token))
     capacity = token_to_slot.shape[-1]
     token_to_slot = token_to_slot.at[g, rows2, jnp.where(old >= 0, old, capacity)].set(
         -1, mode="drop")

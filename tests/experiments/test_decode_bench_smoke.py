@@ -2,6 +2,8 @@
 
 import json
 
+import numpy as np
+
 
 def test_smoke(load_experiment, tmp_path, capsys):
     out = tmp_path / "bench.jsonl"
@@ -9,13 +11,34 @@ def test_smoke(load_experiment, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "management per step" in printed and "whole decode step" in printed
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(lines) == len(rows) == 2 * 3 + 1
+    # 2 policies x 3 hot-cache sizes; the step at two workloads (temporal locality, uniform).
+    assert len(lines) == len(rows) == 2 * 3 + 2
     management = [r for r in lines if r["question"] == "management"]
     assert {r["policy"] for r in management} == {"ring", "lru"}
     assert all(r["seconds"] > 0 for r in management)
     assert all(r["jax"] and r["backend"] and r["git"] for r in lines)
-    step = [r for r in lines if r["question"] == "step"][0]
-    assert step["ratio"] > 0 and 0 <= step["hit_rate"] <= 1
+    # Every cell copies the same misses, and is timed over the same interleaved rounds.
+    assert len({r["misses_per_step"] for r in management}) == 1
+    assert management[0]["misses_per_step"] > 0
+    assert all(len(r["round_seconds"]) == r["rounds"] >= 2 for r in management)
+    for r in management:
+        assert r["seconds_min"] <= r["seconds_q25"] <= r["seconds"] <= r["seconds_q75"] \
+            <= r["seconds_max"]
+        assert r["ratio_q25"] <= r["ratio"] <= r["ratio_q75"]
+        if r["hot_slots"] == min(m["hot_slots"] for m in management):
+            assert r["ratio"] == 1.0
+    assert "misses per request per step" in printed and "IQR" in printed
+    steps = [r for r in lines if r["question"] == "step"]
+    assert sorted(r["workload"] for r in steps) == ["locality", "uniform"]
+    for step in steps:
+        assert step["ratio"] > 0 and 0 <= step["hit_rate"] <= 1
+        assert step["ratio_q25"] <= step["ratio"] <= step["ratio_q75"]
+        assert step["resident_q25"] <= step["resident_s"] <= step["resident_q75"]
+    # Uniform indexer keys leave little locality: fewer hits than the favoured-token workload.
+    by = {r["workload"]: r for r in steps}
+    assert by["uniform"]["hit_rate"] < by["locality"]["hit_rate"]
+    assert "hit rate" in printed
     png = tmp_path / "bench.png"
     load_experiment("plot_decode_bench").main([str(out), "--out", str(png)])
     assert png.stat().st_size > 0
+    assert np.isfinite([r["ratio"] for r in lines]).all()
