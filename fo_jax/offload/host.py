@@ -87,8 +87,12 @@ def check_host_access(access: str) -> None:
 
 _ROWS = jax.lax.GatherDimensionNumbers(offset_dims=(2,), collapsed_slice_dims=(0, 1),
                                        start_index_map=(0, 1))
-_WRITE = jax.lax.ScatterDimensionNumbers(update_window_dims=(2,), inserted_window_dims=(0, 1),
-                                         scatter_dims_to_operand_dims=(0, 1))
+# Writes index the pages [L, B, P, Z, D+R] themselves with (layer, request, page, offset): a
+# scatter through the [L * B, P * Z, D+R] view made XLA give the pages another layout at B = 1,
+# two whole copies per step.
+_WRITE = jax.lax.ScatterDimensionNumbers(update_window_dims=(3,),
+                                         inserted_window_dims=(0, 1, 2, 3),
+                                         scatter_dims_to_operand_dims=(0, 1, 2, 3))
 
 
 def _host_index(host_kv, layer, tokens):
@@ -205,15 +209,18 @@ def host_write_rows(host_kv, rows_kv, positions, *, on_host: bool, access: str =
     check_host_access(access)
     if access == "slices":
         return _write_slices(host_kv, 0, rows_kv, positions, on_host)
-    num_l, batch, pages, page, width = host_kv.shape
-    flat = host_kv.reshape(num_l * batch, pages * page, width)
-    layers = jnp.arange(num_l, dtype=jnp.int32)
-    index = jax.vmap(lambda l: _host_index(host_kv, l, positions))(layers)  # [L, B, T, 2]
-    index = index.reshape(num_l * batch, -1, 2)
-    flat = jax.lax.scatter(flat, to_host(index, on_host),
-                           to_host(rows_kv.reshape(num_l * batch, -1, width), on_host),
-                           _WRITE, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
-    return flat.reshape(host_kv.shape)
+    num_l, batch, _, page, _ = host_kv.shape
+    shape = (num_l,) + positions.shape  # [L, B, T]
+    positions = positions.astype(jnp.int32)
+    index = jnp.stack([
+        jnp.broadcast_to(jnp.arange(num_l, dtype=jnp.int32)[:, None, None], shape),
+        jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[None, :, None], shape),
+        jnp.broadcast_to(positions // page, shape),
+        jnp.broadcast_to(positions % page, shape),
+    ], axis=-1)  # [L, B, T, 4]; a position outside [0, S) has its page outside [0, P)
+    return jax.lax.scatter(host_kv, to_host(index, on_host),
+                           to_host(rows_kv.astype(host_kv.dtype), on_host), _WRITE,
+                           mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
 # Prefill: history load, write-back -------------------------------------------------------------

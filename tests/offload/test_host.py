@@ -229,3 +229,22 @@ def test_the_setting_is_a_field_of_offload_config():
     assert OffloadConfig(hot_slots=16).host_access == "gather"
     assert dataclasses.replace(OffloadConfig(hot_slots=16), host_access="slices").host_access \
         == "slices"
+
+
+# No whole copy of the host pages ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("access", HOST_ACCESS)
+def test_decode_step_at_batch_1_copies_no_host_pages(access):
+    # Batch 1 is what `fo-jax generate` runs. A scatter through the [L * B, P * Z, D+R] view
+    # made XLA pick another layout for the host pages at B = 1: two whole copies per step.
+    config = TINY.replace(num_layers=2, indexer_layers=(0,), max_ways=1, index_topk=4)
+    offload = OffloadConfig(hot_slots=8, page_size=4, capacity=64, host_access=access)
+    state = DecodeState.create(config, offload, batch=1)
+    compiled = offload_decode._decode_jit.lower(
+        init_params(config, jax.random.key(0)), state, jnp.zeros((1, 1), jnp.int32),
+        config=config, offload=offload).compile().as_text()
+    pages = "bf16[%s]" % ",".join(map(str, state.host.kv.shape))
+    copies = [line.strip() for line in compiled.splitlines()
+              if pages in line.split("=", 1)[-1].split("(", 1)[0] and " copy(" in line]
+    assert not copies, copies
