@@ -1,9 +1,10 @@
 """The first accelerator run: which host-access setting compiles, is exact, and is fast.
 
-One command, bounded in time (`--budget-s`, default 270 s: checks not started by then are
-reported as skipped). For each setting of `OffloadConfig.host_access` ("gather", "slices"; see
-fo_jax/offload/host.py for what is known about each on accelerators), at real sizes (rows of
-576 bf16, host pages of a 128k-token context in `pinned_host` memory):
+One command, bounded in time (`--budget-s`, default 270 s, shared by the settings: checks not
+started by then are reported as skipped; one started may run on). For each setting of
+`OffloadConfig.host_access` ("gather", "slices"; see fo_jax/offload/host.py for what is known
+about each on accelerators), at real sizes (rows of 576 bf16, host pages of a 128k-token
+context in `pinned_host` memory):
 
   gather_rows    decode misses: `--rows` rows per request out of the host pages, to the device
   write_rows     decode write-through: W new rows of each of `--layers` layers, to host pages
@@ -21,8 +22,11 @@ marked as host compute in the compiled program. Then, end to end:
                  buffers, prefetch distance 1): bitwise logits and host pages, the ratio of
                  times (on an accelerator, how much of the loads and write-backs stays exposed)
 
-One summary line per check is printed, one JSON line per check is appended to `--out`; the
-last line names the settings that compiled and were exact, fastest first.
+One summary line per check is printed, one JSON line per check is appended to `--out` as it
+ends; then a line naming the settings that compiled and were exact, fastest first. Each setting
+runs in its own child process (`--in-process` to run in this one): an XLA CHECK failure aborts
+a process, and is then reported as "crashed" with the end of the compiler's output, while the
+other setting still runs.
 
     python experiments/accelerator_check.py            # on a GPU or TPU (< 5 min on an H200)
     python experiments/accelerator_check.py --smoke    # tiny sizes, any backend (the tests)
@@ -34,12 +38,14 @@ mean nothing.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
+import json
 import os
 import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -209,7 +215,7 @@ def access_checks(args, access):
         moved_shape=(b, chunk, WIDTH), direction="d2h", repeats=args.repeats,
         donate_first=True))
 
-    if access == HOST_ACCESS[0]:  # one pattern under both settings: measured once
+    if access == _load_access(args):  # one pattern under both settings: measured once
         hist = args.history_pages
         like = jnp.zeros((b, s, WIDTH), jnp.bfloat16)
         load_ref = like.at[:, :hist * z].set(dev[0, :, :hist].reshape(b, hist * z, WIDTH))
@@ -352,10 +358,107 @@ def pick(rows) -> str:
     return f"settings that compiled and were exact everywhere, fastest first: {ranked}"
 
 
+CHECKS = ("access", "decode", "prefill")
+GRACE_S = 240  # a check started just before the budget ends may still run this long
+
+
+def _load_access(args) -> str:
+    """The setting whose run also measures load_history (the same pattern under both)."""
+    return args.load_history_access or args.access[0]
+
+
+def planned(args, access) -> list[tuple[str, str]]:
+    """(check, host_access label) of every row a run reports for this setting."""
+    names = []
+    if "access" in args.checks:
+        names += [(n, access) for n in ("gather_rows", "write_rows", "write_back")]
+        if access == _load_access(args):
+            names.append(("load_history", "both"))
+    if "decode" in args.checks:
+        names.append(("decode_step", access))
+    if "prefill" in args.checks:
+        names.append(("prefill_chunk", access))
+    return names
+
+
+def run_in_process(args, emit) -> None:
+    """Every planned check in this process; emit(row) as each one ends."""
+    meta = run_metadata()
+    started = time.perf_counter()
+    functions = {"access": access_checks, "decode": decode_check, "prefill": prefill_check}
+    for name in CHECKS:
+        if name not in args.checks:
+            continue
+        for access in args.access:
+            elapsed = time.perf_counter() - started
+            if elapsed > args.budget_s:
+                got = [{"check": check, "host_access": label, "status": "skipped",
+                        "reason": f"time budget of {args.budget_s:.0f} s spent"}
+                       for check, label in planned(args, access)
+                       if check in {"access": ("gather_rows", "write_rows", "write_back",
+                                               "load_history"),
+                                    "decode": ("decode_step",),
+                                    "prefill": ("prefill_chunk",)}[name]]
+            else:
+                got = functions[name](args, access)
+                got = got if isinstance(got, list) else [got]
+                for row in got:
+                    row["wall_s"] = (time.perf_counter() - started - elapsed) / len(got)
+            for row in got:
+                emit({**meta, **row})
+
+
+def _crash_text(returncode, stderr: str) -> str:
+    lines = [line for line in (stderr or "").splitlines() if line.strip()]
+    fatal = [line for line in lines if "Check failed" in line or "F0" in line[:3]
+             or "Fatal" in line or "Error" in line]
+    key = (fatal or lines or ["(no output)"])[-1].strip()
+    return (f"the check process ended ({returncode}) before reporting this check: {key}\n"
+            + "\n".join(lines[-20:]))[:4000]
+
+
+def run_isolated(args, argv, access, remaining: float, command=None) -> list[dict]:
+    """One setting's checks in a child process, so that a compiler crash (an XLA CHECK failure
+    aborts the process) is reported as such and the other setting still runs."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.jsonl")
+        cmd = command or [sys.executable, os.path.abspath(__file__), *argv, "--access", access,
+                          "--in-process", "--out", out, "--budget-s", f"{max(remaining, 0):.0f}",
+                          "--load-history-access", _load_access(args)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                                  timeout=max(remaining, 0) + GRACE_S)
+            returncode, stderr = proc.returncode, proc.stderr
+        except subprocess.TimeoutExpired as e:
+            err = e.stderr or b""
+            returncode = f"timed out after {max(remaining, 0) + GRACE_S:.0f} s"
+            stderr = err.decode(errors="replace") if isinstance(err, bytes) else err
+        rows = []
+        if os.path.exists(out):
+            with open(out) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+    seen = {(r["check"], r["host_access"]) for r in rows}
+    for check, label in planned(args, access):
+        if (check, label) not in seen:
+            rows.append({"check": check, "host_access": label, "status": "crashed",
+                         "error": _crash_text(returncode, stderr)})
+    return rows
+
+
 def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (seconds, any backend)")
     parser.add_argument("--access", nargs="+", default=list(HOST_ACCESS), choices=HOST_ACCESS)
+    parser.add_argument("--checks", nargs="+", default=list(CHECKS), choices=CHECKS)
+    parser.add_argument("--load-history-access", default=None, choices=HOST_ACCESS,
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--in-process", action="store_true",
+                        help="run every setting in this process (default: one child process "
+                             "per setting, so that a compiler crash is reported, not fatal)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--context", type=int, default=131_072, help="host tokens per request")
     parser.add_argument("--rows", type=int, default=2048, help="rows gathered per request")
@@ -386,32 +489,27 @@ def main(argv=None):
         args.history_pages, args.preset, args.hot_slots, args.model_layers = 4, "tiny", 64, 2
         args.decode_context, args.steps = 100, 3
         args.prefill_history, args.prefill_chunk, args.repeats = 24, 8, 1
-    meta = run_metadata()
-    print(f"accelerator check on {meta['backend']} ({meta['device']}), jax {meta['jax']}"
-          + (": a CPU compiles every move to nothing, its GB/s mean nothing"
-             if meta["backend"] == "cpu" else ""))
     started = time.perf_counter()
-    plan = [(fn, access) for fn in (access_checks, decode_check, prefill_check)
-            for access in args.access]
     rows = []
-    for fn, access in plan:
-        elapsed = time.perf_counter() - started
-        if elapsed > args.budget_s:
-            got = [{"check": fn.__name__.replace("_checks", "").replace("_check", ""),
-                    "host_access": access, "status": "skipped",
-                    "reason": f"time budget of {args.budget_s:.0f} s spent"}]
-        else:
-            got = fn(args, access)
-            got = got if isinstance(got, list) else [got]
-            for row in got:
-                row["wall_s"] = (time.perf_counter() - started - elapsed) / len(got)
-        for row in got:
-            row = {**meta, **row}
-            rows.append(row)
-            print(summary_line(row), flush=True)
+
+    def emit(row):
+        if not rows and "backend" in row:
+            print(f"accelerator check on {row['backend']} ({row['device']}), jax {row['jax']}"
+                  + (": a CPU compiles every move to nothing, its GB/s mean nothing"
+                     if row["backend"] == "cpu" else ""))
+        rows.append(row)
+        print(summary_line(row), flush=True)
+        write_jsonl(args.out, [row])  # as it comes: a crash later loses nothing
+
+    if args.in_process:
+        run_in_process(args, emit)
+    else:  # the parent never starts a backend (a GPU would be taken from the children)
+        for i, access in enumerate(args.access):  # the budget left, shared by those to come
+            remaining = (args.budget_s - (time.perf_counter() - started)) / (len(args.access) - i)
+            for row in run_isolated(args, argv, access, remaining):
+                emit(row)
     print(pick(rows))
     print(f"{len(rows)} checks in {time.perf_counter() - started:.0f} s")
-    write_jsonl(args.out, rows)
     if args.out:
         print(f"JSON lines appended to {os.path.normpath(args.out)}")
     return rows

@@ -1,11 +1,14 @@
-"""The accelerator check's smoke mode: every check under both settings, exact, as JSON lines."""
+"""The accelerator check's smoke mode: every check under both settings, exact, as JSON lines;
+a setting's process that crashes is reported, not fatal."""
 
 import json
+import sys
 
 
 def test_smoke(load_experiment, tmp_path, capsys):
     out = tmp_path / "check.jsonl"
-    rows = load_experiment("accelerator_check").main(["--smoke", "--out", str(out)])
+    rows = load_experiment("accelerator_check").main(["--smoke", "--in-process", "--out",
+                                                      str(out)])
     printed = capsys.readouterr().out.splitlines()
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == len(rows) == 3 * 2 + 1 + 2 * 2
@@ -23,6 +26,33 @@ def test_smoke(load_experiment, tmp_path, capsys):
                                                                              "prefill_chunk"))
     assert all(r["jax"] and r["backend"] and r["git"] for r in lines)
     assert printed[-3].startswith("settings that compiled and were exact everywhere")
+
+
+def test_one_child_process_per_setting(load_experiment, tmp_path, capsys):
+    module = load_experiment("accelerator_check")
+    rows = module.main(["--smoke", "--checks", "access", "--access", "slices", "--out",
+                        str(tmp_path / "check.jsonl")])
+    assert [(r["check"], r["host_access"], r["status"]) for r in rows] == [
+        ("gather_rows", "slices", "ok"), ("write_rows", "slices", "ok"),
+        ("write_back", "slices", "ok"), ("load_history", "both", "ok")]
+    assert "accelerator check on cpu" in capsys.readouterr().out
+
+
+def test_a_crashed_process_is_reported(load_experiment):
+    module = load_experiment("accelerator_check")
+    args = module.main.__globals__["argparse"].Namespace(
+        checks=["access", "decode"], access=["gather", "slices"], load_history_access=None)
+    crash = [sys.executable, "-c",
+             "import os, sys; sys.stderr.write('F0000 hlo.cc:1] Check failed: pretend\\n'); "
+             "sys.stderr.flush(); os.abort()"]
+    rows = module.run_isolated(args, [], "slices", 10, command=crash)
+    assert [(r["check"], r["status"]) for r in rows] == [
+        ("gather_rows", "crashed"), ("write_rows", "crashed"), ("write_back", "crashed"),
+        ("decode_step", "crashed")]
+    assert "Check failed: pretend" in rows[0]["error"]
+    assert module.summary_line(rows[0]).startswith(
+        "[crashed] gather_rows   host_access=slices the check process ended (-6) before "
+        "reporting this check: F0000 hlo.cc:1] Check failed: pretend")
 
 
 def test_a_compile_failure_is_reported_not_raised(load_experiment):
