@@ -23,7 +23,11 @@ its OffloadConfig's setting to both):
             written with a dynamic update slice whose operands all live in host memory (writes).
 
 Both give the same bits (tests/offload/test_host.py runs every function, the decode step and the
-prefill under both). `load_history` is one dynamic slice of whole pages moved to the device
+prefill under both). Their costs differ: "slices" pays one loop trip (a few tiny device ops and
+one row-sized copy) per row, which suits decode (misses and W new rows per layer) but makes the
+prefill write-back B T trips per layer; if an accelerator compiles only "slices" and the
+write-back is then slow, the next step is a page-granular write of each request's contiguous
+run of new rows. `load_history` is one dynamic slice of whole pages moved to the device
 under both settings: that is already the pattern of the "slices" setting.
 
 What is known about accelerators (design brief, section 5; none of it shows on a CPU, whose
