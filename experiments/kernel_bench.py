@@ -13,7 +13,8 @@ run. The Pallas kernels are Pallas TPU kernels: they run compiled on a TPU only;
 XLA rows run (Mosaic GPU has no host memory space); on a CPU there is nothing to measure (TPU
 interpret mode is a correctness tool, not a benchmark) and the script says so and exits 0.
 
-    python experiments/kernel_bench.py [--batch 16] [--ways 4] [--miss-rate 0.05] [--out F]
+    python experiments/kernel_bench.py [--batch 16] [--ways 4] [--miss-rate 0.05]
+                                       [--host-access gather|slices] [--out F]
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from common import median_time, run_metadata, write_jsonl  # noqa: E402
 
 from fo_jax.model.attention import sparse_attention  # noqa: E402
 from fo_jax.model.forward import xla_select  # noqa: E402
-from fo_jax.offload.decode import host_gather_rows  # noqa: E402
+from fo_jax.offload.host import HOST_ACCESS, host_gather_rows  # noqa: E402
 from fo_jax.offload.manage import GroupPlan  # noqa: E402
 
 
@@ -84,7 +85,7 @@ def run(args, meta):
     @functools.partial(jax.jit, donate_argnums=0)
     def xla_copy(hot, host, plan):
         fetched = host_gather_rows(host, 0, plan.miss_tokens, plan.num_miss, chunk=64,
-                                   on_host=True)
+                                   on_host=True, access=args.host_access)
         b2 = jnp.arange(hot.shape[1])[:, None]
         return hot.at[0, b2, jnp.where(plan.victims >= 0, plan.victims, hot.shape[2])].set(
             fetched, mode="drop")
@@ -140,7 +141,8 @@ def run(args, meta):
     overlap_xla = (times["xla_copy"] + times["xla_sfa"] - times["xla_copy_then_sfa"]) \
         / times["xla_copy"]
     print(f"backend {backend} ({meta['device']}): batch {args.batch}, W {args.ways}, "
-          f"k {args.k}, C {args.hot_slots}, miss rate {args.miss_rate}")
+          f"k {args.k}, C {args.hot_slots}, miss rate {args.miss_rate}, "
+          f"host access {args.host_access}")
     for name, t in times.items():
         base = times["xla_select"] if "select" in name or "lim" in name \
             else times["xla_copy_then_sfa"]
@@ -165,6 +167,9 @@ def main(argv=None):
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--index-heads", type=int, default=32)
     parser.add_argument("--miss-rate", type=float, default=0.05)
+    parser.add_argument("--host-access", choices=HOST_ACCESS, default="gather",
+                        help="how the copy reads host pages (experiments/accelerator_check.py "
+                             "compares both)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     rows = run(args, run_metadata())

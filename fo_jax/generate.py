@@ -116,7 +116,8 @@ class OffloadEngine:
             memory_kind=oc.host_memory_kind)
         num_buffers = min(self.num_buffers, self.config.num_layers)
         logits, state = offload_prefill.prefill(self.params, state, tokens, lengths,
-                                                config=self.config, num_buffers=num_buffers)
+                                                config=self.config, num_buffers=num_buffers,
+                                                host_access=oc.host_access)
         self.state = offload_prefill.to_decode_state(state, config=self.config, offload=oc)
         self.totals, self.steps = None, 0
         return logits[jnp.arange(len(lengths)), jnp.asarray(lengths) - 1]

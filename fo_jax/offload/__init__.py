@@ -6,7 +6,8 @@ Decode: `DecodeState` (host pages, hot cache, cache slots, indexer keys, policy 
 checkify). Prefill: `PrefillState`, `to_decode_state`, and the
 module `fo_jax.offload.prefill` whose `prefill` runs the layer buffers and `onload_layer_map`
 (not re-exported here: the name would shadow the module). `pipeline_model` simulates the
-prefill's copy engines.
+prefill's copy engines. `host` holds every read and write of host memory, in the way
+`OffloadConfig.host_access` chooses.
 """
 
 from fo_jax.offload.checks import check_state_jit

@@ -8,6 +8,7 @@ from fo_jax.config import INT32_MAX, ModelConfig
 
 POLICIES = ("ring", "lru", "random")
 MEMORY_KINDS = ("pinned_host", "device")
+HOST_ACCESS = ("gather", "slices")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,10 @@ class OffloadConfig:
         ceil(max over the batch of misses / miss_chunk) * miss_chunk rows per request and layer,
         not K * W.
       seed: seed of the random policy.
+      host_access: how rows move between host pages and the device (fo_jax.offload.host):
+        "gather" (gathers / scatters on the host array) or "slices" (one dynamic slice / dynamic
+        update slice per row, with explicit memory-space moves). Same bits; which one compiles
+        and is fast on an accelerator is what experiments/accelerator_check.py measures.
     """
 
     hot_slots: int
@@ -37,6 +42,7 @@ class OffloadConfig:
     host_memory_kind: str = "pinned_host"
     miss_chunk: int = 64
     seed: int = 0
+    host_access: str = "gather"
 
     def __post_init__(self):
         for field in ("hot_slots", "page_size", "capacity", "miss_chunk"):
@@ -48,6 +54,8 @@ class OffloadConfig:
         if self.host_memory_kind not in MEMORY_KINDS:
             raise ValueError(f"host_memory_kind={self.host_memory_kind!r}; choose one of "
                              f"{MEMORY_KINDS}")
+        if self.host_access not in HOST_ACCESS:
+            raise ValueError(f"host_access={self.host_access!r}; choose one of {HOST_ACCESS}")
         if self.page_size > self.hot_slots:
             raise ValueError(f"a tail block of page_size={self.page_size} tokens is larger than "
                              f"the hot cache (hot_slots={self.hot_slots}); use a smaller page")

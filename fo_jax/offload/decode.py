@@ -9,7 +9,8 @@ the CopySFA logic): the step's new KV row goes into the tail block, the misses a
 host pages into their victim slots (only the missed rows cross to the device), every selected
 row is gathered from the layer's device rows in the selection's canonical order, and the
 model's own `sparse_attention` combines them. After the layer loop the step's new rows are
-written through to host pages (only the new rows cross back).
+written through to host pages (only the new rows cross back). Both host accesses live in
+`fo_jax.offload.host`, in the way `OffloadConfig.host_access` chooses.
 
 Logits are bit for bit those of `fo_jax.resident.decode_step`: both gather the same rows in the
 same order and run the same math.
@@ -31,6 +32,7 @@ from fo_jax.kernels import interpret_params, resolve_implementation
 from fo_jax.model.forward import forward, xla_select
 from fo_jax.offload import checks
 from fo_jax.offload.config import OffloadConfig
+from fo_jax.offload.host import host_gather_rows, host_write_rows
 from fo_jax.offload.manage import GroupPlan, manage_group
 from fo_jax.offload.state import CacheSlots, DecodeState, HostPages, PolicyState
 from fo_jax.resident import check_capacity, check_token_batch, check_token_values
@@ -58,100 +60,25 @@ class DecodeStats:
     selected: jax.Array
 
 
-# Host memory access: kept behind these two functions so the pattern can change per backend.
-
-def _to_host(x, on_host: bool):
-    return jax.device_put(x, jax.memory.Space.Host) if on_host else x
-
-
-def _to_device(x, on_host: bool):
-    return jax.device_put(x, jax.memory.Space.Device) if on_host else x
-
-
-_ROWS = jax.lax.GatherDimensionNumbers(offset_dims=(2,), collapsed_slice_dims=(0, 1),
-                                       start_index_map=(0, 1))
-_WRITE = jax.lax.ScatterDimensionNumbers(update_window_dims=(2,), inserted_window_dims=(0, 1),
-                                         scatter_dims_to_operand_dims=(0, 1))
-
-
-def _host_index(host_kv, layer, tokens):
-    """[B, n, 2] (layer * B + b, token) indices into host_kv viewed as [L * B, P * Z, D+R].
-
-    Two int32 coordinates instead of one flat row index: L * B and P * Z each fit int32 at
-    real sizes, their product does not.
-    """
-    batch = tokens.shape[0]
-    rows = layer * batch + jnp.arange(batch, dtype=jnp.int32)[:, None]
-    return jnp.stack([jnp.broadcast_to(rows, tokens.shape), tokens], axis=-1)
-
-
-def host_gather_rows(host_kv, layer, tokens, count, *, chunk: int, on_host: bool):
-    """Rows of `tokens` of one layer, from host pages to the device.
-
-    Args:
-      host_kv: [L, B, P, Z, D+R] host pages; layer: [] int; tokens: [B, M] (-1 padding last);
-      count: [B] real entries per request.
-    Returns:
-      [B, M, D+R] device rows (entries past `count` are unspecified).
-    Moves ceil(max(count) / chunk) * chunk rows per request, not M: a while loop whose trip
-    count is the number of chunks actually needed. Each chunk is one gather on the host array
-    with host-side indices, then one move of just those rows to the device.
-    """
-    batch, size = tokens.shape
-    num_l, _, pages, page, width = host_kv.shape
-    rows_kv = host_kv.reshape(num_l * batch, pages * page, width)
-    padded = -(-size // chunk) * chunk
-    tokens = jnp.pad(jnp.maximum(tokens, 0), ((0, 0), (0, padded - size)))
-    index = _host_index(host_kv, layer, tokens)  # [B, padded, 2]
-    out = jnp.zeros((batch, padded, width), host_kv.dtype)
-    trips = (jnp.max(count) + chunk - 1) // chunk
-
-    def body(i, out):
-        idx = jax.lax.dynamic_slice_in_dim(index, i * chunk, chunk, axis=1)
-        got = jax.lax.gather(rows_kv, _to_host(idx, on_host), _ROWS,
-                             slice_sizes=(1, 1, width),
-                             mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
-        return jax.lax.dynamic_update_slice_in_dim(out, _to_device(got, on_host), i * chunk,
-                                                   axis=1)
-
-    out = jax.lax.fori_loop(0, trips, body, out)
-    return out[:, :size]
-
-
-def host_write_rows(host_kv, rows_kv, positions, *, on_host: bool):
-    """Write new rows [L, B, T, D+R] at token positions [B, T] into host pages (only them)."""
-    num_l, batch, pages, page, width = host_kv.shape
-    flat = host_kv.reshape(num_l * batch, pages * page, width)
-    layers = jnp.arange(num_l, dtype=jnp.int32)
-    index = jax.vmap(lambda l: _host_index(host_kv, l, positions))(layers)  # [L, B, T, 2]
-    index = index.reshape(num_l * batch, -1, 2)
-    # FILL_OR_DROP: a position past capacity (only possible with unchecked inputs) is dropped,
-    # never written out of bounds.
-    flat = jax.lax.scatter(flat, _to_host(index, on_host),
-                           _to_host(rows_kv.reshape(num_l * batch, -1, width), on_host),
-                           _WRITE, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
-    return flat.reshape(host_kv.shape)
-
-
 def gather_attend(hot, host_kv, layer, plan: GroupPlan, q_lat, q_pe, *, scale: float,
-                  chunk: int, on_host: bool):
+                  chunk: int, on_host: bool, access: str = "gather"):
     """CopySFA logic for one layer, in XLA: install the misses, gather, attend.
 
     Args:
       hot: [L, B, C + 2Z, D+R] device rows of every layer (new tokens already in the tail).
       host_kv: host pages; layer: [] int; plan: the group's plan; q_lat [B, W, H, D],
-      q_pe [B, W, H, R].
+      q_pe [B, W, H, R]; access: how the misses leave host pages (fo_jax.offload.host).
     Returns:
       (hot with every miss of this layer written into its victim slot,
        out [B, W, H, D] float32).
-    Touches ceil(max over the batch of misses / chunk) * chunk host rows per request and
-    W K + M device rows: scatters and gathers
+    Touches ceil(max over the batch of misses / chunk) * chunk host rows per request ("gather";
+    "slices": exactly the misses) and W K + M device rows: scatters and gathers
     index the full array directly, so no layer-sized slice is copied.
     """
     batch, rows_total = hot.shape[1], hot.shape[2]
     b2 = jnp.arange(batch)[:, None]
     fetched = host_gather_rows(host_kv, layer, plan.miss_tokens, plan.num_miss, chunk=chunk,
-                               on_host=on_host)
+                               on_host=on_host, access=access)
     hot = hot.at[layer, b2, jnp.where(plan.victims >= 0, plan.victims, rows_total)].set(
         fetched, mode="drop")
     gathered = hot[layer, b2[:, :, None], plan.read_row]
@@ -220,7 +147,7 @@ class OffloadBackend:
             return {**carry, "hot": hot}, out
         hot, out = gather_attend(hot, self.host_kv, l, plan, q_lat, q_pe,
                                  scale=softmax_scale(self.config), chunk=oc.miss_chunk,
-                                 on_host=self.on_host)
+                                 on_host=self.on_host, access=oc.host_access)
         return {**carry, "hot": hot}, out
 
 
@@ -250,7 +177,8 @@ def _decode_jit(params, state: DecodeState, tokens, *, config: ModelConfig,
     tail_row = offload.hot_slots + ((positions // z) % 2) * z + positions % z
     new_rows = carry["hot"][:, jnp.arange(batch)[:, None], tail_row]  # [L, B, W, D+R]
     host_kv = host_write_rows(state.host.kv, new_rows, positions,
-                              on_host=offload.host_memory_kind != "device")
+                              on_host=offload.host_memory_kind != "device",
+                              access=offload.host_access)
     stamp, hand, last_used, key = carry["policy"]
     new_state = DecodeState(
         host=HostPages(kv=host_kv),

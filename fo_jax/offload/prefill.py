@@ -24,6 +24,9 @@ resident path's own. At layer i (`OffloadPrefillBackend.attend`):
   5. prefetch the layers `onload_layer_map[i]` into their buffers (`load_history`, an explicit
      move to `jax.memory.Space.Device`) and bind them.
 
+Both host accesses live in `fo_jax.offload.host`; `prefill(..., host_access=...)` chooses how
+the write-back moves its rows ("gather" or "slices", the same bits).
+
 The scheduling point of map entry i is the end of layer i (after its write-back), so a load may
 go to a buffer whose previous layer is <= i; `normalize_onload_layer_map` (shared with the
 pipeline model) rejects everything else before tracing. Loads read whole pages up to the history:
@@ -52,7 +55,13 @@ from fo_jax.config import ModelConfig
 from fo_jax.model.attention import dense_attention, softmax_scale, sparse_attention
 from fo_jax.model.forward import forward, xla_select
 from fo_jax.offload.config import MEMORY_KINDS, OffloadConfig
-from fo_jax.offload.decode import host_gather_rows
+from fo_jax.offload.host import (
+    check_host_access,
+    host_gather_rows,
+    in_host_memory,
+    load_history,
+    write_back_rows,
+)
 from fo_jax.offload.pipeline_model import (
     OnloadLayerMap,
     buffer_of_layer,
@@ -204,63 +213,6 @@ def layer_bytes(config: ModelConfig, *, batch: int, capacity: int) -> int:
     return batch * capacity * config.kv_width * config.jnp_kv_dtype.itemsize
 
 
-# Host memory access: kept behind these two functions so the pattern can change per backend. ---
-
-
-def _on_host(x) -> bool:
-    """Whether `x` lives in host memory (concrete arrays and tracers alike)."""
-    if isinstance(x, jax.core.Tracer):  # e.g. prefill called under an outer jit
-        return jax.typeof(x).memory_space == jax.memory.Space.Host
-    return x.sharding.memory_kind != "device"
-
-
-def _to_host(x, on_host: bool):
-    return jax.device_put(x, jax.memory.Space.Host) if on_host else x
-
-
-def _to_device(x, on_host: bool):
-    return jax.device_put(x, jax.memory.Space.Device) if on_host else x
-
-
-def load_history(host_kv, layer, *, history_pages: int, poison: bool, on_host: bool, like):
-    """Layer `layer`'s first `history_pages` pages of every request, as a device layer buffer.
-
-    Args:
-      host_kv: [L, B, P, Z, D+R] host pages; layer: [] int (may be traced).
-      like: a device buffer [B, S, D+R] whose rows past the history are kept (stale) unless
-        `poison`, which sets them to NaN.
-    Returns:
-      [B, S, D+R] device rows: the loaded pages, then `like`'s rows (or NaN).
-    One host read of [1, B, history_pages, Z, D+R] (a dynamic slice, the pattern XLA's host
-    offloading handles) and one move to the device; nothing at all when history_pages is 0.
-    """
-    _, batch, _, page, width = host_kv.shape
-    out = jnp.full_like(like, jnp.nan) if poison else like
-    if history_pages == 0:
-        return out
-    pages = jax.lax.dynamic_slice(host_kv, (layer, 0, 0, 0, 0),
-                                  (1, batch, history_pages, page, width))
-    rows = _to_device(pages, on_host).reshape(batch, history_pages * page, width)
-    return jax.lax.dynamic_update_slice(out, rows, (0, 0, 0))
-
-
-def write_back_rows(host_kv, layer, rows, write_pos, *, on_host: bool):
-    """Write one layer's new rows [B, T, D+R] at positions [B, T] into host pages (only them).
-
-    Positions >= S (padding entries) are dropped. A scatter with (layer, request, position)
-    indices moved to host memory with the rows (no flat row index: L * B * S overflows int32 at
-    real sizes).
-    """
-    num_l, batch, pages, page, width = host_kv.shape
-    by_token = host_kv.reshape(num_l, batch, pages * page, width)
-    layers = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), write_pos.shape)
-    requests = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], write_pos.shape)
-    by_token = by_token.at[_to_host(layers, on_host), _to_host(requests, on_host),
-                           _to_host(write_pos, on_host)].set(
-        _to_host(rows.astype(host_kv.dtype), on_host), mode="drop")
-    return by_token.reshape(host_kv.shape)
-
-
 # The backend ----------------------------------------------------------------------------------
 
 
@@ -272,9 +224,10 @@ class OffloadPrefillBackend:
     """
 
     def __init__(self, config: ModelConfig, dense: bool, schedule: PrefillSchedule, *,
-                 history_pages: int, poison: bool, on_host: bool):
+                 history_pages: int, poison: bool, on_host: bool, access: str = "gather"):
         self.config, self.dense, self.schedule = config, dense, schedule
         self.history_pages, self.poison, self.on_host = history_pages, poison, on_host
+        self.access = access
 
     def write_index_keys(self, carry, g, keys, write_pos):
         ik = carry["index_keys"]
@@ -321,7 +274,8 @@ class OffloadPrefillBackend:
             gathered = buffers[b, rows[:, :, None], jnp.where(mask, tokens, 0)]
             out = sparse_attention(q_lat, q_pe, gathered, mask, scale=scale)
         # (4) write back the chunk's rows of layer l.
-        host = write_back_rows(carry["host"], l, kv_new, write_pos, on_host=self.on_host)
+        host = write_back_rows(carry["host"], l, kv_new, write_pos, on_host=self.on_host,
+                               access=self.access)
         carry = {**carry, "buffers": buffers, "host": host}
         # (5) prefetch onload_layer_map[l] into free buffers.
         # Only the buffers and the binding pass through the cond: the host pages are closed over,
@@ -341,18 +295,19 @@ class OffloadPrefillBackend:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("config", "dense", "schedule", "history_pages", "poison", "on_host"),
+    jax.jit, static_argnames=("config", "dense", "schedule", "history_pages", "poison", "on_host",
+                              "host_access"),
     donate_argnames=("state",))
 def _prefill_jit(params, state: PrefillState, tokens, num_new, *, config: ModelConfig,
                  dense: bool, schedule: PrefillSchedule, history_pages: int, poison: bool,
-                 on_host: bool):
+                 on_host: bool, host_access: str = "gather"):
     batch, num_t = tokens.shape
     cap = state.capacity
     offsets = jnp.arange(num_t, dtype=jnp.int32)
     positions = state.lengths[:, None] + offsets[None, :]
     write_pos = jnp.where(offsets[None, :] < num_new[:, None], positions, cap)
     backend = OffloadPrefillBackend(config, dense, schedule, history_pages=history_pages,
-                                    poison=poison, on_host=on_host)
+                                    poison=poison, on_host=on_host, access=host_access)
     width = config.kv_width
     carry = {
         "buffers": jnp.full((schedule.num_buffers, batch, cap, width),
@@ -378,7 +333,7 @@ def history_pages_for(lengths, page_size: int, num_pages: int) -> int:
 def prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelConfig,
             num_buffers: int = 4, distance: int | None = None, onload_layer_map=None,
             dense: bool = False, history_pages: int | None = None, poison: bool = False,
-            check: bool = True):
+            check: bool = True, host_access: str = "gather"):
     """Append a chunk of T tokens per request with offloaded KV; (logits [B, T, V], new state).
 
     Args:
@@ -395,11 +350,15 @@ def prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelC
         longest history.
       poison: NaN in buffer rows past the loaded history (tests: a stray read shows).
       check: validate token ids and capacity against concrete values (reads `state.lengths`).
+      host_access: how the chunk's rows are written back to host pages, "gather" or "slices"
+        (see fo_jax.offload.host; the same bits either way). A prefill feeding an offloaded
+        decode should use its `OffloadConfig.host_access` (the offloaded engine does).
     Raises:
       ValueError: bad shapes, token ids, capacity or schedule, before anything runs.
     """
     schedule = PrefillSchedule.create(config.num_layers, num_buffers, distance=distance,
                                       onload_layer_map=onload_layer_map)
+    check_host_access(host_access)
     tokens = jnp.asarray(tokens)
     num_t = check_token_batch(tokens, state.batch)
     num_new = (jnp.full((state.batch,), num_t, jnp.int32) if num_new is None
@@ -423,21 +382,23 @@ def prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelC
         raise ValueError(f"{history_pages=} must be in [0, {num_pages}]")
     return _prefill_jit(params, state, tokens.astype(jnp.int32), num_new, config=config,
                         dense=dense, schedule=schedule, history_pages=int(history_pages),
-                        poison=poison, on_host=_on_host(state.host.kv))
+                        poison=poison, on_host=in_host_memory(state.host.kv),
+                        host_access=host_access)
 
 
 # Handoff to the offloaded decode path ----------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "on_host"))
-def _gather_hot(host_kv, tokens, fill, *, chunk: int, on_host: bool):
+@functools.partial(jax.jit, static_argnames=("chunk", "on_host", "access"))
+def _gather_hot(host_kv, tokens, fill, *, chunk: int, on_host: bool, access: str):
     """hot [L, B, M, D+R]: row m of request b is token tokens[b, m] of each layer, or fill."""
     num_l = host_kv.shape[0]
     batch, size = tokens.shape
     count = jnp.full((batch,), size, jnp.int32)
 
     def one_layer(layer):
-        rows = host_gather_rows(host_kv, layer, tokens, count, chunk=chunk, on_host=on_host)
+        rows = host_gather_rows(host_kv, layer, tokens, count, chunk=chunk, on_host=on_host,
+                                access=access)
         return jnp.where((tokens >= 0)[..., None], rows, fill.astype(rows.dtype))
 
     return jax.lax.map(one_layer, jnp.arange(num_l, dtype=jnp.int32))
@@ -473,7 +434,8 @@ def to_decode_state(state: PrefillState, *, config: ModelConfig, offload: Offloa
     # The same placement as DecodeState.from_resident; rows gathered from host pages.
     row_tok, slots, policy = initial_layout(config, offload, lengths_np)
     hot = _gather_hot(host, jnp.asarray(row_tok), jnp.asarray(fill, jnp.float32),
-                      chunk=offload.miss_chunk, on_host=_on_host(host))
+                      chunk=offload.miss_chunk, on_host=in_host_memory(host),
+                      access=offload.host_access)
     return DecodeState(host=HostPages(kv=host), hot=hot, index_keys=index_keys, slots=slots,
                        policy=policy, lengths=jnp.asarray(lengths_np),
                        step=jnp.asarray(1, jnp.int32))

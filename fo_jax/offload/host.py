@@ -1,0 +1,286 @@
+"""Every read and write of host memory, in one place, behind one setting.
+
+Host pages are `[L, B, P, Z, D+R]` (token t of request b, layer l at [l, b, t // Z, t % Z]) in
+`pinned_host` memory. Four accesses move KV rows between them and the device:
+
+  host_gather_rows  decode: one layer's missed rows, host -> device (also the prefill -> decode
+                    handoff's hot rows, `fo_jax.offload.prefill.to_decode_state`)
+  host_write_rows   decode: the step's new rows of every layer, device -> host (write-through)
+  load_history      prefill: one layer's first pages of every request, host -> device
+  write_back_rows   prefill: the chunk's new rows of one layer, device -> host
+
+The rows move in two ways (`HOST_ACCESS`), chosen by `OffloadConfig.host_access` for decode and
+the handoff, and by `prefill(..., host_access=...)` for the prefill (the offloaded engine passes
+its OffloadConfig's setting to both):
+
+  "gather"  one `lax.gather` on the host array per chunk of `chunk` miss rows, with indices
+            moved to host memory, then one move of those rows to the device; writes are one
+            `lax.scatter` into the host array with indices and rows moved to host memory.
+  "slices"  only `lax.dynamic_slice` / `lax.dynamic_update_slice` of single rows with explicit
+            memory-space moves: a loop whose trip count is the number of rows that move (the
+            misses, not M; the valid written rows, not T), each trip one dynamic slice of one
+            host row moved to the device (reads), or one device row moved to host memory and
+            written with a dynamic update slice whose operands all live in host memory (writes).
+
+Both give the same bits (tests/offload/test_host.py runs every function, the decode step and the
+prefill under both). Their costs differ: "slices" pays one loop trip (a few tiny device ops and
+one row-sized copy) per row, which suits decode (misses and W new rows per layer) but makes the
+prefill write-back B T trips per layer; if an accelerator compiles only "slices" and the
+write-back is then slow, the next step is a page-granular write of each request's contiguous
+run of new rows. `load_history` is one dynamic slice of whole pages moved to the device
+under both settings: that is already the pattern of the "slices" setting.
+
+What is known about accelerators (design brief, section 5; none of it shows on a CPU, whose
+compiler drops memory spaces and compiles every move to nothing):
+
+  - XLA's host-offloading pass (`host_offloader.cc`) walks down from a host array: pure moves
+    (bitcast, copy, async start/done) stay DMAs; a `dynamic-slice` / `slice` whose result moves
+    to the device becomes a real DMA of just that slice (the pattern "slices" is built from);
+    ANY other op on host memory, a gather included, is turned into host compute (XLA warns of
+    "very high overhead"): "gather" may run its gathers on the host CPU.
+  - A scatter with dynamic indices into a `pinned_host` array hits an open XLA CHECK failure
+    (openxla/xla#34565): "gather"'s writes may not compile on an accelerator.
+  - On GPU the verifier rejects a dynamic-update-slice that changes memory space
+    (openxla/xla#47362): "slices" moves each row to host memory before its dynamic update
+    slice, so operand, update and result share one memory space; whether every XLA version
+    accepts that is not verified.
+  - Eager indexing of a host array fails (jax#34041): every access here runs inside `jit`.
+  - XLA's pinned host pool on GPU is capped at 64 GB by default
+    (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` raises it).
+
+`experiments/accelerator_check.py` compiles both settings at real sizes on an accelerator and
+reports compile success, bitwise equality and GB/s against a bulk `jax.device_put`, so that the
+first accelerator run can pick the setting that compiles and is fast without touching anything
+else.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fo_jax.offload.config import HOST_ACCESS
+
+# Moves ----------------------------------------------------------------------------------------
+
+
+def in_host_memory(x) -> bool:
+    """Whether `x` lives in host memory (concrete arrays and tracers alike)."""
+    if isinstance(x, jax.core.Tracer):  # e.g. prefill called under an outer jit
+        return jax.typeof(x).memory_space == jax.memory.Space.Host
+    return x.sharding.memory_kind != "device"
+
+
+def to_host(x, on_host: bool):
+    """`x` moved to host memory when the pages live there (`on_host`), else `x` itself."""
+    return jax.device_put(x, jax.memory.Space.Host) if on_host else x
+
+
+def to_device(x, on_host: bool):
+    """`x` moved to device memory when it came from host pages (`on_host`), else `x` itself."""
+    return jax.device_put(x, jax.memory.Space.Device) if on_host else x
+
+
+def check_host_access(access: str) -> None:
+    """Raise ValueError unless `access` is one of HOST_ACCESS."""
+    if access not in HOST_ACCESS:
+        raise ValueError(f"host_access={access!r}; choose one of {HOST_ACCESS}")
+
+
+# "gather" helpers -----------------------------------------------------------------------------
+
+_ROWS = jax.lax.GatherDimensionNumbers(offset_dims=(2,), collapsed_slice_dims=(0, 1),
+                                       start_index_map=(0, 1))
+# Writes index the pages [L, B, P, Z, D+R] themselves with (layer, request, page, offset): a
+# scatter through the [L * B, P * Z, D+R] view made XLA give the pages another layout at B = 1,
+# two whole copies per step.
+_WRITE = jax.lax.ScatterDimensionNumbers(update_window_dims=(3,),
+                                         inserted_window_dims=(0, 1, 2, 3),
+                                         scatter_dims_to_operand_dims=(0, 1, 2, 3))
+
+
+def _host_index(host_kv, layer, tokens):
+    """[B, n, 2] (layer * B + b, token) indices into host_kv viewed as [L * B, P * Z, D+R].
+
+    Two int32 coordinates instead of one flat row index: L * B and P * Z each fit int32 at
+    real sizes, their product does not.
+    """
+    batch = tokens.shape[0]
+    rows = layer * batch + jnp.arange(batch, dtype=jnp.int32)[:, None]
+    return jnp.stack([jnp.broadcast_to(rows, tokens.shape), tokens], axis=-1)
+
+
+# "slices" helpers -----------------------------------------------------------------------------
+
+
+def _read_row(host_kv, layer, b, token, on_host: bool):
+    """[1, 1, D+R] device copy of row `token` of request b, layer `layer`: one dynamic slice of
+    the host array, moved to the device (the pattern XLA turns into a DMA of just that row)."""
+    page = host_kv.shape[3]
+    start = (jnp.asarray(layer, jnp.int32), b, token // page, token % page, jnp.int32(0))
+    row = jax.lax.dynamic_slice(host_kv, start, (1, 1, 1, 1, host_kv.shape[4]))
+    return to_device(row, on_host).reshape(1, 1, host_kv.shape[4])
+
+
+def _write_slices(host_kv, first_layer, rows, positions, on_host: bool):
+    """Rows [n, B, T, D+R] into layers first_layer .. first_layer + n - 1 at positions [B, T].
+
+    One trip per written row: n x (entries with 0 <= position < S); the others are dropped.
+    Each trip moves one device row to host memory and writes it with a dynamic update slice
+    whose operand, update and result all live in host memory.
+    """
+    num_n, batch, num_t, width = rows.shape
+    page, cap = host_kv.shape[3], host_kv.shape[2] * host_kv.shape[3]
+    positions = positions.astype(jnp.int32)
+    valid = ((positions >= 0) & (positions < cap)).reshape(-1)
+    order = jnp.argsort(~valid, stable=True).astype(jnp.int32)  # valid entries first
+    count = jnp.sum(valid, dtype=jnp.int32)
+    first_layer = jnp.asarray(first_layer, jnp.int32)
+    rows = rows.astype(host_kv.dtype)
+
+    def body(i, host):
+        entry = order[i % count]
+        layer, b, t = i // count, entry // num_t, entry % num_t
+        pos = positions[b, t]
+        row = jax.lax.dynamic_slice(rows, (layer, b, t, jnp.int32(0)), (1, 1, 1, width))
+        row = to_host(row.reshape(1, 1, 1, 1, width), on_host)
+        return jax.lax.dynamic_update_slice(
+            host, row, (first_layer + layer, b, pos // page, pos % page, jnp.int32(0)))
+
+    return jax.lax.fori_loop(0, num_n * count, body, host_kv)
+
+
+# Decode: miss gather, write-through ------------------------------------------------------------
+
+
+def host_gather_rows(host_kv, layer, tokens, count, *, chunk: int, on_host: bool,
+                     access: str = "gather"):
+    """Rows of `tokens` of one layer, from host pages to the device.
+
+    Args:
+      host_kv: [L, B, P, Z, D+R] host pages; layer: [] int; tokens: [B, M] (-1 padding last);
+      count: [B] real entries per request; chunk: rows per gather ("gather" only);
+      on_host: whether host_kv lives in host memory; access: "gather" or "slices".
+    Returns:
+      [B, M, D+R] device rows (entries past `count` are unspecified).
+    "gather" moves ceil(max(count) / chunk) * chunk rows per request, not M: a while loop whose
+    trip count is the number of chunks actually needed, each chunk one gather on the host array
+    with host-side indices, then one move of just those rows to the device. "slices" moves
+    sum(count) rows: one trip per real entry, one dynamic slice of one host row each.
+    """
+    check_host_access(access)
+    batch, size = tokens.shape
+    num_l, _, pages, page, width = host_kv.shape
+    if access == "slices":
+        count = jnp.clip(count.astype(jnp.int32), 0, size)
+        ends = jnp.cumsum(count)
+        tokens = jnp.maximum(tokens.astype(jnp.int32), 0)
+
+        def body(i, out):
+            b = jnp.sum(ends <= i, dtype=jnp.int32)  # entry i belongs to request b
+            m = i - (ends[b] - count[b])
+            row = _read_row(host_kv, layer, b, tokens[b, m], on_host)
+            return jax.lax.dynamic_update_slice(out, row, (b, m, jnp.int32(0)))
+
+        out = jnp.zeros((batch, size, width), host_kv.dtype)
+        return jax.lax.fori_loop(0, ends[-1], body, out)
+    rows_kv = host_kv.reshape(num_l * batch, pages * page, width)
+    padded = -(-size // chunk) * chunk
+    tokens = jnp.pad(jnp.maximum(tokens, 0), ((0, 0), (0, padded - size)))
+    index = _host_index(host_kv, layer, tokens)  # [B, padded, 2]
+    out = jnp.zeros((batch, padded, width), host_kv.dtype)
+    trips = (jnp.max(count) + chunk - 1) // chunk
+
+    def body(i, out):
+        idx = jax.lax.dynamic_slice_in_dim(index, i * chunk, chunk, axis=1)
+        got = jax.lax.gather(rows_kv, to_host(idx, on_host), _ROWS,
+                             slice_sizes=(1, 1, width),
+                             mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+        return jax.lax.dynamic_update_slice_in_dim(out, to_device(got, on_host), i * chunk,
+                                                   axis=1)
+
+    out = jax.lax.fori_loop(0, trips, body, out)
+    return out[:, :size]
+
+
+def host_write_rows(host_kv, rows_kv, positions, *, on_host: bool, access: str = "gather"):
+    """Write new rows [L, B, T, D+R] at token positions [B, T] into host pages (only them).
+
+    A position past capacity (only possible with unchecked inputs) is dropped, never written
+    out of bounds. "gather": one scatter of L B T rows; "slices": one dynamic update slice per
+    row, L x (positions in [0, S)) trips.
+    """
+    check_host_access(access)
+    if access == "slices":
+        return _write_slices(host_kv, 0, rows_kv, positions, on_host)
+    num_l, batch, _, page, _ = host_kv.shape
+    shape = (num_l,) + positions.shape  # [L, B, T]
+    positions = positions.astype(jnp.int32)
+    index = jnp.stack([
+        jnp.broadcast_to(jnp.arange(num_l, dtype=jnp.int32)[:, None, None], shape),
+        jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[None, :, None], shape),
+        jnp.broadcast_to(positions // page, shape),
+        jnp.broadcast_to(positions % page, shape),
+    ], axis=-1)  # [L, B, T, 4]; a position outside [0, S) has its page outside [0, P)
+    return jax.lax.scatter(host_kv, to_host(index, on_host),
+                           to_host(rows_kv.astype(host_kv.dtype), on_host), _WRITE,
+                           mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+
+
+# Prefill: history load, write-back -------------------------------------------------------------
+
+
+def load_history(host_kv, layer, *, history_pages: int, poison: bool, on_host: bool, like):
+    """Layer `layer`'s first `history_pages` pages of every request, as a device layer buffer.
+
+    Args:
+      host_kv: [L, B, P, Z, D+R] host pages; layer: [] int (may be traced).
+      like: a device buffer [B, S, D+R] whose rows past the history are kept (stale) unless
+        `poison`, which sets them to NaN.
+    Returns:
+      [B, S, D+R] device rows: the loaded pages, then `like`'s rows (or NaN).
+    One host read of [1, B, history_pages, Z, D+R] (a dynamic slice, the pattern XLA's host
+    offloading handles, under both access settings) and one move to the device; nothing at all
+    when history_pages is 0.
+    """
+    _, batch, _, page, width = host_kv.shape
+    out = jnp.full_like(like, jnp.nan) if poison else like
+    if history_pages == 0:
+        return out
+    pages = jax.lax.dynamic_slice(host_kv, (layer, 0, 0, 0, 0),
+                                  (1, batch, history_pages, page, width))
+    rows = to_device(pages, on_host).reshape(batch, history_pages * page, width)
+    return jax.lax.dynamic_update_slice(out, rows, (0, 0, 0))
+
+
+def write_back_rows(host_kv, layer, rows, write_pos, *, on_host: bool, access: str = "gather"):
+    """Write one layer's new rows [B, T, D+R] at positions [B, T] into host pages (only them).
+
+    Positions >= S (padding entries) are dropped. "gather": a scatter with (layer, request,
+    position) indices moved to host memory with the rows (no flat row index: L * B * S overflows
+    int32 at real sizes); "slices": one dynamic update slice per row written.
+    """
+    check_host_access(access)
+    if access == "slices":
+        return _write_slices(host_kv, layer, rows[None], write_pos, on_host)
+    num_l, batch, pages, page, width = host_kv.shape
+    by_token = host_kv.reshape(num_l, batch, pages * page, width)
+    layers = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), write_pos.shape)
+    requests = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], write_pos.shape)
+    by_token = by_token.at[to_host(layers, on_host), to_host(requests, on_host),
+                           to_host(write_pos, on_host)].set(
+        to_host(rows.astype(host_kv.dtype), on_host), mode="drop")
+    return by_token.reshape(host_kv.shape)
+
+
+__all__ = [
+    "HOST_ACCESS",
+    "check_host_access",
+    "host_gather_rows",
+    "host_write_rows",
+    "in_host_memory",
+    "load_history",
+    "to_device",
+    "to_host",
+    "write_back_rows",
+]

@@ -1,0 +1,250 @@
+"""Host memory access (fo_jax/offload/host.py): both settings, bit for bit, on host-kind pages.
+
+Every function against a numpy reference under "gather" and "slices"; "slices" built only from
+dynamic slices on host memory and touching only the missed rows; the decode step and the prefill
+bitwise equal to the resident path under "slices" (tests/offload/test_decode.py and
+test_prefill.py cover "gather", the default); every function and the decode step cross-lowered
+for CUDA on this CPU machine (`jax.export`), which checks that the lowering accepts the memory
+spaces, not that XLA's GPU passes compile it (experiments/accelerator_check.py does that on a GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fo_jax import resident
+from fo_jax.config import get_config
+from fo_jax.model.dsa import init_params
+from fo_jax.offload import decode as offload_decode
+from fo_jax.offload import host
+from fo_jax.offload.config import HOST_ACCESS, OffloadConfig
+from fo_jax.offload.invariants import check_invariants
+from fo_jax.offload.prefill import PrefillState, prefill, to_decode_state
+from fo_jax.offload.state import DecodeState, to_memory_kind
+
+NAN = float("nan")
+TINY = get_config("tiny")
+L, B, P, Z, W = 3, 2, 4, 4, 8  # host pages [L, B, P, Z, D+R]: S = 16 positions
+
+
+def _pages(seed=0):
+    kv = np.random.default_rng(seed).normal(size=(L, B, P, Z, W)).astype(np.float32)
+    return kv, to_memory_kind(jnp.asarray(kv), "pinned_host")
+
+
+def _by_token(kv):
+    return kv.reshape(L, B, P * Z, W)
+
+
+# Each function against numpy ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("access", HOST_ACCESS)
+def test_gather_rows(access):
+    kv, pages = _pages()
+    # Entries past count are real tokens too: "slices" must not read them (left zero).
+    tokens = np.array([[5, 1, 15, 7, 3], [2, 9, 4, 0, 11]], np.int32)
+    count = np.array([3, 2], np.int32)
+    gather = jax.jit(lambda h, t, c: host.host_gather_rows(h, 1, t, c, chunk=2, on_host=True,
+                                                           access=access))
+    got = np.asarray(gather(pages, tokens, count))
+    assert got.shape == (B, 5, W)
+    for b in range(B):
+        chex.assert_trees_all_equal(got[b, :count[b]], _by_token(kv)[1, b, tokens[b, :count[b]]])
+    if access == "slices":  # one trip per miss: nothing past count was read
+        assert not got[0, 3:].any() and not got[1, 2:].any()
+
+
+@pytest.mark.parametrize("access", HOST_ACCESS)
+def test_write_rows_all_layers(access):
+    kv, pages = _pages(1)
+    rows = np.random.default_rng(2).normal(size=(L, B, 2, W)).astype(np.float32)
+    positions = np.array([[4, 16], [6, 7]], np.int32)  # 16 is past capacity: dropped
+    write = jax.jit(lambda h, r, p: host.host_write_rows(h, r, p, on_host=True, access=access),
+                    donate_argnums=0)
+    got = write(pages, jnp.asarray(rows), jnp.asarray(positions))
+    assert got.sharding.memory_kind == "pinned_host"
+    want = _by_token(kv).copy()
+    want[:, 0, 4], want[:, 1, 6], want[:, 1, 7] = rows[:, 0, 0], rows[:, 1, 0], rows[:, 1, 1]
+    chex.assert_trees_all_equal(_by_token(np.asarray(got)), want)
+
+
+@pytest.mark.parametrize("access", HOST_ACCESS)
+def test_write_back_one_layer(access):
+    kv, pages = _pages(3)
+    rows = np.random.default_rng(4).normal(size=(B, 3, W)).astype(np.float32)
+    write_pos = np.array([[13, 14, 15], [2, 16, 16]], np.int32)  # padding at S = 16
+    write = jax.jit(lambda h, r, p: host.write_back_rows(h, 2, r, p, on_host=True,
+                                                         access=access), donate_argnums=0)
+    got = write(pages, jnp.asarray(rows), jnp.asarray(write_pos))
+    want = _by_token(kv).copy()
+    want[2, 0, 13:16], want[2, 1, 2] = rows[0], rows[1, 0]
+    chex.assert_trees_all_equal(_by_token(np.asarray(got)), want)
+
+
+def test_load_history_is_one_slice_of_whole_pages():
+    kv, pages = _pages(5)
+    like = jnp.zeros((B, P * Z, W), jnp.float32)
+    load = jax.jit(lambda h, l: host.load_history(h, 1, history_pages=2, poison=True,
+                                                  on_host=True, like=l))
+    got = np.asarray(load(pages, like))
+    chex.assert_trees_all_equal(got[:, :8], _by_token(kv)[1, :, :8])
+    assert np.isnan(got[:, 8:]).all()
+
+
+def _host_ops(jaxpr, out):
+    """Names of the primitives with an operand in host memory, sub-jaxprs included."""
+    for eqn in jaxpr.eqns:
+        if any(getattr(v.aval, "memory_space", None) == jax.memory.Space.Host
+               for v in eqn.invars if hasattr(v, "aval")):
+            out.add(eqn.primitive.name)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    _host_ops(sub.jaxpr, out)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    _host_ops(sub, out)
+    return out
+
+
+@pytest.mark.parametrize("access", HOST_ACCESS)
+def test_slices_use_only_dynamic_slices_on_host_memory(access):
+    _, pages = _pages()
+    tokens, count = jnp.zeros((B, 5), jnp.int32), jnp.ones((B,), jnp.int32)
+    rows, positions = jnp.zeros((L, B, 2, W)), jnp.zeros((B, 2), jnp.int32)
+
+    def every_access(h):
+        got = host.host_gather_rows(h, 1, tokens, count, chunk=2, on_host=True, access=access)
+        h = host.host_write_rows(h, rows, positions, on_host=True, access=access)
+        return got, host.write_back_rows(h, 1, rows[0], positions, on_host=True, access=access)
+
+    ops = _host_ops(jax.make_jaxpr(every_access)(pages).jaxpr, set())
+    control = {"while", "pjit", "jit", "device_put", "reshape"}
+    if access == "slices":
+        assert ops - control == {"dynamic_slice", "dynamic_update_slice"}, ops
+    else:
+        assert {"gather", "scatter"} <= ops, ops
+
+
+def test_a_bad_setting_is_refused():
+    with pytest.raises(ValueError, match=r"host_access='dma'; choose one of \('gather', "
+                                         r"'slices'\)"):
+        OffloadConfig(hot_slots=16, host_access="dma")
+    state = PrefillState.create(TINY, batch=1, capacity=16, page_size=4)
+    with pytest.raises(ValueError, match=r"host_access='dma'; choose one of"):
+        prefill(None, state, jnp.zeros((1, 4), jnp.int32), config=TINY, num_buffers=2,
+                host_access="dma")
+    assert not state.host.kv.is_deleted()
+
+
+# The decode step and the prefill, bit for bit, under "slices" ---------------------------------
+
+
+def test_decode_steps_bitwise_resident_with_slices():
+    config = TINY.replace(num_layers=2, indexer_layers=(0,), index_topk=8, max_ways=2)
+    offload = OffloadConfig(hot_slots=16, page_size=8, capacity=96, host_access="slices")
+    params = init_params(config, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, config.vocab_size, (2, 80), dtype=np.int32)
+    res = resident.ResidentState.create(config, batch=2, capacity=96, fill=NAN)
+    _, res = resident.prefill(params, res, prompt, np.array([80, 61]), config=config)
+    dec = DecodeState.from_resident(res.kv, res.index_keys, res.lengths, config=config,
+                                    offload=offload, fill=NAN)
+    misses = 0
+    for _ in range(4):
+        tokens = rng.integers(0, config.vocab_size, (2, 2), dtype=np.int32)
+        want, res = resident.decode_step(params, res, tokens, config=config)
+        got, dec, stats = offload_decode.decode_step(params, dec, tokens, config=config,
+                                                     offload=offload)
+        chex.assert_trees_all_equal(got, want)
+        misses += int(np.sum(stats.union))
+    check_invariants(dec, config=config, offload=offload, resident_kv=res.kv,
+                     selected=stats.selected, poisoned=True)
+    assert misses > 0  # rows did come from host pages
+
+
+def test_prefill_and_handoff_bitwise_with_slices():
+    # Two layers in two buffers; one chunk shape and a fixed history_pages: one compile each.
+    config = TINY.replace(num_layers=2, indexer_layers=(0,), index_topk=8, max_ways=1)
+    offload = OffloadConfig(hot_slots=16, page_size=4, capacity=32, host_access="slices")
+    params = init_params(config, jax.random.key(1))
+    rng = np.random.default_rng(1)
+    chunks = [(rng.integers(0, 256, (2, 10), dtype=np.int32), [10, 9]),
+              (rng.integers(0, 256, (2, 10), dtype=np.int32), [7, 3])]
+    rs = resident.ResidentState.create(config, batch=2, capacity=32, fill=NAN)
+    ps = PrefillState.create(config, batch=2, capacity=32, page_size=4, fill=NAN)
+    for tokens, num_new in chunks:
+        want, rs = resident.prefill(params, rs, tokens, num_new, config=config)
+        got, ps = prefill(params, ps, tokens, num_new, config=config, num_buffers=2,
+                          history_pages=3, poison=True, host_access=offload.host_access)
+        for b, n in enumerate(num_new):
+            chex.assert_trees_all_equal(np.asarray(got)[b, :n], np.asarray(want)[b, :n])
+        chex.assert_trees_all_equal(np.asarray(ps.host.kv).reshape(rs.kv.shape),
+                                    np.asarray(rs.kv))
+    handed = to_decode_state(ps, config=config, offload=offload, fill=NAN)
+    expect = DecodeState.from_resident(rs.kv, rs.index_keys, rs.lengths, config=config,
+                                       offload=offload, fill=NAN)
+    chex.assert_trees_all_equal(jax.device_get(handed), jax.device_get(expect))
+
+
+# Cross-lowering for CUDA ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("access", HOST_ACCESS)
+def test_cross_lowers_for_cuda(access):
+    # Concrete pinned_host arrays: a ShapeDtypeStruct with a pinned_host sharding does not carry
+    # the host memory space into tracing (jax 0.12).
+    _, pages = _pages()
+    tokens, count = jnp.zeros((B, 5), jnp.int32), jnp.ones((B,), jnp.int32)
+    rows, positions = jnp.zeros((L, B, 2, W)), jnp.zeros((B, 2), jnp.int32)
+    functions = {
+        "host_gather_rows": (lambda h, t, c: host.host_gather_rows(
+            h, 1, t, c, chunk=2, on_host=True, access=access), (pages, tokens, count)),
+        "host_write_rows": (lambda h, r, p: host.host_write_rows(
+            h, r, p, on_host=True, access=access), (pages, rows, positions)),
+        "write_back_rows": (lambda h, r, p: host.write_back_rows(
+            h, 1, r, p, on_host=True, access=access), (pages, rows[0], positions)),
+        "load_history": (lambda h, like: host.load_history(
+            h, 1, history_pages=2, poison=False, on_host=True, like=like),
+            (pages, jnp.zeros((B, P * Z, W)))),
+    }
+    for name, (fn, args) in functions.items():
+        exported = jax.export.export(jax.jit(fn), platforms=("cuda",))(*args)
+        assert "pinned_host" in exported.mlir_module(), name
+    config = TINY.replace(max_ways=1, index_topk=4)
+    offload = OffloadConfig(hot_slots=8, page_size=4, capacity=32, host_access=access)
+    state = DecodeState.create(config, offload, batch=1)
+    jax.export.export(offload_decode._decode_jit, platforms=("cuda",))(
+        init_params(config, jax.random.key(0)), state, jnp.zeros((1, 1), jnp.int32),
+        config=config, offload=offload)
+
+
+def test_the_setting_is_a_field_of_offload_config():
+    assert OffloadConfig(hot_slots=16).host_access == "gather"
+    assert dataclasses.replace(OffloadConfig(hot_slots=16), host_access="slices").host_access \
+        == "slices"
+
+
+# No whole copy of the host pages ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("access", HOST_ACCESS)
+def test_decode_step_at_batch_1_copies_no_host_pages(access):
+    # Batch 1 is what `fo-jax generate` runs. A scatter through the [L * B, P * Z, D+R] view
+    # made XLA pick another layout for the host pages at B = 1: two whole copies per step.
+    config = TINY.replace(num_layers=2, indexer_layers=(0,), max_ways=1, index_topk=4)
+    offload = OffloadConfig(hot_slots=8, page_size=4, capacity=64, host_access=access)
+    state = DecodeState.create(config, offload, batch=1)
+    compiled = offload_decode._decode_jit.lower(
+        init_params(config, jax.random.key(0)), state, jnp.zeros((1, 1), jnp.int32),
+        config=config, offload=offload).compile().as_text()
+    pages = "bf16[%s]" % ",".join(map(str, state.host.kv.shape))
+    copies = [line.strip() for line in compiled.splitlines()
+              if pages in line.split("=", 1)[-1].split("(", 1)[0] and " copy(" in line]
+    assert not copies, copies
