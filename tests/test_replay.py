@@ -176,3 +176,48 @@ def test_synthetic_kinds_and_summary():
             stats.union.mean() * 78 * 1152 / 2)
     with pytest.raises(ValueError, match=r"unknown synthetic trace kind 'zipf'"):
         synthetic_traces.generate("zipf", steps=1, context=8, topk=2)
+
+
+def _optimal_copies(trace, hot):
+    """The fewest copies any eviction choice achieves (exhaustive; 1 group, 1 request)."""
+    import itertools
+
+    z = trace.page_size
+    start = frozenset(int(x) for x in replay.initial_slots(trace.lengths[0], hot, z)[0]
+                      if x >= 0)
+    best = {start: 0}
+    for t in range(trace.steps):
+        sel = trace.selected[t, 0, 0]
+        tail_start = (int(trace.lengths[t, 0]) // z) * z
+        used = {int(x) for x in sel.ravel() if 0 <= x < tail_start}
+        nxt = {}
+        for cache, cost in best.items():
+            missing = used - cache
+            keep = cache & used
+            free = hot - len(cache)
+            evictable = sorted(cache - keep)
+            drop = max(len(missing) - free, 0)
+            for victims in itertools.combinations(evictable, drop):
+                state = frozenset((cache - set(victims)) | missing)
+                nxt[state] = min(nxt.get(state, 1 << 30), cost + len(missing))
+        best = nxt
+    return min(best.values())
+
+
+@settings(max_examples=40)
+@given(st.integers(1, 7), st.integers(1, 2), st.integers(1, 2), st.integers(0, 2),
+       st.integers(0, 2 ** 16))
+def test_belady_is_optimal(steps, k, ways, extra, seed):
+    # Belady's copies equal the exhaustive optimum over every eviction choice on tiny traces
+    # (W ways united, this step's hits protected, every miss installed).
+    rng = np.random.default_rng(seed)
+    length = 8
+    sel = np.full((steps, 1, 1, ways, k), -1, np.int32)
+    for t in range(steps):
+        for w in range(ways):
+            sel[t, 0, 0, w] = np.sort(rng.choice(length, size=k, replace=False))
+    trace = traces.Trace(selected=sel, lengths=np.full((steps, 1), length, np.int32),
+                         page_size=1)
+    hot = k * ways + extra
+    got = replay.replay(trace, hot_slots=hot, policy="belady").union.sum()
+    assert got == _optimal_copies(trace, hot)
