@@ -32,7 +32,9 @@ Policies (victims among the unprotected slots):
             future goes first (never used again: first of all): offline optimal under the same
             rules (every miss is installed, protected slots stay)
 
-Every policy fills empty slots first (ring and random in their window order). The loop runs
+Empty slots (a cache not yet full at the handoff): lru, hisparse, score and belady take them
+first; ring and clock start at the first empty slot, random wherever its window falls. The
+copies counted are rows, not pages: fo_jax copies every missed row by itself. The loop runs
 over steps; each step is vectorised over the G B (group, request) caches: O(G B (W K log W K))
 per step for the rules, plus O(G B C) for lru, hisparse, clock, score and belady victims.
 """
@@ -176,8 +178,8 @@ def _next_uses(trace: Trace, tail_start, never: int):
     """
     t_steps, g, b, w, k = trace.selected.shape
     n, cap = g * b, trace.capacity
-    nxt = np.full((n, cap + 1), never, np.int64)
-    after = np.full((t_steps, n, w, k), never, np.int64)
+    nxt = np.full((n, cap + 1), never, np.int32)
+    after = np.full((t_steps, n, w, k), never, np.int32)
     rows3 = np.arange(n)[:, None, None]
     for t in range(t_steps - 1, -1, -1):
         sel = trace.selected[t].reshape(n, w, k)

@@ -184,6 +184,44 @@ def load(path) -> Trace:
     return Trace(**fields)
 
 
+class TraceRecorder:
+    """Collects a run's decode steps into a Trace: call `add` after every decode_step.
+
+        recorder = TraceRecorder(offload)
+        lengths = np.asarray(state.lengths)          # before the step
+        _, state, stats = decode_step(params, state, tokens, config=..., offload=offload)
+        recorder.add(lengths, stats)
+        trace = recorder.trace(meta={"model": ...})
+
+    Keeps the selections and the step's stats as the trace's reference (one host copy of
+    [G, B, W, K] int32 per step). Scores, when the caller has them, go in `add`'s keywords.
+    """
+
+    def __init__(self, offload):
+        self.offload = offload
+        self.steps: list[dict] = []
+
+    def add(self, lengths, stats, *, scores=None, kth_score=None, all_scores=None) -> None:
+        step = {"lengths": np.array(lengths, np.int32),  # a copy: the state is donated
+                "selected": np.asarray(stats.selected, np.int32)}
+        for name in _REF:
+            step[name] = np.asarray(getattr(stats, name[4:]), np.int32)
+        for name, value in (("scores", scores), ("kth_score", kth_score),
+                            ("all_scores", all_scores)):
+            if value is not None:
+                step[name] = np.asarray(value, np.float32)
+        self.steps.append(step)
+
+    def trace(self, meta: dict | None = None) -> Trace:
+        if not self.steps:
+            raise ValueError("TraceRecorder.trace: no steps recorded (call add after each "
+                             "decode_step)")
+        fields = {name: np.stack([s[name] for s in self.steps]) for name in self.steps[0]}
+        oc = self.offload
+        return Trace(page_size=oc.page_size, ref_hot_slots=oc.hot_slots, ref_policy=oc.policy,
+                     ref_seed=oc.seed, meta=json.dumps(meta or {}), **fields)
+
+
 def record_decode_trace(config, offload, *, lengths, steps: int, ways: int, seed: int = 0,
                         heavy: float = 0.1, boost: float = 4.0) -> Trace:
     """Run `steps` offloaded decode steps and record their selections and stats as a trace.
@@ -216,18 +254,12 @@ def record_decode_trace(config, offload, *, lengths, steps: int, ways: int, seed
     state = DecodeState.from_resident(kv, ik, lengths, config=config, offload=offload)
     params = init_params(config, keys[3])
     rng = np.random.default_rng(seed)
-    out = {n: [] for n in ("selected", "lengths") + _REF}
+    recorder = TraceRecorder(offload)
     for _ in range(steps):
         tokens = rng.integers(0, config.vocab_size, (batch, ways), dtype=np.int32)
-        out["lengths"].append(np.asarray(state.lengths))
+        before = np.array(state.lengths)  # a copy: decode_step donates the state
         _, state, stats = offload_decode.decode_step(params, state, tokens, config=config,
                                                      offload=offload, check=False)
-        out["selected"].append(np.asarray(stats.selected))
-        for name in _REF:
-            out[name].append(np.asarray(getattr(stats, name[4:])))
-    stacked = {n: np.stack(v).astype(np.int32) for n, v in out.items()}
-    meta = {"source": "fo_jax.traces.record_decode_trace", "model": config.name,
-            "heavy": heavy, "boost": boost, "seed": seed}
-    return Trace(page_size=offload.page_size, ref_hot_slots=offload.hot_slots,
-                 ref_policy=offload.policy, ref_seed=offload.seed, meta=json.dumps(meta),
-                 **stacked)
+        recorder.add(before, stats)
+    return recorder.trace({"source": "fo_jax.traces.record_decode_trace", "model": config.name,
+                           "heavy": heavy, "boost": boost, "seed": seed})

@@ -24,7 +24,8 @@ CASES = [("ring", 1), ("ring", 3), ("lru", 2), ("random", 2)]
 
 @pytest.mark.parametrize("policy,ways", CASES)
 def test_replay_reproduces_decode_step(policy, ways):
-    config = get_config("tiny").replace(index_topk=8, max_ways=ways)
+    # One config for every case (W <= max_ways), so only the decode step compiles per case.
+    config = get_config("tiny").replace(index_topk=8, max_ways=3)
     offload = OffloadConfig(hot_slots=24, page_size=8, capacity=256, policy=policy, seed=3)
     trace = traces.record_decode_trace(config, offload, lengths=[5, 13, 150], steps=10,
                                        ways=ways, seed=1, heavy=0.05)
