@@ -23,7 +23,7 @@ CASES = [("ring", 1), ("ring", 3), ("lru", 2), ("random", 2)]
 
 
 @pytest.mark.parametrize("policy,ways", CASES)
-def test_replay_reproduces_decode_step(policy, ways):
+def test_replay_reproduces_decode_step(policy, ways, tmp_path):
     # One config for every case (W <= max_ways), so only the decode step compiles per case.
     config = get_config("tiny").replace(index_topk=8, max_ways=3)
     offload = OffloadConfig(hot_slots=24, page_size=8, capacity=256, policy=policy, seed=3)
@@ -31,6 +31,8 @@ def test_replay_reproduces_decode_step(policy, ways):
                                        ways=ways, seed=1, heavy=0.05)
     assert trace.ref_union.sum() > 0 and trace.ref_tail_hits.sum() > 0
     assert trace.ref_hits[:, :, 2].sum() > 0  # the full cache serves hits
+    traces.save(tmp_path / "decode.npz", trace)
+    trace = traces.load(tmp_path / "decode.npz")
     got = replay.replay(trace, hot_slots=trace.ref_hot_slots, policy=trace.ref_policy,
                         seed=trace.ref_seed)
     for name in FIELDS:
@@ -76,6 +78,28 @@ def test_clock_second_chance():
     again = _sequence([[7], [1], [8], [9], [7], [9], [8], [7]])
     assert replay.replay(again, hot_slots=3, policy="clock").union[5:, 0, 0].tolist() == \
         [0, 0, 0]
+
+
+def test_score_eviction():
+    # C = 2, Z = 1, length 10: slots 0, 1 = tokens 8, 9, never scored (cold).
+    # Steps select 8 (score 5), 9 (score 1), 2 (score 3), 9 (score 2).
+    # score-last: 8 and 9 hit and get scores 5 and 1; 2 misses and evicts the lowest, 9 (slot
+    #   1); 9 misses and evicts the lowest of 8 (5) and 2 (3): 2. Copies 0, 0, 1, 1.
+    # lru: 2 evicts 8 (used at step 1, 9 at step 2); 9 hits. Copies 0, 0, 1, 0.
+    trace = _sequence([[8], [9], [2], [9]])
+    trace = traces.Trace(selected=trace.selected, lengths=trace.lengths, page_size=1,
+                         scores=np.asarray([5, 1, 3, 2], np.float32).reshape(4, 1, 1, 1, 1))
+    for policy, want in (("score-last", [0, 0, 1, 1]), ("score-max", [0, 0, 1, 1]),
+                         ("lru", [0, 0, 1, 0])):
+        assert replay.replay(trace, hot_slots=2, policy=policy).union[:, 0, 0].tolist() == \
+            want, policy
+    # Cold start: a token never scored goes before any scored one. Selecting 9 (score 1) then
+    # 2 (score 3): 2 evicts the cold 8, not 9; then 8 misses again.
+    cold = traces.Trace(selected=np.asarray([9, 2, 8], np.int32).reshape(3, 1, 1, 1, 1),
+                        lengths=np.full((3, 1), 10, np.int32), page_size=1,
+                        scores=np.asarray([1, 3, 4], np.float32).reshape(3, 1, 1, 1, 1))
+    assert replay.replay(cold, hot_slots=2, policy="score-ema").union[:, 0, 0].tolist() == \
+        [0, 1, 1]
 
 
 def test_tail_and_protection_rules():

@@ -56,3 +56,10 @@ def test_validation_messages(tmp_path):
     np.savez(path, version=np.int32(0), selected=trace.selected)
     with pytest.raises(ValueError, match=r"trace format version 0, expected 1"):
         traces.load(path)
+
+
+def test_recorder_needs_steps():
+    from fo_jax.offload.config import OffloadConfig
+
+    with pytest.raises(ValueError, match=r"TraceRecorder.trace: no steps recorded"):
+        traces.TraceRecorder(OffloadConfig(hot_slots=16)).trace()
