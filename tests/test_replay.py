@@ -135,7 +135,8 @@ def test_echo_prefetch_counts():
 
 @st.composite
 def small_traces(draw):
-    steps, groups, batch = draw(st.integers(1, 10)), draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    steps, groups = draw(st.integers(1, 10)), draw(st.integers(1, 2))
+    batch = draw(st.integers(1, 2))
     ways, k, page = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 4))
     length0 = draw(st.integers(k * ways, 20))
     seed = draw(st.integers(0, 2 ** 16))
