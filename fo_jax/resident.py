@@ -167,6 +167,23 @@ def prefill(params, state: ResidentState, tokens, num_new=None, *, config: Model
         `state.lengths`); shapes are always validated.
     The state is donated: use the returned one.
     """
+    args, static = _prefill_arguments(params, state, tokens, num_new, config=config,
+                                      dense=dense, check=check)
+    return _forward_jit(*args, **static)
+
+
+def lower_prefill(params, state: ResidentState, tokens, num_new=None, *, config: ModelConfig,
+                  dense: bool = False, check: bool = True):
+    """The program `prefill` runs with these arguments, lowered (donation included): for
+    checks of its compiled HLO and `memory_analysis()`. Same arguments and checks as `prefill`;
+    nothing runs and nothing is donated."""
+    args, static = _prefill_arguments(params, state, tokens, num_new, config=config,
+                                      dense=dense, check=check)
+    return _forward_jit.lower(*args, **static)
+
+
+def _prefill_arguments(params, state, tokens, num_new, *, config, dense, check):
+    """Validate `prefill`'s arguments: (positional args, static kwargs) of `_forward_jit`."""
     tokens = jnp.asarray(tokens)
     num_t = check_token_batch(tokens, state.batch)
     num_new = (jnp.full((state.batch,), num_t, jnp.int32) if num_new is None
@@ -176,8 +193,7 @@ def prefill(params, state: ResidentState, tokens, num_new=None, *, config: Model
                          "(one count per request)")
     if check:
         _check_values(tokens, num_new, state, config)
-    return _forward_jit(params, state, tokens.astype(jnp.int32), num_new, config=config,
-                        dense=dense)
+    return (params, state, tokens.astype(jnp.int32), num_new), dict(config=config, dense=dense)
 
 
 def decode_step(params, state: ResidentState, tokens, *, config: ModelConfig,

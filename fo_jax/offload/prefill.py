@@ -222,26 +222,20 @@ def _to_device(x, on_host: bool):
     return jax.device_put(x, jax.memory.Space.Device) if on_host else x
 
 
-def load_history(host_kv, layer, *, history_pages: int, poison: bool, on_host: bool, like):
-    """Layer `layer`'s first `history_pages` pages of every request, as a device layer buffer.
+def load_history(host_kv, layer, *, history_pages: int, on_host: bool):
+    """Layer `layer`'s first `history_pages` pages of every request, as device rows.
 
     Args:
       host_kv: [L, B, P, Z, D+R] host pages; layer: [] int (may be traced).
-      like: a device buffer [B, S, D+R] whose rows past the history are kept (stale) unless
-        `poison`, which sets them to NaN.
     Returns:
-      [B, S, D+R] device rows: the loaded pages, then `like`'s rows (or NaN).
+      [B, history_pages * Z, D+R] device rows.
     One host read of [1, B, history_pages, Z, D+R] (a dynamic slice, the pattern XLA's host
-    offloading handles) and one move to the device; nothing at all when history_pages is 0.
+    offloading handles) and one move to the device.
     """
     _, batch, _, page, width = host_kv.shape
-    out = jnp.full_like(like, jnp.nan) if poison else like
-    if history_pages == 0:
-        return out
     pages = jax.lax.dynamic_slice(host_kv, (layer, 0, 0, 0, 0),
                                   (1, batch, history_pages, page, width))
-    rows = _to_device(pages, on_host).reshape(batch, history_pages * page, width)
-    return jax.lax.dynamic_update_slice(out, rows, (0, 0, 0))
+    return _to_device(pages, on_host).reshape(batch, history_pages * page, width)
 
 
 def write_back_rows(host_kv, layer, rows, write_pos, *, on_host: bool):
@@ -291,14 +285,43 @@ class OffloadPrefillBackend:
     def plan_group(self, carry, g, tokens, mask, slots=None):
         return carry, (tokens, mask)
 
-    def load(self, carry, layer, buffer):
-        """Load `layer`'s history into `buffer` and bind it (both may be traced)."""
-        buffers = carry["buffers"]
-        old = jax.lax.dynamic_index_in_dim(buffers, buffer, keepdims=False)
-        new = load_history(carry["host"], layer, history_pages=self.history_pages,
-                           poison=self.poison, on_host=self.on_host, like=old)
-        buffers = jax.lax.dynamic_update_index_in_dim(buffers, new, buffer, axis=0)
-        return {**carry, "buffers": buffers, "binding": carry["binding"].at[buffer].set(layer)}
+    def load(self, carry, layer, buffer, *, when=True):
+        """Load `layer`'s history into `buffer` and bind it, if `when` (all may be traced).
+
+        The buffers are updated in place: only the loaded rows pass through a `lax.cond` (the
+        host read runs only when `when`), and one `dynamic_update_slice` of [B, rows, D+R]
+        writes them, or writes the target's own rows back when nothing loads. No branch
+        holds or returns the [n, B, S, D+R] buffers (that made XLA copy them whole).
+        """
+        buffers, binding = carry["buffers"], carry["binding"]
+        num_b, batch, cap, width = buffers.shape
+        when = jnp.asarray(when)
+        target = jnp.where(when, buffer, 0).astype(jnp.int32)
+        loaded = self.history_pages * carry["host"].shape[3]  # rows of the history pages
+        span = loaded
+        if self.poison:
+            span = cap  # rows past the history are set to NaN: a stray read shows
+        if span:
+            old = jax.lax.dynamic_slice(buffers, (target, 0, 0, 0), (1, batch, span, width))[0]
+            if self.history_pages:
+                def read(layer):
+                    return load_history(carry["host"], layer, history_pages=self.history_pages,
+                                        on_host=self.on_host).astype(buffers.dtype)
+
+                def skip(layer):
+                    return jnp.zeros((batch, loaded, width), buffers.dtype)
+
+                rows = jax.lax.cond(when, read, skip, jnp.maximum(layer, 0))
+            else:
+                rows = jnp.zeros((batch, 0, width), buffers.dtype)
+            if span > loaded:
+                rows = jnp.concatenate(
+                    [rows, jnp.full((batch, span - loaded, width), jnp.nan, buffers.dtype)],
+                    axis=1)
+            rows = jnp.where(when, rows, old)
+            buffers = jax.lax.dynamic_update_slice(buffers, rows[None], (target, 0, 0, 0))
+        binding = binding.at[jnp.where(when, buffer, num_b)].set(layer, mode="drop")
+        return {**carry, "buffers": buffers, "binding": binding}
 
     def attend(self, carry, l, g, plan, q_lat, q_pe, kv_new, write_pos):
         buffers, binding = carry["buffers"], carry["binding"]
@@ -320,24 +343,18 @@ class OffloadPrefillBackend:
             tokens, mask = plan
             gathered = buffers[b, rows[:, :, None], jnp.where(mask, tokens, 0)]
             out = sparse_attention(q_lat, q_pe, gathered, mask, scale=scale)
+        # The loads below update the buffers in place: order them after the reads of this
+        # layer's attention, or XLA's copy insertion copies the whole [n, B, S, D+R] buffers.
+        buffers, out = jax.lax.optimization_barrier((buffers, out))
         # (4) write back the chunk's rows of layer l.
         host = write_back_rows(carry["host"], l, kv_new, write_pos, on_host=self.on_host)
         carry = {**carry, "buffers": buffers, "host": host}
         # (5) prefetch onload_layer_map[l] into free buffers.
-        # Only the buffers and the binding pass through the cond: the host pages are closed over,
-        # so no branch returns (and no copy is made of) the whole host array.
         loads, targets = (jnp.asarray(t) for t in self.schedule.tables())
-
-        def do_load(bound, layer, buffer):
-            loaded = self.load({"host": host, "buffers": bound[0], "binding": bound[1]}, layer,
-                               buffer)
-            return loaded["buffers"], loaded["binding"]
-
-        bound = (carry["buffers"], carry["binding"])
         for m in range(self.schedule.max_loads):
             layer, buffer = loads[l, m], targets[l, m]
-            bound = jax.lax.cond(layer >= 0, do_load, lambda b, *_: b, bound, layer, buffer)
-        return {**carry, "buffers": bound[0], "binding": bound[1]}, out
+            carry = self.load(carry, layer, buffer, when=layer >= 0)
+        return carry, out
 
 
 @functools.partial(
@@ -398,6 +415,32 @@ def prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelC
     Raises:
       ValueError: bad shapes, token ids, capacity or schedule, before anything runs.
     """
+    args, static = _prefill_arguments(
+        params, state, tokens, num_new, config=config, num_buffers=num_buffers,
+        distance=distance, onload_layer_map=onload_layer_map, dense=dense,
+        history_pages=history_pages, poison=poison, check=check)
+    return _prefill_jit(*args, **static)
+
+
+def lower_prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelConfig,
+                  num_buffers: int = 4, distance: int | None = None, onload_layer_map=None,
+                  dense: bool = False, history_pages: int | None = None, poison: bool = False,
+                  check: bool = True):
+    """The program `prefill` runs with these arguments, lowered (donation included): for
+    checks of its compiled HLO and `memory_analysis()`. Same arguments and checks as `prefill`;
+    nothing runs and nothing is donated."""
+    args, static = _prefill_arguments(
+        params, state, tokens, num_new, config=config, num_buffers=num_buffers,
+        distance=distance, onload_layer_map=onload_layer_map, dense=dense,
+        history_pages=history_pages, poison=poison, check=check)
+    return _prefill_jit.lower(*args, **static)
+
+
+def _prefill_arguments(params, state: PrefillState, tokens, num_new=None, *, config: ModelConfig,
+                       num_buffers: int = 4, distance: int | None = None, onload_layer_map=None,
+                       dense: bool = False, history_pages: int | None = None, poison: bool = False,
+                       check: bool = True):
+    """Validate `prefill`'s arguments: (positional args, static kwargs) of `_prefill_jit`."""
     schedule = PrefillSchedule.create(config.num_layers, num_buffers, distance=distance,
                                       onload_layer_map=onload_layer_map)
     tokens = jnp.asarray(tokens)
@@ -421,9 +464,9 @@ def prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelC
                          f"({int(np.max(np.asarray(state.lengths)))} tokens)")
     if not 0 <= history_pages <= num_pages:
         raise ValueError(f"{history_pages=} must be in [0, {num_pages}]")
-    return _prefill_jit(params, state, tokens.astype(jnp.int32), num_new, config=config,
-                        dense=dense, schedule=schedule, history_pages=int(history_pages),
-                        poison=poison, on_host=_on_host(state.host.kv))
+    return (params, state, tokens.astype(jnp.int32), num_new), dict(
+        config=config, dense=dense, schedule=schedule, history_pages=int(history_pages),
+        poison=poison, on_host=_on_host(state.host.kv))
 
 
 # Handoff to the offloaded decode path ----------------------------------------------------------
@@ -486,6 +529,7 @@ __all__ = [
     "history_pages_for",
     "layer_bytes",
     "load_history",
+    "lower_prefill",
     "prefill",
     "to_decode_state",
     "write_back_rows",
