@@ -50,7 +50,7 @@ import numpy as np
 
 from fo_jax.config import ModelConfig
 from fo_jax.model.attention import dense_attention, softmax_scale, sparse_attention
-from fo_jax.model.forward import forward, xla_select
+from fo_jax.model.forward import forward, over_query_blocks, xla_select
 from fo_jax.offload.config import MEMORY_KINDS, OffloadConfig
 from fo_jax.offload.decode import host_gather_rows
 from fo_jax.offload.pipeline_model import (
@@ -66,7 +66,14 @@ from fo_jax.offload.state import (
     initial_layout,
     to_memory_kind,
 )
-from fo_jax.resident import check_capacity, check_token_batch, check_token_values
+from fo_jax.resident import (
+    QUERY_BLOCK,
+    causal_mask,
+    check_capacity,
+    check_query_block,
+    check_token_batch,
+    check_token_values,
+)
 
 # Schedule -------------------------------------------------------------------------------------
 
@@ -266,8 +273,9 @@ class OffloadPrefillBackend:
     """
 
     def __init__(self, config: ModelConfig, dense: bool, schedule: PrefillSchedule, *,
-                 history_pages: int, poison: bool, on_host: bool):
+                 history_pages: int, poison: bool, on_host: bool, query_block: int | None = None):
         self.config, self.dense, self.schedule = config, dense, schedule
+        self.query_block = query_block
         self.history_pages, self.poison, self.on_host = history_pages, poison, on_host
 
     def write_index_keys(self, carry, g, keys, write_pos):
@@ -280,7 +288,7 @@ class OffloadPrefillBackend:
         return carry["index_keys"][g]
 
     def select(self, carry, g, q, w, visible, k):
-        return xla_select(carry["index_keys"][g], q, w, visible, k)
+        return xla_select(carry["index_keys"][g], q, w, visible, k, key_block=self.query_block)
 
     def plan_group(self, carry, g, tokens, mask, slots=None):
         return carry, (tokens, mask)
@@ -332,17 +340,20 @@ class OffloadPrefillBackend:
         buffers = buffers.at[b, rows, write_pos].set(kv_new, mode="drop")
         # (3) attention over history + chunk: the resident path's own math.
         scale = softmax_scale(self.config)
+        # Over blocks of query_block queries, as the resident path does.
         if plan is None:
-            cap = buffers.shape[2]
-            positions = jnp.arange(cap)
-            causal = ((positions[None, None, :] <= write_pos[..., None])
-                      & (write_pos < cap)[..., None])
             layer_kv = jax.lax.dynamic_index_in_dim(buffers, b, keepdims=False)
-            out = dense_attention(q_lat, q_pe, layer_kv, causal, scale=scale)
+            out = over_query_blocks(
+                lambda ql, qp, wp: dense_attention(ql, qp, layer_kv,
+                                                   causal_mask(wp, buffers.shape[2]),
+                                                   scale=scale),
+                self.query_block, q_lat, q_pe, write_pos)
         else:
             tokens, mask = plan
-            gathered = buffers[b, rows[:, :, None], jnp.where(mask, tokens, 0)]
-            out = sparse_attention(q_lat, q_pe, gathered, mask, scale=scale)
+            out = over_query_blocks(
+                lambda ql, qp, tok, m: sparse_attention(
+                    ql, qp, buffers[b, rows[:, :, None], jnp.where(m, tok, 0)], m, scale=scale),
+                self.query_block, q_lat, q_pe, tokens, mask)
         # The loads below update the buffers in place: order them after the reads of this
         # layer's attention, or XLA's copy insertion copies the whole [n, B, S, D+R] buffers.
         buffers, out = jax.lax.optimization_barrier((buffers, out))
@@ -358,18 +369,19 @@ class OffloadPrefillBackend:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("config", "dense", "schedule", "history_pages", "poison", "on_host"),
+    jax.jit, static_argnames=("config", "dense", "schedule", "history_pages", "poison", "on_host",
+                              "query_block"),
     donate_argnames=("state",))
 def _prefill_jit(params, state: PrefillState, tokens, num_new, *, config: ModelConfig,
                  dense: bool, schedule: PrefillSchedule, history_pages: int, poison: bool,
-                 on_host: bool):
+                 on_host: bool, query_block: int | None = None):
     batch, num_t = tokens.shape
     cap = state.capacity
     offsets = jnp.arange(num_t, dtype=jnp.int32)
     positions = state.lengths[:, None] + offsets[None, :]
     write_pos = jnp.where(offsets[None, :] < num_new[:, None], positions, cap)
     backend = OffloadPrefillBackend(config, dense, schedule, history_pages=history_pages,
-                                    poison=poison, on_host=on_host)
+                                    poison=poison, on_host=on_host, query_block=query_block)
     width = config.kv_width
     carry = {
         "buffers": jnp.full((schedule.num_buffers, batch, cap, width),
@@ -380,7 +392,7 @@ def _prefill_jit(params, state: PrefillState, tokens, num_new, *, config: ModelC
     }
     carry = backend.load(carry, 0, 0)  # buffer 0: layer 0, for the whole prefill
     logits, carry = forward(params, tokens, positions, write_pos, backend, carry,
-                            config=config, dense=dense)
+                            config=config, dense=dense, query_block=query_block)
     new_state = PrefillState(host=HostPages(kv=carry["host"]), index_keys=carry["index_keys"],
                              lengths=state.lengths + num_new)
     return logits, new_state
@@ -395,7 +407,7 @@ def history_pages_for(lengths, page_size: int, num_pages: int) -> int:
 def prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelConfig,
             num_buffers: int = 4, distance: int | None = None, onload_layer_map=None,
             dense: bool = False, history_pages: int | None = None, poison: bool = False,
-            check: bool = True):
+            check: bool = True, query_block: int | None = QUERY_BLOCK):
     """Append a chunk of T tokens per request with offloaded KV; (logits [B, T, V], new state).
 
     Args:
@@ -412,35 +424,38 @@ def prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelC
         longest history.
       poison: NaN in buffer rows past the loaded history (tests: a stray read shows).
       check: validate token ids and capacity against concrete values (reads `state.lengths`).
+      query_block: selection and attention run over blocks of this many queries (temporaries
+        bounded by the block, not by T; see `fo_jax.resident.prefill`); None: all T at once.
     Raises:
       ValueError: bad shapes, token ids, capacity or schedule, before anything runs.
     """
     args, static = _prefill_arguments(
         params, state, tokens, num_new, config=config, num_buffers=num_buffers,
         distance=distance, onload_layer_map=onload_layer_map, dense=dense,
-        history_pages=history_pages, poison=poison, check=check)
+        history_pages=history_pages, poison=poison, check=check, query_block=query_block)
     return _prefill_jit(*args, **static)
 
 
 def lower_prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelConfig,
                   num_buffers: int = 4, distance: int | None = None, onload_layer_map=None,
                   dense: bool = False, history_pages: int | None = None, poison: bool = False,
-                  check: bool = True):
+                  check: bool = True, query_block: int | None = QUERY_BLOCK):
     """The program `prefill` runs with these arguments, lowered (donation included): for
     checks of its compiled HLO and `memory_analysis()`. Same arguments and checks as `prefill`;
     nothing runs and nothing is donated."""
     args, static = _prefill_arguments(
         params, state, tokens, num_new, config=config, num_buffers=num_buffers,
         distance=distance, onload_layer_map=onload_layer_map, dense=dense,
-        history_pages=history_pages, poison=poison, check=check)
+        history_pages=history_pages, poison=poison, check=check, query_block=query_block)
     return _prefill_jit.lower(*args, **static)
 
 
 def _prefill_arguments(params, state: PrefillState, tokens, num_new=None, *, config: ModelConfig,
                        num_buffers: int = 4, distance: int | None = None, onload_layer_map=None,
                        dense: bool = False, history_pages: int | None = None, poison: bool = False,
-                       check: bool = True):
+                       check: bool = True, query_block: int | None = QUERY_BLOCK):
     """Validate `prefill`'s arguments: (positional args, static kwargs) of `_prefill_jit`."""
+    check_query_block(query_block)
     schedule = PrefillSchedule.create(config.num_layers, num_buffers, distance=distance,
                                       onload_layer_map=onload_layer_map)
     tokens = jnp.asarray(tokens)
@@ -466,7 +481,8 @@ def _prefill_arguments(params, state: PrefillState, tokens, num_new=None, *, con
         raise ValueError(f"{history_pages=} must be in [0, {num_pages}]")
     return (params, state, tokens.astype(jnp.int32), num_new), dict(
         config=config, dense=dense, schedule=schedule, history_pages=int(history_pages),
-        poison=poison, on_host=_on_host(state.host.kv))
+        poison=poison, on_host=_on_host(state.host.kv),
+        query_block=None if query_block is None else int(query_block))
 
 
 # Handoff to the offloaded decode path ----------------------------------------------------------
