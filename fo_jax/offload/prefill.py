@@ -18,11 +18,16 @@ resident path's own. At layer i (`OffloadPrefillBackend.attend`):
   1. find layer i's buffer in the binding table (its history was loaded by an earlier prefetch);
   2. write the chunk's new KV rows into it;
   3. attend over history + chunk: the group's top-k rows gathered in canonical order
-     (`sparse_attention`), or the whole causal prefix (`dense_attention`, `dense=True`);
+     (`sparse_attention`), or the whole causal prefix (`dense_attention`, `dense=True`), over
+     blocks of `query_block` queries as the resident path does (temporaries [B, Q, K, D+R]);
   4. write back only the chunk's rows of layer i to host pages (`write_back_rows`, an explicit
      move to `jax.memory.Space.Host`);
   5. prefetch the layers `onload_layer_map[i]` into their buffers (`load_history`, an explicit
-     move to `jax.memory.Space.Device`) and bind them.
+     move to `jax.memory.Space.Device`) and bind them. The buffers are updated in place: a
+     `lax.cond` holds only the host read of the loaded rows [B, history_pages * Z, D+R] (so
+     nothing is read when the static schedule has no load; the layer index is traced), one
+     `dynamic_update_slice` writes them, and an optimization barrier orders the write after
+     step 3's reads (unordered, XLA copied all n buffers at every layer).
 
 The scheduling point of map entry i is the end of layer i (after its write-back), so a load may
 go to a buffer whose previous layer is <= i; `normalize_onload_layer_map` (shared with the
