@@ -175,7 +175,8 @@ def prefill(params, state: ResidentState, tokens, num_new=None, *, config: Model
         `state.lengths`); shapes are always validated.
       query_block: selection and attention run over blocks of this many queries, so their
         temporaries (indexer scores [B, Q, S], gathered rows [B, Q, K, D+R]) are bounded by the
-        block, not by T; None: all T at once. Same results either way.
+        block, not by T; None: all T at once. Results differ only by float rounding (the
+        offloaded prefill with the same query_block is bitwise equal).
     The state is donated: use the returned one.
     """
     args, static = _prefill_arguments(params, state, tokens, num_new, config=config,

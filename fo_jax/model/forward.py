@@ -21,8 +21,10 @@ selection (LIM) looked up on the way, None otherwise.
 Query blocks: with `query_block=Q` the selection runs over blocks of Q queries
 (`over_query_blocks`), so its temporaries (indexer scores [B, Q, S], per-head dots) are bounded
 by the block, not by T; backends block their gather + attention the same way. Every query's
-result depends on that query alone, so blocking changes no value. A block >= T is one block
-(the decode step: no loop at all).
+result depends on that query alone, so blocking changes values only by rounding (XLA's CPU dot
+kernels may round differently for another number of queries); paths that block alike (the
+resident and the offloaded prefill) stay bitwise equal. A block >= T is one block (the decode
+step: no loop at all).
 """
 
 from __future__ import annotations
@@ -127,8 +129,8 @@ def over_query_blocks(fn, block: int | None, *xs):
     Returns:
       fn's pytree with arrays [B, T, ...].
     A `fori_loop` over ceil(T / Q) blocks: block i reads queries [start, start + Q) with
-    start = min(i Q, T - Q) (the last block overlaps the one before and recomputes those
-    queries, to the same values) and writes its results in place into the [B, T, ...] outputs.
+    start = min(i Q, T - Q) (the last block overlaps the one before and overwrites its results
+    for those queries) and writes its results in place into the [B, T, ...] outputs.
     Temporaries of fn are those of Q queries.
     """
     num_t = xs[0].shape[1]
@@ -154,7 +156,7 @@ def over_query_blocks(fn, block: int | None, *xs):
 
 
 def indexer_scores_blocked(q, w, keys, key_block: int):
-    """`indexer_scores` over blocks of `key_block` keys: [B, T, S], the same values.
+    """`indexer_scores` over blocks of `key_block` keys: [B, T, S].
 
     Temporaries: the per-head dots of one key block, [B, T, I, key_block], instead of
     [B, T, I, S]. Blocks as in `over_query_blocks` (the last one overlaps).
