@@ -183,3 +183,21 @@ def test_prefill_temporaries_flat_in_prompt_length():
                                          config=config, check=False, query_block=128)
         temp[num_t] = lowered.compile().memory_analysis().temp_size_in_bytes
     assert temp[1024] - temp[256] <= (1024 - 256) * per_token, temp
+
+
+def test_over_query_blocks_one_block_is_no_loop():
+    # A block >= T (the decode step, W <= 4) runs fn once, with no loop in the program; smaller
+    # blocks loop (the last block overlaps: 7 queries in blocks of 3 start at 0, 3, 4).
+    from fo_jax.model.forward import over_query_blocks
+
+    x = jnp.arange(2 * 7 * 3, dtype=jnp.float32).reshape(2, 7, 3)
+
+    def fn(a, b):
+        return {"sum": a + b, "first": a[..., 0]}
+
+    for block, looped in ((7, False), (256, False), (None, False), (3, True)):
+        jaxpr = str(jax.make_jaxpr(lambda a: over_query_blocks(fn, block, a, 2 * a))(x))
+        assert ("while" in jaxpr or "scan" in jaxpr) == looped, block
+        got = over_query_blocks(fn, block, x, 2 * x)
+        np.testing.assert_array_equal(got["sum"], 3 * x)
+        np.testing.assert_array_equal(got["first"], x[..., 0])
