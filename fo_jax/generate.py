@@ -7,7 +7,8 @@
 
 An engine prefills a ragged batch of prompts (in chunks of `prefill_chunk` tokens, default
 `PREFILL_CHUNK`: a long prompt never runs as one program) and then takes decode steps of one
-token per request; `generate` samples (greedy at temperature 0, else temperature + top-p with a PRNG key).
+token per request; `generate` samples (greedy at temperature 0, else temperature + top-p with a
+PRNG key).
 Offload statistics are summed on the device step by step (no host sync per step).
 """
 
