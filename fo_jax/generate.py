@@ -5,8 +5,10 @@
     result = generate(engine, [prompt_ids], max_new_tokens=32, temperature=0.8, top_p=0.9,
                       key=jax.random.key(0))
 
-An engine prefills a ragged batch of prompts and then takes decode steps of one token per
-request; `generate` samples (greedy at temperature 0, else temperature + top-p with a PRNG key).
+An engine prefills a ragged batch of prompts (in chunks of `prefill_chunk` tokens, default
+`PREFILL_CHUNK`: a long prompt never runs as one program) and then takes decode steps of one
+token per request; `generate` samples (greedy at temperature 0, else temperature + top-p with a
+PRNG key).
 Offload statistics are summed on the device step by step (no host sync per step).
 """
 
@@ -27,6 +29,42 @@ from fo_jax.offload import decode as offload_decode
 from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.offload.state import DecodeState
+
+
+# Prompt tokens per prefill call of the engines: bounds what grows with the chunk (the logits
+# [B, chunk, V], activations) and the number of compiled prefill programs; inside a chunk the
+# prefill's query blocks bound the attention's temporaries.
+PREFILL_CHUNK = 2048
+
+
+def check_prefill_chunk(chunk) -> None:
+    """Raise unless `chunk` is None or an int >= 1."""
+    if chunk is not None and (not isinstance(chunk, (int, np.integer))
+                              or isinstance(chunk, bool) or chunk < 1):
+        raise ValueError(f"prefill_chunk={chunk!r} must be an int >= 1 (prompt tokens per "
+                         "prefill call), or None for the whole prompt at once")
+
+
+def chunked_prefill(run, tokens: np.ndarray, lengths, chunk: int | None) -> jax.Array:
+    """Prefill padded prompts [B, T] chunk by chunk; logits [B, V] of each request's last token.
+
+    run(tokens [B, t], num_new [B]) -> logits [B, t, V] prefills one chunk (appending to the
+    state); chunk None: the whole prompt at once. Requests whose prompt ended in an earlier
+    chunk take 0 new tokens.
+    """
+    check_prefill_chunk(chunk)
+    lengths = np.asarray(lengths, np.int32)
+    batch, num_t = tokens.shape
+    chunk = num_t if chunk is None else int(chunk)
+    last = None
+    for lo in range(0, num_t, chunk):
+        hi = min(lo + chunk, num_t)
+        logits = run(tokens[:, lo:hi], np.clip(lengths - lo, 0, hi - lo).astype(np.int32))
+        end = lengths - 1 - lo  # the last token's index in this chunk
+        here = jnp.asarray((end >= 0) & (end < hi - lo))[:, None]
+        picked = logits[jnp.arange(batch), jnp.asarray(np.clip(end, 0, hi - lo - 1))]
+        last = picked if last is None else jnp.where(here, picked, last)
+    return last
 
 
 @functools.partial(jax.jit, static_argnames=("temperature", "top_p"))
@@ -55,8 +93,11 @@ class ResidentEngine:
     name = "resident"
 
     def __init__(self, params, config: ModelConfig, *, batch: int, capacity: int,
-                 implementation: str | None = None, interpret=False):
+                 implementation: str | None = None, interpret=False,
+                 prefill_chunk: int | None = PREFILL_CHUNK):
+        check_prefill_chunk(prefill_chunk)
         self.params, self.config = params, config
+        self.prefill_chunk = prefill_chunk
         self.implementation, self.interpret = implementation, interpret
         self.state = resident.ResidentState.create(config, batch=batch, capacity=capacity)
 
@@ -71,9 +112,13 @@ class ResidentEngine:
         """
         self.state = resident.ResidentState.create(self.config, batch=self.state.batch,
                                                    capacity=self.state.capacity)
-        logits, self.state = resident.prefill(self.params, self.state, tokens, lengths,
-                                              config=self.config)
-        return logits[jnp.arange(len(lengths)), jnp.asarray(lengths) - 1]
+
+        def run(chunk, num_new):
+            logits, self.state = resident.prefill(self.params, self.state, chunk, num_new,
+                                                  config=self.config)
+            return logits
+
+        return chunked_prefill(run, tokens, lengths, self.prefill_chunk)
 
     def step(self, tokens) -> jax.Array:
         logits, self.state = resident.decode_step(
@@ -95,8 +140,11 @@ class OffloadEngine:
     name = "offload"
 
     def __init__(self, params, config: ModelConfig, *, offload: OffloadConfig, batch: int,
-                 implementation: str | None = None, interpret=False, num_buffers: int = 4):
+                 implementation: str | None = None, interpret=False, num_buffers: int = 4,
+                 prefill_chunk: int | None = PREFILL_CHUNK):
         offload.validate_for(config)
+        check_prefill_chunk(prefill_chunk)
+        self.prefill_chunk = prefill_chunk
         self.num_buffers = num_buffers
         self.params, self.config, self.offload = params, config, offload
         self.implementation, self.interpret = implementation, interpret
@@ -115,12 +163,18 @@ class OffloadEngine:
             self.config, batch=self.batch, capacity=oc.capacity, page_size=oc.page_size,
             memory_kind=oc.host_memory_kind)
         num_buffers = min(self.num_buffers, self.config.num_layers)
-        logits, state = offload_prefill.prefill(self.params, state, tokens, lengths,
-                                                config=self.config, num_buffers=num_buffers,
-                                                host_access=oc.host_access)
+
+        def run(chunk, num_new):
+            nonlocal state
+            logits, state = offload_prefill.prefill(self.params, state, chunk, num_new,
+                                                    config=self.config, num_buffers=num_buffers,
+                                                    host_access=oc.host_access)
+            return logits
+
+        last = chunked_prefill(run, tokens, lengths, self.prefill_chunk)
         self.state = offload_prefill.to_decode_state(state, config=self.config, offload=oc)
         self.totals, self.steps = None, 0
-        return logits[jnp.arange(len(lengths)), jnp.asarray(lengths) - 1]
+        return last
 
     def step(self, tokens) -> jax.Array:
         logits, self.state, stats = offload_decode.decode_step(

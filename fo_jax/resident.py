@@ -26,7 +26,10 @@ import numpy as np
 from fo_jax.config import ModelConfig
 from fo_jax.model.attention import dense_attention, softmax_scale, sparse_attention
 from fo_jax.kernels import interpret_params, resolve_implementation
-from fo_jax.model.forward import forward, xla_select
+from fo_jax.model.forward import forward, over_query_blocks, xla_select
+
+# Queries per block in prefill (selection and attention): bounds their temporaries.
+QUERY_BLOCK = 256
 
 
 @jax.tree_util.register_dataclass
@@ -87,9 +90,10 @@ class ResidentBackend:
     """
 
     def __init__(self, config: ModelConfig, dense: bool, implementation: str = "xla",
-                 interpret=False):
+                 interpret=False, query_block: int | None = None):
         self.config, self.dense = config, dense
         self.implementation, self.interpret = implementation, interpret_params(interpret)
+        self.query_block = query_block
 
     def select(self, carry, g, q, w, visible, k):
         kv, ik = carry
@@ -100,7 +104,7 @@ class ResidentBackend:
             tokens, _, _ = lim(q, w, ik, no_slots, visible.astype(jnp.int32), k=k, group=g,
                                interpret=self.interpret)
             return tokens, tokens >= 0, None
-        return xla_select(ik[g], q, w, visible, k)
+        return xla_select(ik[g], q, w, visible, k, key_block=self.query_block)
 
     def write_index_keys(self, carry, g, keys, write_pos):
         kv, ik = carry
@@ -120,11 +124,10 @@ class ResidentBackend:
         kv = kv.at[l, rows, write_pos].set(kv_new, mode="drop")
         scale = softmax_scale(self.config)
         if plan is None:  # dense: the whole causal prefix of each query
-            # Padding queries (write_pos out of range) see nothing, so unwritten rows stay out.
-            positions = jnp.arange(kv.shape[2])
-            causal = ((positions[None, None, :] <= write_pos[..., None])
-                      & (write_pos < kv.shape[2])[..., None])
-            return (kv, ik), dense_attention(q_lat, q_pe, kv[l], causal, scale=scale)
+            return (kv, ik), over_query_blocks(
+                lambda ql, qp, wp: dense_attention(ql, qp, kv[l], causal_mask(wp, kv.shape[2]),
+                                                   scale=scale),
+                self.query_block, q_lat, q_pe, write_pos)
         tokens, mask = plan
         if self.implementation == "pallas":
             from pallas_kernels.copy_sfa import copy_sfa
@@ -136,27 +139,32 @@ class ResidentBackend:
                                jnp.zeros((batch,), jnp.int32), scale=scale, layer=l,
                                interpret=self.interpret)
             return (kv, ik), out
-        gathered = kv[l, rows[:, :, None], jnp.where(mask, tokens, 0)]
-        return (kv, ik), sparse_attention(q_lat, q_pe, gathered, mask, scale=scale)
+        # The rows [B, Q, K, D+R] of one block of Q queries at a time.
+        return (kv, ik), over_query_blocks(
+            lambda ql, qp, tok, m: sparse_attention(
+                ql, qp, kv[l, rows[:, :, None], jnp.where(m, tok, 0)], m, scale=scale),
+            self.query_block, q_lat, q_pe, tokens, mask)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "dense", "implementation", "interpret"),
+@functools.partial(jax.jit, static_argnames=("config", "dense", "implementation", "interpret",
+                                             "query_block"),
                    donate_argnames=("state",))
 def _forward_jit(params, state: ResidentState, tokens, num_new, *, config, dense,
-                 implementation="xla", interpret=False):
+                 implementation="xla", interpret=False, query_block=None):
     num_t = tokens.shape[1]
     offsets = jnp.arange(num_t, dtype=jnp.int32)
     positions = state.lengths[:, None] + offsets[None, :]
     write_pos = jnp.where(offsets[None, :] < num_new[:, None], positions, state.capacity)
-    backend = ResidentBackend(config, dense, implementation, interpret)
+    backend = ResidentBackend(config, dense, implementation, interpret, query_block)
     logits, (kv, ik) = forward(params, tokens, positions, write_pos, backend,
-                               (state.kv, state.index_keys), config=config, dense=dense)
+                               (state.kv, state.index_keys), config=config, dense=dense,
+                               query_block=query_block)
     new_state = ResidentState(kv=kv, index_keys=ik, lengths=state.lengths + num_new)
     return logits, new_state
 
 
 def prefill(params, state: ResidentState, tokens, num_new=None, *, config: ModelConfig,
-            dense: bool = False, check: bool = True):
+            dense: bool = False, check: bool = True, query_block: int | None = QUERY_BLOCK):
     """Append a chunk of T tokens per request; return logits [B, T, V] and the new state.
 
     Args:
@@ -165,8 +173,30 @@ def prefill(params, state: ResidentState, tokens, num_new=None, *, config: Model
       dense: attend to the whole causal prefix (the dense model) instead of the top-k.
       check: validate token ids and capacity against concrete values (a device-to-host read of
         `state.lengths`); shapes are always validated.
+      query_block: selection and attention run over blocks of this many queries, so their
+        temporaries (indexer scores [B, Q, S], gathered rows [B, Q, K, D+R]) are bounded by the
+        block, not by T; None: all T at once. Results differ only by float rounding (the
+        offloaded prefill with the same query_block is bitwise equal).
     The state is donated: use the returned one.
     """
+    args, static = _prefill_arguments(params, state, tokens, num_new, config=config,
+                                      dense=dense, check=check, query_block=query_block)
+    return _forward_jit(*args, **static)
+
+
+def lower_prefill(params, state: ResidentState, tokens, num_new=None, *, config: ModelConfig,
+                  dense: bool = False, check: bool = True,
+                  query_block: int | None = QUERY_BLOCK):
+    """The program `prefill` runs with these arguments, lowered (donation included): for
+    checks of its compiled HLO and `memory_analysis()`. Same arguments and checks as `prefill`;
+    nothing runs and nothing is donated."""
+    args, static = _prefill_arguments(params, state, tokens, num_new, config=config,
+                                      dense=dense, check=check, query_block=query_block)
+    return _forward_jit.lower(*args, **static)
+
+
+def _prefill_arguments(params, state, tokens, num_new, *, config, dense, check, query_block):
+    """Validate `prefill`'s arguments: (positional args, static kwargs) of `_forward_jit`."""
     tokens = jnp.asarray(tokens)
     num_t = check_token_batch(tokens, state.batch)
     num_new = (jnp.full((state.batch,), num_t, jnp.int32) if num_new is None
@@ -174,10 +204,12 @@ def prefill(params, state: ResidentState, tokens, num_new=None, *, config: Model
     if num_new.shape != (state.batch,):
         raise ValueError(f"num_new has shape {num_new.shape}, expected ({state.batch},) "
                          "(one count per request)")
+    check_query_block(query_block)
     if check:
         _check_values(tokens, num_new, state, config)
-    return _forward_jit(params, state, tokens.astype(jnp.int32), num_new, config=config,
-                        dense=dense)
+    return (params, state, tokens.astype(jnp.int32), num_new), dict(
+        config=config, dense=dense,
+        query_block=None if query_block is None else int(query_block))
 
 
 def decode_step(params, state: ResidentState, tokens, *, config: ModelConfig,
@@ -205,6 +237,24 @@ def decode_step(params, state: ResidentState, tokens, *, config: ModelConfig,
     return _forward_jit(params, state, tokens.astype(jnp.int32), num_new, config=config,
                         dense=dense, implementation=implementation,
                         interpret=interpret_params(interpret))
+
+
+def check_query_block(query_block) -> None:
+    """Raise unless `query_block` is None or an int >= 1."""
+    if query_block is None:
+        return
+    if (not isinstance(query_block, (int, np.integer)) or isinstance(query_block, bool)
+            or query_block < 1):
+        raise ValueError(f"query_block={query_block!r} must be an int >= 1 (queries per "
+                         "block), or None for all queries at once")
+
+
+def causal_mask(write_pos, capacity: int):
+    """[B, T, S] bool: query t sees positions <= write_pos[b, t]; padding queries (write_pos
+    out of range) see nothing, so unwritten rows stay out."""
+    positions = jnp.arange(capacity)
+    return ((positions[None, None, :] <= write_pos[..., None])
+            & (write_pos < capacity)[..., None])
 
 
 def check_token_batch(tokens, batch: int) -> int:

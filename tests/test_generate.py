@@ -55,3 +55,38 @@ def test_generate_validates_before_running():
     with pytest.raises(ValueError, match=r"token id 300 at \[0, 0\]"):
         gen.generate(engine, [[300]], max_new_tokens=1)
     assert int(engine.state.lengths[0]) == 0
+
+
+def test_engines_prefill_long_prompts_in_chunks(monkeypatch):
+    # Chunks of 16 tokens: prompts of 50 and 33 tokens take 4 prefill calls (the second request
+    # has no new tokens in the last one). The last token's logits are those of one call over
+    # the whole prompt (to rounding: other program shapes), and offloaded == resident bit for
+    # bit under the same chunking.
+    from fo_jax import resident
+    from fo_jax.offload import prefill as offload_prefill
+
+    params = init_params(CONFIG, jax.random.key(0))
+    tokens, lengths = gen.pad_prompts([list(range(40, 90)), list(range(100, 133))])
+    calls = []
+    for module in (resident, offload_prefill):
+        real = module.prefill
+        monkeypatch.setattr(module, "prefill", lambda *a, real=real, **k: (
+            calls.append(np.asarray(a[3]).tolist()), real(*a, **k))[1])
+    whole = gen.ResidentEngine(params, CONFIG, batch=2, capacity=128, prefill_chunk=None)
+    want = np.asarray(whole.prefill(tokens, lengths))
+    assert calls == [[50, 33]]
+    calls.clear()
+    chunked = gen.ResidentEngine(params, CONFIG, batch=2, capacity=128, prefill_chunk=16)
+    got = np.asarray(chunked.prefill(tokens, lengths))
+    assert calls == [[16, 16], [16, 16], [16, 1], [2, 0]]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(chunked.state.lengths, [50, 33])
+    offload = OffloadConfig(hot_slots=64, page_size=8, capacity=128)
+    engine = gen.OffloadEngine(params, CONFIG, offload=offload, batch=2, prefill_chunk=16)
+    np.testing.assert_array_equal(np.asarray(engine.prefill(tokens, lengths)), got)
+    # By default a prompt is cut into chunks of PREFILL_CHUNK tokens.
+    assert gen.ResidentEngine(params, CONFIG, batch=1, capacity=8).prefill_chunk == \
+        gen.PREFILL_CHUNK
+    with pytest.raises(ValueError, match=r"prefill_chunk=0 must be an int >= 1 \(prompt tokens "
+                                         r"per prefill call\), or None for the whole prompt"):
+        gen.OffloadEngine(params, CONFIG, offload=offload, batch=2, prefill_chunk=0)

@@ -121,3 +121,87 @@ def test_context_beyond_capacity_and_max_seq_len(params):
         resident.ResidentState.create(CONFIG, batch=1, capacity=2000)
     with pytest.raises(ValueError, match=r"num_new has shape \(3,\), expected \(2,\)"):
         resident.prefill(params, st, _tokens(7, (2, 4)), np.array([1, 2, 3]), config=CONFIG)
+
+
+# Query blocks ---------------------------------------------------------------------------------
+
+
+def test_query_blocks_match_all_queries_at_once(params):
+    # Blocks of 7 and 16 queries (the last block overlaps the one before; keys in blocks of the
+    # same size, S = 96 not a multiple of 7) against all queries at once, on a history and
+    # ragged num_new. Every query's result depends on that query alone, but not bit for bit:
+    # XLA's CPU dot kernels round differently for other batch sizes (measured: sparse_attention
+    # of 7 or 16 queries vs 45 differ in the last bits; 32 agree). Resident and offloaded
+    # prefill block alike and stay bitwise equal (tests/offload/test_prefill.py).
+    toks = _tokens(8, (2, 45))
+    got = {}
+    for block in (None, 7, 16):
+        st = _state()
+        _, st = resident.prefill(params, st, toks[:, :13], [13, 9], config=CONFIG,
+                                 query_block=block)
+        logits, st = resident.prefill(params, st, toks[:, 13:], [32, 20], config=CONFIG,
+                                      query_block=block)
+        got[block] = (np.asarray(logits), jax.device_get(st))
+    for block in (7, 16):
+        for b, n in enumerate([32, 20]):
+            np.testing.assert_allclose(got[block][0][b, :n], got[None][0][b, :n], **TOL)
+        for name in ("kv", "index_keys"):
+            np.testing.assert_allclose(np.asarray(getattr(got[block][1], name), np.float32),
+                                       np.asarray(getattr(got[None][1], name), np.float32),
+                                       rtol=2e-2, atol=2e-2)
+
+
+def test_query_block_must_be_positive(params):
+    st = _state()
+    with pytest.raises(ValueError, match=r"query_block=0 must be an int >= 1 \(queries per "
+                                         r"block\), or None for all queries at once"):
+        resident.prefill(params, st, _tokens(9, (2, 4)), config=CONFIG, query_block=0)
+    np.testing.assert_array_equal(st.lengths, [0, 0])
+
+
+def activation_bytes_per_token(config) -> int:
+    """Upper bound of what a prefill legitimately holds per query token (float32 everywhere):
+    hidden states, projections, the absorbed query, the new KV row, the indexer's query and
+    the selected token ids + mask. Nothing of size K * (D + R), I * S or S."""
+    c = config
+    floats = (4 * c.dim + c.q_lora_rank + c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)
+              + c.num_heads * c.kv_width + c.kv_width
+              + c.index_n_heads * (c.index_head_dim + 1) + 2 * c.index_topk)
+    return 4 * floats
+
+
+def test_prefill_temporaries_flat_in_prompt_length():
+    # One request, capacity S = 1024 (the KV, an argument, is the same at both T): the
+    # compiled prefill's temporaries at T = 256 and T = 1024 with blocks of 128 queries grow by
+    # no more than the per-token activations. All queries at once (query_block=None) hold
+    # the gathered rows [T, K, D+R] and the indexer's per-head dots [T, I, S] (measured on
+    # this config: temp 8.5 MB at T = 256, 33.9 MB at T = 1024; blocked: 2.5 MB, 3.3 MB).
+    config = CONFIG.replace(index_topk=64)
+    params = init_params(config, jax.random.key(0))
+    capacity, per_token = 1024, activation_bytes_per_token(config)
+    assert per_token < config.index_topk * config.kv_width * 4 / 3  # the test can tell
+    temp = {}
+    for num_t in (256, 1024):
+        st = resident.ResidentState.create(config, batch=1, capacity=capacity)
+        lowered = resident.lower_prefill(params, st, jnp.zeros((1, num_t), jnp.int32),
+                                         config=config, check=False, query_block=128)
+        temp[num_t] = lowered.compile().memory_analysis().temp_size_in_bytes
+    assert temp[1024] - temp[256] <= (1024 - 256) * per_token, temp
+
+
+def test_over_query_blocks_one_block_is_no_loop():
+    # A block >= T (the decode step, W <= 4) runs fn once, with no loop in the program; smaller
+    # blocks loop (the last block overlaps: 7 queries in blocks of 3 start at 0, 3, 4).
+    from fo_jax.model.forward import over_query_blocks
+
+    x = jnp.arange(2 * 7 * 3, dtype=jnp.float32).reshape(2, 7, 3)
+
+    def fn(a, b):
+        return {"sum": a + b, "first": a[..., 0]}
+
+    for block, looped in ((7, False), (256, False), (None, False), (3, True)):
+        jaxpr = str(jax.make_jaxpr(lambda a: over_query_blocks(fn, block, a, 2 * a))(x))
+        assert ("while" in jaxpr or "scan" in jaxpr) == looped, block
+        got = over_query_blocks(fn, block, x, 2 * x)
+        np.testing.assert_array_equal(got["sum"], 3 * x)
+        np.testing.assert_array_equal(got["first"], x[..., 0])

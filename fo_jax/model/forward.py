@@ -17,6 +17,14 @@ same `sparse_attention` (or the same kernel) on rows gathered in the selection's
 the math after the gather is shared, so paths differ only in where rows come from.
 `xla_select` is the XLA selection (scores, then `select_topk`); `slots` is what a fused
 selection (LIM) looked up on the way, None otherwise.
+
+Query blocks: with `query_block=Q` the selection runs over blocks of Q queries
+(`over_query_blocks`), so its temporaries (indexer scores [B, Q, S], per-head dots) are bounded
+by the block, not by T; backends block their gather + attention the same way. Every query's
+result depends on that query alone, so blocking changes values only by rounding (XLA's CPU dot
+kernels may round differently for another number of queries); paths that block alike (the
+resident and the offloaded prefill) stay bitwise equal. A block >= T is one block (the decode
+step: no loop at all).
 """
 
 from __future__ import annotations
@@ -42,7 +50,8 @@ class Backend(Protocol):
 
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, write_pos: jax.Array,
-            backend: Backend, carry, *, config, dense: bool = False):
+            backend: Backend, carry, *, config, dense: bool = False,
+            query_block: int | None = None):
     """Logits of T new tokens per request, and the backend's updated carry.
 
     Args:
@@ -53,6 +62,8 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, write_pos: ja
       backend, carry: see the module docstring.
       dense: attend to the whole causal prefix instead of the top-k (the dense model); the
         indexer keys are still computed and stored.
+      query_block: run the selection over blocks of this many queries (None: all T at once);
+        the backend blocks its attention with its own setting (the same one, in fo_jax).
     Returns:
       logits [B, T, V] float32, carry.
     """
@@ -69,8 +80,10 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, write_pos: ja
         else:
             qr = query_lowrank(first, h, config=config)
             q_i, w_i = indexer_queries(ip, qr, h, positions, config=config)
-            selected, mask, slots = backend.select(carry, g, q_i, w_i, positions + 1,
-                                                   config.index_topk)
+            selected, mask, slots = over_query_blocks(
+                lambda q, w, visible, g=g, carry=carry: backend.select(
+                    carry, g, q, w, visible, config.index_topk),
+                query_block, q_i, w_i, positions + 1)
             carry, plan = backend.plan_group(carry, g, selected, mask, slots)
 
         def body(l, state, g=g, plan=plan):
@@ -91,7 +104,71 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, write_pos: ja
     return logits, carry
 
 
-def xla_select(keys, q, w, visible, k: int):
-    """The XLA selection: indexer scores over all S keys [B, S, N], then `select_topk`."""
-    tokens, mask = select_topk(indexer_scores(q, w, keys), visible, k)
+def xla_select(keys, q, w, visible, k: int, *, key_block: int | None = None):
+    """The XLA selection: indexer scores over all S keys [B, S, N], then `select_topk`.
+
+    key_block: compute the scores over blocks of this many keys (`indexer_scores_blocked`), so
+    the per-head dots [B, T, I, key_block] stay bounded; None (or >= S): all keys at once.
+    """
+    if key_block is None or key_block >= keys.shape[1]:
+        scores = indexer_scores(q, w, keys)
+    else:
+        scores = indexer_scores_blocked(q, w, keys, key_block)
+    tokens, mask = select_topk(scores, visible, k)
     return tokens, mask, None
+
+
+def over_query_blocks(fn, block: int | None, *xs):
+    """fn(*xs) computed over blocks of `block` queries; the results joined on the query axis.
+
+    Args:
+      fn: maps arrays [B, Q, ...] (Q queries) to a pytree of arrays [B, Q, ...] (None leaves
+        allowed); each query's results must depend on that query's inputs alone.
+      block: Q; None or >= T: fn(*xs) itself (one block, no loop).
+      xs: arrays [B, T, ...].
+    Returns:
+      fn's pytree with arrays [B, T, ...].
+    A `fori_loop` over ceil(T / Q) blocks: block i reads queries [start, start + Q) with
+    start = min(i Q, T - Q) (the last block overlaps the one before and overwrites its results
+    for those queries) and writes its results in place into the [B, T, ...] outputs.
+    Temporaries of fn are those of Q queries.
+    """
+    num_t = xs[0].shape[1]
+    if block is None or block >= num_t:
+        return fn(*xs)
+    if block < 1:
+        raise ValueError(f"query_block={block} must be >= 1 (or None: all queries at once)")
+
+    def piece(start):
+        return [jax.lax.dynamic_slice_in_dim(x, start, block, axis=1) for x in xs]
+
+    shapes = jax.eval_shape(lambda *a: fn(*a), *piece(0))
+    out = jax.tree_util.tree_map(
+        lambda a: jnp.zeros((a.shape[0], num_t) + a.shape[2:], a.dtype), shapes)
+
+    def body(i, out):
+        start = jnp.minimum(i * block, num_t - block)
+        got = fn(*piece(start))
+        return jax.tree_util.tree_map(
+            lambda o, v: jax.lax.dynamic_update_slice_in_dim(o, v, start, axis=1), out, got)
+
+    return jax.lax.fori_loop(0, -(-num_t // block), body, out)
+
+
+def indexer_scores_blocked(q, w, keys, key_block: int):
+    """`indexer_scores` over blocks of `key_block` keys: [B, T, S].
+
+    Temporaries: the per-head dots of one key block, [B, T, I, key_block], instead of
+    [B, T, I, S]. Blocks as in `over_query_blocks` (the last one overlaps).
+    """
+    num_s = keys.shape[1]
+    batch, num_t = q.shape[:2]
+    out = jnp.zeros((batch, num_t, num_s), jnp.float32)
+
+    def body(i, out):
+        start = jnp.minimum(i * key_block, num_s - key_block)
+        part = jax.lax.dynamic_slice_in_dim(keys, start, key_block, axis=1)
+        return jax.lax.dynamic_update_slice_in_dim(out, indexer_scores(q, w, part), start,
+                                                   axis=2)
+
+    return jax.lax.fori_loop(0, -(-num_s // key_block), body, out)

@@ -230,27 +230,20 @@ def host_write_rows(host_kv, rows_kv, positions, *, on_host: bool, access: str =
 # Prefill: history load, write-back -------------------------------------------------------------
 
 
-def load_history(host_kv, layer, *, history_pages: int, poison: bool, on_host: bool, like):
-    """Layer `layer`'s first `history_pages` pages of every request, as a device layer buffer.
+def load_history(host_kv, layer, *, history_pages: int, on_host: bool):
+    """Layer `layer`'s first `history_pages` pages of every request, as device rows.
 
     Args:
       host_kv: [L, B, P, Z, D+R] host pages; layer: [] int (may be traced).
-      like: a device buffer [B, S, D+R] whose rows past the history are kept (stale) unless
-        `poison`, which sets them to NaN.
     Returns:
-      [B, S, D+R] device rows: the loaded pages, then `like`'s rows (or NaN).
+      [B, history_pages * Z, D+R] device rows (the caller writes them into its layer buffer).
     One host read of [1, B, history_pages, Z, D+R] (a dynamic slice, the pattern XLA's host
-    offloading handles, under both access settings) and one move to the device; nothing at all
-    when history_pages is 0.
+    offloading handles, under both access settings) and one move to the device.
     """
     _, batch, _, page, width = host_kv.shape
-    out = jnp.full_like(like, jnp.nan) if poison else like
-    if history_pages == 0:
-        return out
     pages = jax.lax.dynamic_slice(host_kv, (layer, 0, 0, 0, 0),
                                   (1, batch, history_pages, page, width))
-    rows = to_device(pages, on_host).reshape(batch, history_pages * page, width)
-    return jax.lax.dynamic_update_slice(out, rows, (0, 0, 0))
+    return to_device(pages, on_host).reshape(batch, history_pages * page, width)
 
 
 def write_back_rows(host_kv, layer, rows, write_pos, *, on_host: bool, access: str = "gather"):

@@ -18,11 +18,16 @@ resident path's own. At layer i (`OffloadPrefillBackend.attend`):
   1. find layer i's buffer in the binding table (its history was loaded by an earlier prefetch);
   2. write the chunk's new KV rows into it;
   3. attend over history + chunk: the group's top-k rows gathered in canonical order
-     (`sparse_attention`), or the whole causal prefix (`dense_attention`, `dense=True`);
+     (`sparse_attention`), or the whole causal prefix (`dense_attention`, `dense=True`), over
+     blocks of `query_block` queries as the resident path does (temporaries [B, Q, K, D+R]);
   4. write back only the chunk's rows of layer i to host pages (`write_back_rows`, an explicit
      move to `jax.memory.Space.Host`);
   5. prefetch the layers `onload_layer_map[i]` into their buffers (`load_history`, an explicit
-     move to `jax.memory.Space.Device`) and bind them.
+     move to `jax.memory.Space.Device`) and bind them. The buffers are updated in place: a
+     `lax.cond` holds only the host read of the loaded rows [B, history_pages * Z, D+R] (so
+     nothing is read when the static schedule has no load; the layer index is traced), one
+     `dynamic_update_slice` writes them, and an optimization barrier orders the write after
+     step 3's reads (unordered, XLA copied all n buffers at every layer).
 
 Both host accesses live in `fo_jax.offload.host`; `prefill(..., host_access=...)` chooses how
 the write-back moves its rows ("gather" or "slices", the same bits).
@@ -53,7 +58,7 @@ import numpy as np
 
 from fo_jax.config import ModelConfig
 from fo_jax.model.attention import dense_attention, softmax_scale, sparse_attention
-from fo_jax.model.forward import forward, xla_select
+from fo_jax.model.forward import forward, over_query_blocks, xla_select
 from fo_jax.offload.config import MEMORY_KINDS, OffloadConfig
 from fo_jax.offload.host import (
     check_host_access,
@@ -75,7 +80,14 @@ from fo_jax.offload.state import (
     initial_layout,
     to_memory_kind,
 )
-from fo_jax.resident import check_capacity, check_token_batch, check_token_values
+from fo_jax.resident import (
+    QUERY_BLOCK,
+    causal_mask,
+    check_capacity,
+    check_query_block,
+    check_token_batch,
+    check_token_values,
+)
 
 # Schedule -------------------------------------------------------------------------------------
 
@@ -224,8 +236,10 @@ class OffloadPrefillBackend:
     """
 
     def __init__(self, config: ModelConfig, dense: bool, schedule: PrefillSchedule, *,
-                 history_pages: int, poison: bool, on_host: bool, access: str = "gather"):
+                 history_pages: int, poison: bool, on_host: bool, access: str = "gather",
+                 query_block: int | None = None):
         self.config, self.dense, self.schedule = config, dense, schedule
+        self.query_block = query_block
         self.history_pages, self.poison, self.on_host = history_pages, poison, on_host
         self.access = access
 
@@ -239,19 +253,48 @@ class OffloadPrefillBackend:
         return carry["index_keys"][g]
 
     def select(self, carry, g, q, w, visible, k):
-        return xla_select(carry["index_keys"][g], q, w, visible, k)
+        return xla_select(carry["index_keys"][g], q, w, visible, k, key_block=self.query_block)
 
     def plan_group(self, carry, g, tokens, mask, slots=None):
         return carry, (tokens, mask)
 
-    def load(self, carry, layer, buffer):
-        """Load `layer`'s history into `buffer` and bind it (both may be traced)."""
-        buffers = carry["buffers"]
-        old = jax.lax.dynamic_index_in_dim(buffers, buffer, keepdims=False)
-        new = load_history(carry["host"], layer, history_pages=self.history_pages,
-                           poison=self.poison, on_host=self.on_host, like=old)
-        buffers = jax.lax.dynamic_update_index_in_dim(buffers, new, buffer, axis=0)
-        return {**carry, "buffers": buffers, "binding": carry["binding"].at[buffer].set(layer)}
+    def load(self, carry, layer, buffer, *, when=True):
+        """Load `layer`'s history into `buffer` and bind it, if `when` (all may be traced).
+
+        The buffers are updated in place: only the loaded rows pass through a `lax.cond` (the
+        host read runs only when `when`), and one `dynamic_update_slice` of [B, rows, D+R]
+        writes them, or writes the target's own rows back when nothing loads. No branch
+        holds or returns the [n, B, S, D+R] buffers (that made XLA copy them whole).
+        """
+        buffers, binding = carry["buffers"], carry["binding"]
+        num_b, batch, cap, width = buffers.shape
+        when = jnp.asarray(when)
+        target = jnp.where(when, buffer, 0).astype(jnp.int32)
+        loaded = self.history_pages * carry["host"].shape[3]  # rows of the history pages
+        span = loaded
+        if self.poison:
+            span = cap  # rows past the history are set to NaN: a stray read shows
+        if span:
+            old = jax.lax.dynamic_slice(buffers, (target, 0, 0, 0), (1, batch, span, width))[0]
+            if self.history_pages:
+                def read(layer):
+                    return load_history(carry["host"], layer, history_pages=self.history_pages,
+                                        on_host=self.on_host).astype(buffers.dtype)
+
+                def skip(layer):
+                    return jnp.zeros((batch, loaded, width), buffers.dtype)
+
+                rows = jax.lax.cond(when, read, skip, jnp.maximum(layer, 0))
+            else:
+                rows = jnp.zeros((batch, 0, width), buffers.dtype)
+            if span > loaded:
+                rows = jnp.concatenate(
+                    [rows, jnp.full((batch, span - loaded, width), jnp.nan, buffers.dtype)],
+                    axis=1)
+            rows = jnp.where(when, rows, old)
+            buffers = jax.lax.dynamic_update_slice(buffers, rows[None], (target, 0, 0, 0))
+        binding = binding.at[jnp.where(when, buffer, num_b)].set(layer, mode="drop")
+        return {**carry, "buffers": buffers, "binding": binding}
 
     def attend(self, carry, l, g, plan, q_lat, q_pe, kv_new, write_pos):
         buffers, binding = carry["buffers"], carry["binding"]
@@ -262,52 +305,50 @@ class OffloadPrefillBackend:
         buffers = buffers.at[b, rows, write_pos].set(kv_new, mode="drop")
         # (3) attention over history + chunk: the resident path's own math.
         scale = softmax_scale(self.config)
+        # Over blocks of query_block queries, as the resident path does.
         if plan is None:
-            cap = buffers.shape[2]
-            positions = jnp.arange(cap)
-            causal = ((positions[None, None, :] <= write_pos[..., None])
-                      & (write_pos < cap)[..., None])
             layer_kv = jax.lax.dynamic_index_in_dim(buffers, b, keepdims=False)
-            out = dense_attention(q_lat, q_pe, layer_kv, causal, scale=scale)
+            out = over_query_blocks(
+                lambda ql, qp, wp: dense_attention(ql, qp, layer_kv,
+                                                   causal_mask(wp, buffers.shape[2]),
+                                                   scale=scale),
+                self.query_block, q_lat, q_pe, write_pos)
         else:
             tokens, mask = plan
-            gathered = buffers[b, rows[:, :, None], jnp.where(mask, tokens, 0)]
-            out = sparse_attention(q_lat, q_pe, gathered, mask, scale=scale)
+            out = over_query_blocks(
+                lambda ql, qp, tok, m: sparse_attention(
+                    ql, qp, buffers[b, rows[:, :, None], jnp.where(m, tok, 0)], m, scale=scale),
+                self.query_block, q_lat, q_pe, tokens, mask)
+        # The loads below update the buffers in place: order them after the reads of this
+        # layer's attention, or XLA's copy insertion copies the whole [n, B, S, D+R] buffers.
+        buffers, out = jax.lax.optimization_barrier((buffers, out))
         # (4) write back the chunk's rows of layer l.
         host = write_back_rows(carry["host"], l, kv_new, write_pos, on_host=self.on_host,
                                access=self.access)
         carry = {**carry, "buffers": buffers, "host": host}
         # (5) prefetch onload_layer_map[l] into free buffers.
-        # Only the buffers and the binding pass through the cond: the host pages are closed over,
-        # so no branch returns (and no copy is made of) the whole host array.
         loads, targets = (jnp.asarray(t) for t in self.schedule.tables())
-
-        def do_load(bound, layer, buffer):
-            loaded = self.load({"host": host, "buffers": bound[0], "binding": bound[1]}, layer,
-                               buffer)
-            return loaded["buffers"], loaded["binding"]
-
-        bound = (carry["buffers"], carry["binding"])
         for m in range(self.schedule.max_loads):
             layer, buffer = loads[l, m], targets[l, m]
-            bound = jax.lax.cond(layer >= 0, do_load, lambda b, *_: b, bound, layer, buffer)
-        return {**carry, "buffers": bound[0], "binding": bound[1]}, out
+            carry = self.load(carry, layer, buffer, when=layer >= 0)
+        return carry, out
 
 
 @functools.partial(
     jax.jit, static_argnames=("config", "dense", "schedule", "history_pages", "poison", "on_host",
-                              "host_access"),
+                              "host_access", "query_block"),
     donate_argnames=("state",))
 def _prefill_jit(params, state: PrefillState, tokens, num_new, *, config: ModelConfig,
                  dense: bool, schedule: PrefillSchedule, history_pages: int, poison: bool,
-                 on_host: bool, host_access: str = "gather"):
+                 on_host: bool, host_access: str = "gather", query_block: int | None = None):
     batch, num_t = tokens.shape
     cap = state.capacity
     offsets = jnp.arange(num_t, dtype=jnp.int32)
     positions = state.lengths[:, None] + offsets[None, :]
     write_pos = jnp.where(offsets[None, :] < num_new[:, None], positions, cap)
     backend = OffloadPrefillBackend(config, dense, schedule, history_pages=history_pages,
-                                    poison=poison, on_host=on_host, access=host_access)
+                                    poison=poison, on_host=on_host, access=host_access,
+                                    query_block=query_block)
     width = config.kv_width
     carry = {
         "buffers": jnp.full((schedule.num_buffers, batch, cap, width),
@@ -318,7 +359,7 @@ def _prefill_jit(params, state: PrefillState, tokens, num_new, *, config: ModelC
     }
     carry = backend.load(carry, 0, 0)  # buffer 0: layer 0, for the whole prefill
     logits, carry = forward(params, tokens, positions, write_pos, backend, carry,
-                            config=config, dense=dense)
+                            config=config, dense=dense, query_block=query_block)
     new_state = PrefillState(host=HostPages(kv=carry["host"]), index_keys=carry["index_keys"],
                              lengths=state.lengths + num_new)
     return logits, new_state
@@ -333,7 +374,8 @@ def history_pages_for(lengths, page_size: int, num_pages: int) -> int:
 def prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelConfig,
             num_buffers: int = 4, distance: int | None = None, onload_layer_map=None,
             dense: bool = False, history_pages: int | None = None, poison: bool = False,
-            check: bool = True, host_access: str = "gather"):
+            check: bool = True, host_access: str = "gather",
+            query_block: int | None = QUERY_BLOCK):
     """Append a chunk of T tokens per request with offloaded KV; (logits [B, T, V], new state).
 
     Args:
@@ -353,9 +395,42 @@ def prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelC
       host_access: how the chunk's rows are written back to host pages, "gather" or "slices"
         (see fo_jax.offload.host; the same bits either way). A prefill feeding an offloaded
         decode should use its `OffloadConfig.host_access` (the offloaded engine does).
+      query_block: selection and attention run over blocks of this many queries (temporaries
+        bounded by the block, not by T; see `fo_jax.resident.prefill`); None: all T at once.
     Raises:
       ValueError: bad shapes, token ids, capacity or schedule, before anything runs.
     """
+    args, static = _prefill_arguments(
+        params, state, tokens, num_new, config=config, num_buffers=num_buffers,
+        distance=distance, onload_layer_map=onload_layer_map, dense=dense,
+        history_pages=history_pages, poison=poison, check=check, host_access=host_access,
+        query_block=query_block)
+    return _prefill_jit(*args, **static)
+
+
+def lower_prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelConfig,
+                  num_buffers: int = 4, distance: int | None = None, onload_layer_map=None,
+                  dense: bool = False, history_pages: int | None = None, poison: bool = False,
+                  check: bool = True, host_access: str = "gather",
+                  query_block: int | None = QUERY_BLOCK):
+    """The program `prefill` runs with these arguments, lowered (donation included): for
+    checks of its compiled HLO and `memory_analysis()`. Same arguments and checks as `prefill`;
+    nothing runs and nothing is donated."""
+    args, static = _prefill_arguments(
+        params, state, tokens, num_new, config=config, num_buffers=num_buffers,
+        distance=distance, onload_layer_map=onload_layer_map, dense=dense,
+        history_pages=history_pages, poison=poison, check=check, host_access=host_access,
+        query_block=query_block)
+    return _prefill_jit.lower(*args, **static)
+
+
+def _prefill_arguments(params, state: PrefillState, tokens, num_new=None, *, config: ModelConfig,
+                       num_buffers: int = 4, distance: int | None = None, onload_layer_map=None,
+                       dense: bool = False, history_pages: int | None = None, poison: bool = False,
+                       check: bool = True, host_access: str = "gather",
+                       query_block: int | None = QUERY_BLOCK):
+    """Validate `prefill`'s arguments: (positional args, static kwargs) of `_prefill_jit`."""
+    check_query_block(query_block)
     schedule = PrefillSchedule.create(config.num_layers, num_buffers, distance=distance,
                                       onload_layer_map=onload_layer_map)
     check_host_access(host_access)
@@ -380,10 +455,10 @@ def prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelC
                          f"({int(np.max(np.asarray(state.lengths)))} tokens)")
     if not 0 <= history_pages <= num_pages:
         raise ValueError(f"{history_pages=} must be in [0, {num_pages}]")
-    return _prefill_jit(params, state, tokens.astype(jnp.int32), num_new, config=config,
-                        dense=dense, schedule=schedule, history_pages=int(history_pages),
-                        poison=poison, on_host=in_host_memory(state.host.kv),
-                        host_access=host_access)
+    return (params, state, tokens.astype(jnp.int32), num_new), dict(
+        config=config, dense=dense, schedule=schedule, history_pages=int(history_pages),
+        poison=poison, on_host=in_host_memory(state.host.kv), host_access=host_access,
+        query_block=None if query_block is None else int(query_block))
 
 
 # Handoff to the offloaded decode path ----------------------------------------------------------
@@ -448,6 +523,7 @@ __all__ = [
     "history_pages_for",
     "layer_bytes",
     "load_history",
+    "lower_prefill",
     "prefill",
     "to_decode_state",
     "write_back_rows",

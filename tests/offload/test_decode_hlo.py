@@ -101,8 +101,6 @@ def test_pallas_decode_step_updates_its_state_in_place(policy):
         hlo_checks.assert_no_sort_over(compiled, HOT, what="C")
 
 
-@pytest.mark.xfail(strict=True, reason="prefill cond copies the buffers: fixed in the prefill "
-                   "restructuring")
 def test_prefill_updates_buffers_and_host_pages_in_place():
     # L = 4 layers (host pages bf16[4,3,24,4,40]) through n = 3 layer buffers
     # (bf16[3,3,96,40]), a chunk of 8 tokens after 8 of history: the program `prefill` runs.
