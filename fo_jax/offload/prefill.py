@@ -76,6 +76,7 @@ from fo_jax.offload.pipeline_model import (
 from fo_jax.offload.state import (
     DecodeState,
     HostPages,
+    committed,
     host_sharding,
     initial_layout,
     to_memory_kind,
@@ -511,9 +512,9 @@ def to_decode_state(state: PrefillState, *, config: ModelConfig, offload: Offloa
     hot = _gather_hot(host, jnp.asarray(row_tok), jnp.asarray(fill, jnp.float32),
                       chunk=offload.miss_chunk, on_host=in_host_memory(host),
                       access=offload.host_access)
-    return DecodeState(host=HostPages(kv=host), hot=hot, index_keys=index_keys, slots=slots,
-                       policy=policy, lengths=jnp.asarray(lengths_np),
-                       step=jnp.asarray(1, jnp.int32))
+    return committed(DecodeState(host=HostPages(kv=host), hot=hot, index_keys=index_keys,
+                                 slots=slots, policy=policy, lengths=jnp.asarray(lengths_np),
+                                 step=jnp.asarray(1, jnp.int32)))
 
 
 __all__ = [

@@ -40,6 +40,17 @@ def to_memory_kind(x: jax.Array, kind: str) -> jax.Array:
     return jax.device_put(x, host_sharding(kind))
 
 
+def committed(tree):
+    """`tree` with every uncommitted leaf committed to the default device.
+
+    A jitted step returns committed arrays; a state built from uncommitted ones (plain
+    `jnp` results) would hit another entry of the step's jit cache, so the second step would
+    compile the whole program again. Moves nothing: the leaves are already on that device.
+    """
+    device = jax.devices()[0]
+    return jax.tree.map(lambda x: x if x.committed else jax.device_put(x, device), tree)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class HostPages:
@@ -182,8 +193,9 @@ class DecodeState:
         gathered = kv[:, jnp.arange(batch)[:, None], jnp.asarray(np.maximum(row_tok, 0))]
         hot = jnp.where(jnp.asarray(row_tok >= 0)[None, :, :, None], gathered,
                         jnp.asarray(fill, kv.dtype))
-        return cls(host=host, hot=hot, index_keys=index_keys, slots=slots, policy=policy,
-                   lengths=jnp.asarray(lengths_np), step=jnp.asarray(1, jnp.int32))
+        return committed(cls(host=host, hot=hot, index_keys=index_keys, slots=slots,
+                             policy=policy, lengths=jnp.asarray(lengths_np),
+                             step=jnp.asarray(1, jnp.int32)))
 
     @classmethod
     def create(cls, config: ModelConfig, offload: OffloadConfig, *, batch: int,

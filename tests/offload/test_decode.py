@@ -131,6 +131,17 @@ def test_one_trace_across_steps():
     assert int(dec.lengths[0]) == 26
 
 
+def test_handed_over_state_is_placed_like_a_step_output():
+    # A step's outputs are committed arrays; a state built from uncommitted ones hit another
+    # entry of the jit cache, so the second step compiled the whole program again.
+    config, offload, params, res, dec, rng = _setup(
+        batch=1, ways=1, k=4, hot=8, page=4, lengths=[20], policy="ring", shared=True, steps=1)
+    before = [(x.committed, x.sharding) for x in jax.tree.leaves(dec)]
+    _, after, _ = offload_decode.decode_step(params, dec, np.zeros((1, 1), np.int32),
+                                             config=config, offload=offload)
+    assert before == [(x.committed, x.sharding) for x in jax.tree.leaves(after)]
+
+
 @pytest.mark.parametrize("change,message", [
     (dict(hot_slots=15, page_size=5, capacity=255), r"hot_slots=15 < index_topk \* max_ways = 16 \* 1 = 16"),
     (dict(page_size=32, hot_slots=16), r"tail block of page_size=32 tokens is larger than"),

@@ -387,6 +387,8 @@ def test_handoff_to_decode_state_and_decode_steps():
                                      offload=offload, fill=NAN)
     chex.assert_trees_all_equal(jax.device_get(handed), jax.device_get(want))
     assert handed.host.kv.sharding.memory_kind == "pinned_host"
+    # Committed like a step's outputs (else the second step compiles the program again).
+    assert all(x.committed for x in jax.tree.leaves(handed))
 
     misses = 0
     for step in range(3):
