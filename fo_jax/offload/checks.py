@@ -50,6 +50,7 @@ from jax.experimental import checkify
 
 from fo_jax.config import ModelConfig
 from fo_jax.offload.config import OffloadConfig
+from fo_jax.offload.host import host_rows_at
 from fo_jax.offload.state import DecodeState
 
 # Policies that take empty slots before evicting: occupancy grows by exactly the misses.
@@ -145,20 +146,6 @@ def _check_occupancy(state: DecodeState, offload: OffloadConfig, before, union) 
            g=g2, b=b2, before=before, after=after, union=union, want=most)
 
 
-def _host_rows(host_kv, layer, batch_idx, tokens, on_host: bool):
-    """host_kv[layer, b, t // Z, t % Z] for index arrays of one shape: [..., D + R] device rows.
-
-    A gather on host memory with host-side indices, then a move of just those rows to the
-    device (debug reads; the decode step's own host reads are its miss loop).
-    """
-    z = host_kv.shape[3]
-    idx = (layer, batch_idx, tokens // z, tokens % z)
-    if on_host:
-        idx = jax.device_put(idx, jax.memory.Space.Host)
-    rows = host_kv[idx]
-    return jax.device_put(rows, jax.memory.Space.Device) if on_host else rows
-
-
 def _bits(x):
     return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
 
@@ -203,7 +190,7 @@ def _check_selection(state: DecodeState, config: ModelConfig, offload: OffloadCo
            "non-finite value (rows below {c} are hot slots, then the tail blocks)",
            l=layers, g=g_l, b=b_l, s=row, t=tok_l, c=jnp.asarray(c))
     on_host = offload.host_memory_kind != "device"
-    want = _host_rows(state.host.kv, jnp.broadcast_to(layers, tok_l.shape),
+    want = host_rows_at(state.host.kv, jnp.broadcast_to(layers, tok_l.shape),
                       jnp.broadcast_to(b_l, tok_l.shape), tok_l, on_host)
     same = jnp.all(_bits(got) == _bits(want), axis=-1)
     _check(read & ~same,

@@ -277,3 +277,16 @@ __all__ = [
     "to_host",
     "write_back_rows",
 ]
+
+
+def host_rows_at(host_kv, layer, batch_idx, tokens, on_host: bool):
+    """host_kv[layer, b, t // Z, t % Z] for index arrays of one shape: [..., D + R] device rows.
+
+    For the debug checks (fo_jax.offload.checks), which compare device rows with their host
+    rows: one gather on host memory with host-side indices, then a move of just those rows to
+    the device. Deliberately not the decode step's own miss loop, so a bug there cannot cancel
+    itself out. Touches as many rows as there are indices.
+    """
+    z = host_kv.shape[3]
+    idx = to_host((layer, batch_idx, tokens // z, tokens % z), on_host)
+    return to_device(host_kv[idx], on_host)
