@@ -37,12 +37,13 @@ def _params(ways):
 
 
 @functools.cache
-def _compiled_decode(policy, ways, hot=HOT, capacity=CAPACITY):
+def _compiled_decode(policy, ways, hot=HOT, capacity=CAPACITY, batch=BATCH, access="gather"):
     """(compiled decode step as `decode_step` runs it, its state, config, offload)."""
     config = _config(ways)
-    offload = OffloadConfig(hot_slots=hot, page_size=PAGE, capacity=capacity, policy=policy)
-    state = DecodeState.create(config, offload, batch=BATCH)
-    tokens = np.zeros((BATCH, ways), np.int32)
+    offload = OffloadConfig(hot_slots=hot, page_size=PAGE, capacity=capacity, policy=policy,
+                            host_access=access)
+    state = DecodeState.create(config, offload, batch=batch)
+    tokens = np.zeros((batch, ways), np.int32)
     compiled = hlo_checks.compile_call(offload_decode, "_decode_jit", offload_decode.decode_step,
                                        _params(ways), state, tokens, config=config,
                                        offload=offload,
@@ -63,6 +64,16 @@ def test_decode_step_updates_its_state_in_place(policy, ways):
         assert len(hlo_checks.sorts_over(compiled, HOT)) == _config(ways).num_groups
     else:
         hlo_checks.assert_no_sort_over(compiled, HOT, what="C")
+
+
+@pytest.mark.parametrize("batch,access", [(1, "gather"), (BATCH, "slices")])
+def test_decode_step_in_place_at_batch_1_and_under_slices(batch, access):
+    # Batch 1 (what `fo-jax generate` runs) once made the write-through scatter copy the whole
+    # host pages twice per step; the "slices" host access must keep every update in place too.
+    compiled, state, _, _ = _compiled_decode("ring", 1, batch=batch, access=access)
+    hlo_checks.assert_no_state_copies(compiled, state, ignore=COUNTERS)
+    hlo_checks.assert_donation_aliased(compiled, state, ignore=COUNTERS)
+    hlo_checks.assert_no_sort_over(compiled, HOT, what="C")
 
 
 def test_decode_temporaries_do_not_grow_with_c_or_s():
