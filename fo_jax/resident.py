@@ -166,8 +166,8 @@ def prefill(params, state: ResidentState, tokens, num_new=None, *, config: Model
       tokens: [B, T] int token ids (row b's first num_new[b] entries are real, the rest padding).
       num_new: [B] ints, default T for every request.
       dense: attend to the whole causal prefix (the dense model) instead of the top-k.
-      check: validate token ids and capacity against concrete values (a device-to-host read of
-        `state.lengths`); shapes are always validated.
+      check: validate device token ids, counts and capacity against concrete values (a
+        device-to-host read of `state.lengths`); shapes are always validated.
     Token ids given on the host (lists, numpy) are always range-checked, in numpy, before any
     cast. Under an outer `jax.jit` / `lax.scan` the value checks of traced inputs are skipped;
     whatever the inputs, nothing is written past capacity (tokens beyond it are dropped).

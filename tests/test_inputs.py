@@ -36,10 +36,14 @@ def _params():
     return init_params(CONFIG, jax.random.key(0))
 
 
+# Every test runs the same few shapes (prompts [2, 22], capacity 24, steps of W = 2), so that
+# the programs compile once for the file.
+
+
 def _resident(lengths=(10, 7), capacity=24):
     params = _params()
     state = resident.ResidentState.create(CONFIG, batch=len(lengths), capacity=capacity)
-    prompt = np.random.default_rng(0).integers(0, 256, (len(lengths), max(lengths)), np.int32)
+    prompt = np.random.default_rng(0).integers(0, 256, (len(lengths), 22), np.int32)
     _, state = resident.prefill(params, state, prompt, np.asarray(lengths), config=CONFIG)
     return params, state
 
@@ -96,20 +100,20 @@ DONATED = r"was donated to an earlier call .* use the state that call returned"
 
 def test_a_donated_state_used_again_is_named():
     params, res = _resident()
-    tokens = np.zeros((2, 1), np.int32)
+    tokens = np.zeros((2, 2), np.int32)
     _, new = resident.decode_step(params, res, tokens, config=CONFIG)
     with pytest.raises(ValueError, match=r"decode_step: the state " + DONATED):
         resident.decode_step(params, res, tokens, config=CONFIG)
     with pytest.raises(ValueError, match=r"prefill: the state " + DONATED):
-        resident.prefill(params, res, tokens, config=CONFIG)
+        resident.prefill(params, res, np.zeros((2, 22), np.int32), config=CONFIG)
     params, dec = _offloaded()
     _, new, _ = offload_decode.decode_step(params, dec, tokens, config=CONFIG, offload=OFFLOAD)
     with pytest.raises(ValueError, match=r"decode_step: the state " + DONATED):
         offload_decode.decode_step(params, dec, tokens, config=CONFIG, offload=OFFLOAD)
     state = _prefill_state()
-    _, new = offload_prefill.prefill(params, state, tokens, config=CONFIG)
+    _, new = offload_prefill.prefill(params, state, np.zeros((2, 22), np.int32), config=CONFIG)
     with pytest.raises(ValueError, match=r"prefill: the state " + DONATED):
-        offload_prefill.prefill(params, state, tokens, config=CONFIG)
+        offload_prefill.prefill(params, state, np.zeros((2, 22), np.int32), config=CONFIG)
     with pytest.raises(ValueError, match=r"to_decode_state: the state " + DONATED):
         offload_prefill.to_decode_state(state, config=CONFIG, offload=OFFLOAD)
 
@@ -118,51 +122,49 @@ def test_a_donated_state_used_again_is_named():
 
 
 def test_unchecked_offloaded_steps_never_pass_capacity():
-    small = OffloadConfig(hot_slots=8, page_size=4, capacity=12)
-    params, dec = _offloaded(lengths=(10, 7), offload=small)
+    params, dec = _offloaded(lengths=(22, 19))
     host_before = np.asarray(dec.host.kv)
     tokens = np.full((2, 2), 9, np.int32)
-    for _ in range(3):  # request 0 fills at 12, then asks for 14 and 16
+    for _ in range(3):  # request 0 fills at 24, then asks for 26 and 28
         _, dec, stats = offload_decode.decode_step(params, dec, tokens, config=CONFIG,
-                                                   offload=small, check=False)
-        np.testing.assert_array_equal(np.asarray(dec.lengths) <= 12, True)
-        check_invariants(dec, config=CONFIG, offload=small)
-    np.testing.assert_array_equal(dec.lengths, [12, 12])
-    # Request 0's stored rows [0, 10) are what they were; only 10 and 11 were added.
-    np.testing.assert_array_equal(np.asarray(dec.host.kv)[:, 0, :2],
-                                  host_before[:, 0, :2])
+                                                   offload=OFFLOAD, check=False)
+        np.testing.assert_array_equal(np.asarray(dec.lengths) <= 24, True)
+        check_invariants(dec, config=CONFIG, offload=OFFLOAD, selected=stats.selected)
+    np.testing.assert_array_equal(dec.lengths, [24, 24])
+    # Request 0's stored rows [0, 22) are what they were; only 22 and 23 were added.
+    np.testing.assert_array_equal(np.asarray(dec.host.kv)[:, 0, :5],
+                                  host_before[:, 0, :5])
 
 
 def test_unchecked_resident_calls_never_pass_capacity():
-    params, res = _resident(lengths=(10, 7), capacity=12)
+    params, res = _resident(lengths=(22, 19))
     tokens = np.zeros((2, 2), np.int32)
     for _ in range(3):
         _, res = resident.decode_step(params, res, tokens, config=CONFIG, check=False)
-    np.testing.assert_array_equal(res.lengths, [12, 12])
-    _, res = resident.prefill(params, res, np.zeros((2, 4), np.int32), config=CONFIG,
+    np.testing.assert_array_equal(res.lengths, [24, 24])
+    _, res = resident.prefill(params, res, np.zeros((2, 22), np.int32), config=CONFIG,
                               check=False)
-    np.testing.assert_array_equal(res.lengths, [12, 12])
-    state = _prefill_state(capacity=8)
-    _, state = offload_prefill.prefill(_params(), state, np.zeros((2, 6), np.int32),
-                                       np.array([6, 9]), config=CONFIG, check=False)
-    np.testing.assert_array_equal(state.lengths, [6, 6])  # at most the chunk width
-    _, state = offload_prefill.prefill(_params(), state, np.zeros((2, 6), np.int32),
+    np.testing.assert_array_equal(res.lengths, [24, 24])
+    state = _prefill_state()
+    _, state = offload_prefill.prefill(params, state, np.zeros((2, 22), np.int32),
+                                       np.array([22, 30]), config=CONFIG, check=False)
+    np.testing.assert_array_equal(state.lengths, [22, 22])  # at most the chunk width
+    _, state = offload_prefill.prefill(params, state, np.zeros((2, 22), np.int32),
                                        config=CONFIG, check=False)
-    np.testing.assert_array_equal(state.lengths, [8, 8])
+    np.testing.assert_array_equal(state.lengths, [24, 24])
 
 
 @pytest.mark.parametrize("kind", ["resident", "offload"])
 def test_engine_refuses_a_step_past_capacity(kind):
     params = _params()
-    engine = (gen.ResidentEngine(params, CONFIG, batch=1, capacity=8) if kind == "resident"
-              else gen.OffloadEngine(params, CONFIG, batch=1, offload=OffloadConfig(
-                  hot_slots=8, page_size=4, capacity=8)))
-    engine.prefill(np.zeros((1, 6), np.int32), np.array([6]))
-    engine.step(np.zeros((1, 2), np.int32))
+    engine = (gen.ResidentEngine(params, CONFIG, batch=2, capacity=24) if kind == "resident"
+              else gen.OffloadEngine(params, CONFIG, batch=2, offload=OFFLOAD))
+    engine.prefill(np.zeros((2, 22), np.int32), np.array([21, 22]))
+    engine.step(np.zeros((2, 2), np.int32))
     before = _host(engine.state)
-    with pytest.raises(ValueError, match=r"request 0 holds 8 tokens; a step of 1 more needs "
-                                         r"9 positions, beyond the engine's capacity of 8"):
-        engine.step(np.zeros((1, 1), np.int32))
+    with pytest.raises(ValueError, match=r"request 1 holds 24 tokens; a step of 2 more needs "
+                                         r"26 positions, beyond the engine's capacity of 24"):
+        engine.step(np.zeros((2, 2), np.int32))
     chex.assert_trees_all_equal(_host(engine.state), before)
 
 
@@ -231,8 +233,8 @@ def test_resident_decode_and_prefills_compose_under_jit():
     chex.assert_trees_all_equal(np.asarray(logits), np.stack(want))
     chex.assert_trees_all_equal(_host(state), want_state)
 
-    prompt = jnp.asarray(np.random.default_rng(2).integers(0, 256, (2, 5), np.int32))
-    num_new = jnp.array([5, 3], jnp.int32)
+    prompt = jnp.asarray(np.random.default_rng(2).integers(0, 256, (2, 22), np.int32))
+    num_new = jnp.array([22, 15], jnp.int32)
     want, want_res = resident.prefill(params, resident.ResidentState.create(
         CONFIG, batch=2, capacity=24), prompt, num_new, config=CONFIG)
     got, got_res = jax.jit(lambda s, t, n: resident.prefill(params, s, t, n, config=CONFIG))(
@@ -271,9 +273,9 @@ def test_bad_sampling_settings_are_refused(kwargs, message):
 
 
 def test_offload_engine_summary_after_prefill_only():
-    engine = gen.OffloadEngine(_params(), CONFIG, batch=1, offload=OFFLOAD)
-    result = gen.generate(engine, [[1, 2, 3]], max_new_tokens=1)
-    assert result.tokens.shape == (1, 1)
+    engine = gen.OffloadEngine(_params(), CONFIG, batch=2, offload=OFFLOAD)
+    result = gen.generate(engine, [[1, 2, 3], list(range(22))], max_new_tokens=1)
+    assert result.tokens.shape == (2, 1)
     assert result.extra["decode_steps"] == 0
     assert result.extra["hit_rate"] is None and result.extra["misses"] == 0
 
@@ -340,25 +342,25 @@ def _plant_bad_map(state):
     _Planted("map", r"decode step 1: invariant violated: group 0 request 0: slot \[6\]"),
 ])
 def test_engine_check_mode_finds_a_bad_state(planted):
-    engine = gen.OffloadEngine(_params(), CONFIG, batch=1, offload=OFFLOAD, check=True)
-    engine.prefill(np.arange(1, 13, dtype=np.int32)[None], np.array([12]))
+    engine = gen.OffloadEngine(_params(), CONFIG, batch=2, offload=OFFLOAD, check=True)
+    engine.prefill(np.arange(1, 45, dtype=np.int32).reshape(2, 22), np.array([12, 22]))
     plant = _plant_nan_host if planted.what == "nan" else _plant_bad_map
     engine.state = plant(engine.state)
     with pytest.raises(gen.StateCheckError, match=planted.message):
-        engine.step(np.zeros((1, 1), np.int32))
+        engine.step(np.zeros((2, 2), np.int32))
 
 
 def test_resident_engine_check_mode_finds_nan():
-    engine = gen.ResidentEngine(_params(), CONFIG, batch=1, capacity=16, check=True)
-    engine.prefill(np.arange(1, 9, dtype=np.int32)[None], np.array([8]))
-    engine.step(np.zeros((1, 1), np.int32))  # a clean state passes
+    engine = gen.ResidentEngine(_params(), CONFIG, batch=2, capacity=24, check=True)
+    engine.prefill(np.arange(1, 45, dtype=np.int32).reshape(2, 22), np.array([8, 8]))
+    engine.step(np.zeros((2, 2), np.int32))  # a clean state passes
     engine.state = dataclasses.replace(engine.state,
-                                       index_keys=engine.state.index_keys.at[1, 0, 3].set(
+                                       index_keys=engine.state.index_keys.at[1, 1, 3].set(
                                            jnp.inf))
-    with pytest.raises(gen.StateCheckError, match=r"decode step 2: request 0: the indexer keys "
+    with pytest.raises(gen.StateCheckError, match=r"decode step 2: request 1: the indexer keys "
                                                   r"of group 1 hold a non-finite value at "
                                                   r"token 3"):
-        engine.step(np.zeros((1, 1), np.int32))
+        engine.step(np.zeros((2, 2), np.int32))
 
 
 # Parameter memory ------------------------------------------------------------------------------
@@ -378,7 +380,7 @@ def test_param_bytes_counts_every_parameter():
 
 
 def test_generate_offload_one_new_token(capsys):
-    code = main(["generate", "--offload", "--max-new-tokens", "1", "--prompt", "abc",
+    code = main(["generate", "--offload", "--max-new-tokens", "1", "--prompt", "abcde" * 6,
                  "--no-progress"])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -432,7 +434,7 @@ def test_generate_check_mode_reports_a_bad_state(capsys, monkeypatch):
 
     monkeypatch.setattr(gen.OffloadEngine, "prefill", planted)
     code = main(["generate", "--offload", "--check", "--max-new-tokens", "3", "--prompt",
-                 "abcdefgh" * 4, "--no-progress"])
+                 "abcde" * 6, "--no-progress"])
     out = capsys.readouterr().out
     assert code == 1
     assert "CHECK FAILED: decode step 1: invariant violated: group 0 request 0" in out

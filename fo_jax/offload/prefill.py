@@ -381,7 +381,7 @@ def history_pages_for(lengths, page_size: int, num_pages: int) -> int:
 
 
 def prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelConfig,
-            num_buffers: int = 4, distance: int | None = None, onload_layer_map=None,
+            num_buffers: int | None = None, distance: int | None = None, onload_layer_map=None,
             dense: bool = False, history_pages: int | None = None, poison: bool = False,
             check: bool = True):
     """Append a chunk of T tokens per request with offloaded KV; (logits [B, T, V], new state).
@@ -391,7 +391,7 @@ def prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelC
       tokens: [B, T] int token ids (row b's first num_new[b] entries are real, the rest padding;
         logits of padding entries are unspecified).
       num_new: [B] ints, default T for every request.
-      num_buffers: n device layer buffers, 1 <= n <= L.
+      num_buffers: n device layer buffers in [min(2, L), L]; default min(4, L).
       distance, onload_layer_map: the prefetch schedule (see `PrefillSchedule.create`); default
         distance 1.
       dense: attend to the whole causal prefix (the dense model) instead of the top-k.
@@ -407,6 +407,8 @@ def prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelC
     Raises:
       ValueError: bad shapes, token ids, capacity or schedule, before anything runs.
     """
+    if num_buffers is None:
+        num_buffers = min(4, config.num_layers)
     schedule = PrefillSchedule.create(config.num_layers, num_buffers, distance=distance,
                                       onload_layer_map=onload_layer_map)
     check_live(state, "prefill")
