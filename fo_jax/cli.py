@@ -49,11 +49,17 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--offload", action="store_true",
                      help="decode with the KV in host memory (FlashOffloading)")
     gen.add_argument("--hot-slots", type=int, default=None,
-                     help="hot-cache slots per layer (default: top-k x max ways)")
+                     help="with --offload: hot-cache slots per layer (default: top-k x max ways)")
     gen.add_argument("--page-size", type=int, default=16, help="host page / tail block tokens")
-    gen.add_argument("--policy", default="ring", help="eviction policy: ring, lru or random")
+    gen.add_argument("--policy", default=None,
+                     help="with --offload: eviction policy ring (default), lru or random")
     gen.add_argument("--check", action="store_true",
-                     help="run the resident model side by side; exit 1 on any difference")
+                     help="with --offload: run the resident model side by side, and check "
+                          "finiteness and the offload invariants after every step; exit 1 on "
+                          "any difference or violation")
+    gen.add_argument("--max-param-gb", type=float, default=None,
+                     help="refuse a model whose parameters exceed this many GB (default: half "
+                          "of the available memory)")
     gen.add_argument("--implementation", default=None, choices=("xla", "pallas"),
                      help="decode kernels (default: pallas on TPU, xla elsewhere)")
     gen.add_argument("--interpret", action="store_true",
@@ -89,14 +95,49 @@ def _cmd_plan(args) -> int:
     return 0
 
 
+def _available_bytes() -> float | None:
+    """Host memory available now (Linux /proc/meminfo MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_param_memory(config, max_param_gb: float | None) -> None:
+    """Refuse a model whose parameters would not fit, before any is allocated."""
+    from fo_jax.model.dsa import param_bytes
+
+    need = param_bytes(config)
+    if max_param_gb is not None:
+        if not max_param_gb > 0:
+            raise ValueError(f"--max-param-gb must be > 0, got {max_param_gb}")
+        limit, what = max_param_gb * 1e9, f"--max-param-gb={max_param_gb}"
+    else:
+        available = _available_bytes()
+        if available is None:
+            return
+        limit = available / 2
+        what = f"half of the available memory ({_fmt_bytes(limit)}; --max-param-gb to change)"
+    if need > limit:
+        raise ValueError(
+            f"the parameters of {config.name!r} take {_fmt_bytes(need)} ({config.dtype}), above "
+            f"{what}: `fo-jax generate` runs models that fit this machine (--model tiny or "
+            f"small); to size a deployment run `fo-jax plan --model {config.name} --context N`")
+
+
 def _cmd_generate(args) -> int:
     import jax
     import numpy as np
 
     from fo_jax import generate as gen
     from fo_jax.config import get_config
-    from fo_jax.model.dsa import init_params
-    from fo_jax.offload.config import OffloadConfig
+    from fo_jax.kernels import resolve_implementation
+    from fo_jax.model import dsa
+    from fo_jax.offload.config import OffloadConfig, check_hot_slots, min_hot_slots
     from fo_jax.resident import ResidentState
     from fo_jax.weights import load_params
 
@@ -107,8 +148,22 @@ def _cmd_generate(args) -> int:
     for flag in ("batch", "page_size", "max_new_tokens"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.hot_slots is not None and args.hot_slots < 1:
-        raise ValueError(f"--hot-slots must be >= 1, got {args.hot_slots}")
+    gen.check_sampling(args.temperature, args.top_p)
+    if not args.offload:
+        for flag in ("policy", "hot_slots", "check"):
+            if getattr(args, flag) not in (None, False):
+                name = "--" + flag.replace("_", "-")
+                raise ValueError(
+                    f"{name} applies to the offloaded path only: add --offload"
+                    + (" (--check compares the offloaded path with the resident one)"
+                       if flag == "check" else ""))
+    policy = "ring" if args.policy is None else args.policy
+    if args.hot_slots is not None:
+        if args.hot_slots < 1:
+            raise ValueError(f"--hot-slots must be >= 1, got {args.hot_slots}")
+        check_hot_slots(args.hot_slots, config)  # before the page size is compared with it
+    resolve_implementation(args.implementation, args.interpret)  # before anything runs
+    _check_param_memory(config, args.max_param_gb)
     prompt = encode(args.prompt)
     prompts = [prompt] * args.batch
     need = len(prompt) + args.max_new_tokens - 1
@@ -118,20 +173,20 @@ def _cmd_generate(args) -> int:
         raise ValueError(f"prompt ({len(prompt)} tokens) + --max-new-tokens needs {capacity} "
                          f"positions in pages of {page}, beyond max_seq_len="
                          f"{config.max_seq_len} of {config.name!r}: shorten the prompt")
-    params = (load_params(args.weights, config) if args.weights
-              else init_params(config, jax.random.key(args.seed)))
+    offload = None
     if args.offload:
-        hot = (config.index_topk * config.max_ways if args.hot_slots is None
-               else args.hot_slots)
+        hot = min_hot_slots(config) if args.hot_slots is None else args.hot_slots
         offload = OffloadConfig(hot_slots=hot, page_size=page, capacity=capacity,
-                                policy=args.policy,
+                                policy=policy,
                                 host_memory_kind="device" if args.interpret else "pinned_host")
+        offload.validate_for(config)
+    params = (load_params(args.weights, config) if args.weights
+              else dsa.init_params(config, jax.random.key(args.seed)))
+    if args.offload:
         engine = gen.OffloadEngine(params, config, offload=offload, batch=args.batch,
-                                   implementation=args.implementation, interpret=args.interpret)
+                                   implementation=args.implementation, interpret=args.interpret,
+                                   check=args.check)
     else:
-        if args.check:
-            raise ValueError("--check compares the offloaded path with the resident one: "
-                             "add --offload")
         engine = gen.ResidentEngine(params, config, batch=args.batch, capacity=capacity,
                                     implementation=args.implementation, interpret=args.interpret)
 
@@ -139,7 +194,7 @@ def _cmd_generate(args) -> int:
     if args.check:
         reference = gen.ResidentEngine(params, config, batch=args.batch, capacity=capacity,
                                        implementation=args.implementation,
-                                       interpret=args.interpret)
+                                       interpret=args.interpret, check=True)
         mismatch = []
 
         def on_step(step, fed, logits):
@@ -155,9 +210,13 @@ def _cmd_generate(args) -> int:
         reference.prefill(tokens, lengths)
 
     key = jax.random.key(args.seed)
-    result = gen.generate(engine, prompts, max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, top_p=args.top_p, key=key,
-                          on_step=on_step, progress=not args.no_progress)
+    try:
+        result = gen.generate(engine, prompts, max_new_tokens=args.max_new_tokens,
+                              temperature=args.temperature, top_p=args.top_p, key=key,
+                              on_step=on_step, progress=not args.no_progress)
+    except gen.StateCheckError as err:
+        print(f"CHECK FAILED: {err}")
+        return 1
     for b in range(args.batch):
         print(f"--- request {b} ---")
         print(printable(args.prompt + decode(result.tokens[b])))
@@ -173,8 +232,9 @@ def _cmd_generate(args) -> int:
              f"{result.device_kv_bytes / resident_bytes:.2f}x)" if args.offload else ""))
     if args.offload:
         extra = result.extra
-        print(f"hot cache: {engine.offload.hot_slots} slots/layer, policy {args.policy}; "
-              f"hit rate {extra['hit_rate']:.3f}, misses {extra['misses']}")
+        rate = ("no decode step ran (--max-new-tokens 1)" if extra["hit_rate"] is None
+                else f"hit rate {extra['hit_rate']:.3f}, misses {extra['misses']}")
+        print(f"hot cache: {engine.offload.hot_slots} slots/layer, policy {policy}; {rate}")
         print(f"bytes moved per token: H2D {_fmt_bytes(extra['h2d_bytes_per_token'])}, "
               f"D2H {_fmt_bytes(extra['d2h_bytes_per_token'])}; "
               f"host KV {_fmt_bytes(extra['host_kv_bytes'])}")

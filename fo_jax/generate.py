@@ -9,13 +9,18 @@ An engine prefills a ragged batch of prompts (in chunks of `prefill_chunk` token
 `PREFILL_CHUNK`: a long prompt never runs as one program) and then takes decode steps of one
 token per request; `generate` samples (greedy at temperature 0, else temperature + top-p with a
 PRNG key).
-Offload statistics are summed on the device step by step (no host sync per step).
+Offload statistics are summed on the device step by step (no host sync per step). Engines keep
+each request's length on the host and refuse a step past capacity before it runs; with
+`check=True` (debug; `fo-jax generate --check`) they read the whole state back after the
+prefill and every step and raise `StateCheckError` on a non-finite value or a broken invariant.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import numbers
 import time
 from typing import Callable
 
@@ -27,8 +32,29 @@ from fo_jax import resident
 from fo_jax.config import ModelConfig, sequence_capacity_check
 from fo_jax.offload import decode as offload_decode
 from fo_jax.offload import prefill as offload_prefill
-from fo_jax.offload.config import OffloadConfig
+from fo_jax.kernels import resolve_implementation
+from fo_jax.offload.config import OffloadConfig, check_num_buffers
+from fo_jax.offload.invariants import check_invariants
 from fo_jax.offload.state import DecodeState
+
+
+class StateCheckError(RuntimeError):
+    """The debug checks of an engine (`check=True`) found a bad state after a prefill or step:
+    a non-finite value in stored rows or logits, or a broken invariant of the offloaded state.
+    The engine keeps the state as it was found, for inspection."""
+
+
+def check_sampling(temperature, top_p) -> None:
+    """Raise unless temperature is a finite number >= 0 and top_p a number in (0, 1]."""
+    def real(x):
+        return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+    if not real(temperature) or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 "
+                         "(0 = greedy, else the softmax temperature)")
+    if not real(top_p) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p!r} must be a number in (0, 1] (the probability mass "
+                         "nucleus sampling keeps; 1 = all tokens)")
 
 
 # Prompt tokens per prefill call of the engines: bounds what grows with the chunk (the logits
@@ -67,13 +93,19 @@ def chunked_prefill(run, tokens: np.ndarray, lengths, chunk: int | None) -> jax.
     return last
 
 
-@functools.partial(jax.jit, static_argnames=("temperature", "top_p"))
 def sample(logits, key, *, temperature: float, top_p: float):
     """Next tokens [B] from logits [B, V]: argmax at temperature 0, else nucleus sampling.
 
     Top-p keeps the smallest set of most likely tokens whose probability reaches `top_p`
-    (always at least the most likely one).
+    (always at least the most likely one). A NaN / infinite / negative temperature or a top_p
+    outside (0, 1] is refused (`check_sampling`).
     """
+    check_sampling(temperature, top_p)
+    return _sample(logits, key, temperature=float(temperature), top_p=float(top_p))
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_p"))
+def _sample(logits, key, *, temperature: float, top_p: float):
     if temperature == 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits.astype(jnp.float32) / temperature
@@ -87,19 +119,71 @@ def sample(logits, key, *, temperature: float, top_p: float):
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
-class ResidentEngine:
-    """The reference path: whole KV on device."""
+def _first_non_finite(rows, lengths) -> tuple[int, int, int] | None:
+    """(u, b, t) of the first non-finite value of rows [U, B, S, X] on a stored token
+    (t < lengths[b]), or None."""
+    rows = np.asarray(rows).astype(np.float32)
+    stored = np.arange(rows.shape[2])[None, :] < np.asarray(lengths)[:, None]  # [B, S]
+    bad = np.argwhere(~np.all(np.isfinite(rows), axis=-1) & stored[None])
+    return tuple(int(x) for x in bad[0]) if bad.size else None
+
+
+def _check_finite(where: str, lengths, parts, logits) -> None:
+    """Raise StateCheckError on a non-finite stored row of `parts` [(label, verb, rows)] or
+    a non-finite logit [B, ..., V]."""
+    for label, verb, rows in parts:
+        hit = _first_non_finite(rows, lengths)
+        if hit is not None:
+            u, b, t = hit
+            raise StateCheckError(f"{where}: request {b}: the {label} {u} {verb} a non-finite "
+                                  f"value at token {t}")
+    bad = np.argwhere(~np.isfinite(np.asarray(logits).astype(np.float32)))
+    if bad.size:
+        raise StateCheckError(f"{where}: request {int(bad[0][0])}: non-finite logits at "
+                              f"{bad[0].tolist()}")
+
+
+class _Lengths:
+    """Each request's length, known on the host (no device read): steps past capacity are
+    refused before they run."""
+
+    def _start(self, lengths) -> None:
+        self.lengths = np.asarray(lengths).astype(np.int64)
+        self.steps = 0
+
+    def _check_room(self, tokens) -> int:
+        if self.lengths is None:
+            raise ValueError(f"{type(self).__name__}.step before prefill: prefill a batch first")
+        ways = int(np.shape(tokens)[1])
+        need = self.lengths + ways
+        worst = int(np.argmax(need))
+        if need[worst] > self.capacity:
+            raise ValueError(
+                f"request {worst} holds {int(self.lengths[worst])} tokens; a step of {ways} "
+                f"more needs {int(need[worst])} positions, beyond the engine's capacity of "
+                f"{self.capacity}: build the engine with a larger capacity")
+        return ways
+
+
+class ResidentEngine(_Lengths):
+    """The reference path: whole KV on device.
+
+    check: debug mode: after the prefill and every step, read the state back and raise
+      StateCheckError on a non-finite stored KV row, indexer key or logit.
+    """
 
     name = "resident"
 
     def __init__(self, params, config: ModelConfig, *, batch: int, capacity: int,
-                 implementation: str | None = None, interpret=False,
+                 implementation: str | None = None, interpret=False, check: bool = False,
                  prefill_chunk: int | None = PREFILL_CHUNK):
         check_prefill_chunk(prefill_chunk)
         self.params, self.config = params, config
         self.prefill_chunk = prefill_chunk
-        self.implementation, self.interpret = implementation, interpret
+        self.implementation = resolve_implementation(implementation, interpret)
+        self.interpret, self.check = interpret, check
         self.state = resident.ResidentState.create(config, batch=batch, capacity=capacity)
+        self.lengths, self.steps = None, 0
 
     @property
     def capacity(self) -> int:
@@ -118,13 +202,26 @@ class ResidentEngine:
                                                   config=self.config)
             return logits
 
-        return chunked_prefill(run, tokens, lengths, self.prefill_chunk)
+        last = chunked_prefill(run, tokens, lengths, self.prefill_chunk)
+        self._start(lengths)
+        if self.check:
+            self._check_state("prefill", last)
+        return last
 
     def step(self, tokens) -> jax.Array:
+        ways = self._check_room(tokens)
         logits, self.state = resident.decode_step(
             self.params, self.state, tokens, config=self.config, check=False,
             implementation=self.implementation, interpret=self.interpret)
+        self.lengths, self.steps = self.lengths + ways, self.steps + 1
+        if self.check:
+            self._check_state(f"decode step {self.steps}", logits)
         return logits
+
+    def _check_state(self, where: str, logits) -> None:
+        _check_finite(where, self.lengths, [("KV of layer", "holds", self.state.kv),
+                                            ("indexer keys of group", "hold",
+                                             self.state.index_keys)], logits)
 
     def device_kv_bytes(self) -> int:
         return self.state.device_bytes()
@@ -133,25 +230,37 @@ class ResidentEngine:
         return {}
 
 
-class OffloadEngine:
+class OffloadEngine(_Lengths):
     """FlashOffloading end to end: the offloaded prefill (a few layer buffers, KV written back
-    to host pages), the handoff, then offloaded decode steps."""
+    to host pages), the handoff, then offloaded decode steps.
+
+    num_buffers: prefill layer buffers, default min(4, L); the prefill's rule
+      (`check_num_buffers`), checked here.
+    check: debug mode: after the prefill and every step, read the whole state back and raise
+      StateCheckError on a non-finite stored host row, indexer key or logit, or a broken
+      invariant (`fo_jax.offload.invariants.check_invariants`, with the step's selection).
+    Every setting is checked on construction, before anything runs.
+    """
 
     name = "offload"
 
     def __init__(self, params, config: ModelConfig, *, offload: OffloadConfig, batch: int,
-                 implementation: str | None = None, interpret=False, num_buffers: int = 4,
+                 implementation: str | None = None, interpret=False,
+                 num_buffers: int | None = None, check: bool = False,
                  prefill_chunk: int | None = PREFILL_CHUNK):
         offload.validate_for(config)
         check_prefill_chunk(prefill_chunk)
         self.prefill_chunk = prefill_chunk
-        self.num_buffers = num_buffers
+        self.num_buffers = check_num_buffers(
+            min(4, config.num_layers) if num_buffers is None else num_buffers, config.num_layers)
         self.params, self.config, self.offload = params, config, offload
-        self.implementation, self.interpret = implementation, interpret
+        self.implementation = offload_decode.check_implementation(implementation, interpret,
+                                                                  offload)
+        self.interpret, self.check = interpret, check
         self.batch = batch
         self.state: DecodeState | None = None
         self.totals = None
-        self.steps = 0
+        self.lengths, self.steps = None, 0
 
     @property
     def capacity(self) -> int:
@@ -162,24 +271,29 @@ class OffloadEngine:
         state = offload_prefill.PrefillState.create(
             self.config, batch=self.batch, capacity=oc.capacity, page_size=oc.page_size,
             memory_kind=oc.host_memory_kind)
-        num_buffers = min(self.num_buffers, self.config.num_layers)
 
         def run(chunk, num_new):
             nonlocal state
             logits, state = offload_prefill.prefill(self.params, state, chunk, num_new,
-                                                    config=self.config, num_buffers=num_buffers,
+                                                    config=self.config,
+                                                    num_buffers=self.num_buffers,
                                                     host_access=oc.host_access)
             return logits
 
         last = chunked_prefill(run, tokens, lengths, self.prefill_chunk)
         self.state = offload_prefill.to_decode_state(state, config=self.config, offload=oc)
-        self.totals, self.steps = None, 0
+        self.totals = None
+        self._start(lengths)
+        if self.check:
+            self._check_state("prefill", last)
         return last
 
     def step(self, tokens) -> jax.Array:
+        ways = self._check_room(tokens)
         logits, self.state, stats = offload_decode.decode_step(
             self.params, self.state, tokens, config=self.config, offload=self.offload,
             check=False, implementation=self.implementation, interpret=self.interpret)
+        self.lengths = self.lengths + ways
         # float32 sums: int32 byte counters would overflow within a few steps at real sizes.
         counts = {name: getattr(stats, name).astype(jnp.float32).sum()
                   for name in ("hits", "tail_hits", "misses", "union", "h2d_bytes",
@@ -187,24 +301,46 @@ class OffloadEngine:
         self.totals = counts if self.totals is None else jax.tree_util.tree_map(
             jnp.add, self.totals, counts)
         self.steps += 1
+        if self.check:
+            self._check_state(f"decode step {self.steps}", logits, stats.selected)
         return logits
+
+    def _check_state(self, where: str, logits, selected=None) -> None:
+        state = self.state
+        num_l, batch, pages, page, width = state.host.kv.shape
+        host = np.asarray(state.host.kv).reshape(num_l, batch, pages * page, width)
+        _check_finite(where, self.lengths, [("host KV of layer", "holds", host),
+                                            ("indexer keys of group", "hold",
+                                             state.index_keys)], logits)
+        try:
+            check_invariants(state, config=self.config, offload=self.offload, selected=selected)
+        except AssertionError as err:
+            raise StateCheckError(f"{where}: invariant violated: {err}") from None
 
     def device_kv_bytes(self) -> int:
         return self.state.device_bytes()
 
     def summary(self) -> dict:
-        """Hit rate and bytes moved per generated token (one host read, at the end)."""
+        """Hit rate and bytes moved per generated token (one host read, at the end).
+
+        With no decode step yet (a generation of one new token) the hit rate is None and the
+        counts are 0.
+        """
+        host_kv = self.state.host_bytes() if self.state is not None else 0
         if self.totals is None:
-            return {}
+            return {"decode_steps": 0, "hit_rate": None, "misses": 0,
+                    "h2d_bytes_per_token": 0.0, "d2h_bytes_per_token": 0.0,
+                    "host_kv_bytes": host_kv}
         t = {k: float(v) for k, v in jax.device_get(self.totals).items()}
         selected = t["hits"] + t["tail_hits"] + t["misses"]
         tokens = max(self.steps * self.batch, 1)
         return {
+            "decode_steps": self.steps,
             "hit_rate": (t["hits"] + t["tail_hits"]) / max(selected, 1),
             "misses": int(t["misses"]),
             "h2d_bytes_per_token": t["h2d_bytes"] / tokens,
             "d2h_bytes_per_token": t["d2h_bytes"] / tokens,
-            "host_kv_bytes": self.state.host_bytes(),
+            "host_kv_bytes": host_kv,
         }
 
 
@@ -234,11 +370,14 @@ class GenerationResult:
 
 
 def pad_prompts(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Ragged prompts -> (tokens [B, T] padded with 0, lengths [B])."""
+    """Ragged prompts -> (tokens [B, T] int64 padded with 0, lengths [B]).
+
+    int64, so that an id beyond int32 reaches the vocabulary check as it is (never wrapped).
+    """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     lengths = np.asarray([len(p) for p in prompts], np.int32)
-    tokens = np.zeros((len(prompts), int(lengths.max())), np.int32)
+    tokens = np.zeros((len(prompts), int(lengths.max())), np.int64)
     for b, p in enumerate(prompts):
         tokens[b, : len(p)] = p
     return tokens, lengths
@@ -261,8 +400,7 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
     config = engine.config
     if max_new_tokens < 1:
         raise ValueError(f"{max_new_tokens=} must be >= 1")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"{temperature=} must be >= 0 and {top_p=} in (0, 1]")
+    check_sampling(temperature, top_p)
     tokens, lengths = pad_prompts(prompts)
     resident.check_token_values(tokens, config)
     # The last sampled token is returned, never fed back: it needs no position.

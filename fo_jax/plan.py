@@ -27,6 +27,7 @@ import dataclasses
 import math
 
 from fo_jax.config import ModelConfig, sequence_capacity_check
+from fo_jax.offload.config import check_hot_slots, check_num_buffers
 
 GB = 1e9
 KB = 1e3
@@ -136,9 +137,10 @@ def plan_capacity(
       context: S, tokens per request (prompt + generated); at most `config.max_seq_len`.
       budget_gb: device memory left for KV state, in GB (1e9 bytes); 29 GB on a 64 GB decode die
         holding 25.36 GB of GLM-5.2 weights.
-      hot_slots: C, hot-cache slots per layer and request; at least `config.index_topk` (the
-        slots a step attends to must all be resident). The hot cache has a fixed shape, so it is
-        counted at C slots even when `context < C`.
+      hot_slots: C, hot-cache slots per layer and request; at least `config.index_topk *
+        config.max_ways` (every way's selection of a step must be resident at once: the decode
+        step's rule, `fo_jax.offload.config.check_hot_slots`). The hot cache has a fixed shape,
+        so it is counted at C slots even when `context < C`.
       tail_block: Z, tokens per tail block.
       num_buffers: full-layer device buffers of the offloaded prefill (buffer 0 pinned to layer
         0, the others rotate over layers >= 1); in [min(2, L), L].
@@ -159,25 +161,11 @@ def plan_capacity(
         math.isfinite(budget_gb) and budget_gb > 0
     ):
         raise ValueError(f"budget_gb must be a finite number > 0, got {budget_gb!r}")
-    top_k = config.index_topk
-    if isinstance(hot_slots, bool) or not isinstance(hot_slots, int) or hot_slots < top_k:
-        raise ValueError(
-            f"hot_slots={hot_slots!r} must be an int >= the config's index_topk={top_k} "
-            "(every token a step attends to must fit in the hot cache)"
-        )
+    _check_int("hot_slots", hot_slots, 1)
+    check_hot_slots(hot_slots, config)  # the decode step's own rule
     _check_int("tail_block", tail_block, 1)
     num_layers = config.num_layers
-    min_buffers = min(2, num_layers)
-    if (
-        isinstance(num_buffers, bool)
-        or not isinstance(num_buffers, int)
-        or not min_buffers <= num_buffers <= num_layers
-    ):
-        raise ValueError(
-            f"num_buffers={num_buffers!r} must be an int in [{min_buffers}, {num_layers}] "
-            f"(num_layers={num_layers}): buffer 0 is pinned to layer 0 and at least one more "
-            "rotates over the other layers; more buffers than layers is no offload"
-        )
+    num_buffers = check_num_buffers(num_buffers, num_layers)  # the prefill's own rule
     if prefill_chunk is None:
         chunk = context
     else:

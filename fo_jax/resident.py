@@ -152,6 +152,9 @@ class ResidentBackend:
 def _forward_jit(params, state: ResidentState, tokens, num_new, *, config, dense,
                  implementation="xla", interpret=False, query_block=None):
     num_t = tokens.shape[1]
+    # Never past capacity, checked or not: tokens beyond the room left are padding (their KV is
+    # dropped, their logits unspecified) and lengths stop at capacity.
+    num_new = clamp_new(num_new, state.lengths, num_t, state.capacity)
     offsets = jnp.arange(num_t, dtype=jnp.int32)
     positions = state.lengths[:, None] + offsets[None, :]
     write_pos = jnp.where(offsets[None, :] < num_new[:, None], positions, state.capacity)
@@ -171,12 +174,15 @@ def prefill(params, state: ResidentState, tokens, num_new=None, *, config: Model
       tokens: [B, T] int token ids (row b's first num_new[b] entries are real, the rest padding).
       num_new: [B] ints, default T for every request.
       dense: attend to the whole causal prefix (the dense model) instead of the top-k.
-      check: validate token ids and capacity against concrete values (a device-to-host read of
-        `state.lengths`); shapes are always validated.
+      check: validate device token ids, counts and capacity against concrete values (a
+        device-to-host read of `state.lengths`); shapes are always validated.
       query_block: selection and attention run over blocks of this many queries, so their
         temporaries (indexer scores [B, Q, S], gathered rows [B, Q, K, D+R]) are bounded by the
         block, not by T; None: all T at once. Results differ only by float rounding (the
         offloaded prefill with the same query_block is bitwise equal).
+    Token ids given on the host (lists, numpy) are always range-checked, in numpy, before any
+    cast. Under an outer `jax.jit` / `lax.scan` the value checks of traced inputs are skipped;
+    whatever the inputs, nothing is written past capacity (tokens beyond it are dropped).
     The state is donated: use the returned one.
     """
     args, static = _prefill_arguments(params, state, tokens, num_new, config=config,
@@ -197,8 +203,8 @@ def lower_prefill(params, state: ResidentState, tokens, num_new=None, *, config:
 
 def _prefill_arguments(params, state, tokens, num_new, *, config, dense, check, query_block):
     """Validate `prefill`'s arguments: (positional args, static kwargs) of `_forward_jit`."""
-    tokens = jnp.asarray(tokens)
-    num_t = check_token_batch(tokens, state.batch)
+    check_live(state, "prefill")
+    tokens, num_t = prepare_tokens(tokens, state.batch, config, check=check)
     num_new = (jnp.full((state.batch,), num_t, jnp.int32) if num_new is None
                else jnp.asarray(num_new, jnp.int32))
     if num_new.shape != (state.batch,):
@@ -207,7 +213,7 @@ def _prefill_arguments(params, state, tokens, num_new, *, config, dense, check, 
     check_query_block(query_block)
     if check:
         _check_values(tokens, num_new, state, config)
-    return (params, state, tokens.astype(jnp.int32), num_new), dict(
+    return (params, state, tokens, num_new), dict(
         config=config, dense=dense,
         query_block=None if query_block is None else int(query_block))
 
@@ -221,10 +227,14 @@ def decode_step(params, state: ResidentState, tokens, *, config: ModelConfig,
     appended. Jitted with the state donated; one trace per (B, W).
     implementation: "xla", "pallas" (LIM + CopySFA kernels; `interpret=True` off TPU) or None
     (by backend): see fo_jax.kernels.
+    check: validate token ids (on the device: a device-to-host read) and capacity (a read of
+    `state.lengths`); host token ids are always checked, traced values never (the step composes
+    under `jax.jit`, `lax.scan` and `lax.while_loop`). Unchecked, a request never grows past
+    capacity: tokens beyond it are dropped.
     """
     implementation = resolve_implementation(implementation, interpret)
-    tokens = jnp.asarray(tokens)
-    num_w = check_token_batch(tokens, state.batch)
+    check_live(state, "decode_step")
+    tokens, num_w = prepare_tokens(tokens, state.batch, config, check=check)
     if num_w > config.max_ways:
         raise ValueError(f"decode_step got W={num_w} query tokens per request, but "
                          f"config {config.name!r} allows at most max_ways={config.max_ways}")
@@ -234,7 +244,7 @@ def decode_step(params, state: ResidentState, tokens, *, config: ModelConfig,
     if implementation == "pallas" and dense:
         raise ValueError("dense=True attends to every token: there is no selection for the "
                          "Pallas kernels to run; use implementation='xla'")
-    return _forward_jit(params, state, tokens.astype(jnp.int32), num_new, config=config,
+    return _forward_jit(params, state, tokens, num_new, config=config,
                         dense=dense, implementation=implementation,
                         interpret=interpret_params(interpret))
 
@@ -297,8 +307,50 @@ def check_capacity(lengths, num_new, capacity: int, config, *, what: str = "the 
 
 
 def _check_values(tokens, num_new, state, config) -> None:
-    check_token_values(tokens, config)
+    """Counts and capacity, on concrete values only (tokens: see `prepare_tokens`)."""
+    if not is_concrete(num_new):
+        return
     if np.any(np.asarray(num_new) > tokens.shape[1]):
         raise ValueError(f"num_new={np.asarray(num_new).tolist()} exceeds the chunk width "
                          f"{tokens.shape[1]}")
-    check_capacity(state.lengths, num_new, state.capacity, config)
+    if is_concrete(state.lengths):
+        check_capacity(state.lengths, num_new, state.capacity, config)
+
+
+def is_concrete(x) -> bool:
+    """Whether `x` has values now (not a tracer of an outer jit, scan or while_loop)."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+def prepare_tokens(tokens, batch: int, config, *, check: bool = True) -> tuple[jax.Array, int]:
+    """Validate a [B, T] token batch; return (tokens as int32, T).
+
+    Token ids are range-checked before any cast (a cast to int32 would wrap 2**32 + 5 to 5):
+    ids given on the host (lists, numpy) always, in numpy; device arrays with `check` (a
+    device-to-host read); traced ids never (their values do not exist yet).
+    """
+    if not isinstance(tokens, jax.Array):
+        tokens = np.asarray(tokens)
+    num_t = check_token_batch(tokens, batch)
+    if is_concrete(tokens) and (check or isinstance(tokens, np.ndarray)):
+        check_token_values(tokens, config)
+    if isinstance(tokens, np.ndarray):  # cast in numpy: the values are known to fit int32
+        return jnp.asarray(tokens.astype(np.int32)), num_t
+    return tokens.astype(jnp.int32), num_t
+
+
+def check_live(state, where: str) -> None:
+    """Raise if `state` was donated to an earlier call (its arrays are deleted)."""
+    for leaf in jax.tree_util.tree_leaves(state):
+        if isinstance(leaf, jax.Array) and is_concrete(leaf) and leaf.is_deleted():
+            raise ValueError(
+                f"{where}: the state was donated to an earlier call (its arrays are deleted): "
+                "use the state that call returned, e.g. `logits, state = decode_step(params, "
+                "state, ...)`")
+
+
+def clamp_new(num_new, lengths, num_t: int, capacity: int):
+    """num_new [B] cut to [0, min(T, capacity - lengths)]: inside a compiled step, so that no
+    write goes past capacity and lengths never exceed it, whatever was checked."""
+    room = jnp.maximum(capacity - lengths, 0)
+    return jnp.clip(num_new, 0, jnp.minimum(num_t, room)).astype(jnp.int32)

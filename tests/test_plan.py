@@ -104,7 +104,9 @@ ERRORS = {
     "too_long": (dict(context=2_000_000), r"exceeds max_seq_len=1048576"),
     "zero_budget": (dict(budget_gb=0), r"budget_gb must be a finite number > 0, got 0"),
     "negative_budget": (dict(budget_gb=-1.0), r"budget_gb must be .* > 0, got -1.0"),
-    "few_slots": (dict(hot_slots=1024), r"hot_slots=1024 must be an int >= .*index_topk=2048"),
+    "few_slots": (dict(hot_slots=1024), r"hot_slots=1024 < index_topk \* max_ways = 2048 \* 4"),
+    "decode_refuses": (dict(hot_slots=4096), r"hot_slots=4096 < index_topk \* max_ways = "
+                                             r"2048 \* 4 = 8192: one step's selections"),
     "zero_tail": (dict(tail_block=0), r"tail_block must be an int >= 1, got 0"),
     "one_buffer": (dict(num_buffers=1), r"num_buffers=1 must be an int in \[2, 78\]"),
     "too_many_buffers": (dict(num_buffers=79), r"num_buffers=79 must be an int in \[2, 78\]"),
@@ -123,6 +125,6 @@ def test_errors(glm52, name):
 
 def test_other_presets_plan():
     tiny = get_config("tiny")
-    plan = plan_capacity(tiny, 100, hot_slots=16, num_buffers=2)
+    plan = plan_capacity(tiny, 100, hot_slots=64, num_buffers=2)
     assert plan.bytes_per_token == (4 * 40 + 2 * 16) * 2
     assert "fo-jax plan: tiny" in format_plan(plan)

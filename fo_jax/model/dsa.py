@@ -59,6 +59,20 @@ def param_shapes(config: ModelConfig) -> dict:
     }
 
 
+def param_bytes(config: ModelConfig) -> int:
+    """Bytes of every parameter of `config` (in its `dtype`), from the shapes alone: what
+    `init_params` would allocate, known before allocating anything."""
+    shapes = jax.tree_util.tree_leaves(param_shapes(config),
+                                       is_leaf=lambda x: isinstance(x, tuple))
+    count = 0
+    for shape in shapes:
+        size = 1
+        for n in shape:
+            size *= n
+        count += size
+    return count * config.jnp_dtype.itemsize
+
+
 _ONES = {"norm", "attn_norm", "q_norm", "kv_norm", "ffn_norm", "k_norm_w"}
 _ZEROS = {"k_norm_b"}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 from fo_jax.config import INT32_MAX, ModelConfig
 
@@ -46,9 +47,14 @@ class OffloadConfig:
 
     def __post_init__(self):
         for field in ("hot_slots", "page_size", "capacity", "miss_chunk"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"OffloadConfig.{field} must be a positive int, got {value!r}")
+            value = as_int(getattr(self, field))
+            if value is None or value < 1:
+                raise ValueError(f"OffloadConfig.{field} must be a positive int, got "
+                                 f"{getattr(self, field)!r}")
+            # numpy integers become ints: the config is a static jit argument, hashed and shown.
+            object.__setattr__(self, field, value)
+        if as_int(self.seed) is not None:
+            object.__setattr__(self, "seed", as_int(self.seed))
         if self.policy not in POLICIES:
             raise ValueError(f"unknown eviction policy {self.policy!r}; choose one of {POLICIES}")
         if self.host_memory_kind not in MEMORY_KINDS:
@@ -58,7 +64,9 @@ class OffloadConfig:
             raise ValueError(f"host_access={self.host_access!r}; choose one of {HOST_ACCESS}")
         if self.page_size > self.hot_slots:
             raise ValueError(f"a tail block of page_size={self.page_size} tokens is larger than "
-                             f"the hot cache (hot_slots={self.hot_slots}); use a smaller page")
+                             f"the hot cache (hot_slots={self.hot_slots}); use a smaller page "
+                             "or more hot slots (decode needs hot_slots >= index_topk * "
+                             "max_ways: see check_hot_slots)")
         if self.capacity % self.page_size:
             raise ValueError(f"capacity={self.capacity} must be a multiple of "
                              f"page_size={self.page_size}")
@@ -78,12 +86,7 @@ class OffloadConfig:
 
     def validate_for(self, config: ModelConfig) -> None:
         """Raise if this offload setting cannot serve `config` (checked before any state exists)."""
-        need = config.index_topk * config.max_ways
-        if self.hot_slots < need:
-            raise ValueError(
-                f"hot_slots={self.hot_slots} < index_topk * max_ways = {config.index_topk} * "
-                f"{config.max_ways} = {need}: one step's selections must fit the hot cache; "
-                f"use hot_slots >= {need}")
+        check_hot_slots(self.hot_slots, config)
         if self.page_size < config.max_ways:
             raise ValueError(
                 f"page_size={self.page_size} < max_ways={config.max_ways}: one step's new tokens "
@@ -93,3 +96,46 @@ class OffloadConfig:
                              f" of config {config.name!r}")
         if self.capacity * config.max_ways >= INT32_MAX:
             raise ValueError(f"capacity={self.capacity} overflows int32 index arithmetic")
+
+
+def as_int(value) -> int | None:
+    """`value` as an int if it is an integer (int, numpy integer; not bool), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def min_hot_slots(config: ModelConfig) -> int:
+    """The fewest hot slots a decode step of `config` runs with: index_topk * max_ways (every
+    way's selection must fit the hot cache at once)."""
+    return config.index_topk * config.max_ways
+
+
+def check_hot_slots(hot_slots: int, config: ModelConfig) -> None:
+    """Raise unless `hot_slots` can serve `config`: the one rule of decode and the planner."""
+    need = min_hot_slots(config)
+    if hot_slots < need:
+        raise ValueError(
+            f"hot_slots={hot_slots} < index_topk * max_ways = {config.index_topk} * "
+            f"{config.max_ways} = {need}: one step's selections must fit the hot cache; "
+            f"use hot_slots >= {need}")
+
+
+def check_num_buffers(num_buffers, num_layers: int) -> int:
+    """`num_buffers` as an int if the offloaded prefill can run with it, else raise.
+
+    The one rule of the prefill, its engine and the planner: n in [min(2, L), L]. Buffer 0 is
+    pinned to layer 0 and layers >= 1 need at least one rotating buffer; more buffers than
+    layers are never used.
+    """
+    low = min(2, num_layers)
+    value = as_int(num_buffers)
+    if value is None or not low <= value <= num_layers:
+        raise ValueError(
+            f"num_buffers={num_buffers!r} must be an int in [{low}, {num_layers}] "
+            f"(num_layers={num_layers}): buffer 0 is pinned to layer 0 and at least one more "
+            "rotates over the other layers; more buffers than layers are never used")
+    return value

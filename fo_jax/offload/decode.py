@@ -35,7 +35,13 @@ from fo_jax.offload.config import OffloadConfig
 from fo_jax.offload.host import host_gather_rows, host_write_rows
 from fo_jax.offload.manage import GroupPlan, manage_group
 from fo_jax.offload.state import CacheSlots, DecodeState, HostPages, PolicyState
-from fo_jax.resident import check_capacity, check_token_batch, check_token_values
+from fo_jax.resident import (
+    check_capacity,
+    check_live,
+    clamp_new,
+    is_concrete,
+    prepare_tokens,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -132,7 +138,9 @@ class OffloadBackend:
         rows = jnp.arange(hot.shape[1])[:, None]
         tail_row = oc.hot_slots + ((write_pos // oc.page_size) % 2) * oc.page_size \
             + write_pos % oc.page_size
-        hot = hot.at[l, rows, tail_row].set(kv_new)
+        # A position past capacity (write_pos = S: dropped by `_decode_jit`) writes nothing.
+        tail_row = jnp.where(write_pos < oc.capacity, tail_row, oc.rows)
+        hot = hot.at[l, rows, tail_row].set(kv_new, mode="drop")
         if self.implementation == "pallas":
             from pallas_kernels.copy_sfa import copy_sfa
 
@@ -160,7 +168,13 @@ def _decode_jit(params, state: DecodeState, tokens, *, config: ModelConfig,
     """The step, pure. With `debug`, the invariants of fo_jax.offload.checks are checkified
     after the step (O(G B (S + C)) more work): trace it under `checkify.checkify`."""
     batch, ways = tokens.shape
-    positions = state.lengths[:, None] + jnp.arange(ways, dtype=jnp.int32)[None, :]
+    offsets = jnp.arange(ways, dtype=jnp.int32)
+    positions = state.lengths[:, None] + offsets[None, :]
+    # Never past capacity, checked or not: a token beyond it is dropped (no KV, index key or
+    # host row written; its logits unspecified) and lengths stop at S.
+    num_new = clamp_new(jnp.full((batch,), ways, jnp.int32), state.lengths, ways,
+                        offload.capacity)
+    write_pos = jnp.where(offsets[None, :] < num_new[:, None], positions, offload.capacity)
     tail_start = (state.lengths // offload.page_size) * offload.page_size
     backend = OffloadBackend(config, offload, state.host.kv, tail_start, state.step,
                              implementation, interpret)
@@ -171,12 +185,12 @@ def _decode_jit(params, state: DecodeState, tokens, *, config: ModelConfig,
         "slots": (state.slots.token_to_slot, state.slots.slot_to_token),
         "policy": (p.stamp, p.hand, p.last_used, p.key),
     }
-    logits, carry = forward(params, tokens, positions, positions, backend, carry, config=config)
+    logits, carry = forward(params, tokens, positions, write_pos, backend, carry, config=config)
     # Write the step's new rows through to host pages (only them).
     z = offload.page_size
     tail_row = offload.hot_slots + ((positions // z) % 2) * z + positions % z
     new_rows = carry["hot"][:, jnp.arange(batch)[:, None], tail_row]  # [L, B, W, D+R]
-    host_kv = host_write_rows(state.host.kv, new_rows, positions,
+    host_kv = host_write_rows(state.host.kv, new_rows, write_pos,
                               on_host=offload.host_memory_kind != "device",
                               access=offload.host_access)
     stamp, hand, last_used, key = carry["policy"]
@@ -186,7 +200,7 @@ def _decode_jit(params, state: DecodeState, tokens, *, config: ModelConfig,
         index_keys=carry["index_keys"],
         slots=CacheSlots(*carry["slots"]),
         policy=PolicyState(stamp=stamp, hand=hand, last_used=last_used, key=key),
-        lengths=state.lengths + ways,
+        lengths=state.lengths + num_new,
         step=state.step + 1,
     )
     group_stats = [s for s, _ in backend.group_stats]
@@ -199,7 +213,7 @@ def _decode_jit(params, state: DecodeState, tokens, *, config: ModelConfig,
         misses=jnp.stack([s.misses for s in group_stats]),
         union=union,
         h2d_bytes=jnp.sum(union * layers_per_group[:, None], axis=0) * row_bytes,
-        d2h_bytes=jnp.full((batch,), ways * config.num_layers * row_bytes, jnp.int32),
+        d2h_bytes=num_new * (config.num_layers * row_bytes),
         selected=jnp.stack([t for _, t in backend.group_stats]),
     )
     if debug:
@@ -247,10 +261,33 @@ def check_state(state: DecodeState, *, config: ModelConfig, offload: OffloadConf
                 "(DecodeState.from_resident / to_decode_state) that step it")
     if state.hot.dtype != config.jnp_kv_dtype:
         raise ValueError(f"state.hot is {state.hot.dtype}, expected kv_dtype {config.kv_dtype}")
-    kind = getattr(state.host.kv.sharding, "memory_kind", None)
+    kind = memory_kind(state.host.kv)
     if kind is not None and kind != offload.host_memory_kind:
         raise ValueError(f"host pages live in memory kind {kind!r} but the offload setting says "
                          f"{offload.host_memory_kind!r}")
+
+
+def memory_kind(x) -> str | None:
+    """The memory kind of `x` ("pinned_host" or "device"), for concrete arrays and tracers of
+    an outer jit / scan / while_loop alike (a tracer has no `.sharding`); None if unknown."""
+    if is_concrete(x):
+        return getattr(x.sharding, "memory_kind", None)
+    space = getattr(jax.typeof(x), "memory_space", None)
+    if space == jax.memory.Space.Host:
+        return "pinned_host"
+    if space == jax.memory.Space.Device:
+        return "device"
+    return None
+
+
+def check_implementation(implementation: str | None, interpret, offload: OffloadConfig) -> str:
+    """The implementation the offloaded step runs; raises if it cannot run with `offload`."""
+    implementation = resolve_implementation(implementation, interpret)
+    if implementation == "pallas" and interpret and offload.host_memory_kind != "device":
+        raise NotImplementedError(
+            "the Pallas kernels in interpret mode cannot share a jit with a host-memory array "
+            "(a JAX bug); use OffloadConfig(host_memory_kind='device') under interpret mode")
+    return implementation
 
 
 def decode_step(params, state: DecodeState, tokens, *, config: ModelConfig,
@@ -262,34 +299,32 @@ def decode_step(params, state: DecodeState, tokens, *, config: ModelConfig,
     implementation: "xla", "pallas" (LIM + CopySFA; off TPU only with `interpret`, and then the
     host pages must be in "device" memory kind: a jit mixing an interpret-mode kernel with a
     host-memory array fails in JAX) or None (by backend): see fo_jax.kernels.
-    Shapes are always validated; with `check`, token ids and host capacity are validated
-    against concrete values too (a read of `state.lengths`). Errors are raised before any
-    state changes.
+    Shapes (and host token ids, in numpy before any cast) are always validated; with `check`,
+    device token ids and host capacity are validated against concrete values too (a read of
+    `state.lengths`). Errors are raised before any state changes. Traced values (the step
+    under an outer `jax.jit`, `lax.scan` or `lax.while_loop`) get the static checks only; checked
+    or not, no request grows past capacity (tokens beyond it are dropped in the program).
     debug: check the state's invariants on the device after the step (fo_jax.offload.checks:
     maps, occupancy, selection, rows read, finite logits; O(G B (S + C)) more work, a second
     compiled program) and raise AssertionError naming the first violation (the input state is
-    donated either way).
+    donated either way). Under an outer trace the checks are traced into the caller's program:
+    wrap it in `checkify.checkify` (or `chex.chexify`) to see them.
     """
-    implementation = resolve_implementation(implementation, interpret)
-    if implementation == "pallas" and interpret and offload.host_memory_kind != "device":
-        raise NotImplementedError(
-            "the Pallas kernels in interpret mode cannot share a jit with a host-memory array "
-            "(a JAX bug); use OffloadConfig(host_memory_kind='device') under interpret mode")
-    tokens = jnp.asarray(tokens)
-    ways = check_token_batch(tokens, state.batch)
+    implementation = check_implementation(implementation, interpret, offload)
+    check_live(state, "decode_step")
+    tokens, ways = prepare_tokens(tokens, state.batch, config, check=check)
     if ways > config.max_ways:
         raise ValueError(f"decode_step got W={ways} query tokens per request; config "
                          f"{config.name!r} allows 1 to max_ways={config.max_ways}")
     check_state(state, config=config, offload=offload)
-    if check:
-        check_token_values(tokens, config)
+    if check and is_concrete(state.lengths):
         check_capacity(state.lengths, np.full(state.batch, ways), state.capacity, config,
                        what="the host pages'")
-    if debug:
-        err, out = _decode_checked(params, state, tokens.astype(jnp.int32), config=config,
-                                   offload=offload, implementation=implementation,
+    if debug and is_concrete(state.lengths):
+        err, out = _decode_checked(params, state, tokens, config=config, offload=offload,
+                                   implementation=implementation,
                                    interpret=interpret_params(interpret))
         checks.raise_on_error(err)
         return out
-    return _decode_jit(params, state, tokens.astype(jnp.int32), config=config, offload=offload,
+    return _decode_jit(params, state, tokens, config=config, offload=offload, debug=debug,
                        implementation=implementation, interpret=interpret_params(interpret))

@@ -59,7 +59,7 @@ import numpy as np
 from fo_jax.config import ModelConfig
 from fo_jax.model.attention import dense_attention, softmax_scale, sparse_attention
 from fo_jax.model.forward import forward, over_query_blocks, xla_select
-from fo_jax.offload.config import MEMORY_KINDS, OffloadConfig
+from fo_jax.offload.config import MEMORY_KINDS, OffloadConfig, check_num_buffers
 from fo_jax.offload.host import (
     check_host_access,
     host_gather_rows,
@@ -85,9 +85,11 @@ from fo_jax.resident import (
     QUERY_BLOCK,
     causal_mask,
     check_capacity,
+    check_live,
     check_query_block,
-    check_token_batch,
-    check_token_values,
+    clamp_new,
+    is_concrete,
+    prepare_tokens,
 )
 
 # Schedule -------------------------------------------------------------------------------------
@@ -114,17 +116,14 @@ class PrefillSchedule:
 
         Args:
           num_layers: L.
-          num_buffers: n, 1 <= n <= L (n >= 2 when L >= 2).
+          num_buffers: n in [min(2, L), L] (`check_num_buffers`, the planner's rule too).
           distance: prefetch distance d (default 1): layer 0 loads layers 1 .. d, layer i >= 1
             loads layer i + d (`default_onload_layer_map`). Needs d <= n - 2 (or d = 1): a larger
             d gives no more overlap and is rejected rather than silently capped.
           onload_layer_map: an explicit map in any form `normalize_onload_layer_map` accepts
             (dict {i: j or (j, ...)} or a sequence of length L); exclusive with `distance`.
         """
-        if not isinstance(num_buffers, int) or isinstance(num_buffers, bool) or not (
-                1 <= num_buffers <= num_layers):
-            raise ValueError(f"num_buffers={num_buffers!r} must be an int in [1, num_layers="
-                             f"{num_layers}]: more buffers than layers are never used")
+        num_buffers = check_num_buffers(num_buffers, num_layers)
         if onload_layer_map is not None:
             if distance is not None:
                 raise ValueError("give either distance or onload_layer_map, not both")
@@ -344,6 +343,8 @@ def _prefill_jit(params, state: PrefillState, tokens, num_new, *, config: ModelC
                  on_host: bool, host_access: str = "gather", query_block: int | None = None):
     batch, num_t = tokens.shape
     cap = state.capacity
+    # Never past capacity, checked or not: tokens beyond it are padding (dropped).
+    num_new = clamp_new(num_new, state.lengths, num_t, cap)
     offsets = jnp.arange(num_t, dtype=jnp.int32)
     positions = state.lengths[:, None] + offsets[None, :]
     write_pos = jnp.where(offsets[None, :] < num_new[:, None], positions, cap)
@@ -373,7 +374,7 @@ def history_pages_for(lengths, page_size: int, num_pages: int) -> int:
 
 
 def prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelConfig,
-            num_buffers: int = 4, distance: int | None = None, onload_layer_map=None,
+            num_buffers: int | None = None, distance: int | None = None, onload_layer_map=None,
             dense: bool = False, history_pages: int | None = None, poison: bool = False,
             check: bool = True, host_access: str = "gather",
             query_block: int | None = QUERY_BLOCK):
@@ -384,15 +385,19 @@ def prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelC
       tokens: [B, T] int token ids (row b's first num_new[b] entries are real, the rest padding;
         logits of padding entries are unspecified).
       num_new: [B] ints, default T for every request.
-      num_buffers: n device layer buffers, 1 <= n <= L.
+      num_buffers: n device layer buffers in [min(2, L), L]; default min(4, L).
       distance, onload_layer_map: the prefetch schedule (see `PrefillSchedule.create`); default
         distance 1.
       dense: attend to the whole causal prefix (the dense model) instead of the top-k.
       history_pages: pages of history loaded per layer (static); default
-        `history_pages_for(state.lengths, ...)`, which reads `state.lengths`; must cover the
+        `history_pages_for(state.lengths, ...)`, which reads `state.lengths` (all P pages when
+        the lengths are traced, under an outer jit: pass it to load less); must cover the
         longest history.
       poison: NaN in buffer rows past the loaded history (tests: a stray read shows).
-      check: validate token ids and capacity against concrete values (reads `state.lengths`).
+      check: validate device token ids, counts and capacity against concrete values (reads
+        `state.lengths`); host token ids are always checked (in numpy, before any cast), traced
+        values never. Checked or not, nothing is written past capacity (tokens beyond it are
+        dropped in the program).
       host_access: how the chunk's rows are written back to host pages, "gather" or "slices"
         (see fo_jax.offload.host; the same bits either way). A prefill feeding an offloaded
         decode should use its `OffloadConfig.host_access` (the offloaded engine does).
@@ -410,9 +415,9 @@ def prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelC
 
 
 def lower_prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelConfig,
-                  num_buffers: int = 4, distance: int | None = None, onload_layer_map=None,
-                  dense: bool = False, history_pages: int | None = None, poison: bool = False,
-                  check: bool = True, host_access: str = "gather",
+                  num_buffers: int | None = None, distance: int | None = None,
+                  onload_layer_map=None, dense: bool = False, history_pages: int | None = None,
+                  poison: bool = False, check: bool = True, host_access: str = "gather",
                   query_block: int | None = QUERY_BLOCK):
     """The program `prefill` runs with these arguments, lowered (donation included): for
     checks of its compiled HLO and `memory_analysis()`. Same arguments and checks as `prefill`;
@@ -425,38 +430,41 @@ def lower_prefill(params, state: PrefillState, tokens, num_new=None, *, config: 
     return _prefill_jit.lower(*args, **static)
 
 
-def _prefill_arguments(params, state: PrefillState, tokens, num_new=None, *, config: ModelConfig,
-                       num_buffers: int = 4, distance: int | None = None, onload_layer_map=None,
-                       dense: bool = False, history_pages: int | None = None, poison: bool = False,
-                       check: bool = True, host_access: str = "gather",
-                       query_block: int | None = QUERY_BLOCK):
+def _prefill_arguments(params, state: PrefillState, tokens, num_new, *, config: ModelConfig,
+                       num_buffers, distance, onload_layer_map, dense, history_pages, poison,
+                       check, host_access, query_block):
     """Validate `prefill`'s arguments: (positional args, static kwargs) of `_prefill_jit`."""
     check_query_block(query_block)
+    check_host_access(host_access)
+    if num_buffers is None:
+        num_buffers = min(4, config.num_layers)
     schedule = PrefillSchedule.create(config.num_layers, num_buffers, distance=distance,
                                       onload_layer_map=onload_layer_map)
-    check_host_access(host_access)
-    tokens = jnp.asarray(tokens)
-    num_t = check_token_batch(tokens, state.batch)
+    check_live(state, "prefill")
+    tokens, num_t = prepare_tokens(tokens, state.batch, config, check=check)
     num_new = (jnp.full((state.batch,), num_t, jnp.int32) if num_new is None
                else jnp.asarray(num_new, jnp.int32))
     if num_new.shape != (state.batch,):
         raise ValueError(f"num_new has shape {num_new.shape}, expected ({state.batch},) "
                          "(one count per request)")
     num_pages = state.host.kv.shape[2]
-    if check:
-        check_token_values(tokens, config)
+    known = is_concrete(state.lengths)
+    if check and is_concrete(num_new):
         if np.any(np.asarray(num_new) > num_t):
             raise ValueError(f"num_new={np.asarray(num_new).tolist()} exceeds the chunk width "
                              f"{num_t}")
-        check_capacity(state.lengths, num_new, state.capacity, config)
+        if known:
+            check_capacity(state.lengths, num_new, state.capacity, config)
     if history_pages is None:
-        history_pages = history_pages_for(state.lengths, state.page_size, num_pages)
-    elif check and history_pages < history_pages_for(state.lengths, state.page_size, num_pages):
+        history_pages = (history_pages_for(state.lengths, state.page_size, num_pages) if known
+                         else num_pages)
+    elif (check and known
+          and history_pages < history_pages_for(state.lengths, state.page_size, num_pages)):
         raise ValueError(f"{history_pages=} does not cover the longest history "
                          f"({int(np.max(np.asarray(state.lengths)))} tokens)")
     if not 0 <= history_pages <= num_pages:
         raise ValueError(f"{history_pages=} must be in [0, {num_pages}]")
-    return (params, state, tokens.astype(jnp.int32), num_new), dict(
+    return (params, state, tokens, num_new), dict(
         config=config, dense=dense, schedule=schedule, history_pages=int(history_pages),
         poison=poison, on_host=in_host_memory(state.host.kv), host_access=host_access,
         query_block=None if query_block is None else int(query_block))
@@ -493,6 +501,7 @@ def to_decode_state(state: PrefillState, *, config: ModelConfig, offload: Offloa
     equal to the prefill state's page size and capacity.
     """
     offload.validate_for(config)
+    check_live(state, "to_decode_state")
     if (offload.page_size, offload.capacity) != (state.page_size, state.capacity):
         raise ValueError(
             f"offload page_size={offload.page_size}, capacity={offload.capacity} must equal the "

@@ -258,9 +258,9 @@ SCHEDULE_ERRORS = {
         dict(num_buffers=4, distance=1, onload_layer_map={0: 1, 1: 2, 2: 3, 3: 4, 4: 5}),
         r"either distance or onload_layer_map"),
     "too_many_buffers": (
-        dict(num_buffers=7), r"num_buffers=7 must be an int in \[1, num_layers=6\]"),
+        dict(num_buffers=7), r"num_buffers=7 must be an int in \[2, 6\] \(num_layers=6\)"),
     "too_few_buffers": (
-        dict(num_buffers=1), r"num_buffers=1 must be an int >= 2 for num_layers=6"),
+        dict(num_buffers=1), r"num_buffers=1 must be an int in \[2, 6\] \(num_layers=6\)"),
 }
 
 
