@@ -48,7 +48,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dense-steps", type=int, default=600)
     p.add_argument("--sparse-steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--seq-len", type=int, default=2048,
+                   help="window of the sparse stage and of every evaluation")
+    p.add_argument("--dense-seq-len", type=int, default=None,
+                   help="window of the dense stage (default --seq-len); shorter is cheaper: "
+                        "dense attention costs T per token, top-k attention K")
+    p.add_argument("--dense-batch", type=int, default=None, help="default --batch")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -59,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ckpt-every", type=int, default=100)
     p.add_argument("--max-train-bytes", type=int, default=None, help="cap the train stream")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="safety net: the dense stage ends early past its share of this wall "
+                        "time (dense steps / all steps), the sparse stage past all of it")
     p.add_argument("--smoke", action="store_true", help="tiny model, a few steps (seconds)")
     return p.parse_args(argv)
 
@@ -66,7 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.smoke:
-        config = get_config("tiny").replace(name="tiny-bytes", vocab_size=training.VOCAB_SIZE)
+        # tiny's widths with 2 layers in 2 groups: compiles in seconds.
+        config = get_config("tiny").replace(name="tiny-bytes", vocab_size=training.VOCAB_SIZE,
+                                            num_layers=2, indexer_layers=(0, 1), dim=32,
+                                            mlp_hidden=64)
         args.dense_steps, args.sparse_steps, args.batch, args.seq_len = 3, 2, 2, 32
         args.eval_windows, args.log_every, args.ckpt_every, args.warmup = 2, 1, 2, 1
         args.max_train_bytes = 200_000
@@ -75,8 +86,11 @@ def main(argv=None) -> dict:
     if config.vocab_size != training.VOCAB_SIZE:
         raise ValueError(f"config {config.name!r} has vocab_size={config.vocab_size}; the byte "
                          f"tokenizer needs {training.VOCAB_SIZE}")
-    if args.seq_len > config.max_seq_len:
-        raise ValueError(f"--seq-len {args.seq_len} exceeds max_seq_len={config.max_seq_len}")
+    args.dense_seq_len = args.dense_seq_len or args.seq_len
+    args.dense_batch = args.dense_batch or args.batch
+    if max(args.seq_len, args.dense_seq_len) > config.max_seq_len:
+        raise ValueError(f"--seq-len {args.seq_len} / --dense-seq-len {args.dense_seq_len} "
+                         f"exceeds max_seq_len={config.max_seq_len} of {config.name!r}")
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tc = training.TrainConfig(
@@ -93,7 +107,9 @@ def main(argv=None) -> dict:
     meta = {**run_metadata(), "config": config.name, "train_files": len(train_files),
             "held_out_files": len(held_files), "train_tokens": int(len(train)),
             "held_out_tokens": int(len(held))}
-    training.save_run_config(out / "config.json", config, tc, {"data": meta})
+    training.save_run_config(out / "config.json", config, tc,
+                             {"data": meta, "dense_seq_len": args.dense_seq_len,
+                              "dense_batch": args.dense_batch})
     print(f"corpus: {len(train_files)} train files ({len(train) / 1e6:.1f} M bytes), "
           f"{len(held_files)} held-out files ({len(held) / 1e6:.2f} M bytes)")
 
@@ -101,7 +117,7 @@ def main(argv=None) -> dict:
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
     print(f"model {config.name}: {n_params / 1e6:.2f} M parameters")
     optimizer = training.make_optimizer(tc)
-    opt_state = optimizer.init(params)
+    opt_state = jax.jit(optimizer.init)(params)  # one compile, not one per leaf
     rng = np.random.default_rng(tc.seed)
     log = open(out / "log.jsonl", "w")
     results: dict = {"meta": meta, "evals": {}}
@@ -110,47 +126,65 @@ def main(argv=None) -> dict:
         log.write(json.dumps({**row, **meta}) + "\n")
         log.flush()
 
-    def run_eval(name, p, stage):
+    def run_eval(name, p, stage, wins=windows):
         t0 = time.perf_counter()
-        r = training.evaluate(p, windows, config=config, stage=stage)
-        r.update(kind="eval", name=name, stage=stage, step=step, seconds=time.perf_counter() - t0)
+        r = training.evaluate(p, wins, config=config, stage=stage)
+        r.update(kind="eval", name=name, stage=stage, step=step, window=wins.shape[1] - 1,
+                 seconds=time.perf_counter() - t0)
         write(r)
         results["evals"][name] = r
         tqdm.write(f"eval {name}: {r['bits_per_byte']:.3f} bits/byte "
                    f"(indexer KL {r['indexer_kl']:.3f})")
 
-    tokens_per_step = tc.batch * tc.seq_len
-    step, timed_tokens, timed_s = 0, 0, 0.0
+    started = time.perf_counter()
+    step, timed_tokens, timed_s, seen_tokens = 0, 0, 0.0, 0
+    stage_speed = {}
     bar = tqdm(total=tc.total_steps, desc="train", dynamic_ncols=True, disable=None)
     for stage, count in (("dense", tc.dense_steps), ("sparse", tc.sparse_steps)):
-        for _ in range(count):
-            batch = jnp.asarray(training.sample_batch(train, tc.batch, tc.seq_len, rng))
+        rows, length = ((args.dense_batch, args.dense_seq_len) if stage == "dense"
+                        else (tc.batch, tc.seq_len))
+        tokens_per_step = rows * length
+        timed_tokens, timed_s = 0, 0.0  # tokens/s per stage (the two stages differ)
+        # --max-minutes: the dense stage gets its share of the budget (by steps).
+        limit = None if not args.max_minutes else 60 * args.max_minutes * (
+            tc.dense_steps / tc.total_steps if stage == "dense" else 1.0)
+        for i in range(count):
+            if limit is not None and time.perf_counter() - started > limit:
+                tqdm.write(f"--max-minutes {args.max_minutes} reached: {stage} stage ends at "
+                           f"step {step}")
+                break
+            batch = jnp.asarray(training.sample_batch(train, rows, length, rng))
             t0 = time.perf_counter()
             params, opt_state, (lm, idx, gnorm) = training.train_step(
                 params, opt_state, batch, config=config, stage=stage, optimizer=optimizer,
                 indexer_weight=tc.indexer_weight)
             lm, idx, gnorm = float(lm), float(idx), float(gnorm)
             dt = time.perf_counter() - t0
-            first_of_stage = step in (0, tc.dense_steps)  # includes compilation
-            if not first_of_stage:
+            if i > 0:  # the first step of a stage includes compilation
                 timed_tokens += tokens_per_step
                 timed_s += dt
             tps = timed_tokens / timed_s if timed_s else tokens_per_step / dt
             step += 1
+            seen_tokens += tokens_per_step
             bar.update(1)
             bar.set_postfix(stage=stage, bpb=f"{lm / training.LN2:.3f}", kl=f"{idx:.3f}",
                             tok_s=f"{tps:.0f}")
             if step % args.log_every == 0 or step == 1:
                 write({"kind": "step", "step": step, "stage": stage, "lm_nats": lm,
                        "bits_per_byte": lm / training.LN2, "indexer_kl": idx, "grad_norm": gnorm,
-                       "step_s": dt, "tokens_per_s": tps, "tokens": step * tokens_per_step})
+                       "step_s": dt, "tokens_per_s": tps, "tokens": seen_tokens,
+                       "seq_len": length})
             if not np.isfinite(lm):
                 raise FloatingPointError(f"loss became {lm} at step {step} ({stage})")
             if args.ckpt_every and step % args.ckpt_every == 0:
                 save_params(out / "latest.safetensors", params, config)
         if count:
+            stage_speed[stage] = timed_tokens / timed_s if timed_s else None
             save_params(out / f"{stage}.safetensors", params, config)
             if stage == "dense":
+                if args.dense_seq_len != tc.seq_len:
+                    run_eval(f"dense_at_{args.dense_seq_len}", params, "dense",
+                             training.eval_windows(held, args.dense_seq_len, args.eval_windows))
                 run_eval("dense", params, "dense")
                 run_eval("dense_run_sparse", params, "sparse")
             else:
@@ -158,8 +192,9 @@ def main(argv=None) -> dict:
                 run_eval("sparse_run_dense", params, "dense")
     bar.close()
     log.close()
-    results["tokens_per_s"] = timed_tokens / timed_s if timed_s else None
+    results["tokens_per_s"] = stage_speed
     results["steps"] = step
+    results["tokens"] = seen_tokens
     print(json.dumps({"tokens_per_s": results["tokens_per_s"],
                       **{k: round(v["bits_per_byte"], 4) for k, v in results["evals"].items()}}))
     return results

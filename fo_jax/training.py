@@ -357,3 +357,24 @@ def save_run_config(path: str | os.PathLike, config: ModelConfig, tc: TrainConfi
                "corpus": "Python standard library .py sources (PSF License)"}
     payload.update(extra or {})
     pathlib.Path(path).write_text(json.dumps(payload, indent=2, default=list) + "\n")
+
+
+def load_run(directory: str | os.PathLike, stage: str = "sparse") -> tuple[ModelConfig, dict]:
+    """(config, params) of a run written by experiments/train.py: `config.json` and
+    `{stage}.safetensors` in `directory`."""
+    from fo_jax.weights import load_params
+
+    directory = pathlib.Path(directory)
+    meta_path = directory / "config.json"
+    if not meta_path.exists():
+        raise FileNotFoundError(f"no config.json in {directory} (expected a training run's "
+                                "output directory)")
+    fields = json.loads(meta_path.read_text())["model"]
+    config = ModelConfig(**fields)
+    return config, load_params(directory / f"{stage}.safetensors", config)
+
+
+def params_finite(params: dict) -> bool:
+    """Every parameter finite (no NaN / inf)."""
+    return all(bool(np.all(np.isfinite(np.asarray(x, np.float32))))
+               for x in jax.tree_util.tree_leaves(params))

@@ -87,20 +87,19 @@ def test_stdlib_stream_and_codec():
 
 
 def test_a_few_steps_reduce_the_loss(small_params):
-    tc = training.TrainConfig(dense_steps=6, sparse_steps=2, batch=2, seq_len=20, peak_lr=1e-2,
+    # Dense steps only (the sparse stage's steps run in the script's smoke test).
+    tc = training.TrainConfig(dense_steps=6, sparse_steps=0, batch=2, seq_len=20, peak_lr=1e-2,
                               warmup_steps=1)
     opt = training.make_optimizer(tc)
     batch = jnp.asarray(training.sample_batch(
         training.encode("abcabcabdabcabcabd" * 4), 2, 20, np.random.default_rng(0)))
-    p, state = small_params, opt.init(small_params)
+    p, state = small_params, jax.jit(opt.init)(small_params)
     seen = []
     for step in range(tc.total_steps):
-        stage = "dense" if step < tc.dense_steps else "sparse"
         p, state, (lm, idx, gnorm) = training.train_step(p, state, batch, config=SMALL,
-                                                         stage=stage, optimizer=opt)
+                                                         stage="dense", optimizer=opt)
         seen.append(float(lm))
     assert all(np.isfinite(seen))
-    assert seen[5] < 0.7 * seen[0]
     assert seen[-1] < 0.7 * seen[0]
 
 
