@@ -34,10 +34,13 @@ def main(argv=None) -> str:
             kl.plot([r["step"] for r in mine], [r["indexer_kl"] for r in mine], colour,
                     label=f"indexer KL ({stage}: {'causal keys' if stage == 'dense' else 'top-k set'})")
     for r in evals:
-        ax.scatter([r["step"]], [r["bits_per_byte"]], marker="x", zorder=3)
-        ax.annotate(f"{r['name']}: {r['bits_per_byte']:.2f}", (r["step"], r["bits_per_byte"]),
-                    textcoords="offset points", xytext=(-60, 8 + 10 * (len(r["name"]) % 3)),
-                    fontsize=7)
+        ax.scatter([r["step"]], [r["bits_per_byte"]], marker="x", color="k", zorder=3)
+    if evals:
+        text = "\n".join(f"{r['name']} (window {r.get('window', '?')}): "
+                         f"{r['bits_per_byte']:.3f}" for r in evals)
+        ax.text(0.02, 0.03, "held-out bits/byte\n" + text, transform=ax.transAxes, fontsize=7,
+                va="bottom", family="monospace",
+                bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "0.7"})
     ax.set_ylabel("bits per byte")
     ax.set_title("DSA training on the Python stdlib (x: held-out evaluations)")
     ax.legend(fontsize=8)
