@@ -14,7 +14,7 @@ with dense attention.
     PYTHONPATH=. python experiments/train.py --out-dir runs/trained-small --max-minutes 58
 
 The defaults are the ~1-hour run on 2 CPU cores: 550 dense steps of 8 x 512 tokens (dense
-attention costs T per token, so the dense stage uses short windows), then 70 sparse steps of
+attention costs T per token, so the dense stage uses short windows), then 60 sparse steps of
 4 x 2048 tokens (top-k attention costs K per token); evaluations on 2048-token windows.
 """
 
@@ -49,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", default="trained-small", help="model preset (fo_jax.config)")
     p.add_argument("--out-dir", default="runs/trained-small")
     p.add_argument("--dense-steps", type=int, default=550)
-    p.add_argument("--sparse-steps", type=int, default=70)
+    p.add_argument("--sparse-steps", type=int, default=60)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=2048,
                    help="window of the sparse stage and of every evaluation")
