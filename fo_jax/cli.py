@@ -53,6 +53,12 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--page-size", type=int, default=16, help="host page / tail block tokens")
     gen.add_argument("--policy", default=None,
                      help="with --offload: eviction policy ring (default), lru or random")
+    gen.add_argument("--host-access", default=None, choices=("gather", "slices"),
+                     help="with --offload: how host pages are read and written (default "
+                          "gather; see fo_jax.offload.host)")
+    gen.add_argument("--prefill-chunk", type=int, default=None,
+                     help="prompt tokens per prefill call (default 2048: "
+                          "fo_jax.generate.PREFILL_CHUNK)")
     gen.add_argument("--check", action="store_true",
                      help="with --offload: run the resident model side by side, and check "
                           "finiteness and the offload invariants after every step; exit 1 on "
@@ -150,7 +156,7 @@ def _cmd_generate(args) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     gen.check_sampling(args.temperature, args.top_p)
     if not args.offload:
-        for flag in ("policy", "hot_slots", "check"):
+        for flag in ("policy", "hot_slots", "host_access", "check"):
             if getattr(args, flag) not in (None, False):
                 name = "--" + flag.replace("_", "-")
                 raise ValueError(
@@ -163,6 +169,8 @@ def _cmd_generate(args) -> int:
             raise ValueError(f"--hot-slots must be >= 1, got {args.hot_slots}")
         check_hot_slots(args.hot_slots, config)  # before the page size is compared with it
     resolve_implementation(args.implementation, args.interpret)  # before anything runs
+    prefill_chunk = gen.PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk
+    gen.check_prefill_chunk(prefill_chunk)
     _check_param_memory(config, args.max_param_gb)
     prompt = encode(args.prompt)
     prompts = [prompt] * args.batch
@@ -177,7 +185,7 @@ def _cmd_generate(args) -> int:
     if args.offload:
         hot = min_hot_slots(config) if args.hot_slots is None else args.hot_slots
         offload = OffloadConfig(hot_slots=hot, page_size=page, capacity=capacity,
-                                policy=policy,
+                                policy=policy, host_access=args.host_access or "gather",
                                 host_memory_kind="device" if args.interpret else "pinned_host")
         offload.validate_for(config)
     params = (load_params(args.weights, config) if args.weights
@@ -185,16 +193,18 @@ def _cmd_generate(args) -> int:
     if args.offload:
         engine = gen.OffloadEngine(params, config, offload=offload, batch=args.batch,
                                    implementation=args.implementation, interpret=args.interpret,
-                                   check=args.check)
+                                   check=args.check, prefill_chunk=prefill_chunk)
     else:
         engine = gen.ResidentEngine(params, config, batch=args.batch, capacity=capacity,
-                                    implementation=args.implementation, interpret=args.interpret)
+                                    implementation=args.implementation, interpret=args.interpret,
+                                    prefill_chunk=prefill_chunk)
 
     on_step = None
     if args.check:
         reference = gen.ResidentEngine(params, config, batch=args.batch, capacity=capacity,
                                        implementation=args.implementation,
-                                       interpret=args.interpret, check=True)
+                                       interpret=args.interpret, check=True,
+                                       prefill_chunk=prefill_chunk)
         mismatch = []
 
         def on_step(step, fed, logits):

@@ -41,6 +41,17 @@ def test_generate_offload_check_passes(capsys):
     assert "bitwise equal to the resident model's over 5 decode steps" in out
 
 
+def test_generate_slices_and_small_prefill_chunks_stay_bitwise(capsys):
+    # The other host-access setting and a prompt prefilled 16 tokens at a time (both the
+    # offloaded engine and the resident reference): still bit for bit the resident model.
+    code = main(["generate", "--offload", "--check", "--max-new-tokens", "4", "--prompt",
+                 "chunked prompt " * 3, "--hot-slots", "64", "--page-size", "8",
+                 "--host-access", "slices", "--prefill-chunk", "16", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "bitwise equal to the resident model's over 3 decode steps" in out
+
+
 def test_generate_resident_with_sampling(capsys):
     code = main(["generate", "--max-new-tokens", "4", "--temperature", "0.8", "--top-p", "0.9",
                  "--prompt", "abc", "--no-progress"])
@@ -51,6 +62,8 @@ def test_generate_resident_with_sampling(capsys):
 @pytest.mark.parametrize("argv,message", [
     (["generate", "--check"], "--check compares the offloaded path with the resident one"),
     (["generate", "--model", "nope"], "unknown model preset 'nope'"),
+    (["generate", "--host-access", "slices"], "--host-access applies to the offloaded path"),
+    (["generate", "--prefill-chunk", "0"], "prefill_chunk=0 must be an int >= 1"),
     (["generate", "--offload", "--hot-slots", "20"], "hot_slots=20 < index_topk"),
     (["generate", "--offload", "--policy", "mru"], "unknown eviction policy 'mru'"),
     (["plan", "--context", "0"], "context"),
