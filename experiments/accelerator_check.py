@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import run_metadata, synthetic_states, write_jsonl  # noqa: E402
+from common import median_time, run_metadata, synthetic_states, write_jsonl  # noqa: E402
 
 from fo_jax import resident  # noqa: E402
 from fo_jax.config import get_config  # noqa: E402
@@ -62,7 +62,7 @@ from fo_jax.offload import decode as offload_decode  # noqa: E402
 from fo_jax.offload import host  # noqa: E402
 from fo_jax.offload import prefill as offload_prefill  # noqa: E402
 from fo_jax.offload.config import HOST_ACCESS, OffloadConfig  # noqa: E402
-from fo_jax.offload.state import HostPages, to_memory_kind  # noqa: E402
+from fo_jax.offload.state import HostPages, committed, to_memory_kind  # noqa: E402
 
 DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "..", "results", "accelerator_check.jsonl")
 WIDTH = 576  # D + R of DeepSeek-V3.2 / GLM-5 (512 + 64), bf16 rows of 1152 bytes
@@ -70,23 +70,6 @@ WIDTH = 576  # D + R of DeepSeek-V3.2 / GLM-5 (512 + 64), bf16 rows of 1152 byte
 
 def _device_kind(kind: str):
     return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
-
-
-def _median(fn, repeats: int) -> float:
-    """Median wall seconds of fn() over `repeats` runs after one warm-up (fn blocks)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _committed(tree):
-    """Every leaf placed on its own sharding: a jit called with these arrays and then with its own
-    outputs (committed too) compiles once, not twice."""
-    return jax.tree.map(lambda x: jax.device_put(x, x.sharding), tree)
 
 
 def _model(args):
@@ -115,7 +98,8 @@ def _bulk_seconds(nbytes_shape, direction: str, repeats: int) -> float:
     src, dst = ("pinned_host", "device") if direction == "h2d" else ("device", "pinned_host")
     x = jax.device_put(jnp.ones(nbytes_shape, jnp.bfloat16), _device_kind(src))
     target = _device_kind(dst)
-    return _median(lambda: jax.device_put(x, target).block_until_ready(), repeats)
+    return median_time(lambda: jax.device_put(x, target).block_until_ready(), warmup=1,
+                       repeats=repeats)
 
 
 # One host access --------------------------------------------------------------------------
@@ -148,7 +132,7 @@ def _access_check(name, access, *, fn, make_args, reference, moved_shape, direct
             if donate_first:
                 state["args"] = (out,) + tuple(state["args"][1:])
 
-        seconds = _median(once, repeats)
+        seconds = median_time(once, warmup=1, repeats=repeats)
         bulk = _bulk_seconds(moved_shape, direction, repeats)
     except Exception as e:  # noqa: BLE001
         return {**row, "status": "run_failed", "error": _error(e)}
@@ -241,7 +225,7 @@ def decode_check(args, access):
     row = {"check": "decode_step", "host_access": access, "preset": args.preset,
            "batch": args.batch, "context": args.decode_context, "hot_slots": args.hot_slots}
     params = init_params(config, jax.random.key(1))
-    res, dec = _committed(synthetic_states(config, offload, args.batch, args.decode_context,
+    res, dec = committed(synthetic_states(config, offload, args.batch, args.decode_context,
                                            seed=1))
     tokens = [jnp.asarray(np.random.default_rng(i).integers(
         0, config.vocab_size, (args.batch, config.max_ways), dtype=np.int32))
