@@ -32,7 +32,7 @@ from fo_jax.kernels import interpret_params, resolve_implementation
 from fo_jax.model.forward import forward, xla_select
 from fo_jax.offload import checks
 from fo_jax.offload.config import OffloadConfig
-from fo_jax.offload.host import host_gather_rows, host_write_rows
+from fo_jax.offload.host import host_gather_rows, host_write_rows, memory_kind
 from fo_jax.offload.manage import GroupPlan, manage_group
 from fo_jax.offload.state import CacheSlots, DecodeState, HostPages, PolicyState
 from fo_jax.resident import (
@@ -265,19 +265,6 @@ def check_state(state: DecodeState, *, config: ModelConfig, offload: OffloadConf
     if kind is not None and kind != offload.host_memory_kind:
         raise ValueError(f"host pages live in memory kind {kind!r} but the offload setting says "
                          f"{offload.host_memory_kind!r}")
-
-
-def memory_kind(x) -> str | None:
-    """The memory kind of `x` ("pinned_host" or "device"), for concrete arrays and tracers of
-    an outer jit / scan / while_loop alike (a tracer has no `.sharding`); None if unknown."""
-    if is_concrete(x):
-        return getattr(x.sharding, "memory_kind", None)
-    space = getattr(jax.typeof(x), "memory_space", None)
-    if space == jax.memory.Space.Host:
-        return "pinned_host"
-    if space == jax.memory.Space.Device:
-        return "device"
-    return None
 
 
 def check_implementation(implementation: str | None, interpret, offload: OffloadConfig) -> str:

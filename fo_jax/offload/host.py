@@ -64,11 +64,22 @@ from fo_jax.offload.config import HOST_ACCESS
 # Moves ----------------------------------------------------------------------------------------
 
 
+def memory_kind(x) -> str | None:
+    """The memory kind of `x` ("pinned_host" or "device"), for concrete arrays and tracers of
+    an outer jit / scan / while_loop alike (a tracer has no `.sharding`); None if unknown."""
+    if not isinstance(x, jax.core.Tracer):
+        return getattr(x.sharding, "memory_kind", None)
+    space = getattr(jax.typeof(x), "memory_space", None)
+    if space == jax.memory.Space.Host:
+        return "pinned_host"
+    if space == jax.memory.Space.Device:
+        return "device"
+    return None
+
+
 def in_host_memory(x) -> bool:
     """Whether `x` lives in host memory (concrete arrays and tracers alike)."""
-    if isinstance(x, jax.core.Tracer):  # e.g. prefill called under an outer jit
-        return jax.typeof(x).memory_space == jax.memory.Space.Host
-    return x.sharding.memory_kind != "device"
+    return memory_kind(x) not in (None, "device")
 
 
 def to_host(x, on_host: bool):
