@@ -7,6 +7,7 @@ Writes to --out-dir:
   dense.safetensors    weights after the dense stage; sparse.safetensors after the sparse one
   latest.safetensors   every --ckpt-every steps
   config.json          model + training configuration, tokenizer, corpus (PSF License)
+  tokenizer.json       the byte-level BPE trained on the train split (--tokenizer bpe)
 Held-out evaluation (bits per byte): the dense model, the sparse model, and the sparse model run
 with dense attention.
 
@@ -35,6 +36,7 @@ from tqdm import tqdm
 from fo_jax import training
 from fo_jax.config import get_config
 from fo_jax.model.dsa import init_params
+from fo_jax.tokenizer import TOKENIZER_FILE, train_bpe
 from fo_jax.weights import save_params
 
 try:  # a script of experiments/, run directly or loaded by the tests
@@ -67,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ckpt-every", type=int, default=100)
     p.add_argument("--max-train-bytes", type=int, default=None, help="cap the train stream")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", choices=("bpe", "bytes"), default="bpe",
+                   help="bpe: a byte-level BPE of the config's vocab_size ids trained on the "
+                        "train split (saved as tokenizer.json); bytes: ids 0-255 + separator")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="safety net: the dense stage ends early past its share of this wall "
                         "time (dense steps / all steps), the sparse stage past all of it")
@@ -78,17 +83,19 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.smoke:
         # tiny's widths with 2 layers in 2 groups: compiles in seconds.
-        config = get_config("tiny").replace(name="tiny-bytes", vocab_size=training.VOCAB_SIZE,
-                                            num_layers=2, indexer_layers=(0, 1), dim=32,
-                                            mlp_hidden=64)
+        config = get_config("tiny").replace(
+            name="tiny-bytes" if args.tokenizer == "bytes" else "tiny-bpe",
+            vocab_size=training.VOCAB_SIZE if args.tokenizer == "bytes" else 320,
+            num_layers=2, indexer_layers=(0, 1), dim=32, mlp_hidden=64)
         args.dense_steps, args.sparse_steps, args.batch, args.seq_len = 3, 2, 2, 32
         args.eval_windows, args.log_every, args.ckpt_every, args.warmup = 2, 1, 2, 1
         args.max_train_bytes, args.dense_batch, args.dense_seq_len = 200_000, 2, 32
     else:
         config = get_config(args.config)
-    if config.vocab_size != training.VOCAB_SIZE:
+    if args.tokenizer == "bytes" and config.vocab_size != training.VOCAB_SIZE:
         raise ValueError(f"config {config.name!r} has vocab_size={config.vocab_size}; the byte "
-                         f"tokenizer needs {training.VOCAB_SIZE}")
+                         f"tokenizer needs {training.VOCAB_SIZE}: pass --tokenizer bpe or a "
+                         "byte-vocabulary preset")
     args.dense_seq_len = args.dense_seq_len or args.seq_len
     args.dense_batch = args.dense_batch or args.batch
     if max(args.seq_len, args.dense_seq_len) > config.max_seq_len:
@@ -104,17 +111,27 @@ def main(argv=None) -> dict:
 
     files = training.stdlib_files()
     train_files, held_files = training.split_files(files)
-    train = training.load_split(train_files, max_bytes=args.max_train_bytes)
-    held = training.load_split(held_files, max_bytes=None if not args.smoke else 50_000)
+    tokenizer = None
+    if args.tokenizer == "bpe":
+        t0 = time.perf_counter()
+        tokenizer = train_bpe(training.load_texts(train_files, max_bytes=args.max_train_bytes),
+                              config.vocab_size)
+        tokenizer.save(out / TOKENIZER_FILE)
+        print(f"tokenizer: byte-level BPE of {tokenizer.vocab_size} ids trained in "
+              f"{time.perf_counter() - t0:.0f} s")
+    train = training.load_split(train_files, max_bytes=args.max_train_bytes, tokenizer=tokenizer)
+    held = training.load_split(held_files, max_bytes=None if not args.smoke else 50_000,
+                               tokenizer=tokenizer)
+    token_bytes = tokenizer.token_bytes if tokenizer is not None else None
     windows = training.eval_windows(held, args.seq_len, args.eval_windows)
     meta = {**run_metadata(), "config": config.name, "train_files": len(train_files),
             "held_out_files": len(held_files), "train_tokens": int(len(train)),
             "held_out_tokens": int(len(held))}
     training.save_run_config(out / "config.json", config, tc,
                              {"data": meta, "dense_seq_len": args.dense_seq_len,
-                              "dense_batch": args.dense_batch})
-    print(f"corpus: {len(train_files)} train files ({len(train) / 1e6:.1f} M bytes), "
-          f"{len(held_files)} held-out files ({len(held) / 1e6:.2f} M bytes)")
+                              "dense_batch": args.dense_batch}, tokenizer=tokenizer)
+    print(f"corpus: {len(train_files)} train files ({len(train) / 1e6:.1f} M tokens), "
+          f"{len(held_files)} held-out files ({len(held) / 1e6:.2f} M tokens)")
 
     params = jax.jit(init_params, static_argnums=0)(config, jax.random.PRNGKey(tc.seed))
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
@@ -131,7 +148,7 @@ def main(argv=None) -> dict:
 
     def run_eval(name, p, stage, wins=windows):
         t0 = time.perf_counter()
-        r = training.evaluate(p, wins, config=config, stage=stage)
+        r = training.evaluate(p, wins, config=config, stage=stage, token_bytes=token_bytes)
         r.update(kind="eval", name=name, stage=stage, step=step, window=wins.shape[1] - 1,
                  seconds=time.perf_counter() - t0)
         write(r)
@@ -156,7 +173,10 @@ def main(argv=None) -> dict:
                 tqdm.write(f"--max-minutes {args.max_minutes} reached: {stage} stage ends at "
                            f"step {step}")
                 break
-            batch = jnp.asarray(training.sample_batch(train, rows, length, rng))
+            batch_np = training.sample_batch(train, rows, length, rng)
+            bytes_per_token = (1.0 if token_bytes is None
+                               else float(np.mean(token_bytes[batch_np[:, 1:]])))
+            batch = jnp.asarray(batch_np)
             t0 = time.perf_counter()
             params, opt_state, (lm, idx, gnorm) = training.train_step(
                 params, opt_state, batch, config=config, stage=stage, optimizer=optimizer,
@@ -170,11 +190,12 @@ def main(argv=None) -> dict:
             step += 1
             seen_tokens += tokens_per_step
             bar.update(1)
-            bar.set_postfix(stage=stage, bpb=f"{lm / training.LN2:.3f}", kl=f"{idx:.3f}",
+            bar.set_postfix(stage=stage, bpb=f"{lm / training.LN2 / bytes_per_token:.3f}", kl=f"{idx:.3f}",
                             tok_s=f"{tps:.0f}")
             if step % args.log_every == 0 or step == 1:
                 write({"kind": "step", "step": step, "stage": stage, "lm_nats": lm,
-                       "bits_per_byte": lm / training.LN2, "indexer_kl": idx, "grad_norm": gnorm,
+                       "bits_per_byte": lm / training.LN2 / bytes_per_token,
+                       "bytes_per_token": bytes_per_token, "indexer_kl": idx, "grad_norm": gnorm,
                        "step_s": dt, "tokens_per_s": tps, "tokens": seen_tokens,
                        "seq_len": length})
             if not np.isfinite(lm):

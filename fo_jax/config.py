@@ -7,8 +7,8 @@ consecutive layers (GLM-5.2 style).
 
 Presets:
   * `tiny`: tests (4 layers, 2 indexer groups, top-k 16, widths of a few dozen).
-  * `trained-small`: the shapes `experiments/train.py` trains (byte vocabulary, 4 layers,
-    width 256, 2 indexer groups, top-k 64, trained on 2048-token windows).
+  * `trained-small`: the shapes `experiments/train.py` trains (a 2048-id byte-level BPE,
+    4 layers, width 256, 2 indexer groups, top-k 128, trained on 2048-token windows).
   * `small`: CPU benchmarks (wide enough that indexer and attention costs are realistic
     relative to each other, long context).
   * `deepseek_v32`, `glm5`, `glm52`: the real shapes, used for planning and shape checks only
@@ -248,12 +248,12 @@ PRESETS: dict[str, ModelConfig] = {
         mlp_hidden=1024, index_n_heads=8, index_head_dim=64, index_topk=512,
         indexer_layers=(0, 2), max_seq_len=131072, max_ways=4,
     ),
-    # The model `experiments/train.py` trains on 2 CPU cores (fo_jax.training): byte tokens,
-    # 4 layers in 2 indexer groups, top-k 64 of a 2048-token training context (4x room).
+    # The model `experiments/train.py` trains on 2 CPU cores (fo_jax.training): BPE tokens,
+    # 4 layers in 2 indexer groups, top-k 128 of a 2048-token training context (4x room).
     "trained-small": ModelConfig(
-        name="trained-small", vocab_size=260, dim=256, num_layers=4, num_heads=4,
+        name="trained-small", vocab_size=2048, dim=256, num_layers=4, num_heads=4,
         q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=32,
-        v_head_dim=64, mlp_hidden=768, index_n_heads=4, index_head_dim=64, index_topk=64,
+        v_head_dim=64, mlp_hidden=768, index_n_heads=4, index_head_dim=64, index_topk=128,
         indexer_layers=(0, 2), max_seq_len=8192, max_ways=4, kv_dtype="bfloat16",
     ),
     # DeepSeek-V3.2: 61 layers, one indexer per layer, MLA 512 + 64, 64 indexer heads of 128;

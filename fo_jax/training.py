@@ -10,11 +10,11 @@ has it, so nothing is downloaded. It is distributed under the Python Software Fo
 train / held-out by a hash of their path relative to the stdlib root (deterministic, no overlap),
 and the documents of a split are concatenated with a separator token between them.
 
-Tokenizer: bytes (ids 0-255) plus `SEP` (256) between documents; vocab_size 260 (three ids
-reserved). Byte level needs no dependency and no tokenizer training, its loss in nats per token
-is directly bits per byte (/ ln 2), and a byte stream gives the indexer many tokens to choose
-from per unit of text (the top-k traces the offloading study wants). A BPE would reach a lower
-loss per byte for the same compute at this scale; it is not the default for simplicity.
+Tokenizer (fo_jax.tokenizer): a byte-level BPE trained on the train split with the `tokenizers`
+library (`train-small`: 2048 ids, ~3 bytes of code per token, saved as `tokenizer.json`), or bytes
+(ids 0-255, SEP 256 between documents, vocab 260: no training, used by the smoke run and tests).
+BPE gives the model about three times the text per unit of compute; losses are reported in bits
+per byte either way (nats of the targets / ln 2 / the bytes those targets stand for).
 
 Recipe (DeepSeek-V3.2, small scale), as `train_forward` + `losses`:
   * stage "dense": every layer attends to the whole causal prefix; LM cross-entropy trains the
@@ -107,11 +107,38 @@ def split_files(files: list[str], held_out_fraction: float = 0.05) -> tuple[list
     return [f for f in files if f not in held_set], held
 
 
-def load_split(files: list[str], root: str | os.PathLike | None = None,
-               max_bytes: int | None = None) -> np.ndarray:
-    """The files' bytes concatenated, SEP before each document: a uint16 token stream.
+def load_texts(files: list[str], root: str | os.PathLike | None = None,
+               max_bytes: int | None = None) -> list[str]:
+    """The files' text (UTF-8, undecodable bytes replaced), in order; stops once `max_bytes`
+    bytes were read (smoke runs)."""
+    root = pathlib.Path(root or sysconfig.get_paths()["stdlib"])
+    out, total = [], 0
+    for rel in files:
+        try:
+            data = (root / rel).read_bytes()
+        except OSError:
+            continue
+        out.append(data.decode("utf-8", errors="replace"))
+        total += len(data)
+        if max_bytes is not None and total >= max_bytes:
+            break
+    if not out:
+        raise ValueError(f"no readable files among {len(files)} under {root}")
+    return out
 
-    max_bytes: stop once the stream holds this many tokens (smoke runs)."""
+
+def load_split(files: list[str], root: str | os.PathLike | None = None,
+               max_bytes: int | None = None, tokenizer=None) -> np.ndarray:
+    """The files' tokens concatenated, the separator before each document: a uint16 stream.
+
+    tokenizer: a fo_jax.tokenizer tokenizer; None is bytes (ids 0-255, SEP).
+    max_bytes: stop once this many bytes were read (smoke runs)."""
+    if tokenizer is not None and tokenizer.kind != "bytes":
+        if tokenizer.vocab_size > 2**16:
+            raise ValueError(f"vocab_size {tokenizer.vocab_size} does not fit a uint16 stream")
+        docs = tokenizer.encode_batch(load_texts(files, root, max_bytes))
+        sep = np.array([tokenizer.sep], np.uint16)
+        return np.concatenate([part for d in docs for part in (sep, d.astype(np.uint16))])
     root = pathlib.Path(root or sysconfig.get_paths()["stdlib"])
     parts, total = [], 0
     for rel in files:
@@ -173,15 +200,17 @@ def train_forward(params: dict, tokens: jax.Array, *, config: ModelConfig, stage
 
     Per group g: the indexer keys [B, T, N] and queries [B, T, I, N] from stop-gradient inputs,
     scores [B, T, T]; "sparse" selects the top-k [B, T, K] (canonical order, `select_topk`).
-    Per layer: attention over the causal prefix [B, T, H, T] ("dense") or over the K gathered
-    rows [B, T, K, D+R] ("sparse"). KV rows and indexer keys are rounded to kv_dtype as the
+    Per layer: attention [B, T, H, T] over the causal prefix ("dense") or over the selected set
+    ("sparse", as a mask: the softmax over exactly the K selected rows, summed in another order
+    than the inference paths' gather). KV rows and indexer keys are rounded to kv_dtype as the
     caches of the inference paths store them.
 
     Returns:
       logits [B, T, V] float32;
-      per group a dict: "scores" [B, T, S'] indexer scores (S' = T dense, K sparse), "target"
-      [B, T, S'] the attention probabilities summed over the group's heads and layers
-      (stop-gradient, not normalised), "mask" [B, T, S'] bool.
+      per group a dict: "scores" [B, T, T] indexer scores, "target" [B, T, T] the attention
+      probabilities summed over the group's heads and layers (stop-gradient, not normalised),
+      "mask" [B, T, T] bool: the causal prefix ("dense") or the selected set ("sparse", so the
+      indexer's KL is restricted to it).
     """
     if stage not in STAGES:
         raise ValueError(f"stage={stage!r} must be one of {STAGES}")
@@ -206,33 +235,29 @@ def train_forward(params: dict, tokens: jax.Array, *, config: ModelConfig, stage
         if stage == "sparse":
             selected, sel_mask = select_topk(jax.lax.stop_gradient(scores), positions + 1,
                                              config.index_topk)
-            safe = jnp.where(sel_mask, selected, 0)
-            group_scores = jnp.take_along_axis(scores, safe, axis=-1)  # [B, T, K]
-            group_mask = sel_mask
+            # The selected set as a [B, T, S] mask: attention over it is attention over the
+            # K gathered rows (the same softmax and sum), as dense matmuls: on CPU the gather
+            # [B, T, K, D+R] and its scatter-add gradient cost ~3x more than T-wide matmuls.
+            mask = jnp.zeros((batch, num_t, num_t), bool).at[
+                jnp.arange(batch)[:, None, None], jnp.arange(num_t)[None, :, None],
+                jnp.where(sel_mask, selected, num_t)].set(True, mode="drop")
         else:
-            group_scores, group_mask = scores, causal
-        target = jnp.zeros(group_scores.shape, F32)
+            mask = causal
+        target = jnp.zeros(scores.shape, F32)
         for l in range(lo, hi):
             lp = layer_slice(layers, l)
             h = rms_norm(x, lp["attn_norm"], config.norm_eps)
             qr = query_lowrank(lp, h, config=config)
             q_lat, q_pe, kv_new = attention_inputs(lp, h, qr, positions, config=config)
             rows = kv_new.astype(F32)
-            if stage == "sparse":
-                rows = rows[jnp.arange(batch)[:, None, None], safe]  # [B, T, K, D+R]
-                rows = jnp.where(sel_mask[..., None], rows, 0.0)
-                probs = _attention_probs(q_lat, q_pe, rows[..., :d], rows[..., d:], sel_mask,
-                                         scale, ("bthd,btkd->bthk", "bthr,btkr->bthk"))
-                out_lat = jnp.einsum("bthk,btkd->bthd", probs, rows[..., :d])
-            else:
-                probs = _attention_probs(q_lat, q_pe, rows[..., :d], rows[..., d:], causal,
-                                         scale, ("bthd,bsd->bths", "bthr,bsr->bths"))
-                out_lat = jnp.einsum("bths,bsd->bthd", probs, rows[..., :d])
+            probs = _attention_probs(q_lat, q_pe, rows[..., :d], rows[..., d:], mask,
+                                     scale, ("bthd,bsd->bths", "bthr,bsr->bths"))
+            out_lat = jnp.einsum("bths,bsd->bthd", probs, rows[..., :d])
             target = target + jax.lax.stop_gradient(jnp.sum(probs, axis=2))
             x = x + attention_output(lp, out_lat, config=config)
             h = rms_norm(x, lp["ffn_norm"], config.norm_eps)
             x = x + swiglu_mlp(h, lp["w1"], lp["w2"], lp["w3"])
-        stats.append({"scores": group_scores, "target": target, "mask": group_mask})
+        stats.append({"scores": scores, "target": target, "mask": mask})
     x = rms_norm(x, params["norm"], config.norm_eps)
     return matmul_f32(x, params["head"]), stats
 
@@ -337,10 +362,11 @@ def eval_losses(params, batch, *, config, stage):
 
 
 def evaluate(params, windows: np.ndarray, *, config: ModelConfig, stage: str,
-             batch: int = 4) -> dict:
+             batch: int = 4, token_bytes: np.ndarray | None = None) -> dict:
     """Held-out loss of `windows` [N, T + 1]: {"bits_per_byte", "nats", "indexer_kl"}.
 
-    Byte tokens: nats per token / ln 2 is bits per byte (SEP counted as one byte)."""
+    nats: per token. bits_per_byte: the targets' nats / ln 2 / the bytes they stand for
+    (`token_bytes[id]`, the tokenizer's; None: one byte per token, SEP counted as one byte)."""
     lms, kls = [], []
     for i in range(0, len(windows), batch):
         chunk = windows[i:i + batch]
@@ -348,14 +374,20 @@ def evaluate(params, windows: np.ndarray, *, config: ModelConfig, stage: str,
         lms.append(float(lm) * len(chunk))
         kls.append(float(kl) * len(chunk))
     nats = sum(lms) / len(windows)
-    return {"bits_per_byte": nats / LN2, "nats": nats, "indexer_kl": sum(kls) / len(windows)}
+    bytes_per_token = (1.0 if token_bytes is None
+                       else float(np.mean(np.asarray(token_bytes)[windows[:, 1:]])))
+    return {"bits_per_byte": nats / LN2 / bytes_per_token, "nats": nats,
+            "bytes_per_token": bytes_per_token, "indexer_kl": sum(kls) / len(windows)}
 
 
 def save_run_config(path: str | os.PathLike, config: ModelConfig, tc: TrainConfig,
-                    extra: dict | None = None) -> None:
-    """The model and training configuration as JSON next to the weights."""
+                    extra: dict | None = None, tokenizer=None) -> None:
+    """The model and training configuration as JSON next to the weights (tokenizer: its
+    description; None is bytes)."""
+    described = (tokenizer.describe() if tokenizer is not None
+                 else {"kind": "bytes", "sep": SEP, "vocab_size": VOCAB_SIZE})
     payload = {"model": dataclasses.asdict(config), "train": dataclasses.asdict(tc),
-               "tokenizer": {"kind": "bytes", "sep": SEP, "vocab_size": VOCAB_SIZE},
+               "tokenizer": described,
                "corpus": "Python standard library .py sources (PSF License)"}
     payload.update(extra or {})
     pathlib.Path(path).write_text(json.dumps(payload, indent=2, default=list) + "\n")
