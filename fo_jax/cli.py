@@ -3,8 +3,11 @@
     fo-jax generate [--offload --hot-slots C [--policy ring] [--check]] [--prompt TEXT] ...
     fo-jax plan --model glm52 --context 128000 [--budget-gb 29] [--hot-slots 16384]
 
-`generate` runs the embedded tiny model by default (random weights from a seed, byte-level
-tokenizer: no download); `--weights FILE` loads a safetensors file instead.
+`generate` runs the trained model that ships with the package by default (`trained-small`: a
+4.4 M-parameter DSA model trained on the Python standard library's sources, with its BPE
+tokenizer; no download). `--model-dir DIR` runs another model directory (fo_jax.embedded);
+`--model tiny` (or `small`) runs a preset with random weights from `--seed` and the byte
+tokenizer (tests), or with `--weights FILE`.
 """
 
 from __future__ import annotations
@@ -13,19 +16,10 @@ import argparse
 import sys
 
 DEFAULT_PROMPT = (
-    "FlashOffloading keeps the authoritative KV cache in host memory and only a hot cache of "
-    "recently selected tokens on the device, so that a sparse-attention model can serve "
-    "contexts longer than its accelerator memory. "
+    "import os\n\n\ndef read_lines(path):\n"
+    "    \"\"\"Return the lines of the file at *path*.\"\"\"\n"
 )
-
-
-def encode(text: str) -> list[int]:
-    """Byte-level tokenizer: UTF-8 bytes are the token ids (vocabulary of 256)."""
-    return list(text.encode("utf-8"))
-
-
-def decode(tokens) -> str:
-    return bytes(int(t) % 256 for t in tokens).decode("utf-8", errors="replace")
+DEFAULT_MODEL = "trained-small"
 
 
 def printable(text: str) -> str:
@@ -37,9 +31,17 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fo-jax", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text with the (tiny, embedded) model")
-    gen.add_argument("--model", default="tiny", help="model preset (default: tiny)")
-    gen.add_argument("--weights", default=None, help="safetensors weights (default: random)")
+    gen = sub.add_parser("generate", help="generate text with the embedded trained model "
+                                          "(or a model directory, or a random preset)")
+    gen.add_argument("--model", default=None,
+                     help=f"{DEFAULT_MODEL} (default: the trained model shipped with the "
+                          "package) or a preset run with random weights (tiny, small) or "
+                          "--weights")
+    gen.add_argument("--model-dir", default=None,
+                     help="a model directory: config.json, model.safetensors (or a training "
+                          "run's sparse.safetensors), tokenizer.json")
+    gen.add_argument("--weights", default=None,
+                     help="safetensors weights for a --model preset (default: random)")
     gen.add_argument("--seed", type=int, default=0, help="weights and sampling seed")
     gen.add_argument("--prompt", default=DEFAULT_PROMPT)
     gen.add_argument("--batch", type=int, default=1, help="copies of the prompt to run")
@@ -135,6 +137,27 @@ def _check_param_memory(config, max_param_gb: float | None) -> None:
             f"small); to size a deployment run `fo-jax plan --model {config.name} --context N`")
 
 
+def _resolve_model(args):
+    """(config, params or None, tokenizer or None) from --model / --model-dir / --weights:
+    the embedded model and model directories come with weights and a tokenizer; a preset gets
+    random weights (or --weights) and the byte tokenizer."""
+    from fo_jax import embedded
+    from fo_jax.config import get_config
+
+    if args.model_dir is not None:
+        if args.model is not None or args.weights is not None:
+            raise ValueError("--model-dir brings its own config and weights: drop --model / "
+                             "--weights")
+        return embedded.load_model_dir(args.model_dir)
+    name = DEFAULT_MODEL if args.model is None else args.model
+    if name == DEFAULT_MODEL and args.weights is None:
+        return embedded.load_embedded()
+    config = get_config(name)
+    if name == DEFAULT_MODEL:  # its own weights file: its BPE tokenizer still applies
+        return config, None, embedded.load_tokenizer(embedded.EMBEDDED_DIR)
+    return config, None, None
+
+
 def _cmd_generate(args) -> int:
     import jax
     import numpy as np
@@ -145,12 +168,15 @@ def _cmd_generate(args) -> int:
     from fo_jax.model import dsa
     from fo_jax.offload.config import OffloadConfig, check_hot_slots, min_hot_slots
     from fo_jax.resident import ResidentState
+    from fo_jax.tokenizer import ByteTokenizer
     from fo_jax.weights import load_params
 
-    config = get_config(args.model)
-    if config.vocab_size < 256:
-        raise ValueError(f"the byte tokenizer needs vocab_size >= 256; {config.name!r} has "
-                         f"{config.vocab_size}")
+    config, params, tokenizer = _resolve_model(args)
+    if tokenizer is None:
+        tokenizer = ByteTokenizer()
+        if config.vocab_size < 256:
+            raise ValueError(f"the byte tokenizer needs vocab_size >= 256; {config.name!r} has "
+                             f"{config.vocab_size}")
     for flag in ("batch", "page_size", "max_new_tokens"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -172,7 +198,9 @@ def _cmd_generate(args) -> int:
     prefill_chunk = gen.PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk
     gen.check_prefill_chunk(prefill_chunk)
     _check_param_memory(config, args.max_param_gb)
-    prompt = encode(args.prompt)
+    prompt = tokenizer.encode(args.prompt).tolist()
+    if not prompt:
+        raise ValueError("--prompt is empty: give at least one character")
     prompts = [prompt] * args.batch
     need = len(prompt) + args.max_new_tokens - 1
     page = args.page_size
@@ -188,8 +216,9 @@ def _cmd_generate(args) -> int:
                                 policy=policy, host_access=args.host_access or "gather",
                                 host_memory_kind="device" if args.interpret else "pinned_host")
         offload.validate_for(config)
-    params = (load_params(args.weights, config) if args.weights
-              else dsa.init_params(config, jax.random.key(args.seed)))
+    if params is None:
+        params = (load_params(args.weights, config) if args.weights
+                  else dsa.init_params(config, jax.random.key(args.seed)))
     if args.offload:
         engine = gen.OffloadEngine(params, config, offload=offload, batch=args.batch,
                                    implementation=args.implementation, interpret=args.interpret,
@@ -229,7 +258,7 @@ def _cmd_generate(args) -> int:
         return 1
     for b in range(args.batch):
         print(f"--- request {b} ---")
-        print(printable(args.prompt + decode(result.tokens[b])))
+        print(printable(args.prompt + tokenizer.decode(result.tokens[b])))
     print("--- summary ---")
     print(f"model: {config.name}   path: {engine.name}   batch: {args.batch}")
     print(f"generated: {result.tokens.size} tokens in {result.seconds:.2f} s "

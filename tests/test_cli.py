@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from fo_jax.cli import decode, encode, main
+from fo_jax.cli import main
 
 
 @pytest.mark.parametrize("context,gb,batch", [
@@ -29,7 +29,8 @@ def test_plan_hot_cache_figures(capsys):
 
 
 def test_generate_offload_check_passes(capsys):
-    code = main(["generate", "--offload", "--check", "--max-new-tokens", "6", "--prompt",
+    code = main(["generate", "--model", "tiny",
+                 "--offload", "--check", "--max-new-tokens", "6", "--prompt",
                  "hello offload world, " * 4, "--hot-slots", "64", "--page-size", "8",
                  "--no-progress", "--batch", "2"])
     out = capsys.readouterr().out
@@ -44,7 +45,8 @@ def test_generate_offload_check_passes(capsys):
 def test_generate_slices_and_small_prefill_chunks_stay_bitwise(capsys):
     # The other host-access setting and a prompt prefilled 16 tokens at a time (both the
     # offloaded engine and the resident reference): still bit for bit the resident model.
-    code = main(["generate", "--offload", "--check", "--max-new-tokens", "4", "--prompt",
+    code = main(["generate", "--model", "tiny",
+                 "--offload", "--check", "--max-new-tokens", "4", "--prompt",
                  "chunked prompt " * 3, "--hot-slots", "64", "--page-size", "8",
                  "--host-access", "slices", "--prefill-chunk", "16", "--no-progress"])
     out = capsys.readouterr().out
@@ -53,13 +55,17 @@ def test_generate_slices_and_small_prefill_chunks_stay_bitwise(capsys):
 
 
 def test_generate_resident_with_sampling(capsys):
-    code = main(["generate", "--max-new-tokens", "4", "--temperature", "0.8", "--top-p", "0.9",
+    code = main(["generate", "--model", "tiny",
+                 "--max-new-tokens", "4", "--temperature", "0.8", "--top-p", "0.9",
                  "--prompt", "abc", "--no-progress"])
     assert code == 0
     assert "path: resident" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv,message", [
+    (["generate", "--model-dir", "/nonexistent"], "no config.json in /nonexistent"),
+    (["generate", "--model-dir", ".", "--model", "tiny"], "--model-dir brings its own"),
+    (["generate", "--model", "tiny", "--prompt", ""], "--prompt is empty"),
     (["generate", "--check"], "--check compares the offloaded path with the resident one"),
     (["generate", "--model", "nope"], "unknown model preset 'nope'"),
     (["generate", "--host-access", "slices"], "--host-access applies to the offloaded path"),
@@ -74,12 +80,6 @@ def test_errors_exit_2_with_a_message(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-def test_byte_tokenizer_round_trip():
-    text = "héllo, wörld"
-    assert decode(encode(text)) == text
-    assert max(encode(text)) < 256
-
-
 def test_check_names_step_and_position_on_a_difference(capsys, monkeypatch):
     from fo_jax import generate as gen
 
@@ -92,7 +92,8 @@ def test_check_names_step_and_position_on_a_difference(capsys, monkeypatch):
         return logits.at[0, 0, 7].add(1.0) if len(calls) == 3 else logits
 
     monkeypatch.setattr(gen.OffloadEngine, "step", perturbed)
-    code = main(["generate", "--offload", "--check", "--max-new-tokens", "5", "--prompt",
+    code = main(["generate", "--model", "tiny",
+                 "--offload", "--check", "--max-new-tokens", "5", "--prompt",
                  "abcdefgh" * 3, "--no-progress"])
     out = capsys.readouterr().out
     assert code == 1

@@ -380,7 +380,8 @@ def test_param_bytes_counts_every_parameter():
 
 
 def test_generate_offload_one_new_token(capsys):
-    code = main(["generate", "--offload", "--max-new-tokens", "1", "--prompt", "abcde" * 6,
+    code = main(["generate", "--model", "tiny",
+                 "--offload", "--max-new-tokens", "1", "--prompt", "abcde" * 6,
                  "--no-progress"])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -402,7 +403,7 @@ def test_generate_refuses_before_running(capsys, monkeypatch, argv, message):
 
     monkeypatch.setattr("fo_jax.model.dsa.init_params", refuse)
     monkeypatch.setattr("fo_jax.cli._available_bytes", lambda: 64e9)  # any machine alike
-    assert main(["generate", "--no-progress", *argv]) == 2
+    assert main(["generate", "--model", "tiny", "--no-progress", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err, err
     assert "page_size" not in err
@@ -420,7 +421,8 @@ def test_pallas_on_cpu_is_refused_before_prefill(capsys, monkeypatch, offload):
 
     monkeypatch.setattr(gen.OffloadEngine, "prefill", refuse)
     monkeypatch.setattr(gen.ResidentEngine, "prefill", refuse)
-    assert main(["generate", "--no-progress", "--implementation", "pallas", *offload]) == 2
+    assert main(["generate", "--model", "tiny",
+                 "--no-progress", "--implementation", "pallas", *offload]) == 2
     assert "TPU interpret mode" in capsys.readouterr().err
 
 
@@ -433,7 +435,8 @@ def test_generate_check_mode_reports_a_bad_state(capsys, monkeypatch):
         return logits
 
     monkeypatch.setattr(gen.OffloadEngine, "prefill", planted)
-    code = main(["generate", "--offload", "--check", "--max-new-tokens", "3", "--prompt",
+    code = main(["generate", "--model", "tiny",
+                 "--offload", "--check", "--max-new-tokens", "3", "--prompt",
                  "abcde" * 6, "--no-progress"])
     out = capsys.readouterr().out
     assert code == 1

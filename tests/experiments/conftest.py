@@ -8,7 +8,7 @@ import pytest
 EXPERIMENTS = pathlib.Path(__file__).resolve().parents[2] / "experiments"
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")  # stateless: shared by module fixtures too
 def load_experiment():
     def load(name: str):
         spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
