@@ -228,8 +228,9 @@ class ResidentEngine(_Lengths):
         self.interpret, self.check = interpret, check
         self.state = resident.ResidentState.create(config, batch=batch, capacity=capacity)
         self.lengths, self.steps = None, 0
-        self._rollback = lambda state, drop: offload_state.committed(
-            resident.rollback(state, drop))
+        # Eager, one O(B) op on the lengths (committed or not as the state's, so the next
+        # step hits the same compiled program).
+        self._rollback = resident.rollback
 
     @property
     def capacity(self) -> int:
