@@ -13,7 +13,11 @@ many tokens a step yields, never which tokens.
     last n tokens (n from `max_ngram` down to `min_ngram`) and proposes what followed it. Needs
     no model: it pays off when the output repeats its input (code, quotes, summaries).
   * The MTP drafter (DeepSeek-V3.2 / GLM-5 `num_nextn_predict_layers`) is not available yet:
-    `make_drafter("mtp", ...)` raises NotImplementedError naming what is missing.
+    `make_drafter("mtp", ...)` raises NotImplementedError naming what is missing. Besides the
+    layer's weights it needs the main model's final hidden state at each request's last kept
+    position (which `fo_jax.model.forward` does not return yet): it will be a Drafter whose
+    state the generation loop updates after each verification step, proposing with its own
+    small decode step, with the same `propose` contract.
 """
 
 from __future__ import annotations

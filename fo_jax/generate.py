@@ -455,6 +455,9 @@ def check_draft(draft, num_drafts, temperature, config):
     """
     drafter = make_drafter(draft, config) if isinstance(draft, str) else draft
     if drafter is None:
+        if num_drafts is not None:
+            raise ValueError(f"num_drafts={num_drafts!r} needs a drafter: pass draft='ngram' "
+                             "(or 'mtp'), or leave num_drafts None")
         return None, 0
     if temperature != 0:
         raise ValueError(f"draft={getattr(drafter, 'name', draft)!r} verifies drafts greedily "

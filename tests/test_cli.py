@@ -102,12 +102,15 @@ def test_check_names_step_and_position_on_a_difference(capsys, monkeypatch):
 def test_generate_with_ngram_drafts_checks_bitwise_and_reports_tokens_per_step(capsys):
     # A prompt that repeats itself: prompt lookup drafts get accepted. Offloaded with --check:
     # the resident reference is stepped and rolled back alongside, logits compared bit for bit.
-    # (That the tokens are those of W = 1 decoding: tests/test_drafting.py.)
-    code = main(["generate", "--offload", "--check", "--max-new-tokens", "8", "--prompt",
-                 "abcabcabc" * 3, "--hot-slots", "64", "--page-size", "8", "--no-progress",
-                 "--draft", "ngram"])
+    # The text is that of W = 1 greedy decoding on the resident path.
+    common = ["generate", "--max-new-tokens", "8", "--prompt", "abcabcabc" * 3, "--no-progress"]
+    assert main(common) == 0
+    plain = capsys.readouterr().out
+    code = main(common + ["--offload", "--check", "--hot-slots", "64", "--page-size", "8",
+                          "--draft", "ngram"])
     out = capsys.readouterr().out
     assert code == 0, out
+    assert out.split("--- summary ---")[0] == plain.split("--- summary ---")[0]
     steps = re.search(r"drafts: ngram, 3 per step: ([0-9.]+) tokens per step over (\d+) steps "
                       r"\(accepted (\d+) of (\d+) drafts\)", out)
     assert steps, out

@@ -9,6 +9,7 @@ from fo_jax import resident
 from fo_jax.config import get_config
 from fo_jax.drafting import NGramDrafter, make_drafter
 from fo_jax.model.dsa import init_params
+from fo_jax.offload import checks
 from fo_jax.offload import decode as offload_decode
 from fo_jax.offload import state as offload_state
 from fo_jax.offload.config import OffloadConfig
@@ -115,6 +116,7 @@ def test_rejected_drafts_leave_no_visible_trace(params):
         np.testing.assert_array_equal(state_o.lengths, lengths)
         check_invariants(state_o, config=CONFIG, offload=offload, resident_kv=state_b.kv,
                          finite=True)
+        checks.check_state_on_device(state_o, config=CONFIG, offload=offload)  # the jit twin
         # Everything to numpy once (slicing device arrays would compile a program per slice).
         kv_b, keys_b, kv_r, keys_r, keys_o, host, logits_b, logits_r, logits_o = (
             np.asarray(x) for x in (state_b.kv, state_b.index_keys, state_r.kv,
@@ -199,6 +201,8 @@ def test_drafts_are_refused_with_sampling_and_bad_counts(params):
     with pytest.raises(ValueError, match=r"num_drafts=4 must be an int in \[1, max_ways - 1 = "
                                          r"3\] of config 'tiny'"):
         gen.generate(engine, [[1, 2]], max_new_tokens=4, draft="ngram", num_drafts=4)
+    with pytest.raises(ValueError, match=r"num_drafts=2 needs a drafter: pass draft='ngram'"):
+        gen.generate(engine, [[1, 2]], max_new_tokens=4, num_drafts=2)
     with pytest.raises(NotImplementedError, match=r"draft='mtp'"):
         gen.generate(engine, [[1, 2]], max_new_tokens=4, draft="mtp")
     assert engine.lengths is None  # refused before anything ran
