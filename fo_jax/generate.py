@@ -157,6 +157,9 @@ class _Lengths:
     tokens_kept: tokens fed by decode steps and kept (not rolled back), over the batch.
     """
 
+    tokens_kept = 0
+    _before = None  # lengths before the last step, until its rollback
+
     def _start(self, lengths) -> None:
         self.lengths = np.asarray(lengths).astype(np.int64)
         self.steps = 0

@@ -210,6 +210,8 @@ def test_drafts_are_refused_with_sampling_and_bad_counts(params):
 
 def test_engine_rollback_is_checked(params):
     engine = _engines(params)["resident"]()  # the shapes above: compiled programs reused
+    with pytest.raises(ValueError, match=r"needs a decode step to roll back"):
+        engine.rollback([0, 0])  # before any prefill
     engine.prefill(*gen.pad_prompts(PROMPTS))
     with pytest.raises(ValueError, match=r"ResidentEngine.rollback needs a decode step to roll "
                                          r"back \(one rollback per step\)"):
