@@ -1,6 +1,7 @@
 """The `fo-jax` command.
 
-    fo-jax generate [--offload --hot-slots C [--policy ring] [--check]] [--prompt TEXT] ...
+    fo-jax generate [--offload --hot-slots C [--policy ring] [--check]] [--prompt TEXT]
+                    [--draft none|ngram|mtp] ...
     fo-jax plan --model glm52 --context 128000 [--budget-gb 29] [--hot-slots 16384]
 
 `generate` runs the trained model that ships with the package by default (`trained-small`: a
@@ -61,6 +62,12 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prefill-chunk", type=int, default=None,
                      help="prompt tokens per prefill call (default 2048: "
                           "fo_jax.generate.PREFILL_CHUNK)")
+    gen.add_argument("--draft", default="none", choices=("none", "ngram", "mtp"),
+                     help="speculative decoding (greedy only): drafts from prompt lookup "
+                          "(ngram) or the model's MTP layer (mtp; not available yet), verified "
+                          "by W-way decode steps; the tokens are those of --draft none")
+    gen.add_argument("--num-drafts", type=int, default=None,
+                     help="with --draft: drafts per step (default: the model's max_ways - 1)")
     gen.add_argument("--check", action="store_true",
                      help="with --offload: run the resident model side by side, and check "
                           "finiteness and the offload invariants after every step; exit 1 on "
@@ -181,6 +188,9 @@ def _cmd_generate(args) -> int:
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     gen.check_sampling(args.temperature, args.top_p)
+    if args.draft == "none" and args.num_drafts is not None:
+        raise ValueError("--num-drafts applies with --draft ngram or mtp only")
+    _, num_drafts = gen.check_draft(args.draft, args.num_drafts, args.temperature, config)
     if not args.offload:
         for flag in ("policy", "hot_slots", "host_access", "check"):
             if getattr(args, flag) not in (None, False):
@@ -228,7 +238,7 @@ def _cmd_generate(args) -> int:
                                     implementation=args.implementation, interpret=args.interpret,
                                     prefill_chunk=prefill_chunk)
 
-    on_step = None
+    on_step = on_rollback = None
     if args.check:
         reference = gen.ResidentEngine(params, config, batch=args.batch, capacity=capacity,
                                        implementation=args.implementation,
@@ -237,13 +247,19 @@ def _cmd_generate(args) -> int:
         mismatch = []
 
         def on_step(step, fed, logits):
-            ref = reference.step(fed)
-            if not mismatch and not bool((ref == logits).all()):
-                diff = np.argwhere(np.asarray(ref != logits))
-                b, w, v = diff[0]
+            before = reference.lengths.copy()
+            ref = reference.step(fed, drop_past_capacity=num_drafts > 0)
+            # Ways past capacity (drafts to be rolled back) have unspecified logits.
+            stored = (before[:, None] + np.arange(fed.shape[1])[None, :] < capacity)[..., None]
+            differ = np.asarray(ref != logits) & stored
+            if not mismatch and differ.any():
+                b, w, v = np.argwhere(differ)[0]
                 mismatch.append(
-                    f"step {step}: request {b}, position {len(prompt) + step}, logit {v}: "
+                    f"step {step}: request {b}, position {before[b] + w}, logit {v}: "
                     f"offload {float(logits[b, w, v])!r} != resident {float(ref[b, w, v])!r}")
+
+        def on_rollback(step, keep):
+            reference.rollback(keep)
 
         tokens, lengths = gen.pad_prompts(prompts)
         reference.prefill(tokens, lengths)
@@ -252,7 +268,9 @@ def _cmd_generate(args) -> int:
     try:
         result = gen.generate(engine, prompts, max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, top_p=args.top_p, key=key,
-                              on_step=on_step, progress=not args.no_progress)
+                              on_step=on_step, progress=not args.no_progress,
+                              draft=args.draft, num_drafts=args.num_drafts,
+                              on_rollback=on_rollback)
     except gen.StateCheckError as err:
         print(f"CHECK FAILED: {err}")
         return 1
@@ -264,6 +282,12 @@ def _cmd_generate(args) -> int:
     print(f"generated: {result.tokens.size} tokens in {result.seconds:.2f} s "
           f"({result.tokens_per_second:.1f} tokens/s; prefill {result.prefill_seconds:.2f} s)")
     print(f"context length: {int(result.context_length.max())} tokens")
+    if num_drafts:
+        extra = result.extra
+        print(f"drafts: {extra['draft']}, {num_drafts} per step: "
+              f"{extra['tokens_per_step']:.2f} tokens per step over {extra['verify_steps']} "
+              f"steps (accepted {extra['accepted_drafts']} of {extra['proposed_drafts']} "
+              "drafts)")
     resident_bytes = ResidentState.create(config, batch=args.batch,
                                           capacity=capacity).device_bytes()
     print(f"KV bytes on device: {_fmt_bytes(result.device_kv_bytes)}"
@@ -281,8 +305,9 @@ def _cmd_generate(args) -> int:
         if mismatch:
             print(f"CHECK FAILED: {mismatch[0]}")
             return 1
+        steps = result.extra.get("verify_steps", args.max_new_tokens - 1)
         print(f"check: offloaded logits bitwise equal to the resident model's over "
-              f"{args.max_new_tokens - 1} decode steps")
+              f"{steps} decode steps")
     return 0
 
 

@@ -8,7 +8,9 @@
 An engine prefills a ragged batch of prompts (in chunks of `prefill_chunk` tokens, default
 `PREFILL_CHUNK`: a long prompt never runs as one program) and then takes decode steps of one
 token per request; `generate` samples (greedy at temperature 0, else temperature + top-p with a
-PRNG key).
+PRNG key). With a drafter (`draft="ngram"`, `fo_jax.drafting`) a greedy generation verifies
+W - 1 drafted tokens per step and rolls the rejected ones back (`engine.rollback`): the same
+tokens in fewer steps.
 Offload statistics are summed on the device step by step (no host sync per step). Engines keep
 each request's length on the host and refuse a step past capacity before it runs; with
 `check=True` (debug; `fo-jax generate --check`) they read the whole state back after the
@@ -30,11 +32,13 @@ import numpy as np
 
 from fo_jax import resident
 from fo_jax.config import ModelConfig, sequence_capacity_check
+from fo_jax.drafting import make_drafter
 from fo_jax.offload import decode as offload_decode
 from fo_jax.offload import prefill as offload_prefill
 from fo_jax.kernels import resolve_implementation
 from fo_jax.offload.config import OffloadConfig, check_num_buffers
 from fo_jax.offload.invariants import check_invariants
+from fo_jax.offload import state as offload_state
 from fo_jax.offload.state import DecodeState
 
 
@@ -130,13 +134,15 @@ def _first_non_finite(rows, lengths) -> tuple[int, int, int] | None:
 
 def _check_finite(where: str, lengths, parts, logits) -> None:
     """Raise StateCheckError on a non-finite stored row of `parts` [(label, verb, rows)] or
-    a non-finite logit [B, ..., V]."""
+    a non-finite logit [B, ..., V] (logits None: rows only)."""
     for label, verb, rows in parts:
         hit = _first_non_finite(rows, lengths)
         if hit is not None:
             u, b, t = hit
             raise StateCheckError(f"{where}: request {b}: the {label} {u} {verb} a non-finite "
                                   f"value at token {t}")
+    if logits is None:
+        return
     bad = np.argwhere(~np.isfinite(np.asarray(logits).astype(np.float32)))
     if bad.size:
         raise StateCheckError(f"{where}: request {int(bad[0][0])}: non-finite logits at "
@@ -145,24 +151,65 @@ def _check_finite(where: str, lengths, parts, logits) -> None:
 
 class _Lengths:
     """Each request's length, known on the host (no device read): steps past capacity are
-    refused before they run."""
+    refused before they run (or, for a verification step, dropped: see `step`), and a step's
+    rejected drafts are forgotten by `rollback`.
+
+    tokens_kept: tokens fed by decode steps and kept (not rolled back), over the batch.
+    """
+
+    tokens_kept = 0
+    _before = None  # lengths before the last step, until its rollback
 
     def _start(self, lengths) -> None:
         self.lengths = np.asarray(lengths).astype(np.int64)
         self.steps = 0
+        self.tokens_kept = 0
+        self._before = None  # lengths before the last step, until its rollback
 
-    def _check_room(self, tokens) -> int:
+    def _check_room(self, tokens, drop_past_capacity: bool = False) -> int:
         if self.lengths is None:
             raise ValueError(f"{type(self).__name__}.step before prefill: prefill a batch first")
         ways = int(np.shape(tokens)[1])
         need = self.lengths + ways
         worst = int(np.argmax(need))
-        if need[worst] > self.capacity:
+        if need[worst] > self.capacity and not drop_past_capacity:
             raise ValueError(
                 f"request {worst} holds {int(self.lengths[worst])} tokens; a step of {ways} "
                 f"more needs {int(need[worst])} positions, beyond the engine's capacity of "
                 f"{self.capacity}: build the engine with a larger capacity")
         return ways
+
+    def _stepped(self, ways: int) -> None:
+        """Host bookkeeping after a step of `ways` tokens per request (cut at capacity)."""
+        self._before = self.lengths
+        self.lengths = np.minimum(self.lengths + ways, self.capacity)
+        self.tokens_kept += int(np.sum(self.lengths - self._before))
+        self.steps += 1
+
+    def rollback(self, keep) -> None:
+        """Keep the first keep[b] tokens the last step fed request b; forget the rest.
+
+        The verification of drafts: after a step of [last token, drafts...], keep the tokens
+        whose drafts were accepted. The state afterwards equals, on every stored position, that
+        of a run that fed only the kept tokens (`fo_jax.resident.rollback`,
+        `fo_jax.offload.state.rollback`: O(B) work). At most one rollback per step; keep[b]
+        in [0, tokens the step stored for b].
+        """
+        if self._before is None:
+            raise ValueError(f"{type(self).__name__}.rollback needs a decode step to roll back "
+                             "(one rollback per step)")
+        stored = self.lengths - self._before
+        keep = np.asarray(keep)
+        if (keep.shape != stored.shape or not np.issubdtype(keep.dtype, np.integer)
+                or np.any(keep < 0) or np.any(keep > stored)):
+            raise ValueError(f"keep={keep.tolist()} must be {stored.size} ints in [0, tokens "
+                             f"the last step stored] = [0, {stored.tolist()}]")
+        drop = stored - keep
+        self.state = self._rollback(self.state, jnp.asarray(drop.astype(np.int32)))
+        self.lengths, self._before = self._before + keep, None
+        self.tokens_kept -= int(np.sum(drop))
+        if self.check:
+            self._check_state(f"rollback after decode step {self.steps}", None)
 
 
 class ResidentEngine(_Lengths):
@@ -184,6 +231,9 @@ class ResidentEngine(_Lengths):
         self.interpret, self.check = interpret, check
         self.state = resident.ResidentState.create(config, batch=batch, capacity=capacity)
         self.lengths, self.steps = None, 0
+        # Eager, one O(B) op on the lengths (committed or not as the state's, so the next
+        # step hits the same compiled program).
+        self._rollback = resident.rollback
 
     @property
     def capacity(self) -> int:
@@ -208,12 +258,18 @@ class ResidentEngine(_Lengths):
             self._check_state("prefill", last)
         return last
 
-    def step(self, tokens) -> jax.Array:
-        ways = self._check_room(tokens)
+    def step(self, tokens, *, drop_past_capacity: bool = False) -> jax.Array:
+        """Append tokens [B, W] to every request; logits [B, W, V].
+
+        A step past capacity is refused before it runs, unless `drop_past_capacity`: then the
+        tokens beyond capacity are dropped (their logits unspecified), as a verification step
+        does with drafts it will roll back anyway.
+        """
+        ways = self._check_room(tokens, drop_past_capacity)
         logits, self.state = resident.decode_step(
             self.params, self.state, tokens, config=self.config, check=False,
             implementation=self.implementation, interpret=self.interpret)
-        self.lengths, self.steps = self.lengths + ways, self.steps + 1
+        self._stepped(ways)
         if self.check:
             self._check_state(f"decode step {self.steps}", logits)
         return logits
@@ -261,6 +317,10 @@ class OffloadEngine(_Lengths):
         self.state: DecodeState | None = None
         self.totals = None
         self.lengths, self.steps = None, 0
+        # Eager: one O(B) op on the lengths; the other leaves (host pages included) pass as
+        # they are. Committed, so the next step hits the same compiled program.
+        self._rollback = lambda state, drop: offload_state.committed(
+            offload_state.rollback(state, drop))
 
     @property
     def capacity(self) -> int:
@@ -288,21 +348,24 @@ class OffloadEngine(_Lengths):
             self._check_state("prefill", last)
         return last
 
-    def step(self, tokens) -> jax.Array:
-        ways = self._check_room(tokens)
+    def step(self, tokens, *, drop_past_capacity: bool = False) -> jax.Array:
+        """Append tokens [B, W] to every request; logits [B, W, V] (as ResidentEngine.step)."""
+        ways = self._check_room(tokens, drop_past_capacity)
         logits, self.state, stats = offload_decode.decode_step(
             self.params, self.state, tokens, config=self.config, offload=self.offload,
             check=False, implementation=self.implementation, interpret=self.interpret)
-        self.lengths = self.lengths + ways
+        self._stepped(ways)
         # float32 sums: int32 byte counters would overflow within a few steps at real sizes.
         counts = {name: getattr(stats, name).astype(jnp.float32).sum()
                   for name in ("hits", "tail_hits", "misses", "union", "h2d_bytes",
                                "d2h_bytes")}
         self.totals = counts if self.totals is None else jax.tree_util.tree_map(
             jnp.add, self.totals, counts)
-        self.steps += 1
         if self.check:
-            self._check_state(f"decode step {self.steps}", logits, stats.selected)
+            # The selection check needs the length before the step: known unless cut.
+            whole = bool(np.all(self.lengths - self._before == ways))
+            self._check_state(f"decode step {self.steps}", logits,
+                              stats.selected if whole else None)
         return logits
 
     def _check_state(self, where: str, logits, selected=None) -> None:
@@ -323,6 +386,9 @@ class OffloadEngine(_Lengths):
     def summary(self) -> dict:
         """Hit rate and bytes moved per generated token (one host read, at the end).
 
+        Counts include the rows the rejected drafts of verification steps moved; "per token"
+        divides by the tokens kept.
+
         With no decode step yet (a generation of one new token) the hit rate is None and the
         counts are 0.
         """
@@ -333,7 +399,7 @@ class OffloadEngine(_Lengths):
                     "host_kv_bytes": host_kv}
         t = {k: float(v) for k, v in jax.device_get(self.totals).items()}
         selected = t["hits"] + t["tail_hits"] + t["misses"]
-        tokens = max(self.steps * self.batch, 1)
+        tokens = max(self.tokens_kept, 1)  # steps x batch without drafts
         return {
             "decode_steps": self.steps,
             "hit_rate": (t["hits"] + t["tail_hits"]) / max(selected, 1),
@@ -383,24 +449,65 @@ def pad_prompts(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     return tokens, lengths
 
 
+def check_draft(draft, num_drafts, temperature, config):
+    """The drafter and W - 1 drafts per step a generation runs with: (drafter or None, n).
+
+    draft: "none", "ngram", "mtp" (`fo_jax.drafting.make_drafter`) or a Drafter object;
+    num_drafts: None for config.max_ways - 1. Drafts are verified greedily, so a drafter
+    needs temperature 0 (speculative sampling is not implemented).
+    """
+    drafter = make_drafter(draft, config) if isinstance(draft, str) else draft
+    if drafter is None:
+        if num_drafts is not None:
+            raise ValueError(f"num_drafts={num_drafts!r} needs a drafter: pass draft='ngram' "
+                             "(or 'mtp'), or leave num_drafts None")
+        return None, 0
+    if temperature != 0:
+        raise ValueError(f"draft={getattr(drafter, 'name', draft)!r} verifies drafts greedily "
+                         f"and needs temperature=0, got temperature={temperature!r}: "
+                         "speculative sampling is not implemented; use draft='none' to sample")
+    most = config.max_ways - 1
+    num_drafts = most if num_drafts is None else num_drafts
+    if (not isinstance(num_drafts, (int, np.integer)) or isinstance(num_drafts, bool)
+            or not 1 <= num_drafts <= most):
+        raise ValueError(f"num_drafts={num_drafts!r} must be an int in [1, max_ways - 1 = "
+                         f"{most}] of config {config.name!r} (a step verifies the current "
+                         "token and its drafts as W = 1 + num_drafts ways)")
+    return drafter, int(num_drafts)
+
+
 def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, key: jax.Array | None = None,
              on_step: Callable[[int, jax.Array, jax.Array], None] | None = None,
-             progress: bool = False) -> GenerationResult:
+             progress: bool = False, draft="none", num_drafts: int | None = None,
+             on_rollback: Callable[[int, np.ndarray], None] | None = None) -> GenerationResult:
     """Prefill `prompts`, then decode `max_new_tokens` tokens per request.
 
     Args:
       engine: ResidentEngine or OffloadEngine (its batch must equal len(prompts)).
       temperature: 0 = greedy; > 0 samples with `top_p` nucleus filtering and `key`.
-      on_step: called as on_step(step, tokens_fed [B, 1], logits [B, 1, V]) after each step
-        (the side-by-side check uses it).
+      on_step: called as on_step(step, tokens_fed [B, W], logits [B, W, V]) after each step
+        (the side-by-side check uses it); W = 1 without drafts.
       progress: show a progress bar.
+      draft: "none", "ngram" (prompt lookup), "mtp" (refused until fo_jax runs MTP layers) or
+        a `fo_jax.drafting.Drafter`. With a drafter (greedy only), each step feeds
+        [last token, num_drafts drafts] as W ways, keeps the longest prefix of drafts equal
+        to the greedy tokens plus the next greedy token, and rolls the rest back
+        (`engine.rollback`): the tokens are those of W = 1 greedy decoding (each way's logits
+        equal a W = 1 step's up to float rounding, so only a near-tie of the two largest logits
+        could tell them apart), in fewer steps when drafts are accepted.
+      num_drafts: drafts per step, default config.max_ways - 1.
+      on_rollback: with a drafter, called as on_rollback(step, keep [B]) after each step's
+        rollback (keep[b]: tokens fed to request b that were kept).
+    `extra` of the result holds the drafting figures with a drafter: "tokens_per_step" (mean
+    tokens generated per request and step), "accepted_drafts", "proposed_drafts".
     Everything is validated before the engine is touched.
     """
     config = engine.config
     if max_new_tokens < 1:
         raise ValueError(f"{max_new_tokens=} must be >= 1")
     check_sampling(temperature, top_p)
+    drafter, num_drafts = check_draft(draft, num_drafts, temperature, config)
     tokens, lengths = pad_prompts(prompts)
     resident.check_token_values(tokens, config)
     # The last sampled token is returned, never fed back: it needs no position.
@@ -416,26 +523,91 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
     next_tokens = sample(logits, sub, temperature=temperature, top_p=top_p)
     next_tokens.block_until_ready()
     prefill_seconds = time.perf_counter() - start
-    out = [next_tokens]
     bar = _progress(max_new_tokens, progress)
     start = time.perf_counter()
-    for step in range(max_new_tokens - 1):
-        fed = next_tokens[:, None]
-        logits = engine.step(fed)
-        if on_step is not None:
-            on_step(step, fed, logits)
-        key, sub = jax.random.split(key)
-        next_tokens = sample(logits[:, -1], sub, temperature=temperature, top_p=top_p)
-        out.append(next_tokens)
-        bar.update(1)
-    generated = np.stack([np.asarray(t) for t in out], axis=1)
+    extra = {}
+    if drafter is None:
+        out = [next_tokens]
+        for step in range(max_new_tokens - 1):
+            fed = next_tokens[:, None]
+            logits = engine.step(fed)
+            if on_step is not None:
+                on_step(step, fed, logits)
+            key, sub = jax.random.split(key)
+            next_tokens = sample(logits[:, -1], sub, temperature=temperature, top_p=top_p)
+            out.append(next_tokens)
+            bar.update(1)
+        generated = np.stack([np.asarray(t) for t in out], axis=1)
+    else:
+        generated, extra = _speculate(engine, drafter, num_drafts, prompts,
+                                      np.asarray(next_tokens), max_new_tokens, on_step,
+                                      on_rollback, bar)
     seconds = time.perf_counter() - start
     bar.update(1)
     bar.close()
     return GenerationResult(
         tokens=generated, seconds=seconds, prefill_seconds=prefill_seconds,
         context_length=lengths + max_new_tokens - 1,
-        device_kv_bytes=engine.device_kv_bytes(), extra=engine.summary())
+        device_kv_bytes=engine.device_kv_bytes(), extra={**engine.summary(), **extra})
+
+
+def _speculate(engine, drafter, num_drafts: int, prompts, first: np.ndarray,
+               max_new_tokens: int, on_step, on_rollback, bar) -> tuple[np.ndarray, dict]:
+    """The greedy draft-and-verify loop of `generate`: (tokens [B, N], drafting figures).
+
+    Per step, request b (n_b tokens stored, c_b generated, the last not yet fed) is fed
+    [last, d_1 .. d_D] at positions n_b .. n_b + D; with g the greedy tokens of the W ways and
+    a_b the longest prefix with d_i = g_i, it keeps e_b = min(a_b + 1, N - c_b) fed tokens and
+    generates g_1 .. g_{e_b}: exactly the tokens W = 1 greedy decoding generates one per step.
+    A request already done (c_b = N) keeps nothing. Ways past the engine's capacity are dropped
+    (only a done request's or a rejected draft's position can be): the capacity W = 1 needs is
+    enough.
+    """
+    config = engine.config
+    batch = len(prompts)
+    generated = np.zeros((batch, max_new_tokens), np.int32)
+    generated[:, 0] = first
+    count = np.ones(batch, np.int64)
+    rows = np.arange(batch)
+    emitted, accepted_total, proposed, request_steps = 0, 0, 0, 0
+    step = 0
+    while np.any(count < max_new_tokens):
+        remaining = max_new_tokens - count
+        histories = [np.concatenate([np.asarray(p, np.int64), generated[b, :count[b]]])
+                     for b, p in enumerate(prompts)]
+        drafts = np.asarray(drafter.propose(histories, num_drafts))
+        if drafts.shape != (batch, num_drafts):
+            raise ValueError(f"drafter {drafter.name!r} proposed drafts of shape "
+                             f"{drafts.shape}, expected ({batch}, {num_drafts})")
+        fed = np.concatenate([generated[rows, count - 1][:, None], drafts], axis=1)
+        resident.check_token_values(fed, config)
+        logits = engine.step(fed, drop_past_capacity=True)
+        if on_step is not None:
+            on_step(step, fed, logits)
+        greedy = np.asarray(jnp.argmax(logits, axis=-1)).astype(np.int32)  # [B, W]
+        accepted = np.cumprod(drafts == greedy[:, :-1], axis=1).sum(axis=1)
+        keep = np.minimum(accepted + 1, remaining)
+        engine.rollback(keep)
+        if on_rollback is not None:
+            on_rollback(step, keep)
+        for b in range(batch):
+            generated[b, count[b]:count[b] + keep[b]] = greedy[b, :keep[b]]
+        active = remaining > 0
+        emitted += int(keep.sum())
+        accepted_total += int(np.sum(keep[active] - 1))
+        proposed += num_drafts * int(active.sum())
+        request_steps += int(active.sum())
+        bar.update(int(np.min(count + keep) - np.min(count)))
+        count += keep
+        step += 1
+    return generated, {
+        "draft": drafter.name,
+        "num_drafts": num_drafts,
+        "verify_steps": step,
+        "tokens_per_step": emitted / max(request_steps, 1),
+        "accepted_drafts": accepted_total,
+        "proposed_drafts": proposed,
+    }
 
 
 def _progress(total: int, enabled: bool):

@@ -249,6 +249,21 @@ def decode_step(params, state: ResidentState, tokens, *, config: ModelConfig,
                         interpret=interpret_params(interpret))
 
 
+def rollback(state: ResidentState, num_drop) -> ResidentState:
+    """Forget the last num_drop[b] tokens of each request: the rejected drafts of the last
+    decode step (at most the W tokens it appended). Pure and jit-able; O(B) work.
+
+    Only `lengths` changes. The rows the dropped tokens wrote (KV [L, B, S, D+R] and indexer
+    keys [G, B, S, N] at positions >= the new length) stay as garbage that nothing reads: every
+    selection, mask and attention sees positions < length or the step's own new positions, and
+    a later step writes its tokens' rows before any query can see them. So the state equals,
+    on every stored position, that of a run that never fed the dropped tokens.
+    num_drop: [B] ints in [0, lengths[b]] (clipped into it).
+    """
+    num_drop = jnp.clip(jnp.asarray(num_drop, jnp.int32), 0, state.lengths)
+    return dataclasses.replace(state, lengths=state.lengths - num_drop)
+
+
 def check_query_block(query_block) -> None:
     """Raise unless `query_block` is None or an int >= 1."""
     if query_block is None:

@@ -98,3 +98,39 @@ def test_check_names_step_and_position_on_a_difference(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert code == 1
     assert "CHECK FAILED: step 2: request 0, position 26, logit 7" in out
+
+
+def test_generate_with_ngram_drafts_checks_bitwise_and_reports_tokens_per_step(capsys):
+    # A prompt that repeats itself: prompt lookup drafts get accepted. Offloaded with --check:
+    # the resident reference is stepped and rolled back alongside, logits compared bit for bit.
+    # The text is that of W = 1 greedy decoding on the resident path.
+    common = ["generate", "--model", "tiny", "--max-new-tokens", "8", "--prompt", "abcabcabc" * 3,
+              "--no-progress"]
+    assert main(common) == 0
+    plain = capsys.readouterr().out
+    code = main(common + ["--offload", "--check", "--hot-slots", "64", "--page-size", "8",
+                          "--draft", "ngram"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.split("--- summary ---")[0] == plain.split("--- summary ---")[0]
+    steps = re.search(r"drafts: ngram, 3 per step: ([0-9.]+) tokens per step over (\d+) steps "
+                      r"\(accepted (\d+) of (\d+) drafts\)", out)
+    assert steps, out
+    assert f"bitwise equal to the resident model's over {steps.group(2)} decode steps" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "--model", "tiny", "--draft", "mtp"],
+     "draft='mtp' needs the multi-token-prediction layer of the model (num_nextn_predict_layers "
+     "of a DeepSeek-V3.2 / GLM-5 checkpoint); model 'tiny' has no MTP layer loaded"),
+    (["generate", "--model", "tiny", "--draft", "ngram", "--temperature", "0.5"],
+     "draft='ngram' verifies drafts greedily and needs temperature=0, got temperature=0.5: "
+     "speculative sampling is not implemented; use draft='none' to sample"),
+    (["generate", "--model", "tiny", "--draft", "ngram", "--num-drafts", "9"],
+     "num_drafts=9 must be an int in [1, max_ways - 1 = 3] of config 'tiny'"),
+    (["generate", "--model", "tiny", "--num-drafts", "2"],
+     "--num-drafts applies with --draft ngram or mtp only"),
+])
+def test_draft_errors_exit_2_with_a_message(capsys, argv, message):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

@@ -208,6 +208,36 @@ class DecodeState:
                                  offload=offload, fill=fill)
 
 
+def rollback(state: DecodeState, num_drop) -> DecodeState:
+    """Forget the last num_drop[b] tokens of each request: the rejected drafts of the last
+    decode step (at most the W <= Z tokens it appended). Pure and jit-able; O(B) work (never
+    O(C) or O(S)): only `lengths` changes, because nothing else needs to.
+
+    What the dropped tokens left, and why it is invisible (n the length before the step,
+    n' = the new length, n <= n' <= n + W, W <= Z by `OffloadConfig.validate_for`):
+      * host pages and indexer keys at positions >= n': garbage no one reads. Selections see
+        positions < n' or the next step's own new positions, whose rows and keys that step
+        writes (to host pages, tail rows and indexer keys) before any query reads them.
+      * slot maps: every hot slot holds a token < (n // Z) * Z (tokens from there on are tail
+        tokens, never installed), so no slot points at a dropped token, and no tail token of
+        n' holds a slot: the maps' invariants hold for n'.
+      * tail blocks: a dropped token's row is that of a token 2Z before or after it, which is
+        outside the tail blocks of n' (it starts at (n' // Z) * Z > n' - Z); the tail tokens
+        of n' keep their rows.
+      * hot rows: the step's misses (tokens < n selected by any way, rejected ones included)
+        are copies of their host rows, as the invariants require.
+      * policy state (stamps, hand, lru times, key) and `step`: a cache's bookkeeping; they
+        may differ from a run that never fed the drafts, and they change which rows are hits,
+        never what a step reads.
+    So every stored position (host pages, indexer keys) equals that of a run that never fed
+    the dropped tokens, the invariants of fo_jax.offload.invariants hold, and every later
+    logit is unchanged.
+    num_drop: [B] ints in [0, lengths[b]] (clipped into it).
+    """
+    num_drop = jnp.clip(jnp.asarray(num_drop, jnp.int32), 0, state.lengths)
+    return dataclasses.replace(state, lengths=state.lengths - num_drop)
+
+
 def initial_layout(config: ModelConfig, offload: OffloadConfig, lengths: np.ndarray):
     """Where a prefilled batch's tokens go at the handoff to decode.
 
