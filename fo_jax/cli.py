@@ -59,6 +59,9 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prefill-chunk", type=int, default=None,
                      help="prompt tokens per prefill call (default 2048: "
                           "fo_jax.generate.PREFILL_CHUNK)")
+    gen.add_argument("--decode-steps-per-call", type=int, default=1,
+                     help="decode steps per compiled call, with sampling on the device (default "
+                          "1: one step per call; the tokens are the same for any value)")
     gen.add_argument("--check", action="store_true",
                      help="with --offload: run the resident model side by side, and check "
                           "finiteness and the offload invariants after every step; exit 1 on "
@@ -155,6 +158,10 @@ def _cmd_generate(args) -> int:
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     gen.check_sampling(args.temperature, args.top_p)
+    gen.check_decode_steps_per_call(args.decode_steps_per_call)
+    if args.check and args.decode_steps_per_call > 1:
+        raise ValueError("--check compares the logits of every step with the resident model's: "
+                         "use --decode-steps-per-call 1")
     if not args.offload:
         for flag in ("policy", "hot_slots", "host_access", "check"):
             if getattr(args, flag) not in (None, False):
@@ -223,7 +230,8 @@ def _cmd_generate(args) -> int:
     try:
         result = gen.generate(engine, prompts, max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, top_p=args.top_p, key=key,
-                              on_step=on_step, progress=not args.no_progress)
+                              on_step=on_step, progress=not args.no_progress,
+                              decode_steps_per_call=args.decode_steps_per_call)
     except gen.StateCheckError as err:
         print(f"CHECK FAILED: {err}")
         return 1
