@@ -135,6 +135,8 @@ class OffloadBackend:
         plan, stats, slots, policy = manage_group(
             tokens, mask, carry["slots"], carry["policy"], g, self.tail_start, self.step,
             policy=oc.policy, hot_slots=oc.hot_slots, page_size=oc.page_size, looked_up=slots)
+        if self.active is not None:  # an inactive request selected nothing
+            tokens = jnp.where(self.active[:, None, None], tokens, -1)
         self.group_stats.append((stats, tokens))
         return {**carry, "slots": slots, "policy": policy}, plan
 

@@ -221,12 +221,15 @@ def test_early_exit_on_capacity_and_max_new_tokens():
 def test_decode_step_active_flags_leave_inactive_requests_alone():
     state = _state("ring")
     before = _rows(state, 1)
+    # debug=True: the on-device invariant checks (fo_jax.offload.checks) hold after the step.
     _, state, stats = offload_decode.decode_step(
         _params(), state, FIRST[:, None], config=CONFIG, offload=_offload(),
-        active=np.array([True, False]))
+        active=np.array([True, False]), debug=True)
     chex.assert_trees_all_equal(_rows(state, 1), before)
     np.testing.assert_array_equal(state.lengths, [11, 7])
     assert int(stats.hits[:, 1].sum() + stats.misses[:, 1].sum()) == 0
+    assert (np.asarray(stats.selected)[:, 1] == -1).all()
+    assert (np.asarray(stats.selected)[:, 0] >= 0).any()
     with pytest.raises(ValueError, match=r"active must be a \[2\] bool array \(one flag per "
                                          r"request: False = the request takes no token\), got "
                                          r"int64\[2\]"):
