@@ -1,7 +1,7 @@
-"""The serving engine over the pure decode steps (issue: pools, batching, the decode loop).
+"""The serving engine over the pure decode steps.
 
-`fo_jax.engine.loop`: the jit-compiled decode loop (`decode_loop`), up to N steps with on-device
-sampling, stop checks and summed statistics in one program.
+`fo_jax.engine.loop`: the jit-compiled decode loop (`decode_loop`): up to N decode steps with
+on-device sampling, stop checks and summed statistics in one program.
 """
 
 from fo_jax.engine.loop import (
