@@ -68,6 +68,9 @@ def _build_parser() -> argparse.ArgumentParser:
                           "by W-way decode steps; the tokens are those of --draft none")
     gen.add_argument("--num-drafts", type=int, default=None,
                      help="with --draft: drafts per step (default: the model's max_ways - 1)")
+    gen.add_argument("--decode-steps-per-call", type=int, default=1,
+                     help="decode steps per compiled call, with sampling on the device (default "
+                          "1: one step per call; the tokens are the same for any value)")
     gen.add_argument("--check", action="store_true",
                      help="with --offload: run the resident model side by side, and check "
                           "finiteness and the offload invariants after every step; exit 1 on "
@@ -191,6 +194,10 @@ def _cmd_generate(args) -> int:
     if args.draft == "none" and args.num_drafts is not None:
         raise ValueError("--num-drafts applies with --draft ngram or mtp only")
     _, num_drafts = gen.check_draft(args.draft, args.num_drafts, args.temperature, config)
+    gen.check_decode_steps_per_call(args.decode_steps_per_call)
+    if args.check and args.decode_steps_per_call > 1:
+        raise ValueError("--check compares the logits of every step with the resident model's: "
+                         "use --decode-steps-per-call 1")
     if not args.offload:
         for flag in ("policy", "hot_slots", "host_access", "check"):
             if getattr(args, flag) not in (None, False):
@@ -270,7 +277,8 @@ def _cmd_generate(args) -> int:
                               temperature=args.temperature, top_p=args.top_p, key=key,
                               on_step=on_step, progress=not args.no_progress,
                               draft=args.draft, num_drafts=args.num_drafts,
-                              on_rollback=on_rollback)
+                              on_rollback=on_rollback,
+                              decode_steps_per_call=args.decode_steps_per_call)
     except gen.StateCheckError as err:
         print(f"CHECK FAILED: {err}")
         return 1

@@ -10,7 +10,8 @@ An engine prefills a ragged batch of prompts (in chunks of `prefill_chunk` token
 token per request; `generate` samples (greedy at temperature 0, else temperature + top-p with a
 PRNG key). With a drafter (`draft="ngram"`, `fo_jax.drafting`) a greedy generation verifies
 W - 1 drafted tokens per step and rolls the rejected ones back (`engine.rollback`): the same
-tokens in fewer steps.
+tokens in fewer steps. With `decode_steps_per_call=N > 1` it runs N steps per compiled call
+instead (`fo_jax.engine.decode_loop`: sampling on the device, the same tokens).
 Offload statistics are summed on the device step by step (no host sync per step). Engines keep
 each request's length on the host and refuse a step past capacity before it runs; with
 `check=True` (debug; `fo-jax generate --check`) they read the whole state back after the
@@ -33,6 +34,14 @@ import numpy as np
 from fo_jax import resident
 from fo_jax.config import ModelConfig, sequence_capacity_check
 from fo_jax.drafting import make_drafter
+from fo_jax.engine.loop import (
+    LoopOutput,
+    OffloadedStep,
+    ResidentStep,
+    Sampling,
+    Seats,
+    decode_loop,
+)
 from fo_jax.offload import decode as offload_decode
 from fo_jax.offload import prefill as offload_prefill
 from fo_jax.kernels import resolve_implementation
@@ -152,19 +161,82 @@ def _check_finite(where: str, lengths, parts, logits) -> None:
 class _Lengths:
     """Each request's length, known on the host (no device read): steps past capacity are
     refused before they run (or, for a verification step, dropped: see `step`), and a step's
-    rejected drafts are forgotten by `rollback`.
+    rejected drafts are forgotten by `rollback`. Decode-loop calls (`decode`) add to lengths and
+    steps lazily: their counts are read from the device only when lengths or steps are next
+    asked for.
 
     tokens_kept: tokens fed by decode steps and kept (not rolled back), over the batch.
     """
 
-    tokens_kept = 0
+    _lengths = None
+    _steps = 0
+    _tokens_kept = 0
+    _pending: tuple = ()
     _before = None  # lengths before the last step, until its rollback
 
     def _start(self, lengths) -> None:
+        self._pending = ()
         self.lengths = np.asarray(lengths).astype(np.int64)
         self.steps = 0
         self.tokens_kept = 0
         self._before = None  # lengths before the last step, until its rollback
+
+    def _settle(self) -> None:
+        pending, self._pending = self._pending, ()
+        for out in pending:
+            fed = np.asarray(out.fed)
+            self._lengths = self._lengths + fed
+            self._steps += int(out.num_steps)
+            self._tokens_kept += int(fed.sum())
+
+    @property
+    def tokens_kept(self) -> int:
+        self._settle()
+        return self._tokens_kept
+
+    @tokens_kept.setter
+    def tokens_kept(self, value: int) -> None:
+        self._settle()
+        self._tokens_kept = value
+
+    @property
+    def lengths(self):
+        self._settle()
+        return self._lengths
+
+    @lengths.setter
+    def lengths(self, value) -> None:
+        self._settle()
+        self._lengths = value
+
+    @property
+    def steps(self) -> int:
+        self._settle()
+        return self._steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self._settle()
+        self._steps = value
+
+    def decode(self, seats: Seats, n_steps: int, sampling: Sampling) -> tuple[LoopOutput, Seats]:
+        """Up to `n_steps` decode steps with on-device sampling in one program
+        (`fo_jax.engine.decode_loop`): (LoopOutput, new seats). No host sync: lengths and
+        step counts are read back when next asked for."""
+        if self._lengths is None:
+            raise ValueError(f"{type(self).__name__}.decode before prefill: prefill a batch "
+                             "first")
+        if self.check:
+            raise ValueError("check mode reads the state back after every step: decode with "
+                             "single steps (decode_steps_per_call=1)")
+        out, self.state, seats = decode_loop(self.params, self.state, seats, n_steps, sampling,
+                                             step=self.loop_step())
+        self._pending = self._pending + (out,)
+        self._add_stats(out.stats)
+        return out, seats
+
+    def _add_stats(self, stats) -> None:
+        pass
 
     def _check_room(self, tokens, drop_past_capacity: bool = False) -> int:
         if self.lengths is None:
@@ -234,6 +306,10 @@ class ResidentEngine(_Lengths):
         # Eager, one O(B) op on the lengths (committed or not as the state's, so the next
         # step hits the same compiled program).
         self._rollback = resident.rollback
+
+    def loop_step(self) -> ResidentStep:
+        """The step `decode` runs in its loop."""
+        return ResidentStep(self.config, self.implementation, self.interpret)
 
     @property
     def capacity(self) -> int:
@@ -322,6 +398,10 @@ class OffloadEngine(_Lengths):
         self._rollback = lambda state, drop: offload_state.committed(
             offload_state.rollback(state, drop))
 
+    def loop_step(self) -> OffloadedStep:
+        """The step `decode` runs in its loop."""
+        return OffloadedStep(self.config, self.offload, self.implementation, self.interpret)
+
     @property
     def capacity(self) -> int:
         return self.offload.capacity
@@ -355,18 +435,22 @@ class OffloadEngine(_Lengths):
             self.params, self.state, tokens, config=self.config, offload=self.offload,
             check=False, implementation=self.implementation, interpret=self.interpret)
         self._stepped(ways)
-        # float32 sums: int32 byte counters would overflow within a few steps at real sizes.
-        counts = {name: getattr(stats, name).astype(jnp.float32).sum()
-                  for name in ("hits", "tail_hits", "misses", "union", "h2d_bytes",
-                               "d2h_bytes")}
-        self.totals = counts if self.totals is None else jax.tree_util.tree_map(
-            jnp.add, self.totals, counts)
+        self._add_stats(stats)
         if self.check:
             # The selection check needs the length before the step: known unless cut.
             whole = bool(np.all(self.lengths - self._before == ways))
             self._check_state(f"decode step {self.steps}", logits,
                               stats.selected if whole else None)
         return logits
+
+    def _add_stats(self, stats) -> None:
+        """Add a step's DecodeStats (or a loop's LoopStats) to the totals, on the device."""
+        # float32 sums: int32 byte counters would overflow within a few steps at real sizes.
+        counts = {name: getattr(stats, name).astype(jnp.float32).sum()
+                  for name in ("hits", "tail_hits", "misses", "union", "h2d_bytes",
+                               "d2h_bytes")}
+        self.totals = counts if self.totals is None else jax.tree_util.tree_map(
+            jnp.add, self.totals, counts)
 
     def _check_state(self, where: str, logits, selected=None) -> None:
         state = self.state
@@ -476,18 +560,27 @@ def check_draft(draft, num_drafts, temperature, config):
     return drafter, int(num_drafts)
 
 
+def check_decode_steps_per_call(n) -> None:
+    """Raise unless `n` is an int >= 1."""
+    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"decode_steps_per_call={n!r} must be an int >= 1 (decode steps per "
+                         "compiled call; 1 = one step per call)")
+
+
 def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, key: jax.Array | None = None,
              on_step: Callable[[int, jax.Array, jax.Array], None] | None = None,
              progress: bool = False, draft="none", num_drafts: int | None = None,
-             on_rollback: Callable[[int, np.ndarray], None] | None = None) -> GenerationResult:
+             on_rollback: Callable[[int, np.ndarray], None] | None = None,
+             decode_steps_per_call: int = 1) -> GenerationResult:
     """Prefill `prompts`, then decode `max_new_tokens` tokens per request.
 
     Args:
       engine: ResidentEngine or OffloadEngine (its batch must equal len(prompts)).
       temperature: 0 = greedy; > 0 samples with `top_p` nucleus filtering and `key`.
       on_step: called as on_step(step, tokens_fed [B, W], logits [B, W, V]) after each step
-        (the side-by-side check uses it); W = 1 without drafts.
+        (the side-by-side check uses it; needs decode_steps_per_call=1); W = 1 without
+        drafts.
       progress: show a progress bar.
       draft: "none", "ngram" (prompt lookup), "mtp" (refused until fo_jax runs MTP layers) or
         a `fo_jax.drafting.Drafter`. With a drafter (greedy only), each step feeds
@@ -501,6 +594,10 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
         rollback (keep[b]: tokens fed to request b that were kept).
     `extra` of the result holds the drafting figures with a drafter: "tokens_per_step" (mean
     tokens generated per request and step), "accepted_drafts", "proposed_drafts".
+      decode_steps_per_call: N > 1 runs N steps per compiled call with on-device sampling
+        (`fo_jax.engine.decode_loop`): the same tokens as N = 1 (one jitted step and one
+        sampling call per token from Python), with one host dispatch per N tokens; not with
+        a drafter.
     Everything is validated before the engine is touched.
     """
     config = engine.config
@@ -508,6 +605,18 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
         raise ValueError(f"{max_new_tokens=} must be >= 1")
     check_sampling(temperature, top_p)
     drafter, num_drafts = check_draft(draft, num_drafts, temperature, config)
+    check_decode_steps_per_call(decode_steps_per_call)
+    if decode_steps_per_call > 1 and on_step is not None:
+        raise ValueError("on_step sees the logits of every step; a decode loop of "
+                         f"decode_steps_per_call={decode_steps_per_call} keeps them on the "
+                         "device: use decode_steps_per_call=1")
+    if decode_steps_per_call > 1 and getattr(engine, "check", False):
+        raise ValueError("check mode reads the state back after every step: use "
+                         f"decode_steps_per_call=1 (got {decode_steps_per_call})")
+    if decode_steps_per_call > 1 and drafter is not None:
+        raise ValueError(f"decode_steps_per_call={decode_steps_per_call} runs W = 1 steps on "
+                         "the device; drafts are verified step by step from the host: use "
+                         "decode_steps_per_call=1 with a drafter")
     tokens, lengths = pad_prompts(prompts)
     resident.check_token_values(tokens, config)
     # The last sampled token is returned, never fed back: it needs no position.
@@ -523,11 +632,15 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
     next_tokens = sample(logits, sub, temperature=temperature, top_p=top_p)
     next_tokens.block_until_ready()
     prefill_seconds = time.perf_counter() - start
+    out, calls = [next_tokens], []
     bar = _progress(max_new_tokens, progress)
     start = time.perf_counter()
     extra = {}
-    if drafter is None:
-        out = [next_tokens]
+    if drafter is not None:
+        generated, extra = _speculate(engine, drafter, num_drafts, prompts,
+                                      np.asarray(next_tokens), max_new_tokens, on_step,
+                                      on_rollback, bar)
+    elif decode_steps_per_call == 1:
         for step in range(max_new_tokens - 1):
             fed = next_tokens[:, None]
             logits = engine.step(fed)
@@ -537,11 +650,22 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
             next_tokens = sample(logits[:, -1], sub, temperature=temperature, top_p=top_p)
             out.append(next_tokens)
             bar.update(1)
-        generated = np.stack([np.asarray(t) for t in out], axis=1)
-    else:
-        generated, extra = _speculate(engine, drafter, num_drafts, prompts,
-                                      np.asarray(next_tokens), max_new_tokens, on_step,
-                                      on_rollback, bar)
+    elif max_new_tokens > 1:
+        # Every request samples max_new_tokens tokens: the last call ends early on that count.
+        sampling = Sampling.create(len(prompts), temperature=temperature, top_p=top_p,
+                                   max_new_tokens=max_new_tokens)
+        seats = Seats.create(next_tokens, key, sampling=sampling, lengths=engine.lengths,
+                             capacity=engine.capacity)
+        remaining = max_new_tokens - 1
+        while remaining > 0:
+            result, seats = engine.decode(seats, decode_steps_per_call, sampling)
+            taken = min(remaining, decode_steps_per_call)
+            calls.append(result.tokens[:, :taken])
+            remaining -= taken
+            bar.update(taken)
+    if drafter is None:
+        generated = np.concatenate([np.stack([np.asarray(t) for t in out], axis=1)]
+                                   + [np.asarray(c) for c in calls], axis=1)
     seconds = time.perf_counter() - start
     bar.update(1)
     bar.close()

@@ -220,7 +220,7 @@ def _prefill_arguments(params, state, tokens, num_new, *, config, dense, check, 
 
 def decode_step(params, state: ResidentState, tokens, *, config: ModelConfig,
                 dense: bool = False, check: bool = True, implementation: str | None = None,
-                interpret=False):
+                interpret=False, active=None):
     """One decode step of W query tokens per request: logits [B, W, V] and the new state.
 
     tokens: [B, W], W <= config.max_ways (the current token and W - 1 draft tokens); all W are
@@ -231,6 +231,8 @@ def decode_step(params, state: ResidentState, tokens, *, config: ModelConfig,
     `state.lengths`); host token ids are always checked, traced values never (the step composes
     under `jax.jit`, `lax.scan` and `lax.while_loop`). Unchecked, a request never grows past
     capacity: tokens beyond it are dropped.
+    active: [B] bool, default all True: an inactive request (finished, or an empty seat) takes
+    no token: nothing of its state is written and its length stays (its logits are unspecified).
     """
     implementation = resolve_implementation(implementation, interpret)
     check_live(state, "decode_step")
@@ -239,6 +241,9 @@ def decode_step(params, state: ResidentState, tokens, *, config: ModelConfig,
         raise ValueError(f"decode_step got W={num_w} query tokens per request, but "
                          f"config {config.name!r} allows at most max_ways={config.max_ways}")
     num_new = jnp.full((state.batch,), num_w, jnp.int32)
+    active = check_active(active, state.batch)
+    if active is not None:
+        num_new = jnp.where(active, num_new, 0)
     if check:
         _check_values(tokens, num_new, state, config)
     if implementation == "pallas" and dense:
@@ -262,6 +267,18 @@ def rollback(state: ResidentState, num_drop) -> ResidentState:
     """
     num_drop = jnp.clip(jnp.asarray(num_drop, jnp.int32), 0, state.lengths)
     return dataclasses.replace(state, lengths=state.lengths - num_drop)
+
+
+def check_active(active, batch: int):
+    """None, or `active` as a [B] bool array; raises ValueError on another shape or dtype."""
+    if active is None:
+        return None
+    if not isinstance(active, jax.Array):
+        active = np.asarray(active)
+    if active.shape != (batch,) or active.dtype != np.bool_:
+        raise ValueError(f"active must be a [{batch}] bool array (one flag per request: False "
+                         f"= the request takes no token), got {active.dtype}{list(active.shape)}")
+    return jnp.asarray(active)
 
 
 def check_query_block(query_block) -> None:

@@ -59,7 +59,17 @@ def test_generate_resident_with_sampling(capsys):
                  "--max-new-tokens", "4", "--temperature", "0.8", "--top-p", "0.9",
                  "--prompt", "abc", "--no-progress"])
     assert code == 0
-    assert "path: resident" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "path: resident" in out
+    # Three decode steps per compiled call, sampling on the device: the same text.
+    code = main(["generate", "--model", "tiny", "--max-new-tokens", "4", "--temperature", "0.8",
+                 "--top-p", "0.9", "--prompt", "abc", "--no-progress",
+                 "--decode-steps-per-call", "3"])
+    assert code == 0
+    looped = capsys.readouterr().out
+    text = lambda s: s.split("--- summary ---")[0]
+    assert text(looped) == text(out)
+    assert "generated: 4 tokens" in looped
 
 
 @pytest.mark.parametrize("argv,message", [

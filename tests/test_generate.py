@@ -43,6 +43,40 @@ def test_offload_engine_generates_the_resident_tokens():
     assert off.device_kv_bytes < res.device_kv_bytes
 
 
+def test_decode_steps_per_call_gives_the_same_tokens():
+    # N = 4 steps per compiled call (sampling on the device) against one step per call: the
+    # same tokens, lengths and offload totals; 11 steps take calls of 4, 4 and 3 (the last one
+    # ends early on max_new_tokens).
+    params = init_params(CONFIG, jax.random.key(0))
+    prompts = [list(range(40, 90)), list(range(100, 133))]
+    kwargs = dict(max_new_tokens=12, temperature=0.7, top_p=0.9, key=jax.random.key(3))
+    offload = OffloadConfig(hot_slots=64, page_size=8, capacity=128)
+    for make in (lambda: gen.ResidentEngine(params, CONFIG, batch=2, capacity=128),
+                 lambda: gen.OffloadEngine(params, CONFIG, offload=offload, batch=2)):
+        one = make()
+        want = gen.generate(one, prompts, **kwargs)
+        engine = make()
+        got = gen.generate(engine, prompts, decode_steps_per_call=4, **kwargs)
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+        np.testing.assert_array_equal(engine.lengths, one.lengths)
+        assert engine.steps == one.steps == 11
+        assert got.extra == want.extra
+    greedy = dict(kwargs, temperature=0.0)
+    np.testing.assert_array_equal(
+        gen.generate(engine, prompts, decode_steps_per_call=4, **greedy).tokens,
+        gen.generate(make(), prompts, **greedy).tokens)
+    with pytest.raises(ValueError, match=r"decode_steps_per_call=0 must be an int >= 1 \(decode "
+                                         r"steps per compiled call; 1 = one step per call\)"):
+        gen.generate(engine, prompts, decode_steps_per_call=0, **kwargs)
+    with pytest.raises(ValueError, match=r"on_step sees the logits of every step; a decode loop "
+                                         r"of decode_steps_per_call=2 keeps them on the device"):
+        gen.generate(engine, prompts, decode_steps_per_call=2, on_step=print, **kwargs)
+    checked = gen.OffloadEngine(params, CONFIG, offload=offload, batch=2, check=True)
+    with pytest.raises(ValueError, match=r"check mode reads the state back after every step: "
+                                         r"use decode_steps_per_call=1 \(got 2\)"):
+        gen.generate(checked, prompts, decode_steps_per_call=2, **kwargs)
+
+
 def test_generate_validates_before_running():
     params = init_params(CONFIG, jax.random.key(0))
     engine = gen.ResidentEngine(params, CONFIG, batch=1, capacity=32)

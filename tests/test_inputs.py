@@ -396,6 +396,10 @@ def test_generate_offload_one_new_token(capsys):
     (["--hot-slots", "64"], "--hot-slots applies to the offloaded path only: add --offload"),
     (["--model", "glm52"], "fo-jax plan --model glm52"),
     (["--max-param-gb", "0.0001"], "above --max-param-gb=0.0001"),
+    (["--decode-steps-per-call", "0"], "decode_steps_per_call=0 must be an int >= 1"),
+    (["--offload", "--check", "--decode-steps-per-call", "2"],
+     "--check compares the logits of every step with the resident model's: use "
+     "--decode-steps-per-call 1"),
 ])
 def test_generate_refuses_before_running(capsys, monkeypatch, argv, message):
     def refuse(*_, **__):

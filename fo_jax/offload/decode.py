@@ -36,6 +36,7 @@ from fo_jax.offload.host import host_gather_rows, host_write_rows, memory_kind
 from fo_jax.offload.manage import GroupPlan, manage_group
 from fo_jax.offload.state import CacheSlots, DecodeState, HostPages, PolicyState
 from fo_jax.resident import (
+    check_active,
     check_capacity,
     check_live,
     clamp_new,
@@ -95,8 +96,11 @@ class OffloadBackend:
     """Backend of `forward` over the decode state (see fo_jax.model.forward)."""
 
     def __init__(self, config: ModelConfig, offload: OffloadConfig, host_kv, tail_start, step,
-                 implementation: str = "xla", interpret=False):
+                 implementation: str = "xla", interpret=False, active=None):
         self.config, self.offload = config, offload
+        # [B] bool or None: a request that is not active selects nothing, so its hot cache,
+        # slot maps and policy state stay as they are (see `decode_step`).
+        self.active = active
         self.host_kv, self.tail_start, self.step = host_kv, tail_start, step
         self.implementation, self.interpret = implementation, interpret
         self.on_host = offload.host_memory_kind != "device"
@@ -126,9 +130,13 @@ class OffloadBackend:
 
     def plan_group(self, carry, g, tokens, mask, slots):
         oc = self.offload
+        if self.active is not None:
+            mask = mask & self.active[:, None, None]
         plan, stats, slots, policy = manage_group(
             tokens, mask, carry["slots"], carry["policy"], g, self.tail_start, self.step,
             policy=oc.policy, hot_slots=oc.hot_slots, page_size=oc.page_size, looked_up=slots)
+        if self.active is not None:  # an inactive request selected nothing
+            tokens = jnp.where(self.active[:, None, None], tokens, -1)
         self.group_stats.append((stats, tokens))
         return {**carry, "slots": slots, "policy": policy}, plan
 
@@ -162,22 +170,26 @@ class OffloadBackend:
 @functools.partial(jax.jit, static_argnames=("config", "offload", "implementation", "interpret",
                                              "debug"),
                    donate_argnames=("state",))
-def _decode_jit(params, state: DecodeState, tokens, *, config: ModelConfig,
+def _decode_jit(params, state: DecodeState, tokens, active=None, *, config: ModelConfig,
                 offload: OffloadConfig, implementation: str = "xla", interpret=False,
                 debug: bool = False):
     """The step, pure. With `debug`, the invariants of fo_jax.offload.checks are checkified
-    after the step (O(G B (S + C)) more work): trace it under `checkify.checkify`."""
+    after the step (O(G B (S + C)) more work): trace it under `checkify.checkify`.
+    active: [B] bool or None (all): see `decode_step`."""
     batch, ways = tokens.shape
     offsets = jnp.arange(ways, dtype=jnp.int32)
     positions = state.lengths[:, None] + offsets[None, :]
     # Never past capacity, checked or not: a token beyond it is dropped (no KV, index key or
-    # host row written; its logits unspecified) and lengths stop at S.
-    num_new = clamp_new(jnp.full((batch,), ways, jnp.int32), state.lengths, ways,
-                        offload.capacity)
+    # host row written; its logits unspecified) and lengths stop at S. An inactive request
+    # takes no token at all, the same way.
+    want = jnp.full((batch,), ways, jnp.int32)
+    if active is not None:
+        want = jnp.where(active, want, 0)
+    num_new = clamp_new(want, state.lengths, ways, offload.capacity)
     write_pos = jnp.where(offsets[None, :] < num_new[:, None], positions, offload.capacity)
     tail_start = (state.lengths // offload.page_size) * offload.page_size
     backend = OffloadBackend(config, offload, state.host.kv, tail_start, state.step,
-                             implementation, interpret)
+                             implementation, interpret, active)
     p = state.policy
     carry = {
         "hot": state.hot,
@@ -223,12 +235,12 @@ def _decode_jit(params, state: DecodeState, tokens, *, config: ModelConfig,
 
 @functools.partial(jax.jit, static_argnames=("config", "offload", "implementation", "interpret"),
                    donate_argnames=("state",))
-def _decode_checked(params, state: DecodeState, tokens, *, config: ModelConfig,
+def _decode_checked(params, state: DecodeState, tokens, active=None, *, config: ModelConfig,
                     offload: OffloadConfig, implementation: str, interpret):
     """`_decode_jit` with debug checks, functionalised: (checkify.Error, step outputs)."""
     step = functools.partial(_decode_jit, config=config, offload=offload,
                              implementation=implementation, interpret=interpret, debug=True)
-    return checkify.checkify(step, errors=checkify.user_checks)(params, state, tokens)
+    return checkify.checkify(step, errors=checkify.user_checks)(params, state, tokens, active)
 
 
 def check_state(state: DecodeState, *, config: ModelConfig, offload: OffloadConfig) -> None:
@@ -279,7 +291,7 @@ def check_implementation(implementation: str | None, interpret, offload: Offload
 
 def decode_step(params, state: DecodeState, tokens, *, config: ModelConfig,
                 offload: OffloadConfig, check: bool = True, implementation: str | None = None,
-                interpret=False, debug: bool = False):
+                interpret=False, debug: bool = False, active=None):
     """One offloaded decode step: (logits [B, W, V], new state, DecodeStats).
 
     tokens: [B, W] with W <= config.max_ways. The state is donated: use the returned one.
@@ -296,22 +308,30 @@ def decode_step(params, state: DecodeState, tokens, *, config: ModelConfig,
     compiled program) and raise AssertionError naming the first violation (the input state is
     donated either way). Under an outer trace the checks are traced into the caller's program:
     wrap it in `checkify.checkify` (or `chex.chexify`) to see them.
+    active: [B] bool, default all True. An inactive request (a finished one, an empty seat)
+    takes no token and its state does not change: nothing is written to its hot cache, tail,
+    indexer keys, slot maps, policy state or host pages and its length stays (the step still
+    computes its row: O(1) of the batch's work; its logits are unspecified and its stats 0).
+    The state's step counter and the random policy's key are the batch's and advance anyway.
     """
     implementation = check_implementation(implementation, interpret, offload)
     check_live(state, "decode_step")
     tokens, ways = prepare_tokens(tokens, state.batch, config, check=check)
+    active = check_active(active, state.batch)
     if ways > config.max_ways:
         raise ValueError(f"decode_step got W={ways} query tokens per request; config "
                          f"{config.name!r} allows 1 to max_ways={config.max_ways}")
     check_state(state, config=config, offload=offload)
     if check and is_concrete(state.lengths):
-        check_capacity(state.lengths, np.full(state.batch, ways), state.capacity, config,
-                       what="the host pages'")
+        taken = np.full(state.batch, ways)
+        if active is not None and is_concrete(active):
+            taken = np.where(np.asarray(active), taken, 0)
+        check_capacity(state.lengths, taken, state.capacity, config, what="the host pages'")
     if debug and is_concrete(state.lengths):
-        err, out = _decode_checked(params, state, tokens, config=config, offload=offload,
+        err, out = _decode_checked(params, state, tokens, active, config=config, offload=offload,
                                    implementation=implementation,
                                    interpret=interpret_params(interpret))
         checks.raise_on_error(err)
         return out
-    return _decode_jit(params, state, tokens, config=config, offload=offload, debug=debug,
+    return _decode_jit(params, state, tokens, active, config=config, offload=offload, debug=debug,
                        implementation=implementation, interpret=interpret_params(interpret))

@@ -1,0 +1,178 @@
+"""Decode loop benchmark: tokens/s with N decode steps per compiled call against one per call.
+
+One question, one run (ratios are to the baseline measured in the same run):
+
+  python    today's generation loop (`fo_jax.generate.generate` with decode_steps_per_call=1):
+            per token, one jitted decode step, a key split and a jitted sampling call
+            dispatched from Python (no host sync per step);
+  loop N    `fo_jax.engine.decode_loop` with N steps per call (sampling, stop checks and
+            statistics on the device): one dispatch per N tokens.
+
+Every cell decodes the same tokens (they are checked equal) from the same synthetic state
+(random KV rows and indexer keys of `context` tokens, `experiments/common.synthetic_states`: no
+prefill), `tokens` new tokens per request per round; cells run in interleaved rounds (A B C,
+then C B A, ...), the first round uncounted (compilation). Reported: median [IQR] of per-round
+tokens/s ratios to `python`, and decode programs dispatched from Python per generated token.
+
+    python experiments/decode_loop_bench.py                         # small, offloaded
+    python experiments/decode_loop_bench.py --model tiny --context 256   # dispatch-bound
+    python experiments/decode_loop_bench.py --path resident
+    python experiments/decode_loop_bench.py --smoke                 # seconds; run by the tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+from common import run_metadata, synthetic_states, write_jsonl  # noqa: E402
+
+from fo_jax import generate as gen  # noqa: E402
+from fo_jax import resident  # noqa: E402
+from fo_jax.config import get_config  # noqa: E402
+from fo_jax.engine import OffloadedStep, ResidentStep, Sampling, Seats, decode_loop  # noqa: E402
+from fo_jax.model.dsa import init_params  # noqa: E402
+from fo_jax.offload import decode as offload_decode  # noqa: E402
+from fo_jax.offload.config import OffloadConfig  # noqa: E402
+from fo_jax.offload.state import DecodeState  # noqa: E402
+
+
+def _fresh(path, res, config, offload):
+    """A new copy of the starting state (the runs donate theirs)."""
+    kv, ik = jnp.array(res.kv, copy=True), jnp.array(res.index_keys, copy=True)
+    if path == "resident":
+        return resident.ResidentState(kv=kv, index_keys=ik, lengths=jnp.array(res.lengths))
+    return DecodeState.from_resident(kv, ik, np.asarray(res.lengths), config=config,
+                                     offload=offload)
+
+
+def _python(params, state, first, key, tokens, *, path, config, offload, temperature, top_p):
+    """generate's loop of single steps: (tokens [B, T], seconds, totals or None)."""
+    start = time.perf_counter()
+    out, nxt, totals = [], first, None
+    for _ in range(tokens):
+        if path == "resident":
+            logits, state = resident.decode_step(params, state, nxt[:, None], config=config,
+                                                 check=False)
+        else:
+            logits, state, stats = offload_decode.decode_step(
+                params, state, nxt[:, None], config=config, offload=offload, check=False)
+            misses = stats.misses.astype(jnp.float32).sum()
+            totals = misses if totals is None else totals + misses
+        key, sub = jax.random.split(key)
+        nxt = gen.sample(logits[:, -1], sub, temperature=temperature, top_p=top_p)
+        out.append(nxt)
+    result = np.stack([np.asarray(t) for t in out], axis=1)
+    return result, time.perf_counter() - start, totals
+
+
+def _looped(params, state, first, key, tokens, n, *, step, sampling):
+    start = time.perf_counter()
+    seats = Seats.create(first, key, sampling=sampling, lengths=np.asarray(state.lengths),
+                         capacity=state.capacity)
+    outs, totals = [], None
+    for _ in range(-(-tokens // n)):
+        out, state, seats = decode_loop(params, state, seats, n, sampling, step=step)
+        outs.append(out.tokens)
+        if out.stats is not None:
+            misses = out.stats.misses.astype(jnp.float32).sum()
+            totals = misses if totals is None else totals + misses
+    result = np.concatenate([np.asarray(o) for o in outs], axis=1)[:, :tokens]
+    return result, time.perf_counter() - start, totals
+
+
+def run(args, meta):
+    config = get_config(args.model).replace(max_ways=1)
+    batch, context = args.batch, args.context
+    hot = max(context // 4, config.index_topk)
+    page = 16
+    capacity = -(-(context + args.tokens + 1) // page) * page
+    offload = OffloadConfig(hot_slots=hot, page_size=page, capacity=capacity, policy="ring")
+    params = init_params(config, jax.random.key(0))
+    res, _ = synthetic_states(config, offload, batch, context, seed=0)
+    step = (ResidentStep(config) if args.path == "resident"
+            else OffloadedStep(config, offload))
+    # Every request samples `tokens` more (one already sampled counts): the last call of a
+    # loop cell ends early on that count.
+    sampling = Sampling.create(batch, temperature=args.temperature, top_p=args.top_p,
+                               max_new_tokens=args.tokens + 1)
+    first = jnp.asarray(np.random.default_rng(1).integers(0, config.vocab_size, batch),
+                        jnp.int32)
+    cells = ["python"] + [f"loop {n}" for n in args.steps_per_call]
+    times = {c: [] for c in cells}
+    reference = None
+    print(f"decode loop: {config.name}, {args.path}, batch {batch}, context {context}, "
+          f"{args.tokens} tokens per request per round, temperature {args.temperature}, "
+          f"{args.rounds} rounds (+1 uncounted)")
+    for r in range(args.rounds + 1):
+        order = cells if r % 2 == 0 else cells[::-1]
+        for cell in order:
+            state = _fresh(args.path, res, config, offload)
+            jax.block_until_ready(state)
+            key = jax.random.key(2)
+            if cell == "python":
+                toks, secs, totals = _python(params, state, first, key, args.tokens,
+                                             path=args.path, config=config, offload=offload,
+                                             temperature=args.temperature, top_p=args.top_p)
+            else:
+                toks, secs, totals = _looped(params, state, first, key, args.tokens,
+                                             int(cell.split()[1]), step=step, sampling=sampling)
+            if reference is None:
+                reference = (toks, None if totals is None else float(totals))
+            elif not np.array_equal(toks, reference[0]) or (
+                    totals is not None and float(totals) != reference[1]):
+                raise AssertionError(f"{cell} decoded other tokens (or misses) than the first "
+                                     "cell: the loop is not the Python loop")
+            if r > 0:
+                times[cell].append(secs)
+    base = np.asarray(times["python"])
+    rows = []
+    print(f"{'cell':10s}{'tokens/s':>10s}{'ratio':>8s}{'IQR':>14s}{'dispatches/token':>18s}")
+    for cell in cells:
+        secs = np.asarray(times[cell])
+        ratios = base / secs  # tokens/s ratio: same tokens, so the inverse time ratio
+        n = 1 if cell == "python" else int(cell.split()[1])
+        per_token = 1.0 if cell == "python" else 1.0 / n
+        tps = batch * args.tokens / float(np.median(secs))
+        q25, med, q75 = (float(np.percentile(ratios, q)) for q in (25, 50, 75))
+        print(f"{cell:10s}{tps:>10.1f}{med:>8.2f}{q25:>7.2f}-{q75:<6.2f}{per_token:>18.4f}")
+        rows.append({**meta, "question": "decode_loop", "cell": cell, "steps_per_call": n,
+                     "path": args.path, "model": config.name, "batch": batch,
+                     "context": context, "tokens": args.tokens, "rounds": args.rounds,
+                     "temperature": args.temperature, "tokens_per_second": tps,
+                     "ratio": med, "ratio_q25": q25, "ratio_q75": q75,
+                     "round_seconds": secs.tolist(), "dispatches_per_token": per_token})
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (seconds)")
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--path", choices=("offload", "resident"), default="offload")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--tokens", type=int, default=32,
+                        help="new tokens per request per round")
+    parser.add_argument("--steps-per-call", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top-p", type=float, default=0.9)
+    parser.add_argument("--rounds", type=int, default=7, help="timed interleaved rounds")
+    parser.add_argument("--out", default=None, help="append JSON lines here")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.model, args.batch, args.context, args.tokens, args.rounds = "tiny", 2, 64, 6, 1
+        args.steps_per_call = [4]
+    rows = run(args, run_metadata())
+    write_jsonl(args.out, rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

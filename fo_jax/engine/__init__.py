@@ -1,0 +1,19 @@
+"""The serving engine over the pure decode steps.
+
+`fo_jax.engine.loop`: the jit-compiled decode loop (`decode_loop`): up to N decode steps with
+on-device sampling, stop checks and summed statistics in one program.
+"""
+
+from fo_jax.engine.loop import (
+    LoopOutput,
+    LoopStats,
+    OffloadedStep,
+    ResidentStep,
+    Sampling,
+    Seats,
+    decode_loop,
+    sample_tokens,
+)
+
+__all__ = ["LoopOutput", "LoopStats", "OffloadedStep", "ResidentStep", "Sampling", "Seats",
+           "decode_loop", "sample_tokens"]
