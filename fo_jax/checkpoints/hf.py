@@ -62,8 +62,35 @@ def _expected_shape(shapes: dict, slot: Slot) -> tuple[int, ...]:
     shape = shapes
     for key in slot.path:
         shape = shape[key]
-    shape = shape[len(slot.index):]
-    return tuple(reversed(shape)) if slot.transpose else tuple(shape)
+    shape = tuple(shape[len(slot.index):])
+    return shape[:-2] + shape[:-3:-1] if slot.transpose else shape
+
+
+def _expected(config: ModelConfig, found) -> dict:
+    """{checkpoint name: (shape, [(Slot, rows or None)])}: where each tensor's pieces go.
+
+    A MoE layer's experts come one tensor per expert and matrix (the Hub checkpoints), or packed
+    as `mlp.experts.gate_up_proj` [X, 2M, E] (gate rows first) and `mlp.experts.down_proj`
+    [X, E, M] (how recent `transformers` hold them).
+    """
+    shapes = param_shapes(config)
+    out = {name: (_expected_shape(shapes, slot), [(slot, None)])
+           for name, slot in tensor_names(config, "hf").items()}
+    num_x, m_width = config.n_routed_experts, config.moe_hidden
+    for l in range(config.num_dense_layers, config.num_layers):
+        pre = f"model.layers.{l}.mlp.experts."
+        if pre + "gate_up_proj" not in found and pre + "down_proj" not in found:
+            continue
+        for e in range(num_x):
+            for matrix in ("gate_proj", "up_proj", "down_proj"):
+                out.pop(f"{pre}{e}.{matrix}.weight")
+        m = l - config.num_dense_layers
+        out[pre + "gate_up_proj"] = ((num_x, 2 * m_width, config.dim), [
+            (Slot(("moe", "w1"), (m,), True), (0, m_width)),
+            (Slot(("moe", "w3"), (m,), True), (m_width, 2 * m_width))])
+        out[pre + "down_proj"] = ((num_x, config.dim, m_width),
+                                  [(Slot(("moe", "w2"), (m,), True), None)])
+    return out
 
 
 def dequantize_fp8(q: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
@@ -76,13 +103,11 @@ def dequantize_fp8(q: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int])
 def inspect_checkpoint(directory: str | os.PathLike, config: ModelConfig) -> dict:
     """Check a checkpoint directory against `config` without reading tensor data.
 
-    Returns {name: (shard path, SafetensorsFile, Slot, the SafetensorsFile of its FP8 scale
-    or None)} of the tensors to load.
+    Returns {name: (SafetensorsFile, [(Slot, rows or None)], the SafetensorsFile of its FP8
+    scale or None)} of the tensors to load (see `_expected`).
     """
     directory = os.fspath(directory)
     block = hf_quantization(directory)
-    expected = tensor_names(config, "hf")
-    shapes = param_shapes(config)
     found: dict[str, tuple[str, SafetensorsFile]] = {}
     for shard, listed in _shards(directory).items():
         path = os.path.join(directory, shard)
@@ -95,6 +120,7 @@ def inspect_checkpoint(directory: str | os.PathLike, config: ModelConfig) -> dic
                              "does not hold them")
         for name in file.entries:
             found[name] = (path, file)
+    expected = _expected(config, found)
     scales = {n for n in found if n.endswith(SCALE)}
     tensors = {n for n in found if n not in scales and not mtp_layer(n, config)}
     missing = sorted(set(expected) - tensors)
@@ -109,25 +135,29 @@ def inspect_checkpoint(directory: str | os.PathLike, config: ModelConfig) -> dic
     for name in sorted(expected):
         path, file = found[name]
         dtype, shape, _, _ = file.entries[name]
-        want = _expected_shape(shapes, expected[name])
+        want, pieces = expected[name]
         if shape != want:
             raise ValueError(f"{path}: tensor {name!r} has shape {shape}, expected {want} "
                              f"for config {config.name!r}")
+        scale_file = None
         if dtype.name == "float8_e4m3fn":
             if block is None:
                 raise ValueError(f"{path}: tensor {name!r} is FP8 but config.json has no "
                                  "quantization_config")
+            if len(shape) != 2:
+                raise ValueError(f"{path}: tensor {name!r} of shape {shape} is FP8; fo_jax "
+                                 "reads FP8 block scales of 2-D weights only")
             if name + SCALE not in found:
                 raise ValueError(f"{path}: FP8 tensor {name!r} has no {name + SCALE!r}")
-            _, scale_shape, _, _ = found[name + SCALE][1].entries[name + SCALE]
+            scale_file = found[name + SCALE][1]
+            _, scale_shape, _, _ = scale_file.entries[name + SCALE]
             want_scale = tuple(-(-n // b) for n, b in zip(shape, block))
             if scale_shape != want_scale:
                 raise ValueError(f"{path}: {name + SCALE!r} has shape {scale_shape}, expected "
                                  f"{want_scale} ({shape} in blocks of {block})")
         elif not (np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16"):
             raise ValueError(f"{path}: tensor {name!r} has dtype {dtype}, expected a float")
-        scale_file = found[name + SCALE][1] if dtype.name == "float8_e4m3fn" else None
-        plan[name] = (path, file, expected[name], scale_file)
+        plan[name] = (file, pieces, scale_file)
     stray = sorted(s for s in scales if s[:-len(SCALE)] not in plan
                    and not mtp_layer(s, config))
     if stray:
@@ -155,19 +185,21 @@ def load_checkpoint(directory: str | os.PathLike, config: ModelConfig | None = N
             tuple(k.key for k in path), config))),
         param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
     by_shard: dict[str, list[str]] = {}
-    for name, (path, *_) in plan.items():
-        by_shard.setdefault(path, []).append(name)
+    for name, (file, _, _) in plan.items():
+        by_shard.setdefault(file.path, []).append(name)
     bar = tqdm(total=len(plan), desc="loading tensors", unit="tensor", disable=not progress)
     for path in sorted(by_shard):
         for name in by_shard[path]:
-            _, file, slot, scale_file = plan[name]
+            file, pieces, scale_file = plan[name]
             value = file.get(name)
             if scale_file is not None:
                 value = dequantize_fp8(value, scale_file.get(name + SCALE), block)
-            target = host
-            for key in slot.path:
-                target = target[key]
-            target[slot.index] = value.T if slot.transpose else value
+            for slot, rows in pieces:
+                piece = value if rows is None else value[..., rows[0]:rows[1], :]
+                target = host
+                for key in slot.path:
+                    target = target[key]
+                target[slot.index] = np.swapaxes(piece, -1, -2) if slot.transpose else piece
             del value
             bar.update(1)
     bar.close()

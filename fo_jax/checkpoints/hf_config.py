@@ -12,7 +12,7 @@ Mapped fields (config.json -> ModelConfig):
     max_position_embeddings -> max_seq_len (unless given), rms_norm_eps -> norm_eps,
     rope_theta (or rope_parameters.rope_theta), YaRN from rope_scaling / rope_parameters
     (factor, original_max_position_embeddings, beta_fast, beta_slow, mscale_all_dim; mscale
-    must equal mscale_all_dim), indexer_rope_interleave -> index_rope_interleave (default
+    must equal mscale_all_dim, both > 0), indexer_rope_interleave -> index_rope_interleave (default
     false: halves, as the DeepSeek reference), indexer sharing (GLM: indexer_types, or
     index_topk_pattern, or index_topk_freq / index_skip_topk_offset) -> indexer_layers,
     MoE: n_routed_experts, num_experts_per_tok, moe_intermediate_size -> moe_hidden,
@@ -169,11 +169,15 @@ def _rope_fields(hf: dict) -> dict:
     if kind != "yarn":
         raise ValueError(f"config.json rope_scaling type={kind!r} is not supported: fo_jax "
                          "implements 'default' and 'yarn'")
-    mscale, mscale_all = scaling.get("mscale", 1.0), scaling.get("mscale_all_dim", 1.0)
-    if mscale != mscale_all:
+    # Hugging Face scales cos / sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim)
+    # when both are set and nonzero, else by 0.1 ln(factor) + 1; fo_jax (as the reference)
+    # never scales them, which is the first case with mscale == mscale_all_dim.
+    mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if not mscale or mscale != mscale_all:
         raise ValueError(
-            f"config.json rope_scaling mscale={mscale} != mscale_all_dim={mscale_all}: that "
-            "scales cos / sin by their ratio, which fo_jax does not implement")
+            f"config.json rope_scaling mscale={mscale}, mscale_all_dim={mscale_all}: fo_jax "
+            "implements YaRN with mscale == mscale_all_dim > 0 (DeepSeek-V3.2: 1.0, 1.0); "
+            "other values scale cos / sin, which it does not implement")
     original = int(scaling.get("original_max_position_embeddings", 4096))
     out.update(rope_factor=float(scaling["factor"]), rope_original_seq_len=original,
                rope_beta_fast=float(scaling.get("beta_fast", 32.0)),

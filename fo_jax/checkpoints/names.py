@@ -49,7 +49,8 @@ _TOP = {
 
 @dataclasses.dataclass(frozen=True)
 class Slot:
-    """Where one checkpoint tensor goes: params[path[0]][path[1]]...[index] (transposed)."""
+    """Where one checkpoint tensor goes: params[path[0]][path[1]]...[index], its last two axes
+    swapped if `transpose` ([out, in] -> [in, out])."""
 
     path: tuple[str, ...]
     index: tuple[int, ...]

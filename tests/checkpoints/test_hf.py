@@ -93,7 +93,11 @@ def test_glm_indexer_sharing_and_rope_layout():
      "scoring_func='softmax' is not supported: fo_jax implements scoring_func='sigmoid'"),
     (dict(moe_layer_freq=2), "moe_layer_freq=2 is not supported"),
     (dict(rope_scaling=dict(DEEPSEEK_V32["rope_scaling"], mscale=0.707)),
-     "rope_scaling mscale=0.707 != mscale_all_dim=1.0"),
+     "rope_scaling mscale=0.707, mscale_all_dim=1.0: fo_jax implements YaRN with mscale == "
+     "mscale_all_dim > 0"),
+    (dict(rope_scaling={"type": "yarn", "factor": 40}), "mscale=None, mscale_all_dim=None"),
+    (dict(rope_scaling=dict(DEEPSEEK_V32["rope_scaling"], attention_factor=1.0)),
+     "rope_scaling fields ['attention_factor'] are not implemented"),
     (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling type='linear'"),
     (dict(q_lora_rank=None), "q_lora_rank=None (a full-rank query projection)"),
     (dict(quantization_config={"quant_method": "awq"}), "quant_method='awq'"),
@@ -267,3 +271,31 @@ def test_reference_names_round_trip_with_moe(tmp_path):
     assert "layers.1.ffn.experts.3.w2.weight" in tensors and "layers.1.ffn.gate.bias" in tensors
     assert "layers.0.ffn.w1.weight" in tensors and "layers.2.attn.indexer.wk.weight" in tensors
     assert weights.params_equal(weights.from_checkpoint(tensors, MOE), params)
+
+
+def test_packed_experts_load_like_per_expert_tensors(tmp_path):
+    # Layer 2's experts packed as recent transformers hold them: gate_up_proj [X, 2M, E] (gate
+    # rows first), down_proj [X, E, M].
+    params = init_params(MOE, jax.random.key(0))  # what _saved writes
+    weight_map = _saved(tmp_path)
+    pre = "model.layers.2.mlp.experts."
+    per = {n: s for n, s in weight_map.items() if n.startswith(pre)}
+    tensors = {}
+    for shard in sorted(set(per.values())):
+        file = SafetensorsFile(tmp_path / shard)
+        tensors.update({n: file.get(n) for n in file.keys() if n in per})
+        _edit(tmp_path, shard, lambda t: [t.pop(n) for n in per if n in t])
+    experts = range(MOE.n_routed_experts)
+    gate_up = np.stack([np.concatenate([tensors[f"{pre}{e}.gate_proj.weight"],
+                                        tensors[f"{pre}{e}.up_proj.weight"]]) for e in experts])
+    down = np.stack([tensors[f"{pre}{e}.down_proj.weight"] for e in experts])
+    write_safetensors(tmp_path / "packed.safetensors",
+                      {pre + "gate_up_proj": gate_up, pre + "down_proj": down})
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    for n in per:
+        del index["weight_map"][n]
+    index["weight_map"].update({pre + "gate_up_proj": "packed.safetensors",
+                                pre + "down_proj": "packed.safetensors"})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    _, loaded = load_checkpoint(tmp_path, MOE, progress=False)
+    assert weights.params_equal(params, loaded)
