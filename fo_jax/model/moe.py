@@ -113,9 +113,10 @@ def moe_mlp(h: jax.Array, p: dict, *, config, implementation: str | None = None)
 def _expert_tiles(rows, row_expert, sizes, p):
     """The experts' SwiGLU of `rows` [R, E] sorted by expert (`row_expert` [R], `sizes` [X]).
 
-    Each expert's rows are padded to whole tiles of b = TILE_ROWS; a loop over the used tiles
-    (a traced count <= ceil(R / b) + min(X, R)) multiplies one tile [b, E] by its expert's
-    weights. Padding rows read row R (zeros) and are dropped.
+    Each expert's rows are padded to whole tiles of b = TILE_ROWS; a loop over
+    ceil(R / b) + min(X, R) tiles multiplies each used tile [b, E] by its expert's weights (the
+    unused ones, past the traced count of used tiles, do nothing). Padding rows read row R
+    (zeros) and are dropped.
     """
     num_r, width = rows.shape
     b = TILE_ROWS
@@ -130,14 +131,18 @@ def _expert_tiles(rows, row_expert, sizes, p):
     padded = jnp.concatenate([rows, jnp.zeros((1, width), rows.dtype)])[source]
     tile_expert = jnp.searchsorted(tile_end, jnp.arange(max_tiles), side="right")
 
-    def body(t, out):
+    def tile(t, out):
         e = tile_expert[t]
         xt = jax.lax.dynamic_slice_in_dim(padded, t * b, b)  # [b, E]
         up = jax.nn.silu(jnp.matmul(xt, p["w1"][e]).astype(F32))
         act = (up * jnp.matmul(xt, p["w3"][e]).astype(F32)).astype(rows.dtype)
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.matmul(act, p["w2"][e]), t * b, 0)
 
-    out = jax.lax.fori_loop(0, tile_end[-1], body, jnp.zeros((max_tiles * b, width), rows.dtype))
+    # A static trip count (a scan: reverse-differentiable) whose unused tiles skip the work.
+    used = tile_end[-1]
+    out = jax.lax.fori_loop(
+        0, max_tiles, lambda t, out: jax.lax.cond(t < used, tile, lambda t, out: out, t, out),
+        jnp.zeros((max_tiles * b, width), rows.dtype))
     return out[slot]
 
 
