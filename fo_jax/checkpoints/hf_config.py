@@ -66,6 +66,7 @@ MAPPED = {
     "num_nextn_predict_layers": "num_nextn_predict_layers",
     "indexer_rope_interleave": "index_rope_interleave",
 }
+ALIASES = ("num_local_experts", "num_experts")
 _ROPE_KEYS = frozenset({"type", "rope_type", "factor", "original_max_position_embeddings",
                         "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "rope_theta"})
 _DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
@@ -103,6 +104,12 @@ def config_from_hf(config: dict | str | os.PathLike, *, name: str | None = None,
       whose value fo_jax does not implement.
     """
     hf = read_hf_config(config)
+    for alias in ALIASES:  # older spellings of n_routed_experts (transformers' attribute_map)
+        if alias in hf:
+            value = hf.pop(alias)
+            if hf.setdefault("n_routed_experts", value) != value:
+                raise ValueError(f"config.json {alias}={value} contradicts n_routed_experts="
+                                 f"{hf['n_routed_experts']}")
     arch = hf.get("architectures") or []
     if len(arch) != 1 or arch[0] not in ARCHITECTURES:
         raise ValueError(f"config.json architectures={arch!r}: fo_jax loads exactly one of "

@@ -113,6 +113,14 @@ def test_unsupported_config_fields_are_refused_by_name(changes, message):
     assert message in str(err.value)
 
 
+def test_expert_count_aliases():
+    hf = dict(DEEPSEEK_V32)
+    hf["num_local_experts"] = hf.pop("n_routed_experts")
+    assert config_from_hf(hf).n_routed_experts == 256
+    with pytest.raises(ValueError, match="num_experts=8 contradicts n_routed_experts=256"):
+        config_from_hf(dict(DEEPSEEK_V32, num_experts=8))
+
+
 def test_unknown_fields_can_be_vouched_for_and_yarn_needs_a_long_context():
     config = config_from_hf(dict(DEEPSEEK_V32, my_note=1), ignore_fields=("my_note",))
     assert config.yarn_active
