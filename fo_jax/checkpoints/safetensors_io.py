@@ -71,14 +71,15 @@ class SafetensorsFile:
     def get(self, name: str) -> np.ndarray:
         """A copy of tensor `name` (reads its bytes only)."""
         dtype, shape, begin, end = self.entries[name]
+        out = np.empty(shape, dtype)
         if begin == end:
-            return np.zeros(shape, dtype)
-        with open(self.path, "rb") as f:
+            return out
+        with open(self.path, "rb") as f:  # straight into `out`: one copy of the tensor
             f.seek(begin)
-            data = f.read(end - begin)
-        if len(data) != end - begin:
+            got = f.readinto(out.reshape(-1).view(np.uint8))
+        if got != end - begin:
             raise ValueError(f"{self.path}: tensor {name!r} is cut short (truncated file?)")
-        return np.frombuffer(data, dtype).reshape(shape).copy()
+        return out
 
 
 def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray],
