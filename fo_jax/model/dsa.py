@@ -94,7 +94,7 @@ def param_dtype(path: tuple[str, ...], config: ModelConfig):
 
 
 def param_bytes(config: ModelConfig) -> int:
-    """Bytes of every parameter of `config` (in its `dtype`), from the shapes alone: what
+    """Bytes of every parameter of `config` (`param_dtype`), from the shapes alone: what
     `init_params` would allocate, known before allocating anything."""
     leaves = jax.tree_util.tree_flatten_with_path(
         param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))[0]
