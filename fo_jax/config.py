@@ -65,6 +65,19 @@ class ModelConfig:
         Hugging Face `rope_scaling`: original_max_position_embeddings, beta_fast, beta_slow,
         mscale_all_dim). Under YaRN both RoPEs (MLA and indexer) use the rescaled frequencies and
         the attention scale is multiplied by (0.1 * rope_mscale * ln(rope_factor) + 1)^2.
+      n_routed_experts: X, routed experts of each MoE layer; 0 (the default) makes every layer's
+        MLP dense (SwiGLU of width `mlp_hidden`).
+      num_experts_per_tok: experts each token is routed to (the MoE top-k).
+      moe_hidden: hidden width of each routed expert (`moe_intermediate_size`).
+      n_shared_experts: experts every token goes through; one SwiGLU of width
+        `n_shared_experts * moe_hidden`.
+      n_group, topk_group: group-limited routing: the X experts form `n_group` groups of
+        consecutive experts and a token picks its experts from its `topk_group` best groups.
+      norm_topk_prob: divide the chosen experts' sigmoid scores by their sum.
+      routed_scaling_factor: multiplies the routed experts' weights.
+      first_k_dense_replace: the first this many layers keep a dense MLP; the others are MoE.
+      num_nextn_predict_layers: multi-token-prediction layers stored with the checkpoint
+        (recorded; the forward passes do not run them).
     """
 
     name: str
@@ -95,6 +108,16 @@ class ModelConfig:
     rope_beta_fast: float = 32.0
     rope_beta_slow: float = 1.0
     rope_mscale: float = 1.0
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_hidden: int = 0
+    n_shared_experts: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 0
+    num_nextn_predict_layers: int = 0
 
     def __post_init__(self):
         # Normalise lists given by callers into tuples (frozen dataclass: object.__setattr__).
@@ -141,6 +164,48 @@ class ModelConfig:
         if self.norm_eps <= 0:
             raise ValueError(f"norm_eps={self.norm_eps} must be > 0")
         self._check_rope()
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        for field in ("n_routed_experts", "num_experts_per_tok", "moe_hidden", "n_shared_experts",
+                      "first_k_dense_replace", "num_nextn_predict_layers", "n_group",
+                      "topk_group"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"ModelConfig.{field} must be an int >= 0, got {value!r}")
+        if not self.moe:
+            moe_only = ("num_experts_per_tok", "moe_hidden", "n_shared_experts",
+                        "first_k_dense_replace")
+            set_ = [f"{f}={getattr(self, f)}" for f in moe_only if getattr(self, f)]
+            if set_:
+                raise ValueError(
+                    f"{', '.join(set_)} describe MoE layers but n_routed_experts=0 (every MLP "
+                    "dense); set n_routed_experts > 0 or leave these at 0")
+            return
+        x, k = self.n_routed_experts, self.num_experts_per_tok
+        if self.moe_hidden < 1:
+            raise ValueError(f"moe_hidden={self.moe_hidden} must be >= 1 with "
+                             f"n_routed_experts={x}")
+        if self.n_group < 1 or x % self.n_group:
+            raise ValueError(f"n_group={self.n_group} must be >= 1 and divide "
+                             f"n_routed_experts={x}")
+        per_group = x // self.n_group
+        if self.n_group > 1 and per_group < 2:
+            raise ValueError(
+                f"n_group={self.n_group} leaves {per_group} expert per group; group-limited "
+                "routing scores a group by its two best experts, so each group needs >= 2")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group={self.topk_group} must be in [1, n_group="
+                             f"{self.n_group}]")
+        if not 1 <= k <= self.topk_group * per_group:
+            raise ValueError(
+                f"num_experts_per_tok={k} must be in [1, {self.topk_group * per_group}] (the "
+                f"experts of topk_group={self.topk_group} groups of {per_group})")
+        if self.first_k_dense_replace > self.num_layers:
+            raise ValueError(f"first_k_dense_replace={self.first_k_dense_replace} must be <= "
+                             f"num_layers={self.num_layers}")
+        if not self.routed_scaling_factor > 0:
+            raise ValueError(f"routed_scaling_factor={self.routed_scaling_factor} must be > 0")
 
     def _check_rope(self) -> None:
         if not self.rope_theta > 1:
@@ -179,6 +244,27 @@ class ModelConfig:
         return tuple(out)
 
     @property
+    def moe(self) -> bool:
+        """Whether the model has MoE layers (n_routed_experts > 0)."""
+        return self.n_routed_experts > 0
+
+    @property
+    def num_dense_layers(self) -> int:
+        """Layers [0, num_dense_layers) have a dense MLP, the others (if any) are MoE."""
+        return self.first_k_dense_replace if self.moe else self.num_layers
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers
+
+    def mlp_ranges(self, lo: int, hi: int) -> tuple[tuple[int, int, bool], ...]:
+        """Layers [lo, hi) cut into runs of one MLP kind: ((start, end, is_moe), ...), empty
+        runs left out (dense layers come first)."""
+        cut = min(max(self.num_dense_layers, lo), hi)
+        runs = ((lo, cut, False), (cut, hi, True))
+        return tuple(r for r in runs if r[0] < r[1])
+
+    @property
     def yarn_active(self) -> bool:
         """YaRN rescales RoPE: a factor > 1 and a context longer than the original one."""
         return self.rope_factor > 1.0 and self.max_seq_len > self.rope_original_seq_len
@@ -214,6 +300,13 @@ class ModelConfig:
     def bytes_per_token(self) -> int:
         """kappa = (L * (D + R) + G * N) * bytes_per_elem."""
         return self.kv_bytes_per_token + self.index_bytes_per_token
+
+    @classmethod
+    def from_hf(cls, config, **settings) -> "ModelConfig":
+        """The config of a Hugging Face DeepSeek-V3.2 / GLM-5 config.json (a dict, its path or
+        the checkpoint directory); see `fo_jax.checkpoints.config_from_hf` for `settings`."""
+        from fo_jax.checkpoints.hf_config import config_from_hf  # checkpoints imports config
+        return config_from_hf(config, **settings)
 
     def replace(self, **changes) -> "ModelConfig":
         """A copy with some fields changed (validated again)."""

@@ -51,8 +51,9 @@ from fo_jax.config import ModelConfig
 from fo_jax.model.attention import (attention_inputs, attention_output, query_lowrank,
                                     softmax_scale)
 from fo_jax.model.dsa import layer_slice
+from fo_jax.model.forward import feed_forward
 from fo_jax.model.indexer import indexer_keys, indexer_queries, indexer_scores, select_topk
-from fo_jax.model.layers import F32, matmul_f32, rms_norm, swiglu_mlp
+from fo_jax.model.layers import F32, matmul_f32, rms_norm
 
 SEP = 256
 VOCAB_SIZE = 260
@@ -256,7 +257,8 @@ def train_forward(params: dict, tokens: jax.Array, *, config: ModelConfig, stage
             target = target + jax.lax.stop_gradient(jnp.sum(probs, axis=2))
             x = x + attention_output(lp, out_lat, config=config)
             h = rms_norm(x, lp["ffn_norm"], config.norm_eps)
-            x = x + swiglu_mlp(h, lp["w1"], lp["w2"], lp["w3"])
+            x = x + feed_forward(params, l, h, config=config,
+                                 is_moe=l >= config.num_dense_layers)
         stats.append({"scores": scores, "target": target, "mask": mask})
     x = rms_norm(x, params["norm"], config.norm_eps)
     return matmul_f32(x, params["head"]), stats

@@ -12,8 +12,14 @@ converted real checkpoint (dense MLP layers) maps onto `DSAModel.params()`:
     layers.{i}.attn.indexer.{wq_b, wk, weights_proj}.weight, .k_norm.weight, .k_norm.bias
         (i = the first layer of each indexer group: the layer that owns the group's indexer)
 
+MoE models add, for each MoE layer l (see `fo_jax.checkpoints.names`, which holds both this
+format and the Hugging Face one):
+
+    layers.{l}.ffn.gate.weight [X, E]   layers.{l}.ffn.gate.bias [X]
+    layers.{l}.ffn.experts.{e}.{w1, w2, w3}.weight   layers.{l}.ffn.shared_experts.{w1, w2, w3}.weight
+
 Linear weights are stored [out, in] as in the reference (fo_jax keeps [in, out]); the round trip
-is bitwise.
+is bitwise. Hugging Face checkpoint directories: `fo_jax.checkpoints`.
 """
 
 from __future__ import annotations
@@ -25,77 +31,58 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from fo_jax.checkpoints.names import tensor_names
 from fo_jax.config import ModelConfig
 from fo_jax.model.dsa import check_params
-
-_LAYER = {
-    "attn_norm": ("attn_norm.weight", False),
-    "ffn_norm": ("ffn_norm.weight", False),
-    "wq_a": ("attn.wq_a.weight", True),
-    "q_norm": ("attn.q_norm.weight", False),
-    "wq_b": ("attn.wq_b.weight", True),
-    "wkv_a": ("attn.wkv_a.weight", True),
-    "kv_norm": ("attn.kv_norm.weight", False),
-    "wkv_b": ("attn.wkv_b.weight", True),
-    "wo": ("attn.wo.weight", True),
-    "w1": ("ffn.w1.weight", True),
-    "w2": ("ffn.w2.weight", True),
-    "w3": ("ffn.w3.weight", True),
-}
-_INDEXER = {
-    "wq_b": ("attn.indexer.wq_b.weight", True),
-    "wk": ("attn.indexer.wk.weight", True),
-    "k_norm_w": ("attn.indexer.k_norm.weight", False),
-    "k_norm_b": ("attn.indexer.k_norm.bias", False),
-    "weights_proj": ("attn.indexer.weights_proj.weight", True),
-}
-_TOP = {"embed": ("embed.weight", False), "norm": ("norm.weight", False),
-        "head": ("head.weight", True)}
-
 
 def to_checkpoint(params: dict, config: ModelConfig) -> dict[str, np.ndarray]:
     """Flat {reference name: numpy array} of `params`."""
     check_params(params, config)
     out = {}
-
-    def put(name, value, transpose):
-        value = np.asarray(value)
-        out[name] = np.ascontiguousarray(value.T if transpose else value)
-
-    for key, (name, transpose) in _TOP.items():
-        put(name, params[key], transpose)
-    for l in range(config.num_layers):
-        for key, (name, transpose) in _LAYER.items():
-            put(f"layers.{l}.{name}", params["layers"][key][l], transpose)
-    for g, first in enumerate(config.indexer_layers):
-        for key, (name, transpose) in _INDEXER.items():
-            put(f"layers.{first}.{name}", params["indexer"][key][g], transpose)
+    for name, slot in tensor_names(config, "reference").items():
+        leaf = params
+        for key in slot.path:
+            leaf = leaf[key]
+        value = np.asarray(leaf[slot.index])
+        out[name] = np.ascontiguousarray(value.T if slot.transpose else value)
     return out
 
 
 def from_checkpoint(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict:
     """`DSAModel.params()`-shaped dict from reference-named tensors; clear error if one is
     missing or mis-shaped."""
-    def get(name, transpose):
-        if name not in tensors:
-            raise ValueError(f"checkpoint has no tensor {name!r} (config {config.name!r}: "
-                             f"{config.num_layers} layers, indexers at {config.indexer_layers})")
+    names = tensor_names(config, "reference")
+    missing = [name for name in names if name not in tensors]
+    if missing:
+        raise ValueError(f"checkpoint has no tensor {missing[0]!r} (config {config.name!r}: "
+                         f"{config.num_layers} layers, indexers at {config.indexer_layers})")
+    flat = {}
+    for name, slot in names.items():
         value = tensors[name]
-        return value.T if transpose else value
-
-    params = {key: jnp.asarray(get(name, t)) for key, (name, t) in _TOP.items()}
-    params["layers"] = {
-        key: jnp.asarray(np.stack([get(f"layers.{l}.{name}", t)
-                                   for l in range(config.num_layers)]))
-        for key, (name, t) in _LAYER.items()
-    }
-    params["indexer"] = {
-        key: jnp.asarray(np.stack([get(f"layers.{first}.{name}", t)
-                                   for first in config.indexer_layers]))
-        for key, (name, t) in _INDEXER.items()
-    }
+        value = value.T if slot.transpose else value
+        if not slot.index:
+            flat[slot.path] = value
+            continue
+        flat.setdefault(slot.path, {})[slot.index] = value
+    params: dict = {}
+    for path, value in flat.items():
+        if isinstance(value, dict):
+            value = _stack(value)
+        target = params
+        for key in path[:-1]:
+            target = target.setdefault(key, {})
+        target[path[-1]] = jnp.asarray(value)
     check_params(params, config)
     return params
+
+
+def _stack(pieces: dict[tuple[int, ...], np.ndarray]) -> np.ndarray:
+    """One array from {index tuple: piece} covering a full grid of leading indices."""
+    depth = len(next(iter(pieces)))
+    if depth == 1:
+        return np.stack([pieces[(i,)] for i in range(len(pieces))])
+    outer = sorted({k[0] for k in pieces})
+    return np.stack([_stack({k[1:]: v for k, v in pieces.items() if k[0] == i}) for i in outer])
 
 
 def save_params(path: str | os.PathLike, params: dict, config: ModelConfig) -> None:

@@ -240,6 +240,15 @@ def test_layer_prefill_flops_by_hand():
     assert layer_prefill_flops(tiny, 4, 4) == 2 * (161_792 + 2_880)
     with pytest.raises(ValueError, match=r"chunk=5 must be <= context=4"):
         layer_prefill_flops(tiny, 4, 5)
+    # An MoE layer of 8 experts of width 16, top-2 plus one shared expert: the MLP's 3*64*128
+    # becomes the router 64*8 + 3*64*16*(2 + 1) = 512 + 9216: per token 40448 - 24576 + 9728
+    # = 25600; 4 * 25600 + 18432 = 120832 MACs.
+    moe = tiny.replace(n_routed_experts=8, num_experts_per_tok=2, moe_hidden=16,
+                       n_shared_experts=1, first_k_dense_replace=1)
+    assert layer_prefill_flops(moe, 20, 4, moe=True) == 2 * 120_832
+    assert layer_prefill_flops(moe, 20, 4) == 2 * 180_224  # its dense layer
+    with pytest.raises(ValueError, match=r"moe=True but config 'tiny' has no experts"):
+        layer_prefill_flops(tiny, 20, 4, moe=True)
 
 
 def test_layer_transfer_bytes_and_times():

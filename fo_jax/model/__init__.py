@@ -1,9 +1,10 @@
-"""The DSA model: MLA attention, the lightning indexer, the layer loop."""
+"""The DSA model: MLA attention, the lightning indexer, MoE, the layer loop."""
 
 from fo_jax.model.attention import dense_attention, sparse_attention
 from fo_jax.model.dsa import DSAModel, check_params, init_params, param_shapes
 from fo_jax.model.forward import forward
 from fo_jax.model.indexer import indexer_scores, select_topk
+from fo_jax.model.moe import moe_mlp, moe_mlp_reference
 
 __all__ = [
     "DSAModel",
@@ -12,6 +13,8 @@ __all__ = [
     "forward",
     "indexer_scores",
     "init_params",
+    "moe_mlp",
+    "moe_mlp_reference",
     "param_shapes",
     "select_topk",
     "sparse_attention",

@@ -13,6 +13,16 @@ plain nested dict of arrays, the pytree every pure function of fo_jax takes:
     indexer/     stacked on G (one per group):
       wq_b [G, Q, I*N]  wk [G, E, N]  k_norm_w [G, N]  k_norm_b [G, N]  weights_proj [G, E, I]
 
+With MoE layers (`config.moe`), `layers/` keeps no w1 / w2 / w3; the first L_d =
+`first_k_dense_replace` layers' dense MLP and the other L_m = L - L_d layers' experts are two
+more stacks (an empty one is left out):
+
+    dense_mlp/   w1 [L_d, E, F]  w2 [L_d, F, E]  w3 [L_d, E, F]
+    moe/         gate [L_m, E, X]  gate_bias [L_m, X] (float32)
+                 w1 [L_m, X, E, M]  w2 [L_m, X, M, E]  w3 [L_m, X, E, M]
+                 shared_w1 [L_m, E, Ms]  shared_w2 [L_m, Ms, E]  shared_w3 [L_m, E, Ms]
+                 (Ms = n_shared_experts * M; only when n_shared_experts > 0)
+
 Matrices are stored [in, out] (x @ w); safetensors files use the DeepSeek reference checkpoint's
 [out, in] layout and names (see fo_jax.weights).
 """
@@ -31,7 +41,7 @@ def param_shapes(config: ModelConfig) -> dict:
     c = config
     num_l, num_g = c.num_layers, c.num_groups
     q_dim = c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)
-    return {
+    shapes = {
         "embed": (c.vocab_size, c.dim),
         "norm": (c.dim,),
         "head": (c.dim, c.vocab_size),
@@ -57,24 +67,48 @@ def param_shapes(config: ModelConfig) -> dict:
             "weights_proj": (num_g, c.dim, c.index_n_heads),
         },
     }
+    if not c.moe:
+        return shapes
+    dense = {name: shapes["layers"].pop(name)[1:] for name in ("w1", "w2", "w3")}
+    if c.num_dense_layers:
+        shapes["dense_mlp"] = {name: (c.num_dense_layers,) + s for name, s in dense.items()}
+    if c.num_moe_layers:
+        num_m, num_x, m = c.num_moe_layers, c.n_routed_experts, c.moe_hidden
+        moe = {
+            "gate": (num_m, c.dim, num_x), "gate_bias": (num_m, num_x),
+            "w1": (num_m, num_x, c.dim, m), "w2": (num_m, num_x, m, c.dim),
+            "w3": (num_m, num_x, c.dim, m),
+        }
+        if c.n_shared_experts:
+            ms = c.n_shared_experts * m
+            moe.update(shared_w1=(num_m, c.dim, ms), shared_w2=(num_m, ms, c.dim),
+                       shared_w3=(num_m, c.dim, ms))
+        shapes["moe"] = moe
+    return shapes
+
+
+def param_dtype(path: tuple[str, ...], config: ModelConfig):
+    """The dtype of the parameter at `path` (names from the root): the routers' correction
+    bias is float32 (as the reference keeps it), everything else `config.dtype`."""
+    return jnp.float32 if path[-1] == "gate_bias" else config.jnp_dtype
 
 
 def param_bytes(config: ModelConfig) -> int:
-    """Bytes of every parameter of `config` (in its `dtype`), from the shapes alone: what
+    """Bytes of every parameter of `config` (`param_dtype`), from the shapes alone: what
     `init_params` would allocate, known before allocating anything."""
-    shapes = jax.tree_util.tree_leaves(param_shapes(config),
-                                       is_leaf=lambda x: isinstance(x, tuple))
+    leaves = jax.tree_util.tree_flatten_with_path(
+        param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))[0]
     count = 0
-    for shape in shapes:
+    for path, shape in leaves:
         size = 1
         for n in shape:
             size *= n
-        count += size
-    return count * config.jnp_dtype.itemsize
+        count += size * jnp.dtype(param_dtype(tuple(k.key for k in path), config)).itemsize
+    return count
 
 
 _ONES = {"norm", "attn_norm", "q_norm", "kv_norm", "ffn_norm", "k_norm_w"}
-_ZEROS = {"k_norm_b"}
+_ZEROS = {"k_norm_b", "gate_bias"}
 
 
 def init_params(config: ModelConfig, key: jax.Array) -> dict:
@@ -86,15 +120,16 @@ def init_params(config: ModelConfig, key: jax.Array) -> dict:
     out = []
     for (path, shape), leaf_key in zip(leaves, keys):
         name = path[-1].key
+        dtype = param_dtype(tuple(k.key for k in path), config)
         if name in _ONES:
-            value = jnp.ones(shape, config.jnp_dtype)
+            value = jnp.ones(shape, dtype)
         elif name in _ZEROS:
-            value = jnp.zeros(shape, config.jnp_dtype)
+            value = jnp.zeros(shape, dtype)
         elif name == "embed":
-            value = jax.random.normal(leaf_key, shape, config.jnp_dtype)
+            value = jax.random.normal(leaf_key, shape, dtype)
         else:
             fan_in = shape[-2]
-            value = jax.random.normal(leaf_key, shape, config.jnp_dtype) * fan_in ** -0.5
+            value = jax.random.normal(leaf_key, shape, dtype) * fan_in ** -0.5
         out.append(value)
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -119,6 +154,9 @@ class DSAModel(nnx.Module):
         self.head = nnx.Param(params["head"])
         self.layers = _Stack(params["layers"])
         self.indexer = _Stack(params["indexer"])
+        for name in ("dense_mlp", "moe"):
+            if name in params:
+                setattr(self, name, _Stack(params[name]))
 
     def params(self) -> dict:
         """The parameters as a plain nested dict of arrays (see the module docstring)."""

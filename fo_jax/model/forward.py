@@ -1,7 +1,8 @@
 """The layer loop of the DSA model, shared by every inference path.
 
 `forward` runs embeddings -> for each indexer group: the group's indexer and top-k selection,
-then a `jax.lax.fori_loop` over the group's layers -> final norm and head. Where the KV lives is
+then a `jax.lax.fori_loop` over the group's layers (two loops where a group holds both dense-MLP
+and MoE layers: the MLP kind is static per loop) -> final norm and head. Where the KV lives is
 the business of a *backend* (the resident path keeps the whole cache on device; the offload
 path keeps a hot cache and reads misses from host memory). A backend implements:
 
@@ -29,6 +30,7 @@ step: no loop at all).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Protocol, runtime_checkable
 
 import jax
@@ -38,6 +40,7 @@ from fo_jax.model.attention import attention_inputs, attention_output, query_low
 from fo_jax.model.dsa import layer_slice
 from fo_jax.model.indexer import indexer_keys, indexer_queries, indexer_scores, select_topk
 from fo_jax.model.layers import matmul_f32, rms_norm, swiglu_mlp
+from fo_jax.model.moe import moe_mlp
 
 
 @runtime_checkable
@@ -86,7 +89,7 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, write_pos: ja
                 query_block, q_i, w_i, positions + 1)
             carry, plan = backend.plan_group(carry, g, selected, mask, slots)
 
-        def body(l, state, g=g, plan=plan):
+        def body(l, state, g=g, plan=plan, is_moe=False):
             x, carry = state
             lp = layer_slice(layers, l)
             h = rms_norm(x, lp["attn_norm"], config.norm_eps)
@@ -95,13 +98,27 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, write_pos: ja
             carry, out_lat = backend.attend(carry, l, g, plan, q_lat, q_pe, kv_new, write_pos)
             x = x + attention_output(lp, out_lat, config=config)
             h = rms_norm(x, lp["ffn_norm"], config.norm_eps)
-            x = x + swiglu_mlp(h, lp["w1"], lp["w2"], lp["w3"])
+            x = x + feed_forward(params, l, h, config=config, is_moe=is_moe)
             return x, carry
 
-        x, carry = jax.lax.fori_loop(lo, hi, body, (x, carry))
+        # Dense-MLP layers and MoE layers of the group run as two loops (one of them empty
+        # unless the group straddles first_k_dense_replace).
+        for start, end, is_moe in config.mlp_ranges(lo, hi):
+            x, carry = jax.lax.fori_loop(start, end, functools.partial(body, is_moe=is_moe),
+                                         (x, carry))
     x = rms_norm(x, params["norm"], config.norm_eps)
     logits = matmul_f32(x, params["head"])  # float32 head, as the reference
     return logits, carry
+
+
+def feed_forward(params: dict, l, h: jax.Array, *, config, is_moe: bool) -> jax.Array:
+    """The MLP of layer l (an int or a traced index) on h [B, T, E]: the dense SwiGLU, or with
+    `is_moe` (l >= first_k_dense_replace) the MoE of `fo_jax.model.moe`."""
+    if is_moe:
+        return moe_mlp(h, layer_slice(params["moe"], l - config.num_dense_layers), config=config)
+    stack = params["dense_mlp"] if config.moe else params["layers"]
+    mp = layer_slice({name: stack[name] for name in ("w1", "w2", "w3")}, l)
+    return swiglu_mlp(h, mp["w1"], mp["w2"], mp["w3"])
 
 
 def xla_select(keys, q, w, visible, k: int, *, key_block: int | None = None):

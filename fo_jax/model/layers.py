@@ -146,5 +146,10 @@ def fp8_simulate(x: jax.Array, block: int = 128) -> jax.Array:
 
 
 def swiglu_mlp(x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array) -> jax.Array:
-    """w2(silu(x w1) * (x w3)): the dense DeepSeek MLP."""
-    return jnp.matmul(jax.nn.silu(jnp.matmul(x, w1)) * jnp.matmul(x, w3), w2)
+    """w2(silu(x w1) * (x w3)): the dense DeepSeek MLP (and a shared expert).
+
+    As the reference, the gated product is formed in float32 and cast back to x's dtype before
+    w2 (a no-op for float32 models).
+    """
+    act = jax.nn.silu(jnp.matmul(x, w1).astype(F32)) * jnp.matmul(x, w3).astype(F32)
+    return jnp.matmul(act.astype(x.dtype), w2)

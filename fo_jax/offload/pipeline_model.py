@@ -128,7 +128,8 @@ def _sum_min(limit: int, start: int, end: int) -> int:
 
 
 def layer_prefill_flops(
-    config: ModelConfig, context: int, chunk: int, *, with_indexer: bool = False
+    config: ModelConfig, context: int, chunk: int, *, with_indexer: bool = False,
+    moe: bool = False,
 ) -> int:
     """FLOPs of one layer's prefill forward for `chunk` new tokens ending at `context` tokens.
 
@@ -141,6 +142,8 @@ def layer_prefill_flops(
                                      + H*d_n*D                                (absorb q_nope)
                                      + H*D*d_v + H*d_v*E                      (W_UV, W_o)
         MLP, per new token:          3*E*F                                    (SwiGLU)
+             or with `moe`:          E*X + 3*E*M*(K' + S)   (router; K' routed experts and
+                                     S = n_shared_experts of width M = moe_hidden)
         attention, per query at p:   H*a*(D + R) + H*a*D,  a = min(K, p + 1)  (absorbed MLA)
         indexer (with_indexer only): n_q*I*N + E*N + E*I per new token
                                      + I*(N + 1)*(p + 1) per query            (scores all of
@@ -153,6 +156,7 @@ def layer_prefill_flops(
       context: tokens in the sequence after this chunk (history + chunk).
       chunk: new tokens of this forward, 1 <= chunk <= context.
       with_indexer: add the lightning indexer (layers that start an indexer group).
+      moe: an MoE layer (layers >= first_k_dense_replace of a config with experts).
 
     Returns:
       FLOPs (int).
@@ -171,8 +175,15 @@ def layer_prefill_flops(
         + heads * nope * latent
         + heads * latent * value
         + heads * value * dim
-        + 3 * dim * config.mlp_hidden
     )
+    if moe:
+        if not config.moe:
+            raise ValueError(f"moe=True but config {config.name!r} has no experts "
+                             "(n_routed_experts=0)")
+        per_token += dim * config.n_routed_experts + 3 * dim * config.moe_hidden * (
+            config.num_experts_per_tok + config.n_shared_experts)
+    else:
+        per_token += 3 * dim * config.mlp_hidden
     start = context - chunk
     attended = _sum_min(config.index_topk, start, context)  # sum of min(K, p + 1)
     macs = chunk * per_token + heads * (2 * latent + rope) * attended
@@ -203,8 +214,9 @@ def chunk_layer_times(
     """Per-layer (load, compute, write-back) seconds, each [L], of the forward of a `chunk`-token
     chunk that ends at `context` tokens (history = context - chunk).
 
-    Layers that start an indexer group (`config.indexer_layers`) also run the indexer. Layer 0's
-    load is 0: it stays in the pinned buffer 0.
+    Layers that start an indexer group (`config.indexer_layers`) also run the indexer; layers
+    from `config.num_dense_layers` on are MoE layers. Layer 0's load is 0: it stays in the pinned
+    buffer 0.
     """
     _check_count("chunk", chunk, 1)
     if chunk > context:
@@ -212,9 +224,11 @@ def chunk_layer_times(
     h2d_bytes, d2h_bytes = layer_transfer_bytes(config, context - chunk, chunk)
     num_layers = config.num_layers
     starts = set(config.indexer_layers)
-    plain = profile.compute_time(layer_prefill_flops(config, context, chunk))
-    indexed = profile.compute_time(layer_prefill_flops(config, context, chunk, with_indexer=True))
-    compute = np.array([indexed if layer in starts else plain for layer in range(num_layers)])
+    compute = np.array([
+        profile.compute_time(layer_prefill_flops(
+            config, context, chunk, with_indexer=layer in starts,
+            moe=layer >= config.num_dense_layers))
+        for layer in range(num_layers)])
     load = np.full(num_layers, profile.h2d_time(h2d_bytes))
     load[0] = 0.0
     writeback = np.full(num_layers, profile.d2h_time(d2h_bytes))

@@ -20,9 +20,9 @@ NAN = float("nan")
 TINY = get_config("tiny")
 
 
-def _setup(*, batch, ways, k, hot, page, lengths, policy, shared, steps, seed=0):
+def _setup(*, batch, ways, k, hot, page, lengths, policy, shared, steps, seed=0, **changes):
     config = TINY.replace(index_topk=k, max_ways=ways,
-                          indexer_layers=(0, 2) if shared else (0, 1, 2, 3))
+                          indexer_layers=(0, 2) if shared else (0, 1, 2, 3), **changes)
     capacity = -(-(max(lengths) + steps * ways) // page) * page
     offload = OffloadConfig(hot_slots=hot, page_size=page, capacity=capacity, policy=policy)
     params = init_params(config, jax.random.key(seed))
@@ -90,6 +90,19 @@ def test_each_policy_long_context_with_misses(policy):
         steps=steps)
     res, dec = _run(config, offload, params, res, dec, rng, steps=steps)
     assert int(dec.step) == steps + 1
+
+
+def test_offloaded_decode_with_moe_layers_is_bitwise_resident():
+    # Layer 0 dense, layers 1-3 MoE (8 experts in 4 groups, top-2 of 2 groups, a shared
+    # expert): the MLP never touches the KV, so offloading stays exact.
+    steps = 6
+    setup = _setup(batch=2, ways=2, k=8, hot=16, page=8, lengths=[40, 29], policy="lru",
+                   shared=True, steps=steps, n_routed_experts=8, num_experts_per_tok=2,
+                   moe_hidden=16, n_shared_experts=1, n_group=4, topk_group=2,
+                   routed_scaling_factor=2.5, first_k_dense_replace=1)
+    config, _, params = setup[:3]
+    assert config.moe and "dense_mlp" in params and "moe" in params
+    _run(*setup, steps=steps)
 
 
 def test_stats_count_misses_and_bytes():

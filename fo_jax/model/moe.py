@@ -1,0 +1,186 @@
+"""Mixture-of-experts MLP of DeepSeek-V3.2 / GLM-5, with its dense-mask reference.
+
+Routing (`route`; the DeepSeek-V3.2 reference `Gate` with sigmoid scores):
+
+    scores = sigmoid(h @ gate)                      [N, X] float32 (N tokens, X experts)
+    biased = scores + gate_bias                     (e_score_correction_bias: selection only)
+    n_group > 1: a group's score is the sum of its two best biased scores; experts outside the
+        topk_group best groups get -inf
+    experts = top-k(biased)                         [N, K'] (K' = num_experts_per_tok)
+    weights = scores[experts]  (/ their sum if norm_topk_prob)  * routed_scaling_factor
+
+Ties go to the lower index (group or expert), in `route` (`jax.lax.top_k`) and in the reference
+(stable sort) alike.
+
+Experts (`moe_mlp`): each routed expert is a SwiGLU of width M = moe_hidden; a token's output is
+sum_k weights[k] * expert_{experts[k]}(h) in float32, plus the shared experts' SwiGLU (width
+n_shared_experts * M), cast back to h's dtype. `moe_mlp` sorts the N * K' (token, expert) pairs
+by expert and runs the expert matmuls over the sorted rows, as `jax.lax.ragged_dot` (GPU, TPU:
+XLA's grouped matmul) or as a loop over row tiles of one expert each (CPU, where XLA expands
+ragged_dot into a dense product over all experts): compute scales with tokens x top-k, not
+with X.
+`moe_mlp_reference` runs every expert on every token with dense masks (X times the work; tests).
+
+Parameters of one MoE layer (a slice of the [L_moe, ...] stacks, see `fo_jax.model.dsa`):
+    gate [E, X]  gate_bias [X] (float32)  w1 [X, E, M]  w2 [X, M, E]  w3 [X, E, M]
+    shared_w1 [E, Ms]  shared_w2 [Ms, E]  shared_w3 [E, Ms]   (Ms = n_shared_experts * M; only
+                                                               when n_shared_experts > 0)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fo_jax.model.layers import F32, matmul_f32, swiglu_mlp
+
+
+def route(h: jax.Array, gate: jax.Array, gate_bias: jax.Array, *, config):
+    """Routing weights [N, K'] float32 and experts [N, K'] int32 of tokens h [N, E].
+
+    Touches h @ gate ([N, X] scores) and a few [N, X] temporaries.
+    """
+    scores = jax.nn.sigmoid(matmul_f32(h, gate))  # [N, X]
+    biased = scores + gate_bias.astype(F32)
+    num_n, num_x = scores.shape
+    if config.n_group > 1:
+        grouped = biased.reshape(num_n, config.n_group, num_x // config.n_group)
+        group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [N, n_group]
+        _, best = jax.lax.top_k(group_score, config.topk_group)  # [N, topk_group]
+        keep = jnp.any(best[..., None] == jnp.arange(config.n_group), axis=-2)  # [N, n_group]
+        biased = jnp.where(keep[..., None], grouped, -jnp.inf).reshape(num_n, num_x)
+    _, experts = jax.lax.top_k(biased, config.num_experts_per_tok)
+    return _weights(scores, experts, config), experts.astype(jnp.int32)
+
+
+def _weights(scores, experts, config):
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if config.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights * jnp.float32(config.routed_scaling_factor)
+
+
+IMPLEMENTATIONS = ("ragged_dot", "tiles")
+TILE_ROWS = 8
+
+
+def resolve_implementation(implementation: str | None) -> str:
+    """`implementation`, or for None the one for the default backend: XLA lowers
+    `jax.lax.ragged_dot` to a grouped matmul on GPU and TPU, but on CPU to a dense product
+    over all X experts, so CPU takes "tiles"."""
+    if implementation is None:
+        return "tiles" if jax.default_backend() == "cpu" else "ragged_dot"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"MoE implementation={implementation!r} is not one of "
+                         f"{IMPLEMENTATIONS} (or None: chosen by backend)")
+    return implementation
+
+
+def moe_mlp(h: jax.Array, p: dict, *, config, implementation: str | None = None) -> jax.Array:
+    """The MoE MLP of tokens h [..., E] with one layer's parameters p; same shape and dtype.
+
+    Flattens h to N tokens, routes them (`route`), sorts the N * K' (token, expert) pairs by
+    expert (group sizes [X]) and runs the SwiGLU experts over those N * K' rows
+    ([N K', E] -> [N K', M] -> [N K', E]); the rows go back to (token, k) order, are weighted
+    and summed over k in float32.
+
+    implementation: "ragged_dot" (three `jax.lax.ragged_dot`s over the sorted rows) or "tiles"
+    (a loop over tiles of `TILE_ROWS` rows of one expert each: at most
+    ceil(N K' / TILE_ROWS) + min(X, N K') tiles, each reading one expert's weights); None picks
+    by backend (`resolve_implementation`).
+    """
+    implementation = resolve_implementation(implementation)
+    shape = h.shape
+    x = h.reshape(-1, shape[-1])  # [N, E]
+    weights, experts = route(x, p["gate"], p["gate_bias"], config=config)
+    num_n, top = experts.shape
+    flat = experts.reshape(-1)  # [N K']
+    order = jnp.argsort(flat, stable=True)  # (token, k) pairs sorted by expert
+    sizes = jnp.bincount(flat, length=config.n_routed_experts).astype(jnp.int32)
+    rows = x[order // top]  # [N K', E]
+    if implementation == "ragged_dot":
+        up = jax.lax.ragged_dot(rows, p["w1"], sizes)
+        lin = jax.lax.ragged_dot(rows, p["w3"], sizes)
+        act = (jax.nn.silu(up.astype(F32)) * lin.astype(F32)).astype(x.dtype)
+        down = jax.lax.ragged_dot(act, p["w2"], sizes)  # [N K', E], sorted by expert
+    else:
+        down = _expert_tiles(rows, flat[order], sizes, p)
+    back = jnp.zeros_like(down).at[order].set(down, unique_indices=True)  # (token, k) order
+    y = jnp.sum(back.reshape(num_n, top, -1).astype(F32) * weights[..., None], axis=1)
+    return _add_shared(y, x, p, config).reshape(shape)
+
+
+def _expert_tiles(rows, row_expert, sizes, p):
+    """The experts' SwiGLU of `rows` [R, E] sorted by expert (`row_expert` [R], `sizes` [X]).
+
+    Each expert's rows are padded to whole tiles of b = TILE_ROWS; a loop over
+    ceil(R / b) + min(X, R) tiles multiplies each used tile [b, E] by its expert's weights (the
+    unused ones, past the traced count of used tiles, do nothing). Padding rows read row R
+    (zeros) and are dropped.
+    """
+    num_r, width = rows.shape
+    b = TILE_ROWS
+    tiles_per = (sizes + b - 1) // b  # [X]
+    tile_end = jnp.cumsum(tiles_per)  # [X]
+    first_row = jnp.cumsum(sizes) - sizes  # [X]
+    first_slot = (tile_end - tiles_per) * b  # [X]: padded position of each expert's first row
+    slot = first_slot[row_expert] + jnp.arange(num_r) - first_row[row_expert]  # [R]
+    max_tiles = -(-num_r // b) + min(sizes.shape[0], num_r)
+    source = jnp.full((max_tiles * b,), num_r, jnp.int32).at[slot].set(
+        jnp.arange(num_r, dtype=jnp.int32), unique_indices=True)
+    padded = jnp.concatenate([rows, jnp.zeros((1, width), rows.dtype)])[source]
+    tile_expert = jnp.searchsorted(tile_end, jnp.arange(max_tiles), side="right")
+
+    def tile(t, out):
+        e = tile_expert[t]
+        xt = jax.lax.dynamic_slice_in_dim(padded, t * b, b)  # [b, E]
+        up = jax.nn.silu(jnp.matmul(xt, p["w1"][e]).astype(F32))
+        act = (up * jnp.matmul(xt, p["w3"][e]).astype(F32)).astype(rows.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.matmul(act, p["w2"][e]), t * b, 0)
+
+    # A static trip count (a scan: reverse-differentiable) whose unused tiles skip the work.
+    used = tile_end[-1]
+    out = jax.lax.fori_loop(
+        0, max_tiles, lambda t, out: jax.lax.cond(t < used, tile, lambda t, out: out, t, out),
+        jnp.zeros((max_tiles * b, width), rows.dtype))
+    return out[slot]
+
+
+def _add_shared(y, x, p, config):
+    if config.n_shared_experts:
+        y = y + swiglu_mlp(x, p["shared_w1"], p["shared_w2"], p["shared_w3"]).astype(F32)
+    return y.astype(x.dtype)
+
+
+def route_reference(h: jax.Array, gate: jax.Array, gate_bias: jax.Array, *, config):
+    """`route` by sorting: stable descending sorts pick the groups and the experts."""
+    scores = jax.nn.sigmoid(jnp.matmul(h.astype(F32), gate.astype(F32),
+                                       precision=jax.lax.Precision.HIGHEST))
+    biased = scores + gate_bias.astype(F32)
+    num_n, num_x = scores.shape
+    per_group = num_x // config.n_group
+    if config.n_group > 1:
+        grouped = biased.reshape(num_n, config.n_group, per_group)
+        best_two = jnp.sort(grouped, axis=-1)[..., -2:]
+        group_score = best_two[..., 1] + best_two[..., 0]
+        rank = jnp.argsort(-group_score, axis=-1, stable=True)[:, :config.topk_group]
+        keep = jnp.zeros((num_n, config.n_group), bool)
+        keep = keep.at[jnp.arange(num_n)[:, None], rank].set(True)
+        allowed = jnp.repeat(keep, per_group, axis=-1)
+        biased = jnp.where(allowed, biased, -jnp.inf)
+    experts = jnp.argsort(-biased, axis=-1, stable=True)[:, :config.num_experts_per_tok]
+    return _weights(scores, experts, config), experts.astype(jnp.int32)
+
+
+def moe_mlp_reference(h: jax.Array, p: dict, *, config) -> jax.Array:
+    """`moe_mlp` the obvious way: every expert on every token, masked by the routing."""
+    shape = h.shape
+    x = h.reshape(-1, shape[-1])
+    weights, experts = route_reference(x, p["gate"], p["gate_bias"], config=config)
+    y = jnp.zeros(x.shape, F32)
+    for e in range(config.n_routed_experts):
+        coef = jnp.sum(jnp.where(experts == e, weights, 0.0), axis=-1)  # [N]
+        up = jax.nn.silu(jnp.matmul(x, p["w1"][e]).astype(F32))
+        act = (up * jnp.matmul(x, p["w3"][e]).astype(F32)).astype(x.dtype)
+        y = y + coef[:, None] * jnp.matmul(act, p["w2"][e]).astype(F32)
+    return _add_shared(y, x, p, config).reshape(shape)

@@ -1,0 +1,309 @@
+"""Hugging Face checkpoints: config.json -> ModelConfig, tiny random checkpoint directories
+(sharded, FP8 with block scales) loaded, saved and refused."""
+
+import json
+import os
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fo_jax import weights
+from fo_jax.checkpoints import (config_from_hf, dequantize_fp8, load_checkpoint,
+                                save_checkpoint, tensor_names, to_hf_config)
+from fo_jax.checkpoints.safetensors_io import SafetensorsFile, write_safetensors
+from fo_jax.config import ModelConfig, get_config
+from fo_jax.model.dsa import init_params
+
+TINY = get_config("tiny")
+MOE = TINY.replace(num_layers=3, indexer_layers=(0, 2), n_routed_experts=4,
+                   num_experts_per_tok=2, moe_hidden=16, n_shared_experts=1, n_group=2,
+                   topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
+                   dtype="bfloat16", index_fp8=True)
+
+# DeepSeek-V3.2-Exp's config.json (Hugging Face), every field.
+DEEPSEEK_V32 = {
+    "architectures": ["DeepseekV32ForCausalLM"], "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1,
+    "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+    "index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048,
+    "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "model_type": "deepseek_v32",
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+                            "quant_method": "fp8", "weight_block_size": [128, 128],
+                            "scale_fmt": "ue8m0"},
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16", "transformers_version": "4.44.2", "use_cache": True,
+    "v_head_dim": 128, "vocab_size": 129280,
+}
+
+
+def _glm(**changes):
+    hf = dict(DEEPSEEK_V32, architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa",
+              hidden_size=6144, num_hidden_layers=78, num_attention_heads=64,
+              num_key_value_heads=64, q_lora_rank=2048, qk_nope_head_dim=192, v_head_dim=256,
+              intermediate_size=12288, index_n_heads=32, vocab_size=154880,
+              max_position_embeddings=202752, n_group=1, topk_group=1, rms_norm_eps=1e-5,
+              indexer_rope_interleave=True, rope_parameters={"rope_theta": 1e6,
+                                                             "rope_type": "default"})
+    del hf["rope_scaling"], hf["rope_theta"], hf["quantization_config"]
+    hf.update(changes)
+    return hf
+
+
+def test_deepseek_v32_config_json_is_the_preset_plus_moe():
+    config = ModelConfig.from_hf(DEEPSEEK_V32, name="deepseek_v32")
+    want = get_config("deepseek_v32").replace(
+        n_routed_experts=256, num_experts_per_tok=8, moe_hidden=2048, n_shared_experts=1,
+        n_group=8, topk_group=4, routed_scaling_factor=2.5, first_k_dense_replace=3,
+        num_nextn_predict_layers=1)
+    assert config == want
+    assert (config.num_dense_layers, config.num_moe_layers) == (3, 58)
+
+
+def test_glm_indexer_sharing_and_rope_layout():
+    config = config_from_hf(_glm(), max_seq_len=4096)
+    assert config.indexer_layers == tuple(range(78)) and config.index_rope_interleave
+    assert config.rope_theta == 1e6 and config.rope_factor == 1.0 and config.norm_eps == 1e-5
+    # index_topk_freq 4, offset 2 (Hugging Face's schedule): full at 0, 1, then every 4th.
+    shared = config_from_hf(_glm(index_topk_freq=4, index_skip_topk_offset=2), max_seq_len=4096)
+    assert shared.indexer_layers[:4] == (0, 1, 5, 9) and shared.indexer_layers[-1] == 77
+    kinds = ["full", "shared", "shared", "full"] + ["shared"] * 74
+    assert config_from_hf(_glm(indexer_types=kinds), max_seq_len=4096).indexer_layers == (0, 3)
+    assert config_from_hf(_glm(index_topk_pattern="FSSF" + "S" * 74),
+                          max_seq_len=4096).indexer_layers == (0, 3)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(architectures=["DeepseekV3ForCausalLM"]),
+     "architectures=['DeepseekV3ForCausalLM']: fo_jax loads exactly one of"),
+    (dict(sliding_window=4096), "fields ['sliding_window'] are not implemented by fo_jax"),
+    (dict(scoring_func="softmax"),
+     "scoring_func='softmax' is not supported: fo_jax implements scoring_func='sigmoid'"),
+    (dict(moe_layer_freq=2), "moe_layer_freq=2 is not supported"),
+    (dict(rope_scaling=dict(DEEPSEEK_V32["rope_scaling"], mscale=0.707)),
+     "rope_scaling mscale=0.707, mscale_all_dim=1.0: fo_jax implements YaRN with mscale == "
+     "mscale_all_dim > 0"),
+    (dict(rope_scaling={"type": "yarn", "factor": 40}), "mscale=None, mscale_all_dim=None"),
+    (dict(rope_scaling=dict(DEEPSEEK_V32["rope_scaling"], attention_factor=1.0)),
+     "rope_scaling fields ['attention_factor'] are not implemented"),
+    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling type='linear'"),
+    (dict(q_lora_rank=None), "q_lora_rank=None (a full-rank query projection)"),
+    (dict(quantization_config={"quant_method": "awq"}), "quant_method='awq'"),
+    (dict(mlp_layer_types=["sparse"] * 61), "mlp_layer_types=['sparse', 'sparse'"),
+    (dict(indexer_types=["shared"] + ["full"] * 60), "layer 0 must be 'full'"),
+])
+def test_unsupported_config_fields_are_refused_by_name(changes, message):
+    from fo_jax.checkpoints import hf_quantization
+    hf = dict(DEEPSEEK_V32, **changes)
+    with pytest.raises(ValueError) as err:
+        config_from_hf(hf)
+        hf_quantization(hf)
+    assert message in str(err.value)
+
+
+def test_expert_count_aliases():
+    hf = dict(DEEPSEEK_V32)
+    hf["num_local_experts"] = hf.pop("n_routed_experts")
+    assert config_from_hf(hf).n_routed_experts == 256
+    with pytest.raises(ValueError, match="num_experts=8 contradicts n_routed_experts=256"):
+        config_from_hf(dict(DEEPSEEK_V32, num_experts=8))
+
+
+def test_unknown_fields_can_be_vouched_for_and_yarn_needs_a_long_context():
+    config = config_from_hf(dict(DEEPSEEK_V32, my_note=1), ignore_fields=("my_note",))
+    assert config.yarn_active
+    with pytest.raises(ValueError, match="max_seq_len=4096 <= original_max_position_embeddings"
+                                         "=4096: fo_jax"):
+        config_from_hf(DEEPSEEK_V32, max_seq_len=4096)
+
+
+@pytest.mark.parametrize("config, arch", [
+    (MOE, "GlmMoeDsaForCausalLM"),
+    (TINY.replace(rope_factor=4.0, rope_original_seq_len=256, rope_mscale=0.5,
+                  index_rope_interleave=True), "DeepseekV32ForCausalLM"),
+])
+def test_config_json_round_trip(config, arch):
+    hf = to_hf_config(config, arch)
+    back = config_from_hf(json.loads(json.dumps(hf)), max_ways=config.max_ways,
+                          kv_dtype=config.kv_dtype, index_fp8=config.index_fp8)
+    assert back == config
+
+
+def test_save_load_round_trip_is_bitwise(tmp_path):
+    params = init_params(MOE, jax.random.key(0))
+    save_checkpoint(tmp_path, params, MOE, architecture="GlmMoeDsaForCausalLM",
+                    max_shard_bytes=60_000, progress=False)
+    shards = [f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]
+    assert len(shards) > 2
+    config, loaded = load_checkpoint(tmp_path, progress=False, index_fp8=True)
+    assert config == MOE
+    assert weights.params_equal(params, loaded)
+    assert loaded["moe"]["gate_bias"].dtype == np.float32
+    assert loaded["moe"]["w1"].dtype == MOE.jnp_dtype
+
+
+def _quantize(w, block):
+    """FP8 e4m3 blocks of w [O, I] with power-of-two scales (as DeepSeek's ue8m0 scales)."""
+    rows, cols = w.shape
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    scale = np.ones(grid, np.float32)
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            tile = w[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
+            scale[i, j] = 2.0 ** np.ceil(np.log2(max(np.abs(tile).max(), 1e-30) / 448.0))
+    full = np.repeat(np.repeat(scale, block[0], 0), block[1], 1)[:rows, :cols]
+    return (w / full).astype(ml_dtypes.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize("block", [(128, 128), (16, 32)])
+def test_fp8_block_scaled_weights_are_dequantised_on_load(tmp_path, block):
+    config = MOE.replace(dtype="float32")
+    params = init_params(config, jax.random.key(1))
+    save_checkpoint(tmp_path, params, config, progress=False)
+    file = [f for f in os.listdir(tmp_path) if f.endswith(".safetensors")][0]
+    tensors = {n: SafetensorsFile(tmp_path / file).get(n)
+               for n in SafetensorsFile(tmp_path / file).keys()}
+    expected = {}
+    for name in list(tensors):  # every projection except the router and the head goes FP8
+        if name.endswith("proj.weight") or name.endswith("wq_b.weight") or name.endswith(
+                "wk.weight"):
+            q, scale = _quantize(tensors[name], block)
+            tensors[name], tensors[name + "_scale_inv"] = q, scale
+            expected[name] = dequantize_fp8(q, scale, block)
+    write_safetensors(tmp_path / file, tensors)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                 "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    _, loaded = load_checkpoint(tmp_path, config, progress=False)
+    names = tensor_names(config)
+    for name, want in expected.items():
+        slot = names[name]
+        got = loaded
+        for key in slot.path:
+            got = got[key]
+        got = np.asarray(got[slot.index])
+        np.testing.assert_array_equal(got.T if slot.transpose else got, want)
+    # By hand: one e4m3 value times its block's scale.
+    q = np.array([[1.5, -2.0], [0.25, 448.0]], ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(dequantize_fp8(q, np.array([[4.0]], np.float32), (128, 128)),
+                                  [[6.0, -8.0], [1.0, 1792.0]])
+    # The FP8 model is the bf16 one up to FP8 rounding (<= 2^-4 relative per value).
+    w = np.asarray(params["moe"]["w1"][0, 0])
+    np.testing.assert_allclose(np.asarray(loaded["moe"]["w1"][0, 0]), w, rtol=2 ** -4,
+                               atol=1e-6)
+
+
+def _saved(tmp_path, config=MOE):
+    save_checkpoint(tmp_path, init_params(config, jax.random.key(0)), config,
+                    max_shard_bytes=60_000, progress=False)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    return index["weight_map"]
+
+
+def _edit(tmp_path, shard, fn):
+    file = SafetensorsFile(tmp_path / shard)
+    tensors = {n: file.get(n) for n in file.keys()}
+    fn(tensors)
+    write_safetensors(tmp_path / shard, tensors)
+
+
+def test_bad_checkpoints_are_refused_before_loading(tmp_path):
+    weight_map = _saved(tmp_path)
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    shard = weight_map[name]
+    _edit(tmp_path, shard, lambda t: t.pop(name))
+    with pytest.raises(ValueError, match=f"puts \\['{name}'\\] in this shard but it does not"):
+        load_checkpoint(tmp_path, MOE, progress=False)
+    # Without its index entry too: a missing tensor.
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    del index["weight_map"][name]
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"missing \\['{name}'\\], unexpected \\[\\]"):
+        load_checkpoint(tmp_path, MOE, progress=False)
+    # A config with fewer experts: experts 2 and 3 are extra.
+    small = MOE.replace(n_routed_experts=2, n_group=1, topk_group=1)
+    with pytest.raises(ValueError, match="unexpected \\['model.layers.1.mlp.experts.2."):
+        load_checkpoint(tmp_path, small, progress=False)
+
+
+def test_wrong_shapes_truncated_shards_and_missing_scales_are_refused(tmp_path):
+    weight_map = _saved(tmp_path)
+    name = "model.layers.0.self_attn.q_a_proj.weight"
+    _edit(tmp_path, weight_map[name], lambda t: t.update({name: t[name][:, :-1]}))
+    with pytest.raises(ValueError, match=f"tensor '{name}' has shape \\(32, 63\\), expected "
+                                         "\\(32, 64\\)"):
+        load_checkpoint(tmp_path, MOE, progress=False)
+    _edit(tmp_path, weight_map[name], lambda t: t.update(
+        {name: np.zeros((32, 64), ml_dtypes.float8_e4m3fn)}))
+    with pytest.raises(ValueError, match=f"tensor '{name}' is FP8 but config.json has no "
+                                         "quantization_config"):
+        load_checkpoint(tmp_path, MOE, progress=False)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    hf["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match=f"FP8 tensor '{name}' has no '{name}_scale_inv'"):
+        load_checkpoint(tmp_path, MOE, progress=False)
+    path = tmp_path / weight_map["lm_head.weight"]
+    data = path.read_bytes()
+    path.write_bytes(data[:-100])
+    with pytest.raises(ValueError, match="has .* bytes \\(truncated file\\?\\)"):
+        load_checkpoint(tmp_path, MOE, progress=False)
+
+
+def test_mtp_layer_tensors_are_skipped(tmp_path):
+    config = MOE.replace(num_nextn_predict_layers=1)
+    weight_map = _saved(tmp_path, config)
+    shard = weight_map["lm_head.weight"]
+    _edit(tmp_path, shard, lambda t: t.update(
+        {"model.layers.3.eh_proj.weight": np.zeros((64, 128), ml_dtypes.bfloat16)}))
+    loaded_config, _ = load_checkpoint(tmp_path, progress=False)
+    assert loaded_config.num_nextn_predict_layers == 1
+
+
+def test_reference_names_round_trip_with_moe(tmp_path):
+    params = init_params(MOE, jax.random.key(2))
+    tensors = weights.to_checkpoint(params, MOE)
+    assert "layers.1.ffn.experts.3.w2.weight" in tensors and "layers.1.ffn.gate.bias" in tensors
+    assert "layers.0.ffn.w1.weight" in tensors and "layers.2.attn.indexer.wk.weight" in tensors
+    assert weights.params_equal(weights.from_checkpoint(tensors, MOE), params)
+
+
+def test_packed_experts_load_like_per_expert_tensors(tmp_path):
+    # Layer 2's experts packed as recent transformers hold them: gate_up_proj [X, 2M, E] (gate
+    # rows first), down_proj [X, E, M].
+    params = init_params(MOE, jax.random.key(0))  # what _saved writes
+    weight_map = _saved(tmp_path)
+    pre = "model.layers.2.mlp.experts."
+    per = {n: s for n, s in weight_map.items() if n.startswith(pre)}
+    tensors = {}
+    for shard in sorted(set(per.values())):
+        file = SafetensorsFile(tmp_path / shard)
+        tensors.update({n: file.get(n) for n in file.keys() if n in per})
+        _edit(tmp_path, shard, lambda t: [t.pop(n) for n in per if n in t])
+    experts = range(MOE.n_routed_experts)
+    gate_up = np.stack([np.concatenate([tensors[f"{pre}{e}.gate_proj.weight"],
+                                        tensors[f"{pre}{e}.up_proj.weight"]]) for e in experts])
+    down = np.stack([tensors[f"{pre}{e}.down_proj.weight"] for e in experts])
+    write_safetensors(tmp_path / "packed.safetensors",
+                      {pre + "gate_up_proj": gate_up, pre + "down_proj": down})
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    for n in per:
+        del index["weight_map"][n]
+    index["weight_map"].update({pre + "gate_up_proj": "packed.safetensors",
+                                pre + "down_proj": "packed.safetensors"})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    _, loaded = load_checkpoint(tmp_path, MOE, progress=False)
+    assert weights.params_equal(params, loaded)
