@@ -59,9 +59,10 @@ def main(argv=None) -> dict:
         print(f"held-out {name} (bf16 weights, {args.eval_windows} x {seq_len} tokens): "
               f"{r['bits_per_byte']:.4f} bits/byte, {r['bytes_per_token']:.2f} bytes/token")
     log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
-    steps = [r for r in log if r["kind"] == "step"]
+    # The last step and token count: the "end" row (steps are logged every --log-every only).
+    steps = [r for r in log if r["kind"] in ("step", "end")]
     for r in log:  # the run's own evaluations (float32 weights)
-        if r["kind"] == "eval" and r["name"] not in evals:
+        if r["kind"] == "eval":
             evals[f"{r['name']}_float32"] = round(r["bits_per_byte"], 4)
     trained = {
         "held_out_bits_per_byte": evals, "eval_windows": args.eval_windows,

@@ -215,6 +215,7 @@ def main(argv=None) -> dict:
                 run_eval("sparse", params, "sparse")
                 run_eval("sparse_run_dense", params, "dense")
     bar.close()
+    write({"kind": "end", "step": step, "tokens": seen_tokens})
     log.close()
     results["tokens_per_s"] = stage_speed
     results["steps"] = step

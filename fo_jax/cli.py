@@ -43,7 +43,8 @@ def _build_parser() -> argparse.ArgumentParser:
                           "run's sparse.safetensors), tokenizer.json")
     gen.add_argument("--weights", default=None,
                      help="safetensors weights for a --model preset (default: random)")
-    gen.add_argument("--seed", type=int, default=0, help="weights and sampling seed")
+    gen.add_argument("--seed", type=int, default=0,
+                     help="sampling seed (and the random weights of a --model preset)")
     gen.add_argument("--prompt", default=DEFAULT_PROMPT)
     gen.add_argument("--batch", type=int, default=1, help="copies of the prompt to run")
     gen.add_argument("--max-new-tokens", type=int, default=64)
@@ -148,23 +149,32 @@ def _check_param_memory(config, max_param_gb: float | None) -> None:
 
 
 def _resolve_model(args):
-    """(config, params or None, tokenizer or None) from --model / --model-dir / --weights:
-    the embedded model and model directories come with weights and a tokenizer; a preset gets
-    random weights (or --weights) and the byte tokenizer."""
+    """(config, load weights or None, tokenizer or None) from --model / --model-dir /
+    --weights, reading only config and tokenizer files: the embedded model and model
+    directories come with weights (`load()` reads them, after the memory check) and a
+    tokenizer; a preset gets random weights (or --weights) and the byte tokenizer."""
+    import functools
+
     from fo_jax import embedded
     from fo_jax.config import get_config
+    from fo_jax.tokenizer import load_tokenizer
 
     if args.model_dir is not None:
         if args.model is not None or args.weights is not None:
             raise ValueError("--model-dir brings its own config and weights: drop --model / "
                              "--weights")
-        return embedded.load_model_dir(args.model_dir)
+        return (embedded.read_config(args.model_dir),
+                functools.partial(embedded.load_model_dir, args.model_dir),
+                load_tokenizer(args.model_dir))
     name = DEFAULT_MODEL if args.model is None else args.model
     if name == DEFAULT_MODEL and args.weights is None:
-        return embedded.load_embedded()
+        if not embedded.embedded_available():
+            embedded.load_embedded()  # raises, naming what is missing
+        return (embedded.read_config(embedded.EMBEDDED_DIR), embedded.load_embedded,
+                load_tokenizer(embedded.EMBEDDED_DIR))
     config = get_config(name)
     if name == DEFAULT_MODEL:  # its own weights file: its BPE tokenizer still applies
-        return config, None, embedded.load_tokenizer(embedded.EMBEDDED_DIR)
+        return config, None, load_tokenizer(embedded.EMBEDDED_DIR)
     return config, None, None
 
 
@@ -181,7 +191,7 @@ def _cmd_generate(args) -> int:
     from fo_jax.tokenizer import ByteTokenizer
     from fo_jax.weights import load_params
 
-    config, params, tokenizer = _resolve_model(args)
+    config, load, tokenizer = _resolve_model(args)
     if tokenizer is None:
         tokenizer = ByteTokenizer()
         if config.vocab_size < 256:
@@ -195,6 +205,9 @@ def _cmd_generate(args) -> int:
         raise ValueError("--num-drafts applies with --draft ngram or mtp only")
     _, num_drafts = gen.check_draft(args.draft, args.num_drafts, args.temperature, config)
     gen.check_decode_steps_per_call(args.decode_steps_per_call)
+    if args.draft != "none" and args.decode_steps_per_call > 1:
+        raise ValueError(f"--draft {args.draft} verifies drafts step by step from the host: use "
+                         "--decode-steps-per-call 1")
     if args.check and args.decode_steps_per_call > 1:
         raise ValueError("--check compares the logits of every step with the resident model's: "
                          "use --decode-steps-per-call 1")
@@ -233,7 +246,9 @@ def _cmd_generate(args) -> int:
                                 policy=policy, host_access=args.host_access or "gather",
                                 host_memory_kind="device" if args.interpret else "pinned_host")
         offload.validate_for(config)
-    if params is None:
+    if load is not None:
+        params = load()[1]
+    else:
         params = (load_params(args.weights, config) if args.weights
                   else dsa.init_params(config, jax.random.key(args.seed)))
     if args.offload:

@@ -231,6 +231,7 @@ class _Lengths:
                              "single steps (decode_steps_per_call=1)")
         out, self.state, seats = decode_loop(self.params, self.state, seats, n_steps, sampling,
                                              step=self.loop_step())
+        self._before = None  # nothing to roll back: a loop's tokens are kept
         self._pending = self._pending + (out,)
         self._add_stats(out.stats)
         return out, seats

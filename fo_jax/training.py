@@ -11,7 +11,7 @@ train / held-out by a hash of their path relative to the stdlib root (determinis
 and the documents of a split are concatenated with a separator token between them.
 
 Tokenizer (fo_jax.tokenizer): a byte-level BPE trained on the train split with the `tokenizers`
-library (`train-small`: 2048 ids, ~3 bytes of code per token, saved as `tokenizer.json`), or bytes
+library (`trained-small`: 2048 ids, ~3 bytes of code per token, saved as `tokenizer.json`), or bytes
 (ids 0-255, SEP 256 between documents, vocab 260: no training, used by the smoke run and tests).
 BPE gives the model about three times the text per unit of compute; losses are reported in bits
 per byte either way (nats of the targets / ln 2 / the bytes those targets stand for).

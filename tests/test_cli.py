@@ -111,21 +111,22 @@ def test_check_names_step_and_position_on_a_difference(capsys, monkeypatch):
 
 
 def test_generate_with_ngram_drafts_checks_bitwise_and_reports_tokens_per_step(capsys):
-    # A prompt that repeats itself: prompt lookup drafts get accepted. Offloaded with --check:
-    # the resident reference is stepped and rolled back alongside, logits compared bit for bit.
-    # The text is that of W = 1 greedy decoding on the resident path.
-    common = ["generate", "--model", "tiny", "--max-new-tokens", "8", "--prompt", "abcabcabc" * 3,
-              "--no-progress"]
+    # The trained model continues a repeated line by repeating it: prompt lookup drafts get
+    # accepted. Offloaded with --check: the resident reference is stepped and rolled back
+    # alongside, logits compared bit for bit. The text is that of W = 1 greedy decoding on the
+    # resident path.
+    common = ["generate", "--max-new-tokens", "12", "--no-progress",
+              "--prompt", "\n".join(["        self.check_error(self.get_args, **kwargs)"] * 3)]
     assert main(common) == 0
     plain = capsys.readouterr().out
-    code = main(common + ["--offload", "--check", "--hot-slots", "64", "--page-size", "8",
-                          "--draft", "ngram"])
+    code = main(common + ["--offload", "--check", "--draft", "ngram"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert out.split("--- summary ---")[0] == plain.split("--- summary ---")[0]
     steps = re.search(r"drafts: ngram, 3 per step: ([0-9.]+) tokens per step over (\d+) steps "
                       r"\(accepted (\d+) of (\d+) drafts\)", out)
     assert steps, out
+    assert int(steps.group(3)) > 0 and int(steps.group(2)) < 11  # drafts were accepted
     assert f"bitwise equal to the resident model's over {steps.group(2)} decode steps" in out
 
 
@@ -138,6 +139,8 @@ def test_generate_with_ngram_drafts_checks_bitwise_and_reports_tokens_per_step(c
      "speculative sampling is not implemented; use draft='none' to sample"),
     (["generate", "--model", "tiny", "--draft", "ngram", "--num-drafts", "9"],
      "num_drafts=9 must be an int in [1, max_ways - 1 = 3] of config 'tiny'"),
+    (["generate", "--model", "tiny", "--draft", "ngram", "--decode-steps-per-call", "2"],
+     "--draft ngram verifies drafts step by step from the host: use --decode-steps-per-call 1"),
     (["generate", "--model", "tiny", "--num-drafts", "2"],
      "--num-drafts applies with --draft ngram or mtp only"),
 ])

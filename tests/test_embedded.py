@@ -35,7 +35,6 @@ def test_model_dir_errors(tmp_path):
         embedded.load_model_dir(tmp_path)
 
 
-@pytest.mark.skipif(not embedded.embedded_available(), reason="no embedded model")
 def test_embedded_model_loads_with_its_tokenizer():
     config, params, tok = embedded.load_embedded()
     assert config.name == embedded.EMBEDDED_NAME and tok.kind == "bpe"
@@ -45,7 +44,6 @@ def test_embedded_model_loads_with_its_tokenizer():
     assert 0 < meta["trained"]["held_out_bits_per_byte"]["sparse"] < 3
 
 
-@pytest.mark.skipif(not embedded.embedded_available(), reason="no embedded model")
 def test_generate_default_is_the_trained_model_offloaded_bitwise(capsys):
     # The default command on a fresh clone: the trained model, its tokenizer, offloaded decode
     # checked bit for bit against the resident model after every step.
@@ -54,3 +52,15 @@ def test_generate_default_is_the_trained_model_offloaded_bitwise(capsys):
     assert code == 0, out
     assert "model: trained-small" in out and "def read_lines(path):" in out
     assert "bitwise equal to the resident model's over 7 decode steps" in out
+
+
+def test_generate_checks_flags_and_memory_before_reading_the_weights(capsys, monkeypatch):
+    def refuse(*_, **__):
+        raise AssertionError("the weights were read before the input was checked")
+
+    monkeypatch.setattr(embedded, "load_model_dir", refuse)
+    monkeypatch.setattr("fo_jax.cli._available_bytes", lambda: 64e9)
+    assert main(["generate", "--no-progress", "--max-param-gb", "0.0001"]) == 2
+    assert "above --max-param-gb=0.0001" in capsys.readouterr().err
+    assert main(["generate", "--no-progress", "--batch", "0"]) == 2
+    assert "--batch must be >= 1" in capsys.readouterr().err
