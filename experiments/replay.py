@@ -112,6 +112,8 @@ def main(argv=None):
     parser.add_argument("--policies", nargs="+", default=list(replay.POLICIES))
     parser.add_argument("--prefetch", action="store_true",
                         help="count ECHO's prefetch (synthetic traces keep every score)")
+    parser.add_argument("--no-series", action="store_true",
+                        help="leave out union_per_step (smaller JSON lines)")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=None, help="append JSON lines here")
     args = parser.parse_args(argv)
@@ -161,6 +163,9 @@ def main(argv=None):
                 f"{mine[c]['misses_per_request_group_step']:9.2f} "
                 f"({mine[c]['hit_rate']:.3f}, {mine[c]['ratio_to_belady']:4.2f})"
                 for c in budgets))
+        if args.no_series:
+            for c in cells:
+                del c["union_per_step"]
         rows += [{**meta, **c} for c in cells]
     for real, synthetic in similar:
         replayed = [r for r in rows if r["question"] == "replay"]

@@ -3,7 +3,7 @@
 import json
 
 
-def test_record_replay_and_plot(load_experiment, tmp_path):
+def test_record_replay_and_plot(load_experiment, tmp_path, capsys):
     record = tmp_path / "record.jsonl"
     rows = load_experiment("record_traces").main(["--smoke", "--out-dir", str(tmp_path),
                                                   "--jsonl", str(record)])
@@ -28,4 +28,9 @@ def test_record_replay_and_plot(load_experiment, tmp_path):
     png = tmp_path / "replay.png"
     load_experiment("plot_replay").main([str(out), "--out", str(png)])
     assert png.stat().st_size > 0
+    capsys.readouterr()
+    load_experiment("plot_replay").main([str(out), "--table", "--traces", "ctx96"])
+    table = capsys.readouterr().out
+    assert table.startswith("ctx96_w2.npz: k 8, W 2, G 2, B 2, 8 steps after 80 tokens")
+    assert "| belady | " in table and "| ring: misses / req / group / step" in table
     assert json.loads(out.read_text().splitlines()[-1])["question"] == "resemblance"
