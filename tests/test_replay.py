@@ -85,6 +85,19 @@ def test_document_windows():
         traces.document_windows(docs, count=4, length=8, sep=99)
 
 
+def test_document_recording_refuses_short_documents():
+    offload = OffloadConfig(hot_slots=32, page_size=16, capacity=96)
+    docs = np.zeros((2, 90), np.int32)
+    with pytest.raises(ValueError, match=r"prefill 80 \+ 8 steps x 2 ways = 96 tokens need "
+                       r"documents longer than that \(got N=90\) and offload.capacity >= 96 "
+                       r"\(got 96\)"):
+        traces.record_document_trace(None, None, offload, docs, None, prefill=80, steps=8,
+                                     ways=2)
+    with pytest.raises(ValueError, match=r"prefill=90 must be in \[1, N\) for documents of "
+                       r"N=90 tokens"):
+        traces.prefill_documents(None, None, offload, docs, prefill=90)
+
+
 # Known answers -------------------------------------------------------------------------------
 
 def _sequence(tokens, *, length=10, page=1, ways=1):
