@@ -263,3 +263,133 @@ def record_decode_trace(config, offload, *, lengths, steps: int, ways: int, seed
         recorder.add(before, stats)
     return recorder.trace({"source": "fo_jax.traces.record_decode_trace", "model": config.name,
                            "heavy": heavy, "boost": boost, "seed": seed})
+
+
+# Traces of a trained model over real documents ------------------------------------------------
+
+def copy_prefill_state(state):
+    """A copy of a PrefillState (its own buffers: the handoff's first decode step donates the
+    host pages, so each of several decode runs from one prefill needs its own)."""
+    import jax
+
+    return jax.tree_util.tree_map(lambda x: x.copy(), state)
+
+
+def prefill_documents(params, config, offload, tokens, *, prefill: int, chunk: int = 2048):
+    """Prefill the first `prefill` tokens of each document row with the offloaded prefill.
+
+    tokens: [B, N] int token ids, N > prefill (the token after the prefix is needed for its
+    loss). Runs `fo_jax.offload.prefill.prefill` in chunks of `chunk` tokens (every request the
+    same length) and scores each chunk's logits against the document's next tokens.
+    Returns (PrefillState with `prefill` tokens per request, nll [B, prefill] float32: nats of
+    token p + 1 given the tokens up to p).
+    Touches the chunk's logits [B, chunk, V] at a time.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from fo_jax.offload import prefill as offload_prefill
+
+    tokens = np.asarray(tokens, np.int32)
+    batch, num_t = tokens.shape
+    if not 1 <= prefill < num_t:
+        raise ValueError(f"prefill={prefill} must be in [1, N) for documents of N={num_t} "
+                         "tokens (the token after the prefix scores its last logits)")
+    state = offload_prefill.PrefillState.create(
+        config, batch=batch, capacity=offload.capacity, page_size=offload.page_size,
+        memory_kind=offload.host_memory_kind)
+    nll = []
+    for lo in range(0, prefill, chunk):
+        hi = min(lo + chunk, prefill)
+        logits, state = offload_prefill.prefill(params, state, tokens[:, lo:hi], config=config,
+                                                host_access=offload.host_access)
+        nll.append(np.asarray(_nll(logits, jnp.asarray(tokens[:, lo + 1:hi + 1]))))
+    return state, np.concatenate(nll, axis=1)
+
+
+def _nll(logits, targets):
+    """nats of `targets` [B, T] under `logits` [B, T, V] (float32)."""
+    import jax
+    import jax.numpy as jnp
+
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+def record_document_trace(params, config, offload, tokens, prefill_state, *, prefill: int,
+                          steps: int, ways: int, keep_all_scores: bool = False,
+                          meta: dict | None = None) -> tuple[Trace, np.ndarray]:
+    """Teacher-forced offloaded decode through documents, recorded as a trace.
+
+    tokens: [B, N] the documents; prefill_state: their first `prefill` tokens, prefilled
+    (`prefill_documents`; copied here, so one prefill serves several runs). Each of `steps`
+    decode steps feeds W = `ways` tokens per request: the document's next W tokens (the drafts
+    a multi-token-prediction verifier would check, all accepted), so the request advances by W
+    per step. Records per step, group, request and way the selection, its scores (from
+    `decode_step(..., scores=True)`: the same selection), the k-th score, every token's score
+    when `keep_all_scores` (S floats per way and step: short contexts), and the step's
+    DecodeStats as the trace's reference (offload's hot_slots and policy).
+    Returns (trace, nll [B, steps * W]: nats of the document's token after each fed one).
+    Needs N > prefill + steps * W and offload.capacity >= prefill + steps * W.
+    """
+    import jax.numpy as jnp
+
+    from fo_jax.offload import decode as offload_decode
+    from fo_jax.offload import prefill as offload_prefill
+
+    tokens = np.asarray(tokens, np.int32)
+    batch, num_t = tokens.shape
+    end = prefill + steps * ways
+    if end >= num_t or end > offload.capacity:
+        raise ValueError(f"prefill {prefill} + {steps} steps x {ways} ways = {end} tokens need "
+                         f"documents longer than that (got N={num_t}) and "
+                         f"offload.capacity >= {end} (got {offload.capacity})")
+    state = offload_prefill.to_decode_state(copy_prefill_state(prefill_state), config=config,
+                                            offload=offload)
+    recorder = TraceRecorder(offload)
+    nll = []
+    for s in range(steps):
+        lo = prefill + s * ways
+        before = np.array(state.lengths)
+        logits, state, stats = offload_decode.decode_step(
+            params, state, tokens[:, lo:lo + ways], config=config, offload=offload,
+            check=False, scores=True)
+        nll.append(np.asarray(_nll(logits, jnp.asarray(tokens[:, lo + 1:lo + ways + 1]))))
+        every = np.asarray(stats.scores, np.float32)  # [G, B, W, S]
+        sel = np.asarray(stats.selected)
+        picked = np.take_along_axis(every, np.maximum(sel, 0), axis=-1)
+        picked = np.where(sel >= 0, picked, np.nan).astype(np.float32)
+        kth = np.nanmin(np.where(sel >= 0, picked, np.inf), axis=-1).astype(np.float32)
+        recorder.add(before, stats, scores=picked, kth_score=kth,
+                     all_scores=every if keep_all_scores else None)
+    info = {"source": "fo_jax.traces.record_document_trace", "model": config.name,
+            "prefill": prefill, "steps": steps, "ways": ways, **(meta or {})}
+    return recorder.trace(info), np.concatenate(nll, axis=1)
+
+
+def document_windows(docs: list[np.ndarray], *, count: int, length: int, sep: int
+                     ) -> tuple[np.ndarray, list[dict]]:
+    """`count` token windows [count, length] from documents, longest documents first.
+
+    Window i starts at the i-th longest document; where it is shorter than `length`, the
+    documents after it (in the given order, wrapping around) follow. Every document comes
+    behind the separator `sep`, as in the training stream (`fo_jax.training.load_split`). Returns
+    (windows int32 [count, length], per window {"first": index of its first document,
+    "documents": how many it spans}).
+    """
+    if count > len(docs):
+        raise ValueError(f"{count} windows need at least {count} documents, got {len(docs)}")
+    order = sorted(range(len(docs)), key=lambda i: (-len(docs[i]), i))[:count]
+    windows, info = [], []
+    for first in order:
+        parts, total, j = [], 0, first
+        while total < length:
+            if j == len(docs):
+                j = 0  # wrap around: every held-out token is usable
+            piece = np.concatenate([[sep], np.asarray(docs[j], np.int32)])
+            parts.append(piece)
+            total += len(piece)
+            j += 1
+        windows.append(np.concatenate(parts)[:length])
+        info.append({"first": first, "documents": len(parts)})
+    return np.stack(windows).astype(np.int32), info

@@ -40,6 +40,64 @@ def test_replay_reproduces_decode_step(policy, ways, tmp_path):
                                       err_msg=name)
 
 
+def test_replay_reproduces_prefilled_document_decode():
+    # The real-trace path: offloaded prefill of documents, the handoff, teacher-forced W-way
+    # decode steps (experiments/record_traces.py; the shapes of its --smoke, so one compile
+    # serves both). The replay reproduces the run's stats; the recorded scores are the
+    # selection's own.
+    import jax
+
+    from fo_jax.model.dsa import init_params
+
+    config = get_config("tiny").replace(index_topk=8, max_ways=2, vocab_size=260)
+    params = init_params(config, jax.random.key(0))
+    offload = OffloadConfig(hot_slots=32, page_size=16, capacity=96, policy="ring",
+                            host_memory_kind="device")
+    docs = np.random.default_rng(0).integers(0, 256, (2, 97)).astype(np.int32)
+    state, prefill_nll = traces.prefill_documents(params, config, offload, docs, prefill=80)
+    assert prefill_nll.shape == (2, 80) and np.all(np.isfinite(prefill_nll))
+    trace, nll = traces.record_document_trace(params, config, offload, docs, state, prefill=80,
+                                              steps=8, ways=2, keep_all_scores=True)
+    assert nll.shape == (2, 16) and trace.selected.shape == (8, 2, 2, 2, 8)
+    assert trace.lengths[:, 0].tolist() == list(range(80, 96, 2))
+    assert trace.ref_union.sum() > 0 and trace.ref_hits.sum() > 0
+    got = replay.replay(trace, hot_slots=32, policy="ring")
+    for name in FIELDS:
+        np.testing.assert_array_equal(getattr(got, name), getattr(trace, "ref_" + name),
+                                      err_msg=name)
+    # The selection is the top-k of the recorded scores; the k-th score is the smallest.
+    top = np.sort(np.argsort(-trace.all_scores, axis=-1, kind="stable")[..., :8], axis=-1)
+    np.testing.assert_array_equal(trace.selected, top)
+    np.testing.assert_array_equal(trace.scores, np.take_along_axis(trace.all_scores,
+                                                                   trace.selected, axis=-1))
+    np.testing.assert_array_equal(trace.kth_score, trace.scores.min(-1))
+
+
+def test_document_windows():
+    docs = [np.arange(3), np.arange(10, 16), np.arange(20, 22)]
+    windows, info = traces.document_windows(docs, count=2, length=8, sep=99)
+    # Longest first (doc 1: 1 + 6 tokens, then doc 2 behind the separator); doc 0 next,
+    # continued by doc 1.
+    assert windows.tolist() == [[99, 10, 11, 12, 13, 14, 15, 99],
+                                [99, 0, 1, 2, 99, 10, 11, 12]]
+    assert info == [{"first": 1, "documents": 2}, {"first": 0, "documents": 2}]
+    with pytest.raises(ValueError, match="4 windows need at least 4 documents, got 3"):
+        traces.document_windows(docs, count=4, length=8, sep=99)
+
+
+def test_document_recording_refuses_short_documents():
+    offload = OffloadConfig(hot_slots=32, page_size=16, capacity=96)
+    docs = np.zeros((2, 90), np.int32)
+    with pytest.raises(ValueError, match=r"prefill 80 \+ 8 steps x 2 ways = 96 tokens need "
+                       r"documents longer than that \(got N=90\) and offload.capacity >= 96 "
+                       r"\(got 96\)"):
+        traces.record_document_trace(None, None, offload, docs, None, prefill=80, steps=8,
+                                     ways=2)
+    with pytest.raises(ValueError, match=r"prefill=90 must be in \[1, N\) for documents of "
+                       r"N=90 tokens"):
+        traces.prefill_documents(None, None, offload, docs, prefill=90)
+
+
 # Known answers -------------------------------------------------------------------------------
 
 def _sequence(tokens, *, length=10, page=1, ways=1):

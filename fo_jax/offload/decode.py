@@ -30,6 +30,7 @@ from fo_jax.config import ModelConfig
 from fo_jax.model.attention import softmax_scale, sparse_attention
 from fo_jax.kernels import interpret_params, resolve_implementation
 from fo_jax.model.forward import forward, xla_select
+from fo_jax.model.indexer import indexer_scores, select_topk
 from fo_jax.offload import checks
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.offload.host import host_gather_rows, host_write_rows, memory_kind
@@ -56,6 +57,8 @@ class DecodeStats:
       h2d_bytes: [B] host-to-device bytes (misses x layers x row bytes).
       d2h_bytes: [B] device-to-host bytes (new rows written through).
       selected: [G, B, W, K] the tokens each way selected (canonical order, -1 padding).
+      scores: [G, B, W, S] float32 indexer scores of every token (-inf where the way cannot see
+        it), only from `decode_step(..., scores=True)` (traces); else None.
     """
 
     hits: jax.Array
@@ -65,6 +68,7 @@ class DecodeStats:
     h2d_bytes: jax.Array
     d2h_bytes: jax.Array
     selected: jax.Array
+    scores: jax.Array | None = None
 
 
 def gather_attend(hot, host_kv, layer, plan: GroupPlan, q_lat, q_pe, *, scale: float,
@@ -96,11 +100,14 @@ class OffloadBackend:
     """Backend of `forward` over the decode state (see fo_jax.model.forward)."""
 
     def __init__(self, config: ModelConfig, offload: OffloadConfig, host_kv, tail_start, step,
-                 implementation: str = "xla", interpret=False, active=None):
+                 implementation: str = "xla", interpret=False, active=None,
+                 keep_scores: bool = False):
         self.config, self.offload = config, offload
         # [B] bool or None: a request that is not active selects nothing, so its hot cache,
         # slot maps and policy state stay as they are (see `decode_step`).
         self.active = active
+        # keep_scores: every group's indexer scores [B, W, S] (traces), in group order.
+        self.keep_scores, self.group_scores = keep_scores, []
         self.host_kv, self.tail_start, self.step = host_kv, tail_start, step
         self.implementation, self.interpret = implementation, interpret
         self.on_host = offload.host_memory_kind != "device"
@@ -119,6 +126,14 @@ class OffloadBackend:
 
     def select(self, carry, g, q, w, visible, k):
         ik = carry["index_keys"]
+        if self.keep_scores:
+            # The same scores and rule as xla_select; kept (-inf where not visible).
+            scores = indexer_scores(q, w, ik[g])
+            allowed = jnp.arange(scores.shape[-1])[None, None, :] < visible[..., None]
+            self.group_scores.append(jnp.where(allowed, scores, -jnp.inf))
+            if self.implementation != "pallas":
+                tokens, mask = select_topk(scores, visible, k)
+                return tokens, mask, None
         if self.implementation == "pallas":
             from pallas_kernels.lim import lim
 
@@ -168,13 +183,14 @@ class OffloadBackend:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "offload", "implementation", "interpret",
-                                             "debug"),
+                                             "debug", "scores"),
                    donate_argnames=("state",))
 def _decode_jit(params, state: DecodeState, tokens, active=None, *, config: ModelConfig,
                 offload: OffloadConfig, implementation: str = "xla", interpret=False,
-                debug: bool = False):
+                debug: bool = False, scores: bool = False):
     """The step, pure. With `debug`, the invariants of fo_jax.offload.checks are checkified
-    after the step (O(G B (S + C)) more work): trace it under `checkify.checkify`.
+    after the step (O(G B (S + C)) more work): trace it under `checkify.checkify`. With
+    `scores`, stats.scores holds every group's indexer scores [G, B, W, S].
     active: [B] bool or None (all): see `decode_step`."""
     batch, ways = tokens.shape
     offsets = jnp.arange(ways, dtype=jnp.int32)
@@ -189,7 +205,7 @@ def _decode_jit(params, state: DecodeState, tokens, active=None, *, config: Mode
     write_pos = jnp.where(offsets[None, :] < num_new[:, None], positions, offload.capacity)
     tail_start = (state.lengths // offload.page_size) * offload.page_size
     backend = OffloadBackend(config, offload, state.host.kv, tail_start, state.step,
-                             implementation, interpret, active)
+                             implementation, interpret, active, keep_scores=scores)
     p = state.policy
     carry = {
         "hot": state.hot,
@@ -227,19 +243,22 @@ def _decode_jit(params, state: DecodeState, tokens, active=None, *, config: Mode
         h2d_bytes=jnp.sum(union * layers_per_group[:, None], axis=0) * row_bytes,
         d2h_bytes=num_new * (config.num_layers * row_bytes),
         selected=jnp.stack([t for _, t in backend.group_stats]),
+        scores=jnp.stack(backend.group_scores) if scores else None,
     )
     if debug:
         checks.check_step(state, new_state, stats, logits, config=config, offload=offload)
     return logits, new_state, stats
 
 
-@functools.partial(jax.jit, static_argnames=("config", "offload", "implementation", "interpret"),
+@functools.partial(jax.jit, static_argnames=("config", "offload", "implementation", "interpret",
+                                             "scores"),
                    donate_argnames=("state",))
 def _decode_checked(params, state: DecodeState, tokens, active=None, *, config: ModelConfig,
-                    offload: OffloadConfig, implementation: str, interpret):
+                    offload: OffloadConfig, implementation: str, interpret, scores=False):
     """`_decode_jit` with debug checks, functionalised: (checkify.Error, step outputs)."""
     step = functools.partial(_decode_jit, config=config, offload=offload,
-                             implementation=implementation, interpret=interpret, debug=True)
+                             implementation=implementation, interpret=interpret, debug=True,
+                             scores=scores)
     return checkify.checkify(step, errors=checkify.user_checks)(params, state, tokens, active)
 
 
@@ -291,7 +310,7 @@ def check_implementation(implementation: str | None, interpret, offload: Offload
 
 def decode_step(params, state: DecodeState, tokens, *, config: ModelConfig,
                 offload: OffloadConfig, check: bool = True, implementation: str | None = None,
-                interpret=False, debug: bool = False, active=None):
+                interpret=False, debug: bool = False, active=None, scores: bool = False):
     """One offloaded decode step: (logits [B, W, V], new state, DecodeStats).
 
     tokens: [B, W] with W <= config.max_ways. The state is donated: use the returned one.
@@ -313,6 +332,8 @@ def decode_step(params, state: DecodeState, tokens, *, config: ModelConfig,
     indexer keys, slot maps, policy state or host pages and its length stays (the step still
     computes its row: O(1) of the batch's work; its logits are unspecified and its stats 0).
     The state's step counter and the random policy's key are the batch's and advance anyway.
+    scores: also return every group's indexer scores in `stats.scores` [G, B, W, S] float32
+    (traces of fo_jax.traces; the same selection, one more [G, B, W, S] output per step).
     """
     implementation = check_implementation(implementation, interpret, offload)
     check_live(state, "decode_step")
@@ -330,8 +351,9 @@ def decode_step(params, state: DecodeState, tokens, *, config: ModelConfig,
     if debug and is_concrete(state.lengths):
         err, out = _decode_checked(params, state, tokens, active, config=config, offload=offload,
                                    implementation=implementation,
-                                   interpret=interpret_params(interpret))
+                                   interpret=interpret_params(interpret), scores=scores)
         checks.raise_on_error(err)
         return out
     return _decode_jit(params, state, tokens, active, config=config, offload=offload, debug=debug,
-                       implementation=implementation, interpret=interpret_params(interpret))
+                       implementation=implementation, interpret=interpret_params(interpret),
+                       scores=scores)
