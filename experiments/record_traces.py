@@ -39,6 +39,7 @@ from common import run_metadata, write_jsonl  # noqa: E402
 
 from fo_jax import replay, training, traces  # noqa: E402
 from fo_jax.offload.config import OffloadConfig  # noqa: E402
+from fo_jax.embedded import load_embedded  # noqa: E402
 from fo_jax.tokenizer import load_tokenizer  # noqa: E402
 
 
@@ -67,7 +68,8 @@ def loss_rows(nll: np.ndarray, targets: np.ndarray, token_bytes: np.ndarray, buc
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-dir", default=None,
-                        help="a training run's directory (config.json, {stage}.safetensors)")
+                        help="a training run's directory (config.json, {stage}.safetensors); "
+                             "default: the trained model shipped with the package")
     parser.add_argument("--stage", default="sparse")
     parser.add_argument("--out-dir", required=True, help="where the .npz traces go")
     parser.add_argument("--jsonl", default=None, help="append JSON lines here")
@@ -100,11 +102,13 @@ def main(argv=None):
         args.bucket, args.max_files, args.all_scores_context = 32, 6, 96
         source = "smoke: random tiny"
     else:
-        if args.run_dir is None:
-            parser.error("--run-dir is required (a training run of experiments/train.py)")
-        config, params = training.load_run(args.run_dir, args.stage)
-        tokenizer = load_tokenizer(args.run_dir)
-        source = str(args.run_dir)
+        if args.run_dir is None:  # the trained model shipped with the package
+            config, params, tokenizer = load_embedded()
+            source = "embedded:" + config.name
+        else:
+            config, params = training.load_run(args.run_dir, args.stage)
+            tokenizer = load_tokenizer(args.run_dir)
+            source = str(args.run_dir)
     if max(args.ways) > config.max_ways:
         parser.error(f"--ways up to {max(args.ways)} but the model allows max_ways="
                      f"{config.max_ways}")
