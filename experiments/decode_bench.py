@@ -110,8 +110,9 @@ def _management_state(policy, hot, batch, context, seed):
     s2t = np.broadcast_to(np.arange(hot, dtype=np.int32), (1, batch, hot)).copy()
     last = np.zeros((1, batch, hot if policy == "lru" else 0), np.int32)
     slots = (jnp.asarray(t2s), jnp.asarray(s2t))
+    ref = jnp.zeros((1, batch, hot if policy == "clock" else 0), jnp.int8)
     policy_state = (jnp.full((1, batch, hot), -1, jnp.int32), jnp.zeros((1, batch), jnp.int32),
-                    jnp.asarray(last), jax.random.key_data(jax.random.key(seed)))
+                    jnp.asarray(last), ref, jax.random.key_data(jax.random.key(seed)))
     return slots, policy_state
 
 

@@ -56,7 +56,7 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="with --offload: hot-cache slots per layer (default: top-k x max ways)")
     gen.add_argument("--page-size", type=int, default=16, help="host page / tail block tokens")
     gen.add_argument("--policy", default=None,
-                     help="with --offload: eviction policy ring (default), lru or random")
+                     help="with --offload: eviction policy ring (default), lru, random or clock")
     gen.add_argument("--host-access", default=None, choices=("gather", "slices"),
                      help="with --offload: how host pages are read and written (default "
                           "gather; see fo_jax.offload.host)")

@@ -19,8 +19,9 @@ Policies (victims among the unprotected slots):
             drawn with jax.random from the same key sequence (exact)
   lru       fo_jax's lru: least recent step of use first, empty slots first, ties lower slot
             first (exact)
-  clock     reference bits set on use and install; the hand clears set bits as it passes
-            (second chance); protected slots are skipped without clearing; O(k W) amortised
+  clock     fo_jax's clock: reference bits set on use and install; the hand clears set bits as
+            it passes (second chance); protected slots are skipped without clearing; the hand
+            stops past the last victim; O(k W) amortised in fo_jax (exact)
   hisparse  a per-request LRU list (HiSparse's buffer): a step's hits move to the recent end in
             their selection order, then its misses in ascending order; the oldest goes first
   score-last, score-mean, score-ema, score-max

@@ -42,6 +42,16 @@ def test_generate_offload_check_passes(capsys):
     assert "bitwise equal to the resident model's over 5 decode steps" in out
 
 
+def test_generate_offload_with_the_clock_policy(capsys):
+    code = main(["generate", "--model", "tiny", "--offload", "--policy", "clock", "--check",
+                 "--max-new-tokens", "3", "--prompt", "clock " * 12, "--hot-slots", "64",
+                 "--page-size", "8", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "policy clock" in out
+    assert "bitwise equal to the resident model's over 2 decode steps" in out
+
+
 def test_generate_slices_and_small_prefill_chunks_stay_bitwise(capsys):
     # The other host-access setting and a prompt prefilled 16 tokens at a time (both the
     # offloaded engine and the resident reference): still bit for bit the resident model.
@@ -81,7 +91,8 @@ def test_generate_resident_with_sampling(capsys):
     (["generate", "--host-access", "slices"], "--host-access applies to the offloaded path"),
     (["generate", "--prefill-chunk", "0"], "prefill_chunk=0 must be an int >= 1"),
     (["generate", "--offload", "--hot-slots", "20"], "hot_slots=20 < index_topk"),
-    (["generate", "--offload", "--policy", "mru"], "unknown eviction policy 'mru'"),
+    (["generate", "--offload", "--policy", "mru"],
+     "unknown eviction policy 'mru'; choose one of ('ring', 'lru', 'random', 'clock')"),
     (["plan", "--context", "0"], "context"),
     (["generate", "--offload", "--implementation", "pallas"], "TPU interpret mode"),
 ])

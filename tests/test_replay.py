@@ -19,7 +19,7 @@ FIELDS = ("hits", "tail_hits", "misses", "union")
 # Ragged lengths at the handoff with C = 24, Z = 8: request 0 starts with an empty hot cache
 # (tail_start 0), request 1 partly filled (8 of 24 slots), request 2 full (tail_start 144).
 # k = 8: W = 3 fills C exactly (C = k W), W = 1 leaves 3 k.
-CASES = [("ring", 1), ("ring", 3), ("lru", 2), ("random", 2)]
+CASES = [("ring", 1), ("ring", 3), ("lru", 2), ("random", 2), ("clock", 1), ("clock", 3)]
 
 
 @pytest.mark.parametrize("policy,ways", CASES)

@@ -26,7 +26,7 @@ rest O(L B W K (D + R)), the same order as the step's own gather; never in the s
   * occupancy, given the filled counts before the step (`occupancy`): the number of filled
     slots never decreases (once full, a cache stays full: evictions pair one-to-one with
     misses); with the step's `union` of misses it is at most min(C, before + union), and
-    exactly that for "ring" and "lru", which take empty slots before evicting ("random" may
+    exactly that for "ring", "lru" and "clock", which take empty slots before evicting ("random" may
     evict while empties remain).                                               O(G B C)
   * selection, given the step's `selected` [G, B, W, K]: every selected token is stored
     (< length) and, after the step, resident or in the step's tail blocks.      O(G B W K)
@@ -54,7 +54,7 @@ from fo_jax.offload.host import host_rows_at
 from fo_jax.offload.state import DecodeState
 
 # Policies that take empty slots before evicting: occupancy grows by exactly the misses.
-FILLS_EMPTY_FIRST = ("ring", "lru")
+FILLS_EMPTY_FIRST = ("ring", "lru", "clock")
 
 
 def occupancy(slot_to_token: jax.Array) -> jax.Array:

@@ -7,7 +7,7 @@ import operator
 
 from fo_jax.config import INT32_MAX, ModelConfig
 
-POLICIES = ("ring", "lru", "random")
+POLICIES = ("ring", "lru", "random", "clock")
 MEMORY_KINDS = ("pinned_host", "device")
 HOST_ACCESS = ("gather", "slices")
 
@@ -23,7 +23,8 @@ class OffloadConfig:
         receive new tokens on the device.
       capacity: S, positions per request in host memory (a multiple of page_size).
       policy: eviction policy: "ring" (default, O(K * W + misses) per step), "lru" (O(C) per
-        step: the HiSparse / ECHO-style baseline) or "random".
+        step: the HiSparse / ECHO-style baseline), "random" or "clock" (second chance: O(K * W +
+        misses) per step amortised, O(C) in the worst step).
       host_memory_kind: where host pages live: "pinned_host" (real offload) or "device" (Pallas
         interpret mode, whose jit cannot mix memory kinds; on a CPU it is the same RAM).
       miss_chunk: host rows fetched per iteration of the miss loop; a step fetches

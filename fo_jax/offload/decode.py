@@ -211,7 +211,7 @@ def _decode_jit(params, state: DecodeState, tokens, active=None, *, config: Mode
         "hot": state.hot,
         "index_keys": state.index_keys,
         "slots": (state.slots.token_to_slot, state.slots.slot_to_token),
-        "policy": (p.stamp, p.hand, p.last_used, p.key),
+        "policy": (p.stamp, p.hand, p.last_used, p.ref, p.key),
     }
     logits, carry = forward(params, tokens, positions, write_pos, backend, carry, config=config)
     # Write the step's new rows through to host pages (only them).
@@ -221,13 +221,13 @@ def _decode_jit(params, state: DecodeState, tokens, active=None, *, config: Mode
     host_kv = host_write_rows(state.host.kv, new_rows, write_pos,
                               on_host=offload.host_memory_kind != "device",
                               access=offload.host_access)
-    stamp, hand, last_used, key = carry["policy"]
+    stamp, hand, last_used, ref, key = carry["policy"]
     new_state = DecodeState(
         host=HostPages(kv=host_kv),
         hot=carry["hot"],
         index_keys=carry["index_keys"],
         slots=CacheSlots(*carry["slots"]),
-        policy=PolicyState(stamp=stamp, hand=hand, last_used=last_used, key=key),
+        policy=PolicyState(stamp=stamp, hand=hand, last_used=last_used, ref=ref, key=key),
         lengths=state.lengths + num_new,
         step=state.step + 1,
     )
@@ -283,6 +283,9 @@ def check_state(state: DecodeState, *, config: ModelConfig, offload: OffloadConf
         "policy.last_used": (state.policy.last_used.shape,
                              (config.num_groups, batch,
                               offload.hot_slots if offload.policy == "lru" else 0)),
+        "policy.ref": (state.policy.ref.shape,
+                       (config.num_groups, batch,
+                        offload.hot_slots if offload.policy == "clock" else 0)),
     }
     for name, (got, want) in expect.items():
         if tuple(got) != want:

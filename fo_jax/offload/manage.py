@@ -7,12 +7,14 @@ Given each way's selection (the resident path's own `select_topk`, canonical ord
   2. unites the W ways' misses: sorted, deduplicated, padded to M = W K;       O(W K log W K)
   3. protects the slots of this step's hits (stamps them with the step number);  O(W K)
   4. asks the eviction policy for as many victims as misses, among unprotected slots;
-     ring / random: O(W K); lru: O(C) (the baseline, on purpose);
+     ring / random: O(W K); lru: O(C) (the baseline, on purpose); clock: O(W K + misses)
+     amortised, O(C) worst case (`_clock_victims`);
   5. pairs miss i with victim i and updates both maps;                          O(M)
   6. returns where every selected token is read from after the update (a row of the layer's
      device rows: a hot slot or a tail position) and the copy plan (host token -> slot).
 
-Nothing here touches O(C) or O(S) elements, except the lru policy: scatters and gathers into
+Nothing here touches O(C) or O(S) elements, except the lru policy (and a clock sweep that
+goes round the cache, see `_clock_victims`): scatters and gathers into
 `token_to_slot` [S] and `slot_to_token` [C] touch only the indexed entries, and every read of
 an array is ordered before the scatters into it, so XLA updates the maps and the policy state
 in place (no whole-array copy: tests/offload/test_decode_hlo.py checks the compiled step).
@@ -135,24 +137,92 @@ def _window_victims(start, stamp, g, step, num_miss, size: int, hot_slots: int):
     return victims, new_start.astype(jnp.int32)
 
 
-def choose_victims(policy: str, hand, last_used, key, stamp, g, step, num_miss, size: int):
+def _clock_victims(hand, ref, stamp, g, step, num_miss, size: int):
+    """CLOCK (second chance): sweep the slots from the hand; an unprotected slot whose
+    reference bit is set has it cleared and is passed, one whose bit is clear is a victim;
+    protected slots are passed without clearing. Victims are taken in sweep order (miss i ->
+    the i-th); the hand stops just past the last victim. When a request's sweep has gone once
+    round without enough victims, every unprotected bit is clear and the second round takes
+    them. The same algorithm as fo_jax.replay's clock (its `_clock_victims`, vectorised over C).
+
+    A `lax.while_loop` over chunks of M = W K slots of the circular order from the hand, all
+    requests at once (a request that has its victims stops moving): each chunk gathers M bits
+    and stamps, takes the unprotected clear slots it still needs, clears the bits of the
+    unprotected set slots it passed, and stamps its victims (so the second round skips them).
+    Cost: a request's sweep passes its victims, protected slots (at most twice: at most
+    W K + misses passes) and the set bits it clears. Bits start clear, a step sets at most
+    W K of them (its hits and installs) and each setting is cleared at most once, so over T
+    steps a request's sweeps total O(T W K) slots: amortised O(W K + misses) per step,
+    independent of C. A step runs ceil(longest sweep of the batch / M) chunks of O(B M) work.
+    Worst case, one step: a sweep of up to 2 C slots (every unprotected bit set: one round
+    clears them, the second takes the victims), ceil(2 C / M) chunks, O(B C). Touches only
+    the gathered / scattered entries of `ref` and `stamp` (updated in place).
+    Returns (victims [B, M], hand [B], ref, stamp).
+    """
+    batch = hand.shape[0]
+    hot_slots = stamp.shape[-1]
+    rows = jnp.arange(batch)[:, None]
+    offsets = jnp.arange(size, dtype=jnp.int32)[None, :]
+    # A sweep never passes more than 2 C slots (2 rounds); the bound only guards a broken state.
+    max_chunks = -(-2 * hot_slots // size) + 1
+
+    def cond(carry):
+        chunk, _, got, *_ = carry
+        return (chunk < max_chunks) & jnp.any(got < num_miss)
+
+    def body(carry):
+        chunk, hand, got, victims, ref, stamp = carry
+        need = num_miss - got  # [B]; <= 0: this request is done
+        window = (hand[:, None] + offsets) % hot_slots  # M distinct slots (M <= C)
+        free = stamp[g, rows, window] != step
+        bit = ref[g, rows, window] != 0
+        # Order the gathers before the scatters below (else XLA copies ref / stamp).
+        free, bit, ref, stamp = jax.lax.optimization_barrier((free, bit, ref, stamp))
+        candidate = free & ~bit
+        rank = jnp.cumsum(candidate, axis=-1)  # 1-based among this chunk's candidates
+        take = candidate & (rank <= need[:, None])
+        taken = jnp.sum(take, axis=-1, dtype=jnp.int32)
+        last = jnp.max(jnp.where(take, offsets, -1), axis=-1)
+        moving = need > 0
+        done = got + taken >= num_miss
+        # Slots before the hand's stop are passed: their unprotected set bits are cleared.
+        stop = jnp.where(done, last + 1, size)
+        clear = free & bit & (offsets < stop[:, None]) & moving[:, None]
+        ref = ref.at[g, rows, jnp.where(clear, window, hot_slots)].set(0, mode="drop")
+        stamp = stamp.at[g, rows, jnp.where(take, window, hot_slots)].set(step, mode="drop")
+        victims = victims.at[rows, jnp.where(take, got[:, None] + rank - 1, size)].set(
+            window, mode="drop")
+        hand = jnp.where(moving, (hand + stop) % hot_slots, hand).astype(jnp.int32)
+        return chunk + 1, hand, got + taken, victims, ref, stamp
+
+    victims = jnp.full((batch, size), -1, jnp.int32)
+    carry = (jnp.int32(0), hand, jnp.zeros((batch,), jnp.int32), victims, ref, stamp)
+    _, hand, _, victims, ref, stamp = jax.lax.while_loop(cond, body, carry)
+    return victims, hand, ref, stamp
+
+
+def choose_victims(policy: str, hand, last_used, ref, key, stamp, g, step, num_miss,
+                   size: int):
     """Victim slots for `num_miss` misses per request: ([B, M] slots, -1 padding, new state).
 
     Args:
-      hand: [B] the group's ring pointer; last_used: [G, B, C] (lru); key: [2] uint32
-      (random); stamp: [G, B, C] step stamps (protected slots carry `step`); g: the group;
-      num_miss: [B]; size: M.
-    Returns (victims, hand [B], last_used, key).
+      hand: [B] the group's ring / clock pointer; last_used: [G, B, C] (lru); ref: [G, B, C]
+      int8 reference bits (clock); key: [2] uint32 (random); stamp: [G, B, C] step stamps
+      (protected slots carry `step`); g: the group; num_miss: [B]; size: M.
+    Returns (victims, hand [B], last_used, ref, key, stamp); clock stamps its victims.
     """
     hot_slots = stamp.shape[-1]
     if policy == "ring":
         victims, hand = _window_victims(hand, stamp, g, step, num_miss, size, hot_slots)
-        return victims, hand, last_used, key
+        return victims, hand, last_used, ref, key, stamp
     if policy == "random":
         key, sub = jax.random.split(jax.random.wrap_key_data(key))
         start = jax.random.randint(sub, hand.shape, 0, hot_slots, dtype=jnp.int32)
         victims, _ = _window_victims(start, stamp, g, step, num_miss, size, hot_slots)
-        return victims, hand, last_used, jax.random.key_data(key)
+        return victims, hand, last_used, ref, jax.random.key_data(key), stamp
+    if policy == "clock":
+        victims, hand, ref, stamp = _clock_victims(hand, ref, stamp, g, step, num_miss, size)
+        return victims, hand, last_used, ref, key, stamp
     if policy == "lru":
         # Least recently used first; empty slots (-1) before any; protected slots never.
         # top_k over C: O(C) per step, like the HiSparse / ECHO baselines. float32 keys keep
@@ -164,7 +234,7 @@ def choose_victims(policy: str, hand, last_used, key, stamp, g, step, num_miss, 
         # Order the read of last_used before the caller's scatters into it (else XLA copies
         # the whole [G, B, C] array to keep this read's input intact).
         victims, last_used = jax.lax.optimization_barrier((victims, last_used))
-        return victims, hand, last_used, key
+        return victims, hand, last_used, ref, key, stamp
     raise ValueError(f"unknown eviction policy {policy!r}")
 
 
@@ -175,7 +245,8 @@ def manage_group(tokens, mask, slots, policy_state, g: int, tail_start, step, *,
     Args:
       tokens, mask: [B, W, K] the group's selection (canonical order).
       slots: (token_to_slot [G, B, S], slot_to_token [G, B, C]).
-      policy_state: (stamp [G, B, C], hand [G, B], last_used [G, B, C] or [G, B, 0], key [2]).
+      policy_state: (stamp [G, B, C], hand [G, B], last_used [G, B, C] (lru) or [G, B, 0],
+        ref [G, B, C] int8 (clock) or [G, B, 0], key [2]).
       g: the group (static); tail_start: [B]; step: [].
       looked_up: [B, W, K] slots already found by a fused selection (LIM), or None.
     Returns:
@@ -183,7 +254,7 @@ def manage_group(tokens, mask, slots, policy_state, g: int, tail_start, step, *,
       only the indexed entries of the full arrays (no per-group slice is copied).
     """
     token_to_slot, slot_to_token = slots
-    stamp, hands, last_used, key = policy_state
+    stamp, hands, last_used, ref, key = policy_state
     if slot_to_token.shape[-1] != hot_slots or stamp.shape[-1] != hot_slots:
         raise ValueError(f"{hot_slots=} but the maps hold {slot_to_token.shape[-1]} slots: the "
                          "state and the offload setting disagree")
@@ -197,8 +268,10 @@ def manage_group(tokens, mask, slots, policy_state, g: int, tail_start, step, *,
     miss_tokens, num_miss = union_misses(tokens, miss)
     # Protect this step's hits.
     stamp = stamp.at[g, rows3, jnp.where(hit, slot, hot_slots)].set(step, mode="drop")
-    victims, hand, last_used, key = choose_victims(policy, hands[g], last_used, key, stamp, g,
-                                                   step, num_miss, size)
+    if policy == "clock":  # this step's hits are referenced
+        ref = ref.at[g, rows3, jnp.where(hit, slot, hot_slots)].set(1, mode="drop")
+    victims, hand, last_used, ref, key, stamp = choose_victims(
+        policy, hands[g], last_used, ref, key, stamp, g, step, num_miss, size)
     hands = hands.at[g].set(hand)
     valid = victims >= 0
     # Evict: the victims' old tokens leave the hot cache.
@@ -221,6 +294,8 @@ def manage_group(tokens, mask, slots, policy_state, g: int, tail_start, step, *,
             step, mode="drop")
         last_used = last_used.at[g, rows2, jnp.where(valid, victims, hot_slots)].set(
             step, mode="drop")
+    if policy == "clock":  # installed tokens are referenced
+        ref = ref.at[g, rows2, jnp.where(valid, victims, hot_slots)].set(1, mode="drop")
     # Where each selected token is read from after the install.
     miss_slot = token_to_slot[g, rows3, jnp.where(miss, tokens, 0)]
     read_row = jnp.where(hit, slot, jnp.where(tail, tail_row, jnp.where(miss, miss_slot, 0)))
@@ -228,4 +303,4 @@ def manage_group(tokens, mask, slots, policy_state, g: int, tail_start, step, *,
                      victims=victims, num_miss=num_miss)
     count = lambda x: jnp.sum(x, axis=-1).astype(jnp.int32)
     stats = GroupStats(hits=count(hit), tail_hits=count(tail), misses=count(miss), union=num_miss)
-    return plan, stats, (token_to_slot, slot_to_token), (stamp, hands, last_used, key)
+    return plan, stats, (token_to_slot, slot_to_token), (stamp, hands, last_used, ref, key)

@@ -90,14 +90,17 @@ class PolicyState:
     Attributes:
       stamp: [G, B, C] int32: the last step at which the slot's token was selected (a slot is
         protected from eviction in the step whose number it carries; no clearing needed).
-      hand: [G, B] int32: the ring policy's pointer.
+      hand: [G, B] int32: the ring and clock policies' pointer.
       last_used: [G, B, C] int32 for "lru" (last step of use, -1 empty), [G, B, 0] otherwise.
+      ref: [G, B, C] int8 for "clock" (reference bits: 1 = used since the hand last passed),
+        [G, B, 0] otherwise.
       key: PRNG key data [2] uint32 for "random".
     """
 
     stamp: jax.Array
     hand: jax.Array
     last_used: jax.Array
+    ref: jax.Array
     key: jax.Array
 
 
@@ -244,7 +247,8 @@ def initial_layout(config: ModelConfig, offload: OffloadConfig, lengths: np.ndar
     The tail blocks take the tokens of each request's current, partly filled block; hot slots
     0, 1, ... take the most recent min(C, tail_start) tokens before the tail, in token order
     (the tokens a decode step is most likely to select first); every group starts with the same
-    maps; the ring hand points at the first empty slot; lru stamps the filled slots 0.
+    maps; the ring / clock hand points at the first empty slot; lru stamps the filled slots 0;
+    clock's reference bits start clear.
 
     Returns:
       row_tok: [B, C + 2Z] int32 numpy: the token of every device row, -1 for none.
@@ -276,6 +280,7 @@ def initial_layout(config: ModelConfig, offload: OffloadConfig, lengths: np.ndar
         stamp=jnp.full((groups, batch, c), -1, jnp.int32),
         hand=jnp.asarray(np.broadcast_to(count % c, (groups, batch)).astype(np.int32)),
         last_used=jnp.asarray(np.broadcast_to(last_used, (groups,) + last_used.shape)),
+        ref=jnp.zeros((groups, batch, c if offload.policy == "clock" else 0), jnp.int8),
         key=jax.random.key_data(jax.random.key(offload.seed)),
     )
     return row_tok, slots, policy
@@ -286,17 +291,18 @@ def device_bytes_formula(config: ModelConfig, offload: OffloadConfig, batch: int
 
     KV: (C + 2Z) rows of D + R per layer and request; indexer keys of all S tokens per group;
     maps: token_to_slot [G, S] + slot_to_token [G, C] int32; policy: stamp [G, C] (+ last_used
-    [G, C] for lru) + hand [G] int32; lengths, step, key.
+    [G, C] for lru) + hand [G] int32 (+ ref [G, C] int8 for clock); lengths, step, key.
     """
     kvb = config.jnp_kv_dtype.itemsize
     c, z, s = offload.hot_slots, offload.page_size, offload.capacity
     g = config.num_groups
     lru = c if offload.policy == "lru" else 0
+    clock = c if offload.policy == "clock" else 0
     parts = {
         "kv": config.num_layers * batch * (c + 2 * z) * config.kv_width * kvb,
         "index_keys": g * batch * s * config.index_head_dim * kvb,
         "maps": 4 * g * batch * (s + c),
-        "policy": 4 * g * batch * (c + lru + 1) + 8,
+        "policy": 4 * g * batch * (c + lru + 1) + g * batch * clock + 8,
         "scalars": 4 * batch + 4,
     }
     parts["total"] = sum(parts.values())

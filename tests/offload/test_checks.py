@@ -254,3 +254,27 @@ def test_decode_step_debug_raises_after_a_bad_step(run):
                                              rf"{u} maps to slot {s} which holds token \d+"):
         offload_decode.decode_step(run["params"], _state(tree), tokens, config=CONFIG,
                                    offload=OFFLOAD, debug=True)
+
+
+def test_clock_steps_keep_every_invariant():
+    # The same scenario under the clock policy: the on-device checks (debug) and the numpy
+    # oracle pass after every step, and the cache fills by exactly the misses (empties first).
+    offload = dataclasses.replace(OFFLOAD, policy="clock")
+    params = init_params(CONFIG, jax.random.key(0))
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, CONFIG.vocab_size, (2, max(LENGTHS)), dtype=np.int32)
+    res = resident.ResidentState.create(CONFIG, batch=2, capacity=offload.capacity, fill=NAN)
+    _, res = resident.prefill(params, res, prompt, np.asarray(LENGTHS), config=CONFIG)
+    state = DecodeState.from_resident(res.kv, res.index_keys, res.lengths, config=CONFIG,
+                                      offload=offload, fill=NAN)
+    assert state.policy.ref.shape == (CONFIG.num_groups, 2, offload.hot_slots)
+    for _ in range(4):
+        before = occupied_slots(state)
+        tokens = rng.integers(0, CONFIG.vocab_size, (2, CONFIG.max_ways), dtype=np.int32)
+        logits, state, stats = offload_decode.decode_step(params, state, tokens, config=CONFIG,
+                                                          offload=offload, debug=True)
+        check_invariants(state, config=CONFIG, offload=offload, selected=stats.selected,
+                         poisoned=True, finite=True, occupied_before=before)
+        np.testing.assert_array_equal(occupied_slots(state),
+                                      np.minimum(before + np.asarray(stats.union), 16))
+    assert np.asarray(state.policy.ref).any()

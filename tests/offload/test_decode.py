@@ -70,7 +70,7 @@ def scenarios(draw):
     base = {"short": max(1, k - 3), "equal": k, "long": 6 * k}[kind]
     lengths = [max(1, base - draw(st.integers(0, 3))) for _ in range(batch)]
     return dict(batch=batch, ways=ways, k=k, hot=hot, page=page, lengths=lengths,
-                policy=draw(st.sampled_from(["ring", "lru", "random"])),
+                policy=draw(st.sampled_from(["ring", "lru", "random", "clock"])),
                 shared=draw(st.booleans()))
 
 
@@ -82,7 +82,7 @@ def test_offloaded_decode_is_bitwise_resident(scenario):
     _run(*setup, steps=steps, check_every=5)
 
 
-@pytest.mark.parametrize("policy", ["ring", "lru", "random"])
+@pytest.mark.parametrize("policy", ["ring", "lru", "random", "clock"])
 def test_each_policy_long_context_with_misses(policy):
     steps = 24
     config, offload, params, res, dec, rng = _setup(
@@ -119,9 +119,10 @@ def test_stats_count_misses_and_bytes():
     assert stats.selected.shape == (config.num_groups, 1, 1, config.index_topk)
 
 
-def test_device_bytes_match_the_formula():
+@pytest.mark.parametrize("policy", ["lru", "clock"])
+def test_device_bytes_match_the_formula(policy):
     config = TINY
-    offload = OffloadConfig(hot_slots=64, page_size=8, capacity=256, policy="lru")
+    offload = OffloadConfig(hot_slots=64, page_size=8, capacity=256, policy=policy)
     state = DecodeState.create(config, offload, batch=3)
     formula = device_bytes_formula(config, offload, batch=3)
     assert state.device_bytes() == formula["total"]
@@ -159,7 +160,8 @@ def test_handed_over_state_is_placed_like_a_step_output():
     (dict(hot_slots=15, page_size=5, capacity=255), r"hot_slots=15 < index_topk \* max_ways = 16 \* 1 = 16"),
     (dict(page_size=32, hot_slots=16), r"tail block of page_size=32 tokens is larger than"),
     (dict(capacity=100), r"capacity=100 must be a multiple of page_size=16"),
-    (dict(policy="fifo"), r"unknown eviction policy 'fifo'"),
+    (dict(policy="fifo"), r"unknown eviction policy 'fifo'; choose one of \('ring', 'lru', "
+                          r"'random', 'clock'\)"),
     (dict(capacity=2**31 - 16), r"overflow int32"),
 ])
 def test_impossible_configs_are_rejected(change, message):
@@ -212,6 +214,11 @@ def test_a_state_stepped_with_other_settings_is_refused():
     with pytest.raises(ValueError, match=r"state.policy.last_used has shape"):
         offload_decode.decode_step(params, dec, np.zeros((1, 1), np.int32), config=config,
                                    offload=lru)
+    clock = OffloadConfig(hot_slots=8, page_size=4, capacity=offload.capacity, policy="clock")
+    with pytest.raises(ValueError, match=r"state.policy.ref has shape \(2, 1, 0\), expected "
+                                         r"\(2, 1, 8\)"):
+        offload_decode.decode_step(params, dec, np.zeros((1, 1), np.int32), config=config,
+                                   offload=clock)
     assert int(dec.lengths[0]) == 20  # untouched
 
 

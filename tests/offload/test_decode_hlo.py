@@ -52,7 +52,7 @@ def _compiled_decode(policy, ways, hot=HOT, capacity=CAPACITY, batch=BATCH, acce
 
 
 @pytest.mark.parametrize("ways", [1, 4])
-@pytest.mark.parametrize("policy", ["ring", "lru", "random"])
+@pytest.mark.parametrize("policy", ["ring", "lru", "random", "clock"])
 def test_decode_step_updates_its_state_in_place(policy, ways):
     compiled, state, _, _ = _compiled_decode(policy, ways)
     # No copy (or other full-shape write) of host pages, hot cache, indexer keys, slot maps or
