@@ -117,7 +117,3 @@ def load_embedded():
         raise FileNotFoundError(f"the embedded model is missing from {EMBEDDED_DIR} (a broken "
                                 "install?); run with --model tiny for random weights")
     return load_model_dir(EMBEDDED_DIR)
-
-
-def params_nbytes(params) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))

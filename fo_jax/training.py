@@ -54,9 +54,10 @@ from fo_jax.model.dsa import layer_slice
 from fo_jax.model.forward import feed_forward
 from fo_jax.model.indexer import indexer_keys, indexer_queries, indexer_scores, select_topk
 from fo_jax.model.layers import F32, matmul_f32, rms_norm
+from fo_jax.tokenizer import BYTE_SEP, BYTE_VOCAB, ByteTokenizer
 
-SEP = 256
-VOCAB_SIZE = 260
+SEP = BYTE_SEP
+VOCAB_SIZE = BYTE_VOCAB
 STAGES = ("dense", "sparse")
 LN2 = math.log(2.0)
 
@@ -64,20 +65,13 @@ LN2 = math.log(2.0)
 # Corpus and tokenizer ---------------------------------------------------------------------------
 
 def encode(text: str) -> np.ndarray:
-    """UTF-8 bytes of `text` as uint16 token ids 0-255."""
-    return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.uint16)
+    """UTF-8 bytes of `text` as uint16 token ids 0-255 (fo_jax.tokenizer.ByteTokenizer)."""
+    return ByteTokenizer().encode(text).astype(np.uint16)
 
 
 def decode(tokens) -> str:
-    """Token ids back to text: bytes 0-255 decoded as UTF-8 (errors replaced), SEP as a blank
-    line, the reserved ids dropped."""
-    out = bytearray()
-    for t in np.asarray(tokens).reshape(-1).tolist():
-        if t < 256:
-            out.append(t)
-        elif t == SEP:
-            out += b"\n\n"
-    return out.decode("utf-8", errors="replace")
+    """Byte token ids back to text (fo_jax.tokenizer.ByteTokenizer: SEP as a blank line)."""
+    return ByteTokenizer().decode(tokens)
 
 
 def is_held_out(relative_path: str, held_out_fraction: float = 0.05) -> bool:
@@ -108,10 +102,8 @@ def split_files(files: list[str], held_out_fraction: float = 0.05) -> tuple[list
     return [f for f in files if f not in held_set], held
 
 
-def load_texts(files: list[str], root: str | os.PathLike | None = None,
-               max_bytes: int | None = None) -> list[str]:
-    """The files' text (UTF-8, undecodable bytes replaced), in order; stops once `max_bytes`
-    bytes were read (smoke runs)."""
+def _read_files(files: list[str], root, max_bytes: int | None) -> list[bytes]:
+    """The readable files' bytes, in order; stops once `max_bytes` bytes were read."""
     root = pathlib.Path(root or sysconfig.get_paths()["stdlib"])
     out, total = [], 0
     for rel in files:
@@ -119,13 +111,20 @@ def load_texts(files: list[str], root: str | os.PathLike | None = None,
             data = (root / rel).read_bytes()
         except OSError:
             continue
-        out.append(data.decode("utf-8", errors="replace"))
+        out.append(data)
         total += len(data)
         if max_bytes is not None and total >= max_bytes:
             break
     if not out:
         raise ValueError(f"no readable files among {len(files)} under {root}")
     return out
+
+
+def load_texts(files: list[str], root: str | os.PathLike | None = None,
+               max_bytes: int | None = None) -> list[str]:
+    """The files' text (UTF-8, undecodable bytes replaced), in order; stops once `max_bytes`
+    bytes were read (smoke runs)."""
+    return [data.decode("utf-8", errors="replace") for data in _read_files(files, root, max_bytes)]
 
 
 def load_split(files: list[str], root: str | os.PathLike | None = None,
@@ -139,22 +138,10 @@ def load_split(files: list[str], root: str | os.PathLike | None = None,
             raise ValueError(f"vocab_size {tokenizer.vocab_size} does not fit a uint16 stream")
         docs = tokenizer.encode_batch(load_texts(files, root, max_bytes))
         sep = np.array([tokenizer.sep], np.uint16)
-        return np.concatenate([part for d in docs for part in (sep, d.astype(np.uint16))])
-    root = pathlib.Path(root or sysconfig.get_paths()["stdlib"])
-    parts, total = [], 0
-    for rel in files:
-        try:
-            data = (root / rel).read_bytes()
-        except OSError:
-            continue
-        parts.append(np.array([SEP], np.uint16))
-        parts.append(np.frombuffer(data, np.uint8).astype(np.uint16))
-        total += len(data) + 1
-        if max_bytes is not None and total >= max_bytes:
-            break
-    if not parts:
-        raise ValueError(f"no readable files among {len(files)} under {root}")
-    return np.concatenate(parts)
+    else:
+        docs = [np.frombuffer(data, np.uint8) for data in _read_files(files, root, max_bytes)]
+        sep = np.array([SEP], np.uint16)
+    return np.concatenate([part for d in docs for part in (sep, d.astype(np.uint16))])
 
 
 def sample_batch(stream: np.ndarray, batch: int, length: int, rng: np.random.Generator):
