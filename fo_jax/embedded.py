@@ -21,7 +21,6 @@ import json
 import os
 import pathlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
