@@ -254,6 +254,20 @@ def decode_check(args, access):
             "seconds": seconds, "resident_seconds": base, "ratio_to_resident": seconds / base}
 
 
+def _differences(logits, want_logits, kv, want_kv):
+    """Where two prefills differ: logits and each layer's KV rows, bitwise and by how much."""
+    logits_diff = jnp.abs(logits.astype(jnp.float32) - want_logits.astype(jnp.float32))
+    kv_diff = jnp.abs(kv.astype(jnp.float32) - want_kv.astype(jnp.float32))
+    per_layer = np.asarray(jnp.max(kv_diff.reshape(kv.shape[0], -1), axis=1))
+    return {"logits_equal": bool(jnp.array_equal(logits, want_logits)),
+            "kv_equal": bool(jnp.array_equal(kv, want_kv)),
+            "logits_max_abs_diff": float(jnp.max(logits_diff)),
+            "logits_max_abs": float(jnp.max(jnp.abs(want_logits.astype(jnp.float32)))),
+            "kv_max_abs_diff_per_layer": [float(d) for d in per_layer],
+            "kv_first_layer_differing": next(
+                (i for i, d in enumerate(per_layer) if d > 0), None)}
+
+
 def prefill_check(args, access):
     """One chunk on top of a history, resident vs offloaded: bitwise, ratio of times."""
     base = _model(args)
@@ -288,9 +302,17 @@ def prefill_check(args, access):
     try:
         want, want_state = run_res(make_resident(), tokens)
         got, got_state = run_off(make_offload(), tokens)
-        equal = bool(jnp.array_equal(got, want)) and bool(jnp.array_equal(
-            jax.device_put(got_state.host.kv, _device_kind("device")).reshape(kv.shape),
-            want_state.kv))
+        pages = jax.device_put(got_state.host.kv, _device_kind("device")).reshape(kv.shape)
+        diff = _differences(got, want, pages, want_state.kv)
+        equal = diff["logits_equal"] and diff["kv_equal"]
+        if not equal:  # is either path even deterministic here? (same program, run again)
+            again, again_state = run_res(make_resident(), tokens)
+            diff["resident_repeat_equal"] = bool(jnp.array_equal(again, want)) and bool(
+                jnp.array_equal(again_state.kv, want_state.kv))
+            again, again_state = run_off(make_offload(), tokens)
+            diff["offload_repeat_equal"] = bool(jnp.array_equal(again, got)) and bool(
+                jnp.array_equal(again_state.host.kv, got_state.host.kv))
+        row.update(diff)
         times = {"resident": [], "offload": []}
         for _ in range(args.repeats + 1):
             for name, run, make in (("resident", run_res, make_resident),
@@ -322,6 +344,12 @@ def summary_line(row) -> str:
                 f"{row['bulk_gb_per_s']:.2f} GB/s (ratio {row['ratio_to_bulk']:.3f}), compile "
                 f"{row['compile_s']:.1f} s, host-compute ops {row['host_compute_ops']}")
     extra = f" hit rate {row['hit_rate']:.2f}" if "hit_rate" in row else ""
+    if "logits_equal" in row and not row["bitwise"]:
+        extra += (f" (logits equal {row['logits_equal']}, max |diff| "
+                  f"{row['logits_max_abs_diff']:.3g} of {row['logits_max_abs']:.3g}; KV equal "
+                  f"{row['kv_equal']}, first layer differing {row['kv_first_layer_differing']}"
+                  f"; resident repeatable {row.get('resident_repeat_equal')}, offloaded "
+                  f"repeatable {row.get('offload_repeat_equal')})")
     return (f"{head} bitwise={row['bitwise']} {row['seconds'] * 1e3:.2f} ms vs resident "
             f"{row['resident_seconds'] * 1e3:.2f} ms (x{row['ratio_to_resident']:.2f}){extra}")
 

@@ -5,19 +5,21 @@ noisy, absolute times are not stable):
 
   management  per-step time of one group's management (`manage_group`: lookup, union, victims,
               map updates) at C = 2k ... 32k with fixed k, W and context, for the default
-              ring policy and for LRU. Every cell copies the same misses per step (hits come
+              ring policy, CLOCK and LRU (`--policies`). Every cell copies the same misses per step (hits come
               from the previous step's selection, misses are never-seen tokens), the cells
               are timed in interleaved rounds (A B C ..., then ... C B A), and the figures
               are the median and spread over rounds, with the ratio to the smallest C taken
               within each round. The ring policy touches O(K W + misses) entries and must
-              stay flat; LRU takes a top-k over C and grows.
+              stay flat; CLOCK's sweep is amortised O(K W + misses) but its trip count
+              depends on the data; LRU takes a top-k over C and grows.
   step        the whole offloaded decode step against the resident decode step on the `small`
               preset (batch 4-8, long context, C = a quarter of the context), same tokens,
               same state contents (synthetic: random KV rows and indexer keys, so no
               multi-hour CPU prefill is needed; both paths compute exactly the same logits),
               for two workloads: `locality` (a favoured tenth of the tokens: a working set
               smaller than the hot cache) and `uniform` (low locality: hit rate about C / S).
-              Median and spread of per-step times, the paired ratio, and the hit rate.
+              Median and spread of per-step times, the paired ratio, and the hit rate, for
+              each policy of `--policy` (ring and CLOCK side by side: `--policy ring clock`).
 
     python experiments/decode_bench.py                       # both, CPU sizes
     python experiments/decode_bench.py --what step --batch 16 --context 65536   # the GPU run
@@ -163,7 +165,7 @@ def bench_management(cells, *, batch, ways, k, context, rounds, warmup_rounds, i
 def run_management(args, meta):
     k, ways = args.k, args.ways
     sizes = [m * k for m in args.multiples]
-    cells = [(policy, c) for policy in ("ring", "lru") for c in sizes]
+    cells = [(policy, c) for policy in args.policies for c in sizes]
     result = bench_management(cells, batch=args.batch, ways=ways, k=k,
                               context=args.mgmt_context, rounds=args.rounds,
                               warmup_rounds=args.warmup_rounds, inner=args.inner)
@@ -175,7 +177,7 @@ def run_management(args, meta):
     print(f"{'policy':7s}{'C':>7s}{'median ms':>11s}{'IQR ms':>17s}{'min-max ms':>17s}"
           f"   ratio to C={sizes[0]}: median [IQR] [min-max] of per-round ratios")
     rows = []
-    for policy in ("ring", "lru"):
+    for policy in args.policies:
         base = np.asarray(result[(policy, sizes[0])]["seconds"])
         for c in sizes:
             seconds = np.asarray(result[(policy, c)]["seconds"])
@@ -211,71 +213,90 @@ def run_step(args, meta):
     hot = max(context // 4, config.index_topk * args.ways)
     page = 64 if hot >= 64 else 16
     capacity = -(-(context + (args.warmup + args.steps + 8) * args.ways) // page) * page
-    offload = OffloadConfig(hot_slots=hot, page_size=page, capacity=capacity,
-                            policy=args.policy, miss_chunk=args.miss_chunk)
+    offloads = {policy: OffloadConfig(hot_slots=hot, page_size=page, capacity=capacity,
+                                      policy=policy, miss_chunk=args.miss_chunk)
+                for policy in args.policy}
     params = init_params(config, jax.random.key(0))
     print(f"\nwhole decode step: {config.name}, batch {batch}, W {args.ways}, context "
-          f"{context}, C {hot} ({offload.policy}), backend {meta['backend']}; "
-          f"{args.steps} timed steps after {args.warmup} warm-up steps, the two paths "
+          f"{context}, C {hot} ({', '.join(offloads)}), backend {meta['backend']}; "
+          f"{args.steps} timed steps after {args.warmup} warm-up steps, the paths "
           "alternating step by step; median [IQR] of per-step times and of paired ratios")
     rows = []
     for workload in args.workloads:
         heavy = args.heavy if WORKLOADS[workload] is None else WORKLOADS[workload]
-        rows.append(_bench_step(args, meta, config, offload, params, workload, heavy))
+        rows += _bench_step(args, meta, config, offloads, params, workload, heavy)
     return rows
 
 
-def _bench_step(args, meta, config, offload, params, workload, heavy):
+def _bench_step(args, meta, config, offloads, params, workload, heavy):
+    """Resident and each policy's offloaded step, alternating step by step on the same
+    tokens and state contents; one row per policy (its ratio to resident, and to the first
+    policy, both paired within each step)."""
     context, batch = args.context, args.batch
-    res, dec = synthetic_states(config, offload, batch, context, seed=1, heavy=heavy)
+    states = {policy: synthetic_states(config, offload, batch, context, seed=1, heavy=heavy)
+              for policy, offload in offloads.items()}
+    first = next(iter(offloads))
     rng = np.random.default_rng(2)
     total = args.warmup + args.steps + 2
     tokens = [jnp.asarray(rng.integers(0, config.vocab_size, (batch, args.ways), np.int32))
               for _ in range(total)]
-    box = {"res": res, "dec": dec, "i": 0, "stats": []}
+    box = {"res": states[first][0], "i": 0,
+           "dec": {policy: dec for policy, (_, dec) in states.items()},
+           "stats": {policy: [] for policy in offloads}}
 
     def resident_step():
         logits, box["res"] = resident.decode_step(params, box["res"], tokens[box["i"]],
                                                   config=config, check=False)
         logits.block_until_ready()
 
-    def offload_step():
-        logits, box["dec"], stats = offload_decode.decode_step(
-            params, box["dec"], tokens[box["i"]], config=config, offload=offload, check=False)
+    def offload_step(policy):
+        logits, box["dec"][policy], stats = offload_decode.decode_step(
+            params, box["dec"][policy], tokens[box["i"]], config=config,
+            offload=offloads[policy], check=False)
         logits.block_until_ready()
-        box["stats"].append(stats)
+        box["stats"][policy].append(stats)
 
-    # Alternate the two paths step by step so both see the same machine noise; the first
-    # `warmup` steps (compilation, hot-cache warm-up from the initial fill) are not counted.
-    t_res, t_off = [], []
+    # Alternate the paths step by step so all see the same machine noise; the first `warmup`
+    # steps (compilation, hot-cache warm-up from the initial fill) are not counted.
+    t_res, t_off = [], {policy: [] for policy in offloads}
     for i in range(total):
         box["i"] = i
         t_res.append(median_time(resident_step, warmup=0, repeats=1))
-        t_off.append(median_time(offload_step, warmup=0, repeats=1))
+        for policy in offloads:
+            t_off[policy].append(median_time(functools.partial(offload_step, policy),
+                                             warmup=0, repeats=1))
     skip = args.warmup + 2
-    t_res, t_off = np.asarray(t_res[skip:]), np.asarray(t_off[skip:])
+    t_res = np.asarray(t_res[skip:])
     res_med, res_q25, res_q75, _, _ = _spread(t_res)
-    off_med, off_q25, off_q75, _, _ = _spread(t_off)
-    ratio, r25, r75, rlo, rhi = _spread(t_off / t_res)
-    stats = box["stats"][skip:]
-    hits = sum(int(s.hits.sum()) for s in stats)
-    tail = sum(int(s.tail_hits.sum()) for s in stats)
-    misses = sum(int(s.misses.sum()) for s in stats)
-    hit_rate = (hits + tail) / max(hits + tail + misses, 1)
-    print(f"  {workload} (heavy fraction {heavy}): hit rate {hit_rate:.3f} "
-          f"({misses / max(len(stats) * batch, 1):.0f} misses per request per step)")
-    print(f"    resident {res_med * 1e3:.2f} ms [{res_q25 * 1e3:.2f}-{res_q75 * 1e3:.2f}]   "
-          f"offloaded {off_med * 1e3:.2f} ms [{off_q25 * 1e3:.2f}-{off_q75 * 1e3:.2f}]   "
-          f"ratio {ratio:.3f} [IQR {r25:.3f}-{r75:.3f}, min-max {rlo:.3f}-{rhi:.3f}]")
-    print(f"    device KV state: resident {res.device_bytes() / 1e6:.1f} MB, offloaded "
-          f"{box['dec'].device_bytes() / 1e6:.1f} MB")
-    return {**meta, "question": "step", "model": config.name, "batch": batch,
-            "ways": args.ways, "context": context, "hot_slots": offload.hot_slots,
-            "policy": args.policy, "workload": workload, "heavy": heavy,
-            "resident_s": res_med, "resident_q25": res_q25, "resident_q75": res_q75,
-            "offload_s": off_med, "offload_q25": off_q25, "offload_q75": off_q75,
-            "ratio": ratio, "ratio_q25": r25, "ratio_q75": r75, "ratio_min": rlo,
-            "ratio_max": rhi, "hit_rate": hit_rate, "steps": len(stats)}
+    print(f"  {workload} (heavy fraction {heavy}): resident {res_med * 1e3:.2f} ms "
+          f"[{res_q25 * 1e3:.2f}-{res_q75 * 1e3:.2f}], device KV state "
+          f"{box['res'].device_bytes() / 1e6:.1f} MB")
+    rows = []
+    for policy in offloads:
+        times = np.asarray(t_off[policy][skip:])
+        off_med, off_q25, off_q75, _, _ = _spread(times)
+        ratio, r25, r75, rlo, rhi = _spread(times / t_res)
+        to_first = _spread(times / np.asarray(t_off[first][skip:]))[0]
+        stats = box["stats"][policy][skip:]
+        hits = sum(int(s.hits.sum()) for s in stats)
+        tail = sum(int(s.tail_hits.sum()) for s in stats)
+        misses = sum(int(s.misses.sum()) for s in stats)
+        hit_rate = (hits + tail) / max(hits + tail + misses, 1)
+        print(f"    {policy}: offloaded {off_med * 1e3:.2f} ms [{off_q25 * 1e3:.2f}-"
+              f"{off_q75 * 1e3:.2f}]   ratio to resident {ratio:.3f} [IQR {r25:.3f}-{r75:.3f}, "
+              f"min-max {rlo:.3f}-{rhi:.3f}]   ratio to {first} {to_first:.3f}   hit rate "
+              f"{hit_rate:.3f} ({misses / max(len(stats) * batch, 1):.0f} misses per request "
+              f"per step), device KV state {box['dec'][policy].device_bytes() / 1e6:.1f} MB")
+        rows.append({**meta, "question": "step", "model": config.name, "batch": batch,
+                     "ways": args.ways, "context": context,
+                     "hot_slots": offloads[policy].hot_slots, "policy": policy,
+                     "workload": workload, "heavy": heavy, "resident_s": res_med,
+                     "resident_q25": res_q25, "resident_q75": res_q75, "offload_s": off_med,
+                     "offload_q25": off_q25, "offload_q75": off_q75, "ratio": ratio,
+                     "ratio_q25": r25, "ratio_q75": r75, "ratio_min": rlo, "ratio_max": rhi,
+                     f"ratio_to_{first}": to_first, "hit_rate": hit_rate,
+                     "steps": len(stats)})
+    return rows
 
 
 def main(argv=None):
@@ -289,7 +310,11 @@ def main(argv=None):
     parser.add_argument("--mgmt-context", type=int, default=131072)
     parser.add_argument("--model", default="small")
     parser.add_argument("--context", type=int, default=32768)
-    parser.add_argument("--policy", default="ring")
+    parser.add_argument("--policy", nargs="+", default=["ring"], choices=("ring", "clock"),
+                        help="step: the hot-cache policies to time (each against resident)")
+    parser.add_argument("--policies", nargs="+", default=["ring", "clock", "lru"],
+                        choices=("ring", "clock", "lru", "random"),
+                        help="management: the policies to time")
     parser.add_argument("--miss-chunk", type=int, default=64, help="host rows per copy")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=20, help="uncounted decode steps")

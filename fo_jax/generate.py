@@ -456,7 +456,8 @@ class OffloadEngine(_Lengths):
     def _check_state(self, where: str, logits, selected=None) -> None:
         state = self.state
         num_l, batch, pages, page, width = state.host.kv.shape
-        host = np.asarray(state.host.kv).reshape(num_l, batch, pages * page, width)
+        host = offload_state.read_back(state.host.kv).reshape(num_l, batch, pages * page,
+                                                              width)
         _check_finite(where, self.lengths, [("host KV of layer", "holds", host),
                                             ("indexer keys of group", "hold",
                                              state.index_keys)], logits)

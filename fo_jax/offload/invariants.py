@@ -10,7 +10,7 @@ import numpy as np
 
 from fo_jax.config import ModelConfig
 from fo_jax.offload.config import OffloadConfig
-from fo_jax.offload.state import DecodeState
+from fo_jax.offload.state import DecodeState, read_back
 
 
 def check_invariants(state: DecodeState, *, config: ModelConfig, offload: OffloadConfig,
@@ -38,7 +38,7 @@ def check_invariants(state: DecodeState, *, config: ModelConfig, offload: Offloa
     s2t = np.asarray(state.slots.slot_to_token)
     lengths = np.asarray(state.lengths)
     hot = np.asarray(state.hot).astype(np.float32)
-    host = np.asarray(state.host.kv).astype(np.float32)
+    host = read_back(state.host.kv).astype(np.float32)
     num_l, batch, pages, _, width = host.shape
     host_tok = host.reshape(num_l, batch, pages * z, width)
     tail_start = (lengths // z) * z

@@ -40,6 +40,22 @@ def to_memory_kind(x: jax.Array, kind: str) -> jax.Array:
     return jax.device_put(x, host_sharding(kind))
 
 
+def read_back(x: jax.Array) -> np.ndarray:
+    """A numpy copy of `x` that keeps no reference to x's buffer (debug reads of a live state).
+
+    `np.asarray` of a host-memory array (`pinned_host`) is a zero-copy view, which holds an
+    external reference to the buffer: on GPU the next step that donates the state then fails
+    with "Donation requested for buffer with external reference" (seen on an H200, jax
+    0.11.2, `fo-jax generate --offload --check`). A host-memory array is therefore copied
+    through device memory first (O(x.size) device bytes while the copy lives: debug reads
+    only); a device array is copied to the host as `np.asarray` does.
+    """
+    kind = getattr(x.sharding, "memory_kind", None)
+    if kind is not None and kind != "device":
+        x = jax.device_put(x, x.sharding.with_memory_kind("device"))
+    return np.array(x, copy=True)
+
+
 def committed(tree):
     """`tree` with every uncommitted leaf committed to the default device.
 

@@ -68,3 +68,22 @@ def test_a_compile_failure_is_reported_not_raised(load_experiment):
     assert "pretend XLA CHECK failure" in row["error"]
     assert module.summary_line({**row, "check": "gather_rows"}).startswith(
         "[compile_failed] gather_rows   host_access=gather RuntimeError: UNIMPLEMENTED")
+
+
+def test_a_mismatch_says_where(load_experiment):
+    """A prefill that is not bitwise says whether logits or KV differ, by how much, and from
+    which layer on; its summary line carries that."""
+    import jax.numpy as jnp
+
+    module = load_experiment("accelerator_check")
+    kv = jnp.zeros((3, 2, 4, 8), jnp.bfloat16)
+    logits = jnp.ones((2, 5), jnp.float32)
+    diff = module._differences(logits, logits, kv.at[1, 0, 2, 3].set(0.5), kv)
+    assert diff["logits_equal"] and not diff["kv_equal"]
+    assert diff["kv_max_abs_diff_per_layer"] == [0.0, 0.5, 0.0]
+    assert diff["kv_first_layer_differing"] == 1 and diff["logits_max_abs_diff"] == 0.0
+    row = {"check": "prefill_chunk", "host_access": "gather", "status": "mismatch",
+           "bitwise": False, "seconds": 0.2, "resident_seconds": 0.1,
+           "ratio_to_resident": 2.0, **diff, "resident_repeat_equal": True}
+    line = module.summary_line(row)
+    assert "first layer differing 1" in line and "resident repeatable True" in line

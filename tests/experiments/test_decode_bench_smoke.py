@@ -7,14 +7,15 @@ import numpy as np
 
 def test_smoke(load_experiment, tmp_path, capsys):
     out = tmp_path / "bench.jsonl"
-    rows = load_experiment("decode_bench").main(["--smoke", "--out", str(out)])
+    rows = load_experiment("decode_bench").main(
+        ["--smoke", "--policy", "ring", "clock", "--out", str(out)])
     printed = capsys.readouterr().out
     assert "management per step" in printed and "whole decode step" in printed
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    # 2 policies x 3 hot-cache sizes; the step at two workloads (temporal locality, uniform).
-    assert len(lines) == len(rows) == 2 * 3 + 2
+    # 3 policies x 3 hot-cache sizes; the step: 2 policies x 2 workloads (locality, uniform).
+    assert len(lines) == len(rows) == 3 * 3 + 2 * 2
     management = [r for r in lines if r["question"] == "management"]
-    assert {r["policy"] for r in management} == {"ring", "lru"}
+    assert {r["policy"] for r in management} == {"ring", "clock", "lru"}
     assert all(r["seconds"] > 0 for r in management)
     assert all(r["jax"] and r["backend"] and r["git"] for r in lines)
     # Every cell copies the same misses, and is timed over the same interleaved rounds.
@@ -29,14 +30,19 @@ def test_smoke(load_experiment, tmp_path, capsys):
             assert r["ratio"] == 1.0
     assert "misses per request per step" in printed and "IQR" in printed
     steps = [r for r in lines if r["question"] == "step"]
-    assert sorted(r["workload"] for r in steps) == ["locality", "uniform"]
+    assert sorted((r["workload"], r["policy"]) for r in steps) == [
+        ("locality", "clock"), ("locality", "ring"), ("uniform", "clock"), ("uniform", "ring")]
     for step in steps:
         assert step["ratio"] > 0 and 0 <= step["hit_rate"] <= 1
         assert step["ratio_q25"] <= step["ratio"] <= step["ratio_q75"]
         assert step["resident_q25"] <= step["resident_s"] <= step["resident_q75"]
+        assert step["ratio_to_ring"] > 0
     # Uniform indexer keys leave little locality: fewer hits than the favoured-token workload.
-    by = {r["workload"]: r for r in steps}
-    assert by["uniform"]["hit_rate"] < by["locality"]["hit_rate"]
+    for policy in ("ring", "clock"):
+        by = {r["workload"]: r for r in steps if r["policy"] == policy}
+        assert by["uniform"]["hit_rate"] < by["locality"]["hit_rate"]
+    # Both policies time the same steps against the same resident run.
+    assert len({(r["workload"], r["resident_s"]) for r in steps}) == 2
     assert "hit rate" in printed
     png = tmp_path / "bench.png"
     load_experiment("plot_decode_bench").main([str(out), "--out", str(png)])

@@ -245,3 +245,21 @@ def test_decode_step_at_batch_1_copies_no_host_pages(access):
     copies = [line.strip() for line in compiled.splitlines()
               if pages in line.split("=", 1)[-1].split("(", 1)[0] and " copy(" in line]
     assert not copies, copies
+
+
+def test_read_back_holds_no_reference_to_a_host_buffer():
+    """Debug reads of a live state copy: `np.asarray` of a pinned-host array is a zero-copy
+    view of its buffer, and on GPU such an external reference makes the next donating step
+    fail ("Donation requested for buffer with external reference")."""
+    from fo_jax.offload.state import read_back, to_memory_kind
+
+    x = to_memory_kind(jnp.arange(4 * 64, dtype=jnp.float32).reshape(4, 64), "pinned_host")
+    view = np.asarray(x)
+    if view.ctypes.data != x.unsafe_buffer_pointer():
+        pytest.skip("this backend copies host-memory arrays on np.asarray")
+    got = read_back(x)
+    assert got.ctypes.data != x.unsafe_buffer_pointer()
+    assert got.flags.writeable and got.flags.owndata
+    np.testing.assert_array_equal(got, view)
+    device = jnp.ones((3,), jnp.bfloat16)
+    assert read_back(device).dtype == device.dtype
