@@ -15,7 +15,7 @@ from fo_jax.offload.state import DecodeState, read_back
 
 def check_invariants(state: DecodeState, *, config: ModelConfig, offload: OffloadConfig,
                      resident_kv=None, selected=None, poisoned: bool = False,
-                     finite: bool = False, occupied_before=None) -> None:
+                     finite: bool = False, occupied_before=None, seats=None) -> None:
     """Raise AssertionError unless every invariant of the offloaded state holds.
 
     Checks:
@@ -31,6 +31,9 @@ def check_invariants(state: DecodeState, *, config: ModelConfig, offload: Offloa
       * with `finite`: every occupied slot and every tail row of a stored token is finite;
       * with `occupied_before` [G, B] (`occupied_slots` before the last step): no group and
         request has fewer occupied slots now (once full, the cache stays full).
+    seats: [B] bool, check only these requests (default all): a serving engine's seat in the
+    middle of a prefill holds host pages and indexer keys but no decode rows yet
+    (`fo_jax.engine.Engine.prefilling_seats`).
     The jittable twin that runs inside compiled loops is fo_jax.offload.checks.
     """
     c, z = offload.hot_slots, offload.page_size
@@ -42,8 +45,9 @@ def check_invariants(state: DecodeState, *, config: ModelConfig, offload: Offloa
     num_l, batch, pages, _, width = host.shape
     host_tok = host.reshape(num_l, batch, pages * z, width)
     tail_start = (lengths // z) * z
+    checked = range(batch) if seats is None else np.flatnonzero(np.asarray(seats, bool))
     for g, (lo, hi) in enumerate(config.group_bounds):
-        for b in range(batch):
+        for b in checked:
             tok_of = s2t[g, b]
             slot_of = t2s[g, b]
             occupied = np.flatnonzero(tok_of >= 0)
@@ -93,7 +97,7 @@ def check_invariants(state: DecodeState, *, config: ModelConfig, offload: Offloa
                 assert np.all(ok), (
                     f"group {g} request {b}: selected token {sel[~ok][:1]} is neither resident "
                     "nor in the tail after the step")
-    for b in range(batch):
+    for b in checked:
         for p in range(int(tail_start[b]), int(lengths[b])):
             row = c + ((p // z) % 2) * z + p % z
             assert np.array_equal(hot[:, b, row], host_tok[:, b, p]), (
@@ -102,12 +106,14 @@ def check_invariants(state: DecodeState, *, config: ModelConfig, offload: Offloa
                 f"request {b}: tail row of token {p} holds a non-finite value")
     if occupied_before is not None:
         now, before = np.sum(s2t >= 0, axis=-1), np.asarray(occupied_before)
+        if seats is not None:
+            before = np.where(np.asarray(seats, bool)[None], before, 0)
         for g, b in np.argwhere(now < before)[:1]:
             raise AssertionError(f"group {g} request {b}: occupied slots fell from "
                                  f"{before[g, b]} to {now[g, b]}")
     if resident_kv is not None:
         ref = np.asarray(resident_kv).astype(np.float32)
-        for b in range(batch):
+        for b in checked:
             n = int(lengths[b])
             same = (host_tok[:, b, :n] == ref[:, b, :n]) | (
                 np.isnan(host_tok[:, b, :n]) & np.isnan(ref[:, b, :n]))

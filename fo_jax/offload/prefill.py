@@ -74,6 +74,7 @@ from fo_jax.offload.pipeline_model import (
     normalize_onload_layer_map,
 )
 from fo_jax.offload.state import (
+    CacheSlots,
     DecodeState,
     HostPages,
     committed,
@@ -526,11 +527,57 @@ def to_decode_state(state: PrefillState, *, config: ModelConfig, offload: Offloa
                                  step=jnp.asarray(1, jnp.int32)))
 
 
+def join_seats(state: DecodeState, joined, *, config: ModelConfig, offload: OffloadConfig,
+               fill: float = 0.0) -> DecodeState:
+    """Hand the seats marked in `joined` [B] bool, just prefilled into `state`'s host pages and
+    indexer keys, to the decode path; every other seat keeps its hot rows, maps and policy.
+
+    A joined seat gets what `to_decode_state` gives a prefilled batch for its length: its tail
+    blocks, its most recent tokens in hot slots 0, 1, ..., fresh maps and policy state (the
+    previous occupant's are dropped). Reads the joined seats' C + 2Z rows per layer from host
+    pages; the merge with the other seats is O(L B (C + 2Z)) device work (a select over the hot
+    rows, maps and policy state), independent of S. The state is not donated.
+    """
+    offload.validate_for(config)
+    joined = np.asarray(joined, bool)
+    if joined.shape != (state.batch,):
+        raise ValueError(f"joined must be [{state.batch}] bools (one per seat), got shape "
+                         f"{joined.shape}")
+    lengths_np = np.asarray(state.lengths).astype(np.int32)
+    row_tok, slots, policy = initial_layout(config, offload, lengths_np)
+    row_tok = np.where(joined[:, None], row_tok, -1)  # read the joined seats' rows only
+    host = state.host.kv
+    hot = _gather_hot(host, jnp.asarray(row_tok), jnp.asarray(fill, jnp.float32),
+                      chunk=offload.miss_chunk, on_host=in_host_memory(host),
+                      access=offload.host_access)
+    seat = jnp.asarray(joined)
+
+    def pick(new, old, axis):  # new where joined, along the batch axis `axis`
+        if new.size == 0:
+            return old
+        shape = [1] * new.ndim
+        shape[axis] = -1
+        return jnp.where(seat.reshape(shape), new, old)
+
+    return dataclasses.replace(
+        state,
+        hot=pick(hot, state.hot, 1),
+        slots=CacheSlots(token_to_slot=pick(slots.token_to_slot, state.slots.token_to_slot, 1),
+                         slot_to_token=pick(slots.slot_to_token, state.slots.slot_to_token, 1)),
+        policy=dataclasses.replace(
+            state.policy,
+            stamp=pick(policy.stamp, state.policy.stamp, 1),
+            hand=pick(policy.hand, state.policy.hand, 1),
+            last_used=pick(policy.last_used, state.policy.last_used, 1),
+            ref=pick(policy.ref, state.policy.ref, 1)))
+
+
 __all__ = [
     "OffloadPrefillBackend",
     "PrefillSchedule",
     "PrefillState",
     "history_pages_for",
+    "join_seats",
     "layer_bytes",
     "load_history",
     "lower_prefill",

@@ -1,0 +1,487 @@
+"""Continuous batching: requests join and leave a fixed set of seats while others decode.
+
+    engine = Engine(params, config, seats=8, capacity=4096, offload=OffloadConfig(...))
+    rid = engine.add_request(prompt_ids, max_tokens=64, temperature=0.0, stop_token_ids=[eos])
+    while engine.has_unfinished():
+        for out in engine.step():          # RequestOutput per request that moved
+            print(out.request_id, out.new_token_ids, out.finished, out.finish_reason)
+
+The engine owns one batch state of `seats` requests (the offloaded `DecodeState`, or the
+resident `ResidentState` with `offload=None`), sized once: requests come and go without
+recompiling. Each `step()`:
+
+  1. admits waiting requests (FIFO) into free seats: the seat's length is reset to 0 (what
+     the previous occupant left in its rows is never read: reads stop at the length);
+  2. runs one prefill chunk for every seat that is prefilling (one program for all of them,
+     `prefill_chunk` tokens per seat; the others take 0 tokens and are not written); a seat
+     whose prompt is complete samples its first token from the chunk's logits and joins the
+     decode batch (`fo_jax.offload.prefill.join_seats`: its hot rows, maps and policy state);
+  3. runs `decode_steps_per_call` decode steps of the running seats in one program
+     (`fo_jax.engine.loop.decode_loop`: sampling, stop tokens, max_tokens and capacity on the
+     device), then reads the new tokens once, applies text stop strings, and frees the seats
+     of finished requests.
+
+A request's tokens never depend on what else is in the batch: every program has the same
+shapes whoever sits in the other seats ([seats, prefill_chunk] prefill chunks cut at the same
+offsets of each prompt, [seats, 1] decode steps), every row is computed from its own state
+alone, inactive seats are never written, and each request samples with its own PRNG key
+(`seed`). So a request's greedy tokens equal those of the same engine serving it alone, and,
+offloaded, those of the resident engine (tests/engine/test_engine.py checks both, bit for
+bit, over random arrival and cancel schedules).
+
+Costs per step: admission and bookkeeping O(seats) on the host; a prefill chunk is one
+[seats, prefill_chunk] program over every seat (the offloaded one loads
+`history_pages` pages per seat and layer: the longest history among the prefilling seats,
+rounded up to a power of two so that a prompt of n chunks compiles O(log n) programs); a
+join is O(L seats (C + 2Z)) device work; the decode loop reads its outputs once per call.
+Not here yet: shared page pools (every seat owns `capacity` tokens of host pages), admission
+and preemption by memory, prefix reuse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import numbers
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fo_jax import resident
+from fo_jax.config import ModelConfig
+from fo_jax.engine.loop import (
+    OffloadedStep,
+    ResidentStep,
+    Sampling,
+    Seats,
+    _check_sampling_values,
+    decode_loop,
+    sample_tokens,
+)
+from fo_jax.offload import prefill as offload_prefill
+from fo_jax.offload.config import OffloadConfig
+from fo_jax.offload.state import DecodeState
+
+FINISH_REASONS = ("stop", "length", "cancelled")
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What a request produced so far (returned by `Engine.step` for each request that moved).
+
+    Attributes:
+      request_id: the id `add_request` returned.
+      new_token_ids: tokens sampled in this step.
+      token_ids: every token sampled so far (a stop token included; text stops cut `text` only).
+      text: the decoded output (with a tokenizer), cut before a text stop string; else None.
+      finished: no more tokens will come.
+      finish_reason: None while running; "stop" (a stop token or stop string), "length"
+        (max_tokens, or the seat's capacity), or "cancelled".
+      prompt_tokens: the prompt's length.
+      time_to_first_token: seconds from `add_request` to the first token (None before it).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    time_to_first_token: float | None
+
+
+@dataclasses.dataclass
+class _Request:
+    request_id: str
+    prompt: np.ndarray
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop_token_ids: tuple[int, ...]
+    stop: tuple[str, ...]
+    arrival: float
+    seat: int | None = None
+    prefilled: int = 0
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    text: str | None = None
+    finish_reason: str | None = None
+    first_token_at: float | None = None
+
+    def output(self, new: list[int]) -> RequestOutput:
+        ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
+        return RequestOutput(self.request_id, list(new), list(self.tokens), self.text,
+                             self.finish_reason is not None, self.finish_reason,
+                             len(self.prompt), ttft)
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << (int(n) - 1).bit_length() if n > 0 else 0
+
+
+class Engine:
+    """Continuous batching over `seats` seats of `capacity` tokens each (see the module doc).
+
+    Args:
+      params, config: the model.
+      seats: requests decoded at once (the batch of every program).
+      capacity: tokens per seat (prompt + output); with `offload`, its `capacity` is used and
+        must equal this when both are given.
+      offload: OffloadConfig for the offloaded path, or None for the resident path.
+      decode_steps_per_call: decode steps per program (1 keeps per-token latency; more means
+        fewer host round trips per token).
+      prefill_chunk: prompt tokens per seat and prefill program.
+      tokenizer: anything with `decode(ids) -> str`; needed for text stop strings and `text`.
+      max_stop_ids: stop token ids per request (fixed so that the programs' shapes are).
+      query_block: the prefill's query blocks (the same for both paths: bitwise equal).
+    Raises:
+      ValueError: bad settings, before anything is allocated.
+    """
+
+    def __init__(self, params, config: ModelConfig, *, seats: int, capacity: int | None = None,
+                 offload: OffloadConfig | None = None, decode_steps_per_call: int = 1,
+                 prefill_chunk: int = 256, tokenizer=None, max_stop_ids: int = 8,
+                 query_block: int | None = resident.QUERY_BLOCK, num_buffers: int | None = None,
+                 implementation: str | None = None, interpret: Any = False):
+        for name, value in (("seats", seats), ("decode_steps_per_call", decode_steps_per_call),
+                            ("prefill_chunk", prefill_chunk), ("max_stop_ids", max_stop_ids)):
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if offload is not None:
+            if capacity is not None and capacity != offload.capacity:
+                raise ValueError(f"capacity={capacity} differs from offload.capacity="
+                                 f"{offload.capacity}: give one, or the same value")
+            capacity = offload.capacity
+            offload.validate_for(config)
+        if capacity is None:
+            raise ValueError("capacity (tokens per seat) is required without an OffloadConfig")
+        if not isinstance(capacity, numbers.Integral) or not 1 <= capacity <= config.max_seq_len:
+            raise ValueError(f"capacity={capacity!r} must be an int in [1, max_seq_len="
+                             f"{config.max_seq_len}] of config {config.name!r}")
+        self.params, self.config, self.offload = params, config, offload
+        self.seats, self.capacity = int(seats), int(capacity)
+        self.n_steps, self.chunk = int(decode_steps_per_call), int(prefill_chunk)
+        self.tokenizer, self.max_stop_ids = tokenizer, int(max_stop_ids)
+        self.query_block, self.num_buffers = query_block, num_buffers
+        if offload is None:
+            self.state = resident.ResidentState.create(config, batch=self.seats,
+                                                       capacity=self.capacity)
+            self.step_fn = ResidentStep(config, implementation or "xla", interpret)
+        else:
+            self.state = DecodeState.create(config, offload, batch=self.seats)
+            self.step_fn = OffloadedStep(config, offload, implementation or "xla", interpret)
+        batch = self.seats
+        self._seats = Seats(tokens=jnp.zeros((batch,), jnp.int32),
+                            keys=jax.random.split(jax.random.key(0), batch),
+                            generated=jnp.zeros((batch,), jnp.int32),
+                            done=jnp.ones((batch,), bool))
+        self._sampling_rows = [self._sampling_row(None)] * batch
+        self._sampling = None  # rebuilt when a seat's request changes
+        self._occupant: list[_Request | None] = [None] * batch
+        self._waiting: list[_Request] = []
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self.stats = None  # offload statistics summed over decode calls, on the device
+        self.counters = {"steps": 0, "prefill_calls": 0, "decode_calls": 0,
+                         "requests_finished": 0, "requests_cancelled": 0}
+
+    # Requests ------------------------------------------------------------------------------
+
+    def add_request(self, prompt: Sequence[int], *, max_tokens: int = 16,
+                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                    stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (),
+                    request_id: str | None = None) -> str:
+        """Queue a request; returns its id. Everything is checked here, before the request
+        is queued: a refused request leaves the engine as it was."""
+        prompt_np = np.asarray(list(prompt), dtype=np.int64)
+        vocab = self.config.vocab_size
+        if prompt_np.ndim != 1 or prompt_np.size == 0:
+            raise ValueError("prompt must be a non-empty list of token ids")
+        bad = np.flatnonzero((prompt_np < 0) | (prompt_np >= vocab))
+        if bad.size:
+            raise ValueError(f"prompt token {int(prompt_np[bad[0]])} at position {bad[0]} is "
+                             f"outside the vocabulary [0, {vocab})")
+        if prompt_np.size > self.capacity:
+            raise ValueError(f"prompt of {prompt_np.size} tokens does not fit a seat of "
+                             f"{self.capacity} tokens: shorten it or raise the capacity")
+        if (not isinstance(max_tokens, numbers.Integral) or isinstance(max_tokens, bool)
+                or max_tokens < 1):
+            raise ValueError(f"max_tokens={max_tokens!r} must be an int >= 1")
+        _check_sampling_values(np.asarray([temperature]), np.asarray([top_p]))
+        if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+            raise ValueError(f"seed={seed!r} must be an int")
+        stop_ids = tuple(int(t) for t in stop_token_ids)
+        if len(stop_ids) > self.max_stop_ids:
+            raise ValueError(f"{len(stop_ids)} stop token ids, at most max_stop_ids="
+                             f"{self.max_stop_ids} per request")
+        if any(t < 0 or t >= vocab for t in stop_ids):
+            raise ValueError(f"stop_token_ids {list(stop_ids)} must be ids in [0, {vocab})")
+        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {list(stop)}")
+        if stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (Engine(..., tokenizer=...)); "
+                             "without one, use stop_token_ids")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+            while request_id in self._requests:
+                request_id = f"req-{next(self._ids)}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id={request_id!r} must be a non-empty string")
+        elif request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use (queued, running or "
+                             "finished and not yet collected)")
+        req = _Request(request_id, prompt_np.astype(np.int32), int(max_tokens),
+                       float(temperature), float(top_p), int(seed), stop_ids, stop,
+                       time.perf_counter(), text="" if self.tokenizer is not None else None)
+        self._requests[request_id] = req
+        self._waiting.append(req)
+        return request_id
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request now and free its seat; False if it had already finished.
+
+        Raises KeyError for an id the engine does not know (never added, or already
+        released with `release`)."""
+        req = self._requests.get(request_id)
+        if req is None:
+            raise KeyError(f"no request {request_id!r}")
+        if req.finish_reason is not None:
+            return False
+        if req in self._waiting:
+            self._waiting.remove(req)
+        req.finish_reason = "cancelled"
+        self.counters["requests_cancelled"] += 1
+        self._free(req)
+        return True
+
+    def release(self, request_id: str) -> RequestOutput:
+        """Forget a finished request (its id can be used again); returns its final output."""
+        req = self._requests.get(request_id)
+        if req is None:
+            raise KeyError(f"no request {request_id!r}")
+        if req.finish_reason is None:
+            raise ValueError(f"request {request_id!r} has not finished: cancel it first")
+        del self._requests[request_id]
+        return req.output([])
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting) or any(r is not None for r in self._occupant)
+
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def prefilling_seats(self) -> np.ndarray:
+        """[seats] bool: seats whose request is still prefilling (their decode rows, maps and
+        policy state are set when the prompt is complete: see `join_seats`)."""
+        return np.asarray([r is not None and r.prefilled < len(r.prompt)
+                           for r in self._occupant])
+
+    def num_running(self) -> int:
+        return sum(r is not None for r in self._occupant)
+
+    def run(self) -> dict[str, RequestOutput]:
+        """Step until every request has finished; the final output of each request."""
+        while self.has_unfinished():
+            self.step()
+        return {rid: req.output([]) for rid, req in self._requests.items()}
+
+    # The step ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Admit, prefill one chunk, decode `decode_steps_per_call` steps (see the module
+        doc); the outputs of the requests that moved."""
+        moved: dict[str, list[int]] = {}
+        self._admit()
+        self._prefill(moved)
+        self._decode(moved)
+        self.counters["steps"] += 1
+        return [self._requests[rid].output(new) for rid, new in moved.items()]
+
+    def _admit(self) -> None:
+        free = [b for b, r in enumerate(self._occupant) if r is None]
+        reset = []
+        while free and self._waiting:
+            req = self._waiting.pop(0)
+            b = free.pop(0)
+            req.seat, req.prefilled = b, 0
+            self._occupant[b] = req
+            reset.append(b)
+        if reset:
+            lengths = self.state.lengths.at[jnp.asarray(reset)].set(0)
+            self.state = dataclasses.replace(self.state, lengths=lengths)
+
+    def _prefilling(self) -> list[_Request]:
+        return [r for r in self._occupant
+                if r is not None and r.prefilled < len(r.prompt)]
+
+    def _prefill(self, moved) -> None:
+        requests = self._prefilling()
+        if not requests:
+            return
+        batch, chunk = self.seats, self.chunk
+        tokens = np.zeros((batch, chunk), np.int32)
+        num_new = np.zeros((batch,), np.int32)
+        history = 0
+        for req in requests:
+            part = req.prompt[req.prefilled:req.prefilled + chunk]
+            tokens[req.seat, :len(part)] = part
+            num_new[req.seat] = len(part)
+            history = max(history, req.prefilled)
+        if self.offload is None:
+            logits, self.state = resident.prefill(
+                self.params, self.state, tokens, num_new, config=self.config, check=False,
+                query_block=self.query_block)
+        else:
+            oc = self.offload
+            pages = min(_next_power_of_two(-(-history // oc.page_size)),
+                        oc.capacity // oc.page_size)
+            view = offload_prefill.PrefillState(host=self.state.host,
+                                                index_keys=self.state.index_keys,
+                                                lengths=self.state.lengths)
+            logits, view = offload_prefill.prefill(
+                self.params, view, tokens, num_new, config=self.config,
+                num_buffers=self.num_buffers, history_pages=pages, check=False,
+                host_access=oc.host_access, query_block=self.query_block)
+            self.state = dataclasses.replace(self.state, host=view.host,
+                                             index_keys=view.index_keys, lengths=view.lengths)
+        self.counters["prefill_calls"] += 1
+        for req in requests:
+            req.prefilled += int(num_new[req.seat])
+        done = [r for r in requests if r.prefilled == len(r.prompt)]
+        if done:
+            self._join(done, logits, num_new, moved)
+
+    def _join(self, joined: list[_Request], logits, num_new, moved) -> None:
+        """Sample the first token of each request whose prompt is complete and start it."""
+        batch = self.seats
+        mask = np.zeros((batch,), bool)
+        for req in joined:
+            mask[req.seat] = True
+            self._sampling_rows[req.seat] = self._sampling_row(req)
+        self._sampling = None
+        if self.offload is not None:
+            self.state = offload_prefill.join_seats(self.state, mask, config=self.config,
+                                                    offload=self.offload)
+        last = jnp.asarray(np.maximum(num_new - 1, 0))
+        picked = logits[jnp.arange(batch), last]  # [B, V]: each seat's last prompt token
+        keys = self._seats.keys
+        fresh = jnp.stack([jax.random.key(r.seed) for r in joined])
+        seat_ids = jnp.asarray([r.seat for r in joined])
+        keys = jax.random.wrap_key_data(
+            jax.random.key_data(keys).at[seat_ids].set(jax.random.key_data(fresh)))
+        active = jnp.asarray(mask)
+        first, keys = sample_tokens(picked, keys, self._sampling_now(), active)
+        first_np = np.asarray(first)
+        now = time.perf_counter()
+        generated = np.array(self._seats.generated)
+        tokens_np = np.array(self._seats.tokens)
+        done = np.array(self._seats.done)
+        for req in joined:
+            b = req.seat
+            t = int(first_np[b])
+            req.first_token_at = now
+            tokens_np[b], generated[b] = t, 1
+            finished = self._record(req, [t], moved, length=len(req.prompt))
+            done[b] = finished
+        self._seats = Seats(tokens=jnp.asarray(tokens_np), keys=keys,
+                            generated=jnp.asarray(generated), done=jnp.asarray(done))
+        for req in joined:
+            if req.finish_reason is not None:
+                self._free(req)
+
+    def _decode(self, moved) -> None:
+        running = [r for r in self._occupant
+                   if r is not None and r.prefilled == len(r.prompt) and r.finish_reason is None]
+        if not running:
+            return
+        out, self.state, self._seats = decode_loop(self.params, self.state, self._seats,
+                                                   self.n_steps, self._sampling_now(),
+                                                   step=self.step_fn)
+        self.counters["decode_calls"] += 1
+        if out.stats is not None:
+            self.stats = out.stats if self.stats is None else jax.tree_util.tree_map(
+                jnp.add, self.stats, out.stats)
+        tokens = np.asarray(out.tokens)
+        lengths = np.asarray(self.state.lengths)
+        done = np.asarray(self._seats.done)
+        stopped = []
+        for req in running:
+            new = [int(t) for t in tokens[req.seat] if t >= 0]
+            finished = self._record(req, new, moved, length=int(lengths[req.seat]),
+                                    done=bool(done[req.seat]))
+            if finished:
+                stopped.append(req)
+        if stopped:
+            done = done.copy()
+            for req in stopped:
+                done[req.seat] = True
+            self._seats = dataclasses.replace(self._seats, done=jnp.asarray(done))
+            for req in stopped:
+                self._free(req)
+
+    # Bookkeeping ---------------------------------------------------------------------------
+
+    def _record(self, req: _Request, new: list[int], moved, *, length: int,
+                done: bool = False) -> bool:
+        """Append sampled tokens one by one until one finishes the request; decide whether
+        it finished, and why. Tokens the device sampled after a text stop string (within the
+        same decode call) are dropped, so the output does not depend on decode_steps_per_call.
+        With stop strings the output is decoded after every token (O(output) per token)."""
+        kept = moved.setdefault(req.request_id, [])
+        for t in new:
+            req.tokens.append(t)
+            kept.append(t)
+            if req.stop:
+                req.text = self.tokenizer.decode(req.tokens)
+                cut = [at for at in (req.text.find(s) for s in req.stop) if at >= 0]
+                if cut:
+                    req.text = req.text[:min(cut)]
+                    req.finish_reason = "stop"
+                    return True
+            if t in req.stop_token_ids:
+                req.finish_reason = "stop"
+                break
+        if req.text is not None and not req.stop:
+            req.text = self.tokenizer.decode(req.tokens)
+        if req.finish_reason is None and (len(req.tokens) >= req.max_tokens
+                                          or length >= self.capacity or done):
+            req.finish_reason = "length"
+        return req.finish_reason is not None
+
+    def _free(self, req: _Request) -> None:
+        if req.seat is not None and self._occupant[req.seat] is req:
+            b = req.seat
+            self._occupant[b] = None
+            self._sampling_rows[b] = self._sampling_row(None)
+            self._sampling = None
+            self._seats = dataclasses.replace(self._seats,
+                                              done=self._seats.done.at[b].set(True))
+        req.seat = None
+        if req.finish_reason != "cancelled":
+            self.counters["requests_finished"] += 1
+
+    def _sampling_row(self, req: _Request | None):
+        if req is None:
+            return (0.0, 1.0, (), 1)
+        return (req.temperature, req.top_p, req.stop_token_ids, req.max_tokens)
+
+    def _sampling_now(self) -> Sampling:
+        if self._sampling is None:
+            rows = self._sampling_rows
+            stops = np.full((self.seats, self.max_stop_ids), -1, np.int32)
+            for b, (_, _, ids, _) in enumerate(rows):
+                stops[b, :len(ids)] = ids
+            self._sampling = Sampling(
+                temperature=jnp.asarray([r[0] for r in rows], jnp.float32),
+                top_p=jnp.asarray([r[1] for r in rows], jnp.float32),
+                stop_tokens=jnp.asarray(stops),
+                max_new_tokens=jnp.asarray([min(r[3], 2**31 - 1) for r in rows], jnp.int32))
+        return self._sampling
+
+
+__all__ = ["Engine", "FINISH_REASONS", "RequestOutput"]
