@@ -42,7 +42,8 @@ Rules:
   steady stream of short requests a long one can wait indefinitely.
 
 Costs: every method is O(1) or O(requests it admits), except `schedule` with order="shortest"
-(O(Q log Q) for Q waiting).
+(O(Q log Q) for Q waiting), `victim` and `running` (O(requests known)), and `finish` of a
+queued request (O(Q)). Not thread-safe: the scheduler thread owns it.
 """
 
 from __future__ import annotations
@@ -257,13 +258,15 @@ class Admission:
 
     @property
     def running(self) -> tuple[Hashable, ...]:
-        """Ids of the requests holding a seat, in admission order."""
+        """Ids of the requests holding a seat, in admission order. O(R log R), R requests
+        known."""
         seated = [e for e in self._entries.values() if e.seated]
         return tuple(e.request.request_id for e in sorted(seated, key=lambda e: e.admitted_at))
 
     @property
     def waiting(self) -> tuple[Hashable, ...]:
-        """Ids of the queued requests in the order `schedule` considers them."""
+        """Ids of the queued requests in the order `schedule` considers them. O(Q), or
+        O(Q log Q) with order="shortest"."""
         return tuple(self._resume) + tuple(self._ordered_waiting())
 
     def pages_charged(self, request_id: Hashable) -> int:
@@ -324,8 +327,9 @@ class Admission:
     # -- the queue -----------------------------------------------------------------------------
 
     def submit(self, request: Request) -> Decision:
-        """Queues `request` (admitted by the next `schedule` if it fits) and returns the
-        verdict it would get now. O(1).
+        """Queues `request` (admitted by a later `schedule` once it fits) and returns the
+        verdict on its memory alone (with order="fifo" it may still wait behind earlier
+        requests). O(1).
 
         Raises:
           RequestRefused: it can never fit; nothing is queued.
@@ -441,7 +445,7 @@ class Admission:
 
     def victim(self) -> Hashable | None:
         """The running request to preempt under pressure: the one admitted (or resumed) last;
-        None when nothing runs. O(running)."""
+        None when nothing runs. O(requests known)."""
         seated = [e for e in self._entries.values() if e.seated]
         if not seated:
             return None

@@ -18,7 +18,9 @@ so `num_free + num_held + num_cached == num_pages` at all times.
 
 Costs: every call is O(pages it touches) (plus, for an allocation that evicts, the cached pages
 it evicts and their dropped descendants); no call scans the pool (never O(num_pages)), except
-`check()`, the debug consistency check.
+the constructor and `check()`, the debug consistency check.
+
+Not thread-safe: one scheduler thread owns a pool, its cache and its requests' pages.
 """
 
 from __future__ import annotations
