@@ -297,6 +297,8 @@ class PrefixCache:
         self._children: dict[bytes, set[bytes]] = {}  # chain hash -> hashes of next pages
         self._parent: dict[bytes, bytes] = {}  # chain hash -> previous page's hash (b"" at 0)
         self.num_evicted = 0  # pages dropped from the cache by evictions (with descendants)
+        self.num_lookup_tokens = 0  # tokens passed to match, in full pages (the hit-rate base)
+        self.num_hit_tokens = 0  # tokens match found cached
         pool._on_evict = self._evict
 
     @property
@@ -329,6 +331,8 @@ class PrefixCache:
                 break
             pages.append(page)
         self.pool.incref(pages)
+        self.num_lookup_tokens += len(tokens) // z * z
+        self.num_hit_tokens += len(pages) * z
         return np.asarray(pages, dtype=np.int32), len(pages) * z
 
     def insert(self, tokens, pages: Sequence[int]) -> int:

@@ -217,6 +217,26 @@ def test_eviction_is_lru_leaves_first_and_drops_descendants():
     cache.check()
 
 
+def test_least_recently_released_chain_is_evicted_first_and_hits_are_counted():
+    pool = PagePool(4, 2)
+    cache = PrefixCache(pool)
+    a, b = RequestPages(pool, 2), RequestPages(pool, 2)
+    a.grow(2)
+    b.grow(2)
+    cache.insert([1, 1], a.pages)
+    cache.insert([2, 2], b.pages)
+    b.release()
+    a.release()  # b's page left first: it is evicted first
+    pool.allocate(3)  # two free pages, then one eviction
+    assert cache.match([2, 2])[1] == 0
+    pages, num_tokens = cache.match([1, 1, 1])
+    assert num_tokens == 2 and pages.tolist() == [0]  # a got page 0, b page 1
+    # Lookups count whole pages of the tokens passed: 2 + 2 tokens, 2 found.
+    assert (cache.num_lookup_tokens, cache.num_hit_tokens) == (4, 2)
+    pool.check()
+    cache.check()
+
+
 def test_evicting_a_page_drops_its_held_descendants():
     """Two requests prefill the same prefix: b's copy of page 1 stays private, b's page 2 is
     cached under a's page 1. When a leaves, its page 1 is evictable while b still holds page 2:
