@@ -115,6 +115,60 @@ class CapacityPlan:
         return self.prefill_offload_kv_bytes + self.index_key_bytes
 
 
+@dataclasses.dataclass(frozen=True)
+class RequestBytes:
+    """The bytes one offloaded request of S tokens keeps, part by part: the planner's arithmetic
+    in one place (`plan_capacity` and the engine's admission, `fo_jax.engine.admission`, both
+    use it). Each part is either fixed per request or linear in S.
+
+    Attributes:
+      hot_cache: C * L * (D + R) * bytes, device; fixed.
+      tails: 2 * Z * L * (D + R) * bytes, device; fixed.
+      index_keys: S * G * N * bytes, device; linear in S.
+      token_to_slot: 4 * G * S, device (int32 [G, S]); linear in S.
+      slot_to_token: 4 * G * C, device (int32 [G, C]); fixed.
+      prefill_buffers: num_buffers * S * (D + R) * bytes, device, only while the request
+        prefills; linear in S.
+      host_kv: S * L * (D + R) * bytes, host (the authoritative KV); linear in S.
+    """
+
+    hot_cache: int
+    tails: int
+    index_keys: int
+    token_to_slot: int
+    slot_to_token: int
+    prefill_buffers: int
+    host_kv: int
+
+    @property
+    def slot_maps(self) -> int:
+        """token_to_slot + slot_to_token: 4 * G * (S + C)."""
+        return self.token_to_slot + self.slot_to_token
+
+    @property
+    def device_decode(self) -> int:
+        """Device bytes while decoding: hot cache + tails + indexer keys + slot maps."""
+        return self.hot_cache + self.tails + self.index_keys + self.slot_maps
+
+
+def offload_request_bytes(config: ModelConfig, context: int, *, hot_slots: int, tail_block: int,
+                          num_buffers: int) -> RequestBytes:
+    """The parts of one offloaded request of `context` (S) tokens, in bytes. No validation:
+    `plan_capacity` and the engine check their arguments first."""
+    elem = config.jnp_kv_dtype.itemsize
+    row_bytes = config.kv_width * elem  # one token, one layer: (D + R) * bytes
+    num_layers = config.num_layers
+    return RequestBytes(
+        hot_cache=hot_slots * num_layers * row_bytes,
+        tails=2 * tail_block * num_layers * row_bytes,
+        index_keys=context * config.index_bytes_per_token,
+        token_to_slot=INT32_BYTES * config.num_groups * context,
+        slot_to_token=INT32_BYTES * config.num_groups * hot_slots,
+        prefill_buffers=num_buffers * context * row_bytes,
+        host_kv=context * config.kv_bytes_per_token,
+    )
+
+
 def _check_int(name: str, value, minimum: int, why: str = "") -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}{why}, got {value!r}")
@@ -184,10 +238,8 @@ def plan_capacity(
     request_index = context * index_per_token
     request = context * kappa
 
-    hot_cache = hot_slots * num_layers * row_bytes
-    tails = 2 * tail_block * num_layers * row_bytes
-    slot_maps = INT32_BYTES * num_groups * (context + hot_slots)
-    offload_device = hot_cache + tails + request_index + slot_maps
+    parts = offload_request_bytes(config, context, hot_slots=hot_slots, tail_block=tail_block,
+                                  num_buffers=num_buffers)
 
     num_chunks = -(-context // chunk)
     # History rows loaded before chunk c: c * chunk (c = 0 .. num_chunks - 1); layer 0 is pinned.
@@ -212,15 +264,15 @@ def plan_capacity(
         request_index_bytes=request_index,
         request_bytes=request,
         max_batch_resident=math.floor(budget_bytes / request),
-        hot_cache_bytes=hot_cache,
-        tail_bytes=tails,
-        index_key_bytes=request_index,
-        slot_map_bytes=slot_maps,
-        offload_device_bytes=offload_device,
-        max_batch_offload=math.floor(budget_bytes / offload_device),
-        host_bytes_per_request=request_kv,
+        hot_cache_bytes=parts.hot_cache,
+        tail_bytes=parts.tails,
+        index_key_bytes=parts.index_keys,
+        slot_map_bytes=parts.slot_maps,
+        offload_device_bytes=parts.device_decode,
+        max_batch_offload=math.floor(budget_bytes / parts.device_decode),
+        host_bytes_per_request=parts.host_kv,
         prefill_resident_kv_bytes=context * num_layers * row_bytes,
-        prefill_offload_kv_bytes=num_buffers * context * row_bytes,
+        prefill_offload_kv_bytes=parts.prefill_buffers,
         prefill_num_chunks=num_chunks,
         prefill_reload_bytes=reload,
     )

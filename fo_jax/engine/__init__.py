@@ -3,10 +3,22 @@
 `fo_jax.engine.loop`: the jit-compiled decode loop (`decode_loop`): up to N decode steps with
 on-device sampling, stop checks and summed statistics in one program.
 `fo_jax.engine.engine`: continuous batching over seats (`Engine`).
+`fo_jax.engine.pages`: host-side page bookkeeping: a page pool with reference counts
+(`PagePool`), a prefix cache of full pages (`PrefixCache`), each request's pages and page-table
+row (`RequestPages`).
+`fo_jax.engine.admission`: admission by memory with the planner's bytes (`MemoryCosts`,
+`Admission`): admit / wait / refuse, the waiting queue, the preemption victim.
 """
 
+from fo_jax.engine.admission import (
+    Admission,
+    Decision,
+    MemoryCosts,
+    Request,
+    RequestRefused,
+    Verdict,
+)
 from fo_jax.engine.engine import Engine, RequestOutput
-
 from fo_jax.engine.loop import (
     LoopOutput,
     LoopStats,
@@ -17,6 +29,9 @@ from fo_jax.engine.loop import (
     decode_loop,
     sample_tokens,
 )
+from fo_jax.engine.pages import NO_PAGE, PagePool, PoolExhausted, PrefixCache, RequestPages
 
-__all__ = ["Engine", "RequestOutput", "LoopOutput", "LoopStats", "OffloadedStep", "ResidentStep", "Sampling", "Seats",
-           "decode_loop", "sample_tokens"]
+__all__ = ["NO_PAGE", "Admission", "Decision", "Engine", "LoopOutput", "LoopStats",
+           "MemoryCosts", "OffloadedStep", "PagePool", "PoolExhausted", "PrefixCache", "Request",
+           "RequestOutput", "RequestPages", "RequestRefused", "ResidentStep", "Sampling", "Seats",
+           "Verdict", "decode_loop", "sample_tokens"]
