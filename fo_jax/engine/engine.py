@@ -63,7 +63,7 @@ from fo_jax.engine.loop import (
 )
 from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload.config import OffloadConfig
-from fo_jax.offload.state import DecodeState
+from fo_jax.offload.state import DecodeState, committed
 
 FINISH_REASONS = ("stop", "length", "cancelled")
 
@@ -82,6 +82,9 @@ class RequestOutput:
         (max_tokens, or the seat's capacity), or "cancelled".
       prompt_tokens: the prompt's length.
       time_to_first_token: seconds from `add_request` to the first token (None before it).
+      time_per_output_token: mean seconds between its tokens after the first (None before the
+        second token): tokens of one decode call arrive together, so with N steps per call
+        this is the call's time over N.
     """
 
     request_id: str
@@ -92,6 +95,7 @@ class RequestOutput:
     finish_reason: str | None
     prompt_tokens: int
     time_to_first_token: float | None
+    time_per_output_token: float | None = None
 
 
 @dataclasses.dataclass
@@ -111,12 +115,33 @@ class _Request:
     text: str | None = None
     finish_reason: str | None = None
     first_token_at: float | None = None
+    last_token_at: float | None = None
 
     def output(self, new: list[int]) -> RequestOutput:
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
+        tpot = None
+        if len(self.tokens) > 1 and self.last_token_at is not None:
+            tpot = (self.last_token_at - self.first_token_at) / (len(self.tokens) - 1)
         return RequestOutput(self.request_id, list(new), list(self.tokens), self.text,
                              self.finish_reason is not None, self.finish_reason,
-                             len(self.prompt), ttft)
+                             len(self.prompt), ttft, tpot)
+
+
+@jax.jit
+def _clear_lengths(lengths, mask):
+    """lengths with the seats of `mask` [B] set to 0 (a new request starts there)."""
+    return jnp.where(mask, 0, lengths)
+
+
+@jax.jit
+def _first_tokens(logits, last, keys, fresh, mask, sampling: Sampling):
+    """Each joining seat's first token, sampled from its last prompt position's logits with a
+    fresh key (key data `fresh` [B, ...] where `mask`); other seats' keys stay. O(B V)."""
+    picked = logits[jnp.arange(logits.shape[0]), last]  # [B, V]
+    data = jnp.where(mask.reshape((-1,) + (1,) * (fresh.ndim - 1)), fresh,
+                     jax.random.key_data(keys))
+    keys = jax.random.wrap_key_data(data, impl=jax.random.key_impl(keys))
+    return sample_tokens(picked, keys, sampling, mask)
 
 
 def _next_power_of_two(n: int) -> int:
@@ -168,17 +193,20 @@ class Engine:
         self.tokenizer, self.max_stop_ids = tokenizer, int(max_stop_ids)
         self.query_block, self.num_buffers = query_block, num_buffers
         if offload is None:
-            self.state = resident.ResidentState.create(config, batch=self.seats,
-                                                       capacity=self.capacity)
+            self.state = committed(resident.ResidentState.create(config, batch=self.seats,
+                                                                 capacity=self.capacity))
             self.step_fn = ResidentStep(config, implementation or "xla", interpret)
         else:
             self.state = DecodeState.create(config, offload, batch=self.seats)
             self.step_fn = OffloadedStep(config, offload, implementation or "xla", interpret)
         batch = self.seats
-        self._seats = Seats(tokens=jnp.zeros((batch,), jnp.int32),
-                            keys=jax.random.split(jax.random.key(0), batch),
-                            generated=jnp.zeros((batch,), jnp.int32),
-                            done=jnp.ones((batch,), bool))
+        # Every array the programs take is committed to the device, as the programs' outputs
+        # are: a mix of committed and uncommitted inputs would compile them again.
+        self._seats = committed(Seats(tokens=jnp.zeros((batch,), jnp.int32),
+                                      keys=jax.random.split(jax.random.key(0), batch),
+                                      generated=jnp.zeros((batch,), jnp.int32),
+                                      done=jnp.ones((batch,), bool)))
+        self._key_shape = tuple(jax.random.key_data(jax.random.key(0)).shape)
         self._sampling_rows = [self._sampling_row(None)] * batch
         self._sampling = None  # rebuilt when a seat's request changes
         self._occupant: list[_Request | None] = [None] * batch
@@ -187,7 +215,11 @@ class Engine:
         self._ids = itertools.count()
         self.stats = None  # offload statistics summed over decode calls, on the device
         self.counters = {"steps": 0, "prefill_calls": 0, "decode_calls": 0,
+                         "prefill_tokens": 0, "decode_tokens": 0,
                          "requests_finished": 0, "requests_cancelled": 0}
+        # Wall seconds of `step`: in the prefill / decode programs (until their results are
+        # ready) and in total; the rest is the engine's own host work.
+        self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "step_s": 0.0}
 
     # Requests ------------------------------------------------------------------------------
 
@@ -295,11 +327,13 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Admit, prefill one chunk, decode `decode_steps_per_call` steps (see the module
         doc); the outputs of the requests that moved."""
+        start = time.perf_counter()
         moved: dict[str, list[int]] = {}
         self._admit()
         self._prefill(moved)
         self._decode(moved)
         self.counters["steps"] += 1
+        self.timings["step_s"] += time.perf_counter() - start
         return [self._requests[rid].output(new) for rid, new in moved.items()]
 
     def _admit(self) -> None:
@@ -312,8 +346,10 @@ class Engine:
             self._occupant[b] = req
             reset.append(b)
         if reset:
-            lengths = self.state.lengths.at[jnp.asarray(reset)].set(0)
-            self.state = dataclasses.replace(self.state, lengths=lengths)
+            mask = np.zeros((self.seats,), bool)
+            mask[reset] = True
+            self.state = dataclasses.replace(
+                self.state, lengths=_clear_lengths(self.state.lengths, jnp.asarray(mask)))
 
     def _prefilling(self) -> list[_Request]:
         return [r for r in self._occupant
@@ -332,6 +368,7 @@ class Engine:
             tokens[req.seat, :len(part)] = part
             num_new[req.seat] = len(part)
             history = max(history, req.prefilled)
+        start = time.perf_counter()
         if self.offload is None:
             logits, self.state = resident.prefill(
                 self.params, self.state, tokens, num_new, config=self.config, check=False,
@@ -349,7 +386,10 @@ class Engine:
                 host_access=oc.host_access, query_block=self.query_block)
             self.state = dataclasses.replace(self.state, host=view.host,
                                              index_keys=view.index_keys, lengths=view.lengths)
+        jax.block_until_ready(logits)
+        self.timings["prefill_s"] += time.perf_counter() - start
         self.counters["prefill_calls"] += 1
+        self.counters["prefill_tokens"] += int(num_new.sum())
         for req in requests:
             req.prefilled += int(num_new[req.seat])
         done = [r for r in requests if r.prefilled == len(r.prompt)]
@@ -367,15 +407,12 @@ class Engine:
         if self.offload is not None:
             self.state = offload_prefill.join_seats(self.state, mask, config=self.config,
                                                     offload=self.offload)
-        last = jnp.asarray(np.maximum(num_new - 1, 0))
-        picked = logits[jnp.arange(batch), last]  # [B, V]: each seat's last prompt token
-        keys = self._seats.keys
-        fresh = jnp.stack([jax.random.key(r.seed) for r in joined])
-        seat_ids = jnp.asarray([r.seat for r in joined])
-        keys = jax.random.wrap_key_data(
-            jax.random.key_data(keys).at[seat_ids].set(jax.random.key_data(fresh)))
-        active = jnp.asarray(mask)
-        first, keys = sample_tokens(picked, keys, self._sampling_now(), active)
+        fresh = np.zeros((batch,) + self._key_shape, np.uint32)
+        for req in joined:
+            fresh[req.seat] = np.asarray(jax.random.key_data(jax.random.key(req.seed)))
+        first, keys = _first_tokens(logits, jnp.asarray(np.maximum(num_new - 1, 0)),
+                                    self._seats.keys, jnp.asarray(fresh), jnp.asarray(mask),
+                                    self._sampling_now())
         first_np = np.asarray(first)
         now = time.perf_counter()
         generated = np.array(self._seats.generated)
@@ -388,8 +425,8 @@ class Engine:
             tokens_np[b], generated[b] = t, 1
             finished = self._record(req, [t], moved, length=len(req.prompt))
             done[b] = finished
-        self._seats = Seats(tokens=jnp.asarray(tokens_np), keys=keys,
-                            generated=jnp.asarray(generated), done=jnp.asarray(done))
+        self._seats = committed(Seats(tokens=jnp.asarray(tokens_np), keys=keys,
+                                      generated=jnp.asarray(generated), done=jnp.asarray(done)))
         for req in joined:
             if req.finish_reason is not None:
                 self._free(req)
@@ -399,14 +436,17 @@ class Engine:
                    if r is not None and r.prefilled == len(r.prompt) and r.finish_reason is None]
         if not running:
             return
+        start = time.perf_counter()
         out, self.state, self._seats = decode_loop(self.params, self.state, self._seats,
                                                    self.n_steps, self._sampling_now(),
                                                    step=self.step_fn)
+        tokens = np.asarray(out.tokens)  # waits for the program
+        self.timings["decode_s"] += time.perf_counter() - start
         self.counters["decode_calls"] += 1
+        self.counters["decode_tokens"] += int(np.sum(tokens >= 0))
         if out.stats is not None:
             self.stats = out.stats if self.stats is None else jax.tree_util.tree_map(
                 jnp.add, self.stats, out.stats)
-        tokens = np.asarray(out.tokens)
         lengths = np.asarray(self.state.lengths)
         done = np.asarray(self._seats.done)
         stopped = []
@@ -420,7 +460,7 @@ class Engine:
             done = done.copy()
             for req in stopped:
                 done[req.seat] = True
-            self._seats = dataclasses.replace(self._seats, done=jnp.asarray(done))
+            self._seats = committed(dataclasses.replace(self._seats, done=jnp.asarray(done)))
             for req in stopped:
                 self._free(req)
 
@@ -433,6 +473,8 @@ class Engine:
         same decode call) are dropped, so the output does not depend on decode_steps_per_call.
         With stop strings the output is decoded after every token (O(output) per token)."""
         kept = moved.setdefault(req.request_id, [])
+        if new:
+            req.last_token_at = time.perf_counter()
         for t in new:
             req.tokens.append(t)
             kept.append(t)
@@ -459,8 +501,9 @@ class Engine:
             self._occupant[b] = None
             self._sampling_rows[b] = self._sampling_row(None)
             self._sampling = None
-            self._seats = dataclasses.replace(self._seats,
-                                              done=self._seats.done.at[b].set(True))
+            done = np.array(self._seats.done)
+            done[b] = True
+            self._seats = committed(dataclasses.replace(self._seats, done=jnp.asarray(done)))
         req.seat = None
         if req.finish_reason != "cancelled":
             self.counters["requests_finished"] += 1
@@ -476,11 +519,11 @@ class Engine:
             stops = np.full((self.seats, self.max_stop_ids), -1, np.int32)
             for b, (_, _, ids, _) in enumerate(rows):
                 stops[b, :len(ids)] = ids
-            self._sampling = Sampling(
+            self._sampling = committed(Sampling(
                 temperature=jnp.asarray([r[0] for r in rows], jnp.float32),
                 top_p=jnp.asarray([r[1] for r in rows], jnp.float32),
                 stop_tokens=jnp.asarray(stops),
-                max_new_tokens=jnp.asarray([min(r[3], 2**31 - 1) for r in rows], jnp.int32))
+                max_new_tokens=jnp.asarray([min(r[3], 2**31 - 1) for r in rows], jnp.int32)))
         return self._sampling
 
 

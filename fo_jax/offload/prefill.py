@@ -550,26 +550,25 @@ def join_seats(state: DecodeState, joined, *, config: ModelConfig, offload: Offl
     hot = _gather_hot(host, jnp.asarray(row_tok), jnp.asarray(fill, jnp.float32),
                       chunk=offload.miss_chunk, on_host=in_host_memory(host),
                       access=offload.host_access)
-    seat = jnp.asarray(joined)
+    old = (state.hot, state.slots, state.policy)
+    hot, slots, merged = _merge_seats(old, (hot, slots, policy), jnp.asarray(joined))
+    return dataclasses.replace(state, hot=hot, slots=slots,
+                               policy=dataclasses.replace(merged, key=state.policy.key))
 
-    def pick(new, old, axis):  # new where joined, along the batch axis `axis`
-        if new.size == 0:
-            return old
-        shape = [1] * new.ndim
-        shape[axis] = -1
-        return jnp.where(seat.reshape(shape), new, old)
 
-    return dataclasses.replace(
-        state,
-        hot=pick(hot, state.hot, 1),
-        slots=CacheSlots(token_to_slot=pick(slots.token_to_slot, state.slots.token_to_slot, 1),
-                         slot_to_token=pick(slots.slot_to_token, state.slots.slot_to_token, 1)),
-        policy=dataclasses.replace(
-            state.policy,
-            stamp=pick(policy.stamp, state.policy.stamp, 1),
-            hand=pick(policy.hand, state.policy.hand, 1),
-            last_used=pick(policy.last_used, state.policy.last_used, 1),
-            ref=pick(policy.ref, state.policy.ref, 1)))
+@jax.jit
+def _merge_seats(old, new, seat):
+    """`new` where `seat` [B], else `old`, leaf by leaf along the batch axis (axis 1 of every
+    hot-row, map and policy array); empty leaves (an unused policy's) stay."""
+
+    def pick(n, o):
+        if n.size == 0 or n.ndim < 2:
+            return o
+        shape = [1] * n.ndim
+        shape[1] = -1
+        return jnp.where(seat.reshape(shape), n, o)
+
+    return jax.tree_util.tree_map(pick, new, old)
 
 
 __all__ = [

@@ -1,0 +1,173 @@
+"""Serving benchmark: the engine under a Poisson stream of requests, offloaded vs resident at
+the same device memory, and N decode steps per program vs 1.
+
+For each cell the engine (`fo_jax.engine.Engine`) gets as many seats as a device budget
+holds (`--device-budget-mb`: the resident seat holds its whole KV and indexer keys, the
+offloaded seat C + 2Z rows per layer plus its indexer keys and maps), and serves the same
+workload: `--requests` requests arriving as a Poisson process of `--rate` requests per second,
+random prompts of `--prompt-len` tokens and outputs of `--output-len` tokens (uniform in each
+range), greedy. The host clock drives arrivals, so a cell whose steps are slower sees more
+requests waiting. Per cell: seats, mean and peak concurrency (running requests per step),
+output tokens per second, TTFT and time per output token (p50 / p99), compiled programs per
+output token (host round trips), and the engine's own host work as a share of its step time
+(scheduling, tables, sampling bookkeeping: everything outside the prefill and decode programs).
+Ratios are to the first cell of the same run (these machines are noisy).
+
+    python experiments/serving_bench.py                         # small model, CPU sizes
+    python experiments/serving_bench.py --smoke                 # seconds; run by the tests
+
+Prefix reuse and admission by memory are not in the engine yet: no cells for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+import numpy as np
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+from common import run_metadata, write_jsonl  # noqa: E402
+
+from fo_jax import resident  # noqa: E402
+from fo_jax.config import get_config  # noqa: E402
+from fo_jax.engine import Engine  # noqa: E402
+from fo_jax.model.dsa import init_params  # noqa: E402
+from fo_jax.offload.config import OffloadConfig  # noqa: E402
+from fo_jax.offload.state import device_bytes_formula  # noqa: E402
+
+
+def seat_bytes(config, path: str, capacity: int, offload: OffloadConfig | None) -> int:
+    """Device bytes one seat's state takes on `path` ("resident" or "offload")."""
+    if path == "resident":
+        kvb = config.jnp_kv_dtype.itemsize
+        return (config.num_layers * capacity * config.kv_width * kvb
+                + config.num_groups * capacity * config.index_head_dim * kvb + 4)
+    return device_bytes_formula(config, offload, 1)["total"]
+
+
+def workload(args, vocab: int, seed: int = 0):
+    """[(arrival seconds, prompt ids, max_tokens)] of a Poisson process."""
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / args.rate, args.requests)
+    arrivals = np.cumsum(gaps) - gaps[0]
+    lo, hi = args.prompt_len
+    olo, ohi = args.output_len
+    return [(float(t), rng.integers(0, vocab, int(rng.integers(lo, hi + 1))).tolist(),
+             int(rng.integers(olo, ohi + 1))) for t in arrivals]
+
+
+def serve(engine: Engine, requests, *, warm: bool = True) -> dict:
+    """Feed `requests` by their arrival times; step until all finish. Figures of the run."""
+    if warm:  # compile every program first (each prefill history bucket up to the longest
+        # prompt, the join, the decode loop), untimed
+        longest = max((r[1] for r in requests), key=len)
+        engine.add_request(longest, max_tokens=2)
+        engine.run()
+        engine.timings = dict.fromkeys(engine.timings, 0.0)
+        engine.counters = dict.fromkeys(engine.counters, 0)
+    start = time.perf_counter()
+    pending = list(enumerate(requests))
+    ids, running = {}, []
+    while pending or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while pending and pending[0][1][0] <= now:
+            i, (_, prompt, max_tokens) = pending.pop(0)
+            ids[i] = engine.add_request(prompt, max_tokens=max_tokens)
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, pending[0][1][0] - now))
+            continue
+        engine.step()
+        running.append(engine.num_running())
+    wall = time.perf_counter() - start
+    outputs = engine.run()
+    outs = [outputs[ids[i]] for i in range(len(requests))]
+    tokens = sum(len(o.token_ids) for o in outs)
+    ttft = np.asarray([o.time_to_first_token for o in outs])
+    tpot = np.asarray([o.time_per_output_token for o in outs
+                       if o.time_per_output_token is not None])
+    t = engine.timings
+    programs = engine.counters["prefill_calls"] + engine.counters["decode_calls"]
+    return {"wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
+            "mean_running": float(np.mean(running)) if running else 0.0,
+            "peak_running": int(np.max(running)) if running else 0,
+            "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p99": float(np.percentile(ttft, 99)),
+            "tpot_p50": float(np.percentile(tpot, 50)) if tpot.size else None,
+            "tpot_p99": float(np.percentile(tpot, 99)) if tpot.size else None,
+            "programs_per_token": programs / max(tokens, 1),
+            "host_share": 1 - (t["prefill_s"] + t["decode_s"]) / max(t["step_s"], 1e-9),
+            "prefill_tokens": engine.counters["prefill_tokens"],
+            "steps": engine.counters["steps"]}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (seconds)")
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--capacity", type=int, default=1024, help="tokens per seat")
+    parser.add_argument("--hot-slots", type=int, default=None,
+                        help="offloaded hot cache (default: index_topk)")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--device-budget-mb", type=float, default=64.0,
+                        help="device bytes for the seats' KV state (seats = budget / seat)")
+    parser.add_argument("--max-seats", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--rate", type=float, default=4.0, help="arrivals per second")
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=[64, 384])
+    parser.add_argument("--output-len", type=int, nargs=2, default=[16, 64])
+    parser.add_argument("--prefill-chunk", type=int, default=128)
+    parser.add_argument("--steps-per-call", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--out", default=None, help="append JSON lines here")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.model, args.capacity, args.page_size, args.requests = "tiny", 64, 4, 5
+        args.prompt_len, args.output_len, args.prefill_chunk = [4, 20], [2, 6], 8
+        args.rate, args.device_budget_mb, args.steps_per_call = 50.0, 0.2, [1, 4]
+    config = get_config(args.model).replace(max_ways=1)
+    if args.capacity > config.max_seq_len:
+        config = config.replace(max_seq_len=args.capacity)
+    hot = args.hot_slots or config.index_topk
+    offload = OffloadConfig(hot_slots=hot, page_size=args.page_size, capacity=args.capacity)
+    params = init_params(config, jax.random.key(0))
+    requests = workload(args, config.vocab_size)
+    budget = int(args.device_budget_mb * 1e6)
+    meta = run_metadata()
+    print(f"serving: {config.name}, seat capacity {args.capacity}, device budget "
+          f"{budget / 1e6:g} MB, {args.requests} requests at {args.rate:g}/s, prompts "
+          f"{args.prompt_len[0]}-{args.prompt_len[1]}, outputs {args.output_len[0]}-"
+          f"{args.output_len[1]} tokens, greedy; C = {hot} when offloaded")
+    print(f"{'cell':22s}{'seats':>6s}{'mean/peak run':>15s}{'tok/s':>9s}{'ratio':>7s}"
+          f"{'TTFT p50/p99 s':>17s}{'TPOT p50 ms':>13s}{'prog/tok':>10s}{'host share':>12s}")
+    rows, base = [], None
+    for path in ("resident", "offload"):
+        per_seat = seat_bytes(config, path, args.capacity, offload)
+        seats = min(args.max_seats, budget // per_seat)
+        if seats < 1:
+            print(f"{path}: one seat needs {per_seat / 1e6:.2f} MB > the budget; skipped")
+            continue
+        for n in args.steps_per_call:
+            engine = Engine(params, config, seats=int(seats), capacity=args.capacity,
+                            offload=None if path == "resident" else offload,
+                            decode_steps_per_call=n, prefill_chunk=args.prefill_chunk)
+            fig = serve(engine, requests)
+            base = base or fig["tokens_per_s"]
+            name = f"{path} N={n}"
+            tpot = "-" if fig["tpot_p50"] is None else f"{fig['tpot_p50'] * 1e3:.1f}"
+            print(f"{name:22s}{seats:>6d}{fig['mean_running']:>9.2f}/{fig['peak_running']:<5d}"
+                  f"{fig['tokens_per_s']:>9.1f}{fig['tokens_per_s'] / base:>7.2f}"
+                  f"{fig['ttft_p50']:>8.2f}/{fig['ttft_p99']:<8.2f}{tpot:>13s}"
+                  f"{fig['programs_per_token']:>10.3f}{fig['host_share']:>12.3f}")
+            rows.append({**meta, "model": config.name, "path": path, "steps_per_call": n,
+                         "seats": int(seats), "seat_device_bytes": int(per_seat),
+                         "device_budget_bytes": budget, "capacity": args.capacity,
+                         "hot_slots": hot if path == "offload" else None,
+                         "requests": args.requests, "rate": args.rate,
+                         "ratio": fig["tokens_per_s"] / base, **fig})
+    write_jsonl(args.out, rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

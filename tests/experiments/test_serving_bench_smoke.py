@@ -1,0 +1,28 @@
+"""The serving benchmark's smoke mode: both paths, two steps-per-call settings, as JSON lines."""
+
+import json
+
+
+def test_smoke(load_experiment, tmp_path, capsys):
+    out = tmp_path / "serving.jsonl"
+    rows = load_experiment("serving_bench").main(["--smoke", "--out", str(out)])
+    printed = capsys.readouterr().out
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == len(rows) == 4
+    assert {(r["path"], r["steps_per_call"]) for r in lines} == {
+        (p, n) for p in ("resident", "offload") for n in (1, 4)}
+    by_path = {r["path"]: r for r in lines}
+    # The same device budget holds more offloaded seats than resident ones.
+    assert by_path["offload"]["seats"] > by_path["resident"]["seats"]
+    assert by_path["offload"]["seat_device_bytes"] < by_path["resident"]["seat_device_bytes"]
+    for r in lines:
+        assert r["output_tokens"] > 0 and r["tokens_per_s"] > 0
+        assert 0 <= r["host_share"] <= 1 and r["peak_running"] >= 1
+        assert r["ttft_p50"] <= r["ttft_p99"]
+    # More decode steps per program: fewer programs per generated token.
+    for path in ("resident", "offload"):
+        n1, n4 = (next(r for r in lines if r["path"] == path and r["steps_per_call"] == n)
+                  for n in (1, 4))
+        assert n4["programs_per_token"] < n1["programs_per_token"]
+        assert n4["output_tokens"] == n1["output_tokens"]  # the same greedy tokens
+    assert "host share" in printed
