@@ -11,7 +11,7 @@ import pytest
 from fo_jax import generate as gen
 from fo_jax import tokenizer as T
 from fo_jax.checkpoints import load_checkpoint
-from fo_jax.cli import main
+from fo_jax.cli import main, printable
 from fo_jax.embedded import EMBEDDED_DIR
 from fo_jax.model.dsa import param_bytes
 from tests.checkpoints.hf_tiny import ASSISTANT, BOS, EOS, USER, tiny_hf_config, write_tokenizer
@@ -24,56 +24,49 @@ def _text(out: str) -> str:
     return out.split("--- request 0 ---\n")[1].split("\n--- summary ---")[0]
 
 
-def _greedy(directory, prompt: str, n: int) -> np.ndarray:
+def _generate(directory, prompt_ids, n: int, **kwargs) -> np.ndarray:
+    """Tokens [n'] of request 0, greedy (capacity 16: the CLI's for these prompts, so the
+    compiled programs are shared)."""
     config, params = load_checkpoint(directory, progress=False)
-    tok = T.load_tokenizer(directory)
-    ids = tok.encode(prompt).tolist()
-    engine = gen.ResidentEngine(params, config, batch=1, capacity=64)
-    return gen.generate(engine, [ids], max_new_tokens=n).tokens[0]
+    engine = gen.ResidentEngine(params, config, batch=1, capacity=16)
+    return gen.generate(engine, [list(prompt_ids)], max_new_tokens=n, **kwargs).tokens[0]
 
 
-def test_generate_runs_a_hf_checkpoint_resident_and_offloaded_checked(hf_dir, capsys):
+def test_generate_runs_resident_and_offloaded_and_stops_at_the_eos_ids(hf_dir, tmp_path,
+                                                                       capsys):
     tok = T.load_tokenizer(hf_dir)
+    ids = tok.encode("hello world")
+    assert ids[0] == tok.bos_id  # add_bos_token
+    greedy = _generate(hf_dir, ids, 8)
+    assert not np.isin(greedy, tok.eos_ids).any()  # the EOS of hf_dir never comes
     assert main(["generate", "--model-dir", str(hf_dir), "--prompt", "hello world", *ARGS]) == 0
     out = capsys.readouterr().out
     assert "model: tiny-hf   path: resident" in out
-    greedy = _greedy(hf_dir, "hello world", 6)
-    assert EOS not in tok.decode(greedy, skip_special_tokens=False)  # ran all 6 tokens
-    assert _text(out) == "hello world" + tok.decode(greedy)
-    assert "generated: 6 tokens" in out
-    # The prompt starts with BOS (add_bos_token): 1 + the text's tokens + 5 fed back.
-    n_prompt = 1 + len(tok.encode("hello world", add_special_tokens=False))
-    assert f"context length: {n_prompt + 5} tokens" in out
-    assert main(["generate", "--model-dir", str(hf_dir), "--prompt", "hello world", *ARGS,
-                 *OFFLOAD]) == 0
-    offloaded = capsys.readouterr().out
-    assert _text(offloaded) == _text(out)
-    assert "bitwise equal to the resident model's over 5 decode steps" in offloaded
-
-
-def test_generation_stops_at_the_eos_ids(hf_dir, tmp_path, capsys):
-    greedy = _greedy(hf_dir, "def f", 8)
+    assert _text(out) == printable("hello world" + tok.decode(greedy[:6]))
+    assert "generated: 6 tokens" in out and "stopped" not in out
+    assert f"context length: {len(ids) + 5} tokens" in out
+    # The same checkpoint with generation_config.json's eos_token_id = [the 4th token, 0].
     stop = int(greedy[3])
     first = int(np.argmax(greedy == stop))  # the first time it comes
     directory = tmp_path / "ckpt"
     shutil.copytree(hf_dir, directory)
-    ids = write_tokenizer(directory, eos_token_id=[stop, 0])
-    tok = T.load_tokenizer(directory)
-    assert tok.eos_ids == (stop, 0) and ids[BOS] != stop
-    want = "def f" + tok.decode(greedy[:first])
-    for extra in ([], ["--decode-steps-per-call", "3"], OFFLOAD):
-        code = main(["generate", "--model-dir", str(directory), "--prompt", "def f",
-                     "--max-new-tokens", "8", "--no-progress", *extra])
-        out = capsys.readouterr().out
-        assert code == 0, out
-        assert _text(out) == want, extra
-        assert f"request 0 stopped at EOS id {stop} after {first + 1} tokens" in out, extra
-    # generate(stop_tokens=...) ends once every request sampled one.
-    config, params = load_checkpoint(directory, progress=False)
-    engine = gen.ResidentEngine(params, config, batch=1, capacity=64)
-    result = gen.generate(engine, [tok.encode("def f").tolist()], max_new_tokens=8,
-                          stop_tokens=(stop,))
-    np.testing.assert_array_equal(result.tokens[0], greedy[:first + 1])
+    write_tokenizer(directory, eos_token_id=[stop, 0])
+    assert T.load_tokenizer(directory).eos_ids == (stop, 0)
+    code = main(["generate", "--model-dir", str(directory), "--prompt", "hello world",
+                 "--max-new-tokens", "8", "--no-progress", *OFFLOAD])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert _text(out) == printable("hello world" + tok.decode(greedy[:first]))
+    assert f"request 0 stopped at EOS id {stop} after {first + 1} tokens" in out
+    assert f"bitwise equal to the resident model's over {first} decode steps" in out
+    assert f"context length: {len(ids) + first} tokens" in out
+    # generate(stop_tokens=...) ends once every request sampled one, step by step or in
+    # decode loops of 3 steps (whose steps after the stop sample nothing: -1).
+    np.testing.assert_array_equal(_generate(directory, ids, 8, stop_tokens=(stop,)),
+                                  greedy[:first + 1])
+    looped = _generate(directory, ids, 8, stop_tokens=(stop,), decode_steps_per_call=3)
+    np.testing.assert_array_equal(looped[:first + 1], greedy[:first + 1])
+    assert (looped[first + 1:] == -1).all()
 
 
 def test_chat_wraps_the_prompt_in_the_template(hf_dir, capsys):
@@ -83,14 +76,9 @@ def test_chat_wraps_the_prompt_in_the_template(hf_dir, capsys):
     tok = T.load_tokenizer(hf_dir)
     chat = f"{BOS}{USER}hi there{ASSISTANT}"
     assert _text(out).startswith(chat)
-    assert _text(out) == chat + tok.decode(_greedy_ids(hf_dir, tok.encode(
-        chat, add_special_tokens=False), 6))
-
-
-def _greedy_ids(directory, ids, n):
-    config, params = load_checkpoint(directory, progress=False)
-    engine = gen.ResidentEngine(params, config, batch=1, capacity=64)
-    return gen.generate(engine, [ids.tolist()], max_new_tokens=n).tokens[0]
+    # The template writes BOS: the prompt is the chat text's tokens, no second BOS.
+    n_prompt = len(tok.encode(chat, add_special_tokens=False))
+    assert f"context length: {n_prompt + 5} tokens" in out
 
 
 def test_plan_reads_a_model_dir_weights_included(hf_dir, capsys):
