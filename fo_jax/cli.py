@@ -175,12 +175,13 @@ def _cmd_plan(args) -> int:
                          hot_slots=args.hot_slots, tail_block=args.tail_block,
                          num_buffers=args.num_buffers, prefill_chunk=args.chunk)
     print(format_plan(plan))
-    weights = param_bytes(config)
-    files = ("" if args.model_dir is None else
-             f"checkpoint files {_fmt_bytes(_checkpoint_bytes(args.model_dir, kind))}; ")
-    print(f"\nWeights (every parameter as fo_jax holds it; multi-token-prediction layers not "
-          f"loaded)\n  weights:  {_fmt_bytes(weights)} {config.dtype} ({files}on the device "
-          f"with the KV budget: {_fmt_bytes(weights + plan.budget_bytes)})")
+    if args.model_dir is not None:  # a preset has no checkpoint of its own to count
+        weights = param_bytes(config)
+        files = _checkpoint_bytes(args.model_dir, kind)
+        print(f"\nWeights (every parameter as fo_jax holds it; multi-token-prediction layers "
+              f"not loaded)\n  weights:  {_fmt_bytes(weights)} {config.dtype} (checkpoint files "
+              f"{_fmt_bytes(files)}; device memory for weights + KV budget: "
+              f"{_fmt_bytes(weights + plan.budget_bytes)})")
     return 0
 
 

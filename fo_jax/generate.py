@@ -654,7 +654,7 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
                                       on_rollback, bar, stop_tokens)
     elif decode_steps_per_call == 1:
         for step in range(max_new_tokens - 1):
-            if stopped.all():
+            if stop_tokens and stopped.all():
                 break
             fed = next_tokens[:, None]
             logits = engine.step(fed)
@@ -663,7 +663,8 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
             key, sub = jax.random.split(key)
             next_tokens = sample(logits[:, -1], sub, temperature=temperature, top_p=top_p)
             out.append(next_tokens)
-            stopped |= np.isin(np.asarray(next_tokens), stop_tokens)
+            if stop_tokens:  # a host sync only where stop tokens are asked for
+                stopped |= np.isin(np.asarray(next_tokens), stop_tokens)
             bar.update(1)
     elif max_new_tokens > 1:
         # Every request samples max_new_tokens tokens (or up to a stop token): the last call
