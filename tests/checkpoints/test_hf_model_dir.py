@@ -60,13 +60,15 @@ def test_generate_runs_resident_and_offloaded_and_stops_at_the_eos_ids(hf_dir, t
     assert f"request 0 stopped at EOS id {stop} after {first + 1} tokens" in out
     assert f"bitwise equal to the resident model's over {first} decode steps" in out
     assert f"context length: {len(ids) + first} tokens" in out
-    # generate(stop_tokens=...) ends once every request sampled one, step by step or in
-    # decode loops of 3 steps (whose steps after the stop sample nothing: -1).
+    # generate(stop_tokens=...) ends once every request sampled one: step by step, in decode
+    # loops of 3 steps (whose steps after the stop sample nothing: -1), or with drafts.
     np.testing.assert_array_equal(_generate(directory, ids, 8, stop_tokens=(stop,)),
                                   greedy[:first + 1])
     looped = _generate(directory, ids, 8, stop_tokens=(stop,), decode_steps_per_call=3)
     np.testing.assert_array_equal(looped[:first + 1], greedy[:first + 1])
     assert (looped[first + 1:] == -1).all()
+    drafted = _generate(directory, ids, 8, stop_tokens=(stop,), draft="ngram")
+    np.testing.assert_array_equal(drafted, greedy[:first + 1])
 
 
 def test_chat_wraps_the_prompt_in_the_template(hf_dir, capsys):
