@@ -1,14 +1,18 @@
 """The `fo-jax` command.
 
     fo-jax generate [--offload --hot-slots C [--policy ring] [--check]] [--prompt TEXT]
-                    [--draft none|ngram|mtp] ...
-    fo-jax plan --model glm52 --context 128000 [--budget-gb 29] [--hot-slots 16384]
+                    [--model-dir DIR [--chat]] [--draft none|ngram|mtp] ...
+    fo-jax plan (--model glm52 | --model-dir DIR) --context 128000 [--budget-gb 29]
+                [--hot-slots 16384]
 
 `generate` runs the trained model that ships with the package by default (`trained-small`: a
 4.4 M-parameter DSA model trained on the Python standard library's sources, with its BPE
-tokenizer; no download). `--model-dir DIR` runs another model directory (fo_jax.embedded);
-`--model tiny` (or `small`) runs a preset with random weights from `--seed` and the byte
-tokenizer (tests), or with `--weights FILE`.
+tokenizer; no download). `--model-dir DIR` runs another model directory: a fo_jax one
+(fo_jax.embedded: config.json with a "model" section) or a Hugging Face checkpoint of
+DeepSeek-V3.2 / GLM-5 (config.json with "architectures", safetensors shards: fo_jax.checkpoints),
+with its tokenizer, its EOS ids ending generation, and `--chat` to wrap the prompt in its chat
+template as a user message. `--model tiny` (or `small`) runs a preset with random weights from
+`--seed` and the byte tokenizer (tests), or with `--weights FILE`.
 """
 
 from __future__ import annotations
@@ -40,7 +44,13 @@ def _build_parser() -> argparse.ArgumentParser:
                           "--weights")
     gen.add_argument("--model-dir", default=None,
                      help="a model directory: config.json, model.safetensors (or a training "
-                          "run's sparse.safetensors), tokenizer.json")
+                          "run's sparse.safetensors), tokenizer.json; or a Hugging Face "
+                          "checkpoint of DeepseekV32ForCausalLM / GlmMoeDsaForCausalLM "
+                          "(config.json, safetensors shards, tokenizer.json, "
+                          "tokenizer_config.json, generation_config.json)")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap --prompt as a user message in the checkpoint's chat template, "
+                          "with the generation prompt")
     gen.add_argument("--weights", default=None,
                      help="safetensors weights for a --model preset (default: random)")
     gen.add_argument("--seed", type=int, default=0,
@@ -85,8 +95,11 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="run the Pallas kernels in TPU interpret mode (slow; off TPU)")
     gen.add_argument("--no-progress", action="store_true")
 
-    plan = sub.add_parser("plan", help="capacity planner for a model preset")
-    plan.add_argument("--model", default="glm52")
+    plan = sub.add_parser("plan", help="capacity planner for a model preset or directory")
+    plan.add_argument("--model", default=None, help="a preset (default glm52)")
+    plan.add_argument("--model-dir", default=None,
+                      help="the config.json of a fo_jax model directory or a Hugging Face "
+                           "checkpoint (weights counted from it)")
     plan.add_argument("--context", type=int, required=True, help="tokens per request")
     plan.add_argument("--budget-gb", type=float, default=29.0, help="device KV budget (GB)")
     plan.add_argument("--hot-slots", type=int, default=16384)
@@ -103,14 +116,72 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def _model_dir_config(directory):
+    """(ModelConfig, "hf" or "fo_jax") of a --model-dir: a Hugging Face checkpoint's
+    config.json ("architectures") or a fo_jax model directory's ("model")."""
+    import json
+    import pathlib
+
+    from fo_jax import embedded
+    from fo_jax.checkpoints import config_from_hf
+
+    path = pathlib.Path(directory) / "config.json"
+    if not path.exists():
+        return embedded.read_config(directory), "fo_jax"  # raises, naming what is missing
+    meta = json.loads(path.read_text())
+    if "model" in meta:
+        return embedded.read_config(directory), "fo_jax"
+    if "architectures" in meta:
+        return config_from_hf(meta), "hf"
+    raise ValueError(f"{path} has neither a \"model\" section (a fo_jax model directory) nor "
+                     "\"architectures\" (a Hugging Face checkpoint); got keys "
+                     f"{sorted(meta)[:8]}")
+
+
+def _checkpoint_bytes(directory, kind: str) -> int:
+    """Bytes of a model directory's weight files: the safetensors index's total_size, else
+    the files' sizes."""
+    import json
+    import os
+    import pathlib
+
+    from fo_jax import embedded
+    from fo_jax.checkpoints.hf import INDEX, SINGLE
+
+    directory = pathlib.Path(directory)
+    if kind == "fo_jax":
+        return os.path.getsize(embedded.weights_path(directory))
+    if (directory / INDEX).exists():
+        index = json.loads((directory / INDEX).read_text())
+        total = index.get("metadata", {}).get("total_size")
+        if total is not None:
+            return int(total)
+        return sum(os.path.getsize(directory / f) for f in set(index["weight_map"].values()))
+    return os.path.getsize(directory / SINGLE)
+
+
 def _cmd_plan(args) -> int:
     from fo_jax.config import get_config
+    from fo_jax.model.dsa import param_bytes
     from fo_jax.plan import format_plan, plan_capacity
 
-    plan = plan_capacity(get_config(args.model), args.context, budget_gb=args.budget_gb,
+    if args.model_dir is not None:
+        if args.model is not None:
+            raise ValueError("--model-dir brings its own config: drop --model")
+        config, kind = _model_dir_config(args.model_dir)
+    else:
+        config = get_config("glm52" if args.model is None else args.model)
+    plan = plan_capacity(config, args.context, budget_gb=args.budget_gb,
                          hot_slots=args.hot_slots, tail_block=args.tail_block,
                          num_buffers=args.num_buffers, prefill_chunk=args.chunk)
     print(format_plan(plan))
+    if args.model_dir is not None:  # a preset has no checkpoint of its own to count
+        weights = param_bytes(config)
+        files = _checkpoint_bytes(args.model_dir, kind)
+        print(f"\nWeights (every parameter as fo_jax holds it; multi-token-prediction layers "
+              f"not loaded)\n  weights:  {_fmt_bytes(weights)} {config.dtype} (checkpoint files "
+              f"{_fmt_bytes(files)}; device memory for weights + KV budget: "
+              f"{_fmt_bytes(weights + plan.budget_bytes)})")
     return 0
 
 
@@ -163,9 +234,18 @@ def _resolve_model(args):
         if args.model is not None or args.weights is not None:
             raise ValueError("--model-dir brings its own config and weights: drop --model / "
                              "--weights")
-        return (embedded.read_config(args.model_dir),
-                functools.partial(embedded.load_model_dir, args.model_dir),
-                load_tokenizer(args.model_dir))
+        config, kind = _model_dir_config(args.model_dir)
+        if kind == "fo_jax":
+            return (config, functools.partial(embedded.load_model_dir, args.model_dir),
+                    load_tokenizer(args.model_dir))
+        from fo_jax.checkpoints import load_checkpoint
+
+        tokenizer = load_tokenizer(args.model_dir)
+        if tokenizer.vocab_size > config.vocab_size:
+            raise ValueError(f"{args.model_dir}: tokenizer.json has {tokenizer.vocab_size} ids "
+                             f"but config.json vocab_size={config.vocab_size}")
+        return (config, functools.partial(load_checkpoint, args.model_dir, config,
+                                          progress=not args.no_progress), tokenizer)
     name = DEFAULT_MODEL if args.model is None else args.model
     if name == DEFAULT_MODEL and args.weights is None:
         if not embedded.embedded_available():
@@ -192,6 +272,10 @@ def _cmd_generate(args) -> int:
     from fo_jax.weights import load_params
 
     config, load, tokenizer = _resolve_model(args)
+    if args.chat and not hasattr(tokenizer, "apply_chat_template"):
+        kind = "bytes" if tokenizer is None else tokenizer.kind
+        raise ValueError(f"--chat: the {kind} tokenizer has no chat template; --chat needs a "
+                         "Hugging Face checkpoint's tokenizer with one (--model-dir)")
     if tokenizer is None:
         tokenizer = ByteTokenizer()
         if config.vocab_size < 256:
@@ -228,7 +312,16 @@ def _cmd_generate(args) -> int:
     prefill_chunk = gen.PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk
     gen.check_prefill_chunk(prefill_chunk)
     _check_param_memory(config, args.max_param_gb)
-    prompt = tokenizer.encode(args.prompt).tolist()
+    prompt_text = args.prompt
+    if args.chat:
+        if not args.prompt:
+            raise ValueError("--prompt is empty: give at least one character")
+        prompt_text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                                    add_generation_prompt=True)
+        prompt = tokenizer.encode(prompt_text, add_special_tokens=False).tolist()
+    else:
+        prompt = tokenizer.encode(args.prompt).tolist()
+    stop_tokens = tuple(getattr(tokenizer, "eos_ids", ()))
     if not prompt:
         raise ValueError("--prompt is empty: give at least one character")
     prompts = [prompt] * args.batch
@@ -293,18 +386,28 @@ def _cmd_generate(args) -> int:
                               on_step=on_step, progress=not args.no_progress,
                               draft=args.draft, num_drafts=args.num_drafts,
                               on_rollback=on_rollback,
-                              decode_steps_per_call=args.decode_steps_per_call)
+                              decode_steps_per_call=args.decode_steps_per_call,
+                              stop_tokens=stop_tokens)
     except gen.StateCheckError as err:
         print(f"CHECK FAILED: {err}")
         return 1
+    stopped = []
     for b in range(args.batch):
+        tokens = np.asarray(result.tokens[b])
+        hits = np.flatnonzero(np.isin(tokens, stop_tokens))
+        if hits.size:  # the text ends before the first EOS id
+            stopped.append(f"request {b} stopped at EOS id {int(tokens[hits[0]])} after "
+                           f"{int(hits[0]) + 1} tokens")
+            tokens = tokens[:hits[0]]
         print(f"--- request {b} ---")
-        print(printable(args.prompt + tokenizer.decode(result.tokens[b])))
+        print(printable(prompt_text + tokenizer.decode(tokens)))
     print("--- summary ---")
     print(f"model: {config.name}   path: {engine.name}   batch: {args.batch}")
     print(f"generated: {result.tokens.size} tokens in {result.seconds:.2f} s "
           f"({result.tokens_per_second:.1f} tokens/s; prefill {result.prefill_seconds:.2f} s)")
     print(f"context length: {int(result.context_length.max())} tokens")
+    for line in stopped:
+        print(line)
     if num_drafts:
         extra = result.extra
         print(f"drafts: {extra['draft']}, {num_drafts} per step: "
@@ -328,7 +431,7 @@ def _cmd_generate(args) -> int:
         if mismatch:
             print(f"CHECK FAILED: {mismatch[0]}")
             return 1
-        steps = result.extra.get("verify_steps", args.max_new_tokens - 1)
+        steps = result.extra.get("verify_steps", result.tokens.shape[1] - 1)
         print(f"check: offloaded logits bitwise equal to the resident model's over "
               f"{steps} decode steps")
     return 0

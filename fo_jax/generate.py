@@ -25,6 +25,7 @@ import functools
 import math
 import numbers
 import time
+from collections.abc import Sequence
 from typing import Callable
 
 import jax
@@ -574,7 +575,8 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
              on_step: Callable[[int, jax.Array, jax.Array], None] | None = None,
              progress: bool = False, draft="none", num_drafts: int | None = None,
              on_rollback: Callable[[int, np.ndarray], None] | None = None,
-             decode_steps_per_call: int = 1) -> GenerationResult:
+             decode_steps_per_call: int = 1,
+             stop_tokens: Sequence[int] = ()) -> GenerationResult:
     """Prefill `prompts`, then decode `max_new_tokens` tokens per request.
 
     Args:
@@ -600,6 +602,10 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
         (`fo_jax.engine.decode_loop`): the same tokens as N = 1 (one jitted step and one
         sampling call per token from Python), with one host dispatch per N tokens; not with
         a drafter.
+      stop_tokens: ids that end a request (a checkpoint's EOS ids): generation ends once every
+        request has sampled one (the stop token is in `tokens`; what a request that stopped
+        earlier holds after its stop token is unspecified: cut it there), so `tokens` may be
+        [B, n < max_new_tokens] and `context_length` counts the positions filled.
     Everything is validated before the engine is touched.
     """
     config = engine.config
@@ -619,6 +625,9 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
         raise ValueError(f"decode_steps_per_call={decode_steps_per_call} runs W = 1 steps on "
                          "the device; drafts are verified step by step from the host: use "
                          "decode_steps_per_call=1 with a drafter")
+    stop_tokens = tuple(int(t) for t in stop_tokens)
+    if any(not 0 <= t < config.vocab_size for t in stop_tokens):
+        raise ValueError(f"stop_tokens={stop_tokens} must be ids in [0, {config.vocab_size})")
     tokens, lengths = pad_prompts(prompts)
     resident.check_token_values(tokens, config)
     # The last sampled token is returned, never fed back: it needs no position.
@@ -638,12 +647,15 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
     bar = _progress(max_new_tokens, progress)
     start = time.perf_counter()
     extra = {}
+    stopped = np.isin(np.asarray(next_tokens), stop_tokens)
     if drafter is not None:
         generated, extra = _speculate(engine, drafter, num_drafts, prompts,
                                       np.asarray(next_tokens), max_new_tokens, on_step,
-                                      on_rollback, bar)
+                                      on_rollback, bar, stop_tokens)
     elif decode_steps_per_call == 1:
         for step in range(max_new_tokens - 1):
+            if stop_tokens and stopped.all():
+                break
             fed = next_tokens[:, None]
             logits = engine.step(fed)
             if on_step is not None:
@@ -651,15 +663,19 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
             key, sub = jax.random.split(key)
             next_tokens = sample(logits[:, -1], sub, temperature=temperature, top_p=top_p)
             out.append(next_tokens)
+            if stop_tokens:  # a host sync only where stop tokens are asked for
+                stopped |= np.isin(np.asarray(next_tokens), stop_tokens)
             bar.update(1)
     elif max_new_tokens > 1:
-        # Every request samples max_new_tokens tokens: the last call ends early on that count.
+        # Every request samples max_new_tokens tokens (or up to a stop token): the last call
+        # ends early on that count.
         sampling = Sampling.create(len(prompts), temperature=temperature, top_p=top_p,
-                                   max_new_tokens=max_new_tokens)
+                                   max_new_tokens=max_new_tokens,
+                                   stop_tokens=list(stop_tokens) or None)
         seats = Seats.create(next_tokens, key, sampling=sampling, lengths=engine.lengths,
                              capacity=engine.capacity)
         remaining = max_new_tokens - 1
-        while remaining > 0:
+        while remaining > 0 and not (stop_tokens and bool(np.all(np.asarray(seats.done)))):
             result, seats = engine.decode(seats, decode_steps_per_call, sampling)
             taken = min(remaining, decode_steps_per_call)
             calls.append(result.tokens[:, :taken])
@@ -671,14 +687,19 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
     seconds = time.perf_counter() - start
     bar.update(1)
     bar.close()
+    # Without stop tokens every request filled max_new_tokens - 1 positions; with them, the
+    # engine's lengths say how many (a request that stopped inside a decode loop took no more).
+    context = (lengths + max_new_tokens - 1 if not stop_tokens
+               else np.asarray(engine.lengths).astype(lengths.dtype))
     return GenerationResult(
         tokens=generated, seconds=seconds, prefill_seconds=prefill_seconds,
-        context_length=lengths + max_new_tokens - 1,
+        context_length=context,
         device_kv_bytes=engine.device_kv_bytes(), extra={**engine.summary(), **extra})
 
 
 def _speculate(engine, drafter, num_drafts: int, prompts, first: np.ndarray,
-               max_new_tokens: int, on_step, on_rollback, bar) -> tuple[np.ndarray, dict]:
+               max_new_tokens: int, on_step, on_rollback, bar,
+               stop_tokens: tuple[int, ...] = ()) -> tuple[np.ndarray, dict]:
     """The greedy draft-and-verify loop of `generate`: (tokens [B, N], drafting figures).
 
     Per step, request b (n_b tokens stored, c_b generated, the last not yet fed) is fed
@@ -687,7 +708,8 @@ def _speculate(engine, drafter, num_drafts: int, prompts, first: np.ndarray,
     generates g_1 .. g_{e_b}: exactly the tokens W = 1 greedy decoding generates one per step.
     A request already done (c_b = N) keeps nothing. Ways past the engine's capacity are dropped
     (only a done request's or a rejected draft's position can be): the capacity W = 1 needs is
-    enough.
+    enough. With `stop_tokens` the loop ends once every request has generated one (the tokens
+    past that column are those never generated: zeros).
     """
     config = engine.config
     batch = len(prompts)
@@ -698,6 +720,10 @@ def _speculate(engine, drafter, num_drafts: int, prompts, first: np.ndarray,
     emitted, accepted_total, proposed, request_steps = 0, 0, 0, 0
     step = 0
     while np.any(count < max_new_tokens):
+        if stop_tokens and all(np.isin(generated[b, :count[b]], stop_tokens).any()
+                               for b in range(batch)):
+            generated = generated[:, :int(count.max())]
+            break
         remaining = max_new_tokens - count
         histories = [np.concatenate([np.asarray(p, np.int64), generated[b, :count[b]]])
                      for b, p in enumerate(prompts)]

@@ -1,6 +1,7 @@
-"""Tokenizers: bytes, or a byte-level BPE (`tokenizer.json`, the `tokenizers` library).
+"""Tokenizers: bytes, a byte-level BPE (`tokenizer.json`, the `tokenizers` library), or a Hugging
+Face checkpoint's tokenizer with its chat template.
 
-Both kinds share one small interface, which is all the rest of fo_jax uses:
+The kinds share one small interface, which is all the rest of fo_jax uses:
 
     tok.encode(text) -> int32 [n]        token ids (no special tokens added)
     tok.decode(ids) -> str               text (invalid UTF-8 replaced; special tokens dropped,
@@ -13,8 +14,19 @@ Both kinds share one small interface, which is all the rest of fo_jax uses:
 
 `ByteTokenizer`: ids 0-255 are bytes, 256 the separator, 257-259 reserved (vocab 260); needs
 nothing. `BPETokenizer`: a `tokenizers.Tokenizer` with the byte-level pre-tokenizer and decoder
-(every string encodes, nothing is unknown); `train_bpe` trains one from text. `load_tokenizer(dir)`
-opens what a model directory ships: `tokenizer.json` if present, else bytes.
+(every string encodes, nothing is unknown); `train_bpe` trains one from text.
+
+`HFTokenizer`: the tokenizer of a Hugging Face checkpoint (DeepSeek-V3.2, GLM-5), read as
+`transformers` reads it: `tokenizer.json` (the `tokenizers` library), `tokenizer_config.json`
+(bos / eos / pad tokens, `add_bos_token`, `chat_template`), `chat_template.jinja` (a template in
+its own file; it takes precedence), `generation_config.json` (`eos_token_id`, an id or a list).
+It has no document separator (`sep` is None, no `token_bytes`): it runs models, it does not
+train them. `encode` adds BOS where the config says so, `decode` skips special tokens (BOS,
+EOS, the chat markers), `apply_chat_template` renders the checkpoint's Jinja template as
+`transformers` does (`render_chat_template`), and `eos_ids` are the ids that end a generation.
+
+`load_tokenizer(dir)` opens what a model directory ships: a Hugging Face checkpoint's tokenizer
+(config.json with "architectures"), else `tokenizer.json` (BPE) if present, else bytes.
 """
 
 from __future__ import annotations
@@ -30,6 +42,9 @@ BYTE_SEP = 256
 BYTE_VOCAB = 260
 SEP_TOKEN = "<|sep|>"
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+GENERATION_CONFIG = "generation_config.json"
 
 
 class ByteTokenizer:
@@ -146,10 +161,217 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
     return BPETokenizer(tok)
 
 
+class HFTokenizer:
+    """The tokenizer of a Hugging Face checkpoint (see the module docstring); `from_dir` reads it.
+
+    Attributes:
+      vocab_size: ids are 0 .. vocab_size - 1 (added tokens included).
+      bos_token, eos_token, pad_token: the special tokens' text (None if the config has none).
+      bos_id: the id of `bos_token`, or None.
+      add_bos_token: `encode` puts `bos_id` first (None: the tokenizer.json post-processor
+        decides, as in `transformers` when tokenizer_config.json does not say).
+      eos_ids: the ids that end a generation (generation_config.json, else config.json, else
+        `eos_token`).
+      chat_template: the Jinja template (str), or None.
+    """
+
+    kind = "hf"
+    sep = None
+
+    def __init__(self, tokenizer, *, bos_token: str | None = None, eos_token: str | None = None,
+                 pad_token: str | None = None, add_bos_token: bool | None = None,
+                 add_eos_token: bool = False, chat_template: str | None = None,
+                 eos_ids: tuple[int, ...] = (), source: str = "tokenizer"):
+        self._tok = tokenizer
+        self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
+        self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
+        self.bos_id = self._special_id(bos_token, "bos_token")
+        self.add_bos_token, self.add_eos_token = add_bos_token, add_eos_token
+        if add_bos_token and self.bos_id is None:
+            raise ValueError(f"{source}: add_bos_token is true but there is no bos_token")
+        self.chat_template = chat_template
+        self.eos_ids = tuple(int(t) for t in eos_ids)
+        bad = [t for t in self.eos_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{source}: eos ids {bad} are outside the vocabulary of "
+                             f"{self.vocab_size} ids")
+        self.source = source
+
+    def _special_id(self, token: str | None, what: str) -> int | None:
+        if token is None:
+            return None
+        found = self._tok.token_to_id(token)
+        if found is None:
+            raise ValueError(f"{what}={token!r} is not a token of tokenizer.json")
+        return int(found)
+
+    @classmethod
+    def from_dir(cls, directory: str | os.PathLike) -> "HFTokenizer":
+        """Read tokenizer.json, tokenizer_config.json, chat_template.jinja,
+        generation_config.json (and config.json's eos_token_id) of a checkpoint directory;
+        only tokenizer.json is required."""
+        from tokenizers import Tokenizer
+
+        directory = pathlib.Path(directory)
+        path = directory / TOKENIZER_FILE
+        if not path.exists():
+            raise FileNotFoundError(
+                f"{directory} has no {TOKENIZER_FILE}: fo_jax reads a Hugging Face "
+                f"checkpoint's tokenizer from {TOKENIZER_FILE} (the `tokenizers` format; a "
+                "sentencepiece tokenizer.model alone is not read): add the checkpoint's "
+                f"{TOKENIZER_FILE}")
+        meta = _read_json(directory / TOKENIZER_CONFIG)
+        tokens = {key: _token_text(meta.get(key)) for key in ("bos_token", "eos_token",
+                                                              "pad_token")}
+        template = meta.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default")
+        if (directory / CHAT_TEMPLATE_FILE).exists():
+            template = (directory / CHAT_TEMPLATE_FILE).read_text()
+        tok = Tokenizer.from_file(str(path))
+        eos = _read_json(directory / GENERATION_CONFIG).get("eos_token_id")
+        if eos is None:
+            eos = _read_json(directory / "config.json").get("eos_token_id")
+        if eos is None and tokens["eos_token"] is not None:
+            eos = tok.token_to_id(tokens["eos_token"])
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        return cls(tok, **tokens, add_bos_token=meta.get("add_bos_token"),
+                   add_eos_token=bool(meta.get("add_eos_token", False)),
+                   chat_template=template, eos_ids=eos_ids, source=str(directory))
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> np.ndarray:
+        """Token ids int32 [n] of `text`; special tokens written in it (`<｜User｜>`) are single
+        ids. `add_special_tokens`: BOS first where add_bos_token says so (EOS last where
+        add_eos_token does), or, when tokenizer_config.json does not say, what tokenizer.json's
+        post-processor adds; off for text a chat template rendered (it holds BOS already)."""
+        if add_special_tokens and self.add_bos_token is None:
+            return np.asarray(self._tok.encode(text, add_special_tokens=True).ids, np.int32)
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens:
+            eos = self._special_id(self.eos_token, "eos_token") if self.add_eos_token else None
+            ids = ([self.bos_id] if self.add_bos_token else []) + ids + (
+                [] if eos is None else [eos])
+        return np.asarray(ids, np.int32)
+
+    def decode(self, ids, *, skip_special_tokens: bool = True) -> str:
+        """Text of `ids` (ids outside the vocabulary dropped); special tokens skipped unless
+        `skip_special_tokens=False`."""
+        ids = [int(t) for t in np.asarray(ids).reshape(-1).tolist() if 0 <= t < self.vocab_size]
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], *,
+                            add_generation_prompt: bool = True) -> str:
+        """The checkpoint's chat template rendered over `messages` ([{"role", "content"}]);
+        encode the text with add_special_tokens=False."""
+        if self.chat_template is None:
+            raise ValueError(
+                f"{self.source} has no chat template (tokenizer_config.json \"chat_template\" "
+                f"or {CHAT_TEMPLATE_FILE}): give the prompt already formatted, without --chat")
+        return render_chat_template(
+            self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token, eos_token=self.eos_token, pad_token=self.pad_token,
+            source=self.source)
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "vocab_size": self.vocab_size, "file": TOKENIZER_FILE,
+                "eos_ids": list(self.eos_ids), "chat_template": self.chat_template is not None}
+
+
+def apply_chat_template(tokenizer, messages: list[dict], *,
+                        add_generation_prompt: bool = True) -> str:
+    """`tokenizer.apply_chat_template(...)`, or a ValueError naming a kind that has no
+    template (bytes, fo_jax's BPE)."""
+    if not hasattr(tokenizer, "apply_chat_template"):
+        raise ValueError(f"the {tokenizer.kind} tokenizer has no chat template: chat formatting "
+                         "needs a Hugging Face checkpoint's tokenizer with one")
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+
+def render_chat_template(template: str, messages: list[dict], *,
+                         add_generation_prompt: bool = True, source: str = "tokenizer",
+                         **special_tokens) -> str:
+    """Render a Hugging Face chat template as `transformers` does: Jinja2's
+    `ImmutableSandboxedEnvironment` with trim_blocks and lstrip_blocks, the loopcontrols
+    extension, the `{% generation %}` tag (rendered as its body), `tojson` without ASCII
+    escaping, the globals `raise_exception(message)` and `strftime_now(format)`, and the
+    variables `messages`, `add_generation_prompt` and the special tokens (bos_token, ...).
+
+    Raises:
+      ValueError: the template does not parse, raised (`raise_exception`) or broke the
+        sandbox's rules.
+    """
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_generation_tag(), "jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        compiled = env.from_string(template)
+        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               **special_tokens)
+    except jinja2.TemplateError as err:
+        raise ValueError(f"the chat template of {source} refused the messages: {err}") from err
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _raise_exception(message):
+    import jinja2
+
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(fmt):
+    import datetime
+
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _generation_tag():
+    """`{% generation %}...{% endgeneration %}` (transformers marks the assistant's tokens with
+    it); rendered as its body."""
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return GenerationTag
+
+
+def _read_json(path: pathlib.Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _token_text(token) -> str | None:
+    """A special token of tokenizer_config.json: a string, or an AddedToken dict."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def is_hf_checkpoint(directory: str | os.PathLike) -> bool:
+    """Whether `directory`'s config.json is a Hugging Face one ("architectures"), not a fo_jax
+    model directory's ("model")."""
+    meta = _read_json(pathlib.Path(directory) / "config.json")
+    return "architectures" in meta and "model" not in meta
+
+
 def load_tokenizer(directory: str | os.PathLike):
-    """The tokenizer a model directory ships: `tokenizer.json` (BPE) if present, else the one
-    its `config.json` names ("tokenizer": {"kind": "bytes"}), else bytes."""
+    """The tokenizer a model directory ships: a Hugging Face checkpoint's (`HFTokenizer`),
+    else `tokenizer.json` (BPE) if present, else the one its `config.json` names
+    ("tokenizer": {"kind": "bytes"}), else bytes."""
     directory = pathlib.Path(directory)
+    if is_hf_checkpoint(directory):
+        return HFTokenizer.from_dir(directory)
     if (directory / TOKENIZER_FILE).exists():
         return BPETokenizer.from_file(directory / TOKENIZER_FILE)
     meta = directory / "config.json"
