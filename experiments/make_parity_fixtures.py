@@ -26,7 +26,7 @@ Fixtures:
   glm_moe_dsa       GlmMoeDsaForCausalLM: 4 layers, indexers shared in groups of two
                     (indexer_types full, shared, full, shared), rms_norm_eps 1e-5.
   deepseek_v32_fp8  the deepseek_v32 model with every 2-D projection stored float8 e4m3 with
-                    32 x 32 block scales (`quantization_config`); its golden outputs come from
+                    16 x 16 block scales (`quantization_config`); its golden outputs come from
                     `transformers` loading that directory (it dequantises on a CPU).
 
 Weights are drawn at unit scale (normal(0, fan_in^-0.5) matrices, normal(0, 1) embeddings,
@@ -305,7 +305,12 @@ def build_seed(name: str, out_root: pathlib.Path, seed: int) -> bool:
     extra = {"num_nextn_predict_layers": 1}
     out = out_root / name
     if name.endswith("_fp8"):
-        block = 32
+        # Every width here is a multiple of 16, so the blocks tile each matrix exactly:
+        # transformers (5.24) derives the block from the scale grid (rows // grid rows),
+        # which is wrong for a ragged last block (a 48-row matrix in blocks of 32 dequantises
+        # with 24-row blocks), while the DeepSeek reference's `weight_dequant` and fo_jax use
+        # the configured block with a partial last one.
+        block = 16
         for key in [k for k in tensors if k.endswith(".weight") and tensors[k].ndim == 2
                     and not any(s in k for s in FP8_SKIP)]:
             tensors[key], tensors[key + "_scale_inv"] = quantize_fp8(tensors[key], block)
