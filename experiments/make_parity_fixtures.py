@@ -24,7 +24,8 @@ Fixtures:
                     top-2 of the best group, a shared expert), YaRN RoPE (factor 4 over 64
                     positions), index_topk 8 on a 40-token prompt.
   glm_moe_dsa       GlmMoeDsaForCausalLM: 4 layers, indexers shared in groups of two
-                    (indexer_types full, shared, full, shared), rms_norm_eps 1e-5.
+                    (indexer_types full, shared, full, shared), rms_norm_eps 1e-5 (used
+                    by every RMSNorm: see `lowrank_norms_use_config_eps`).
   deepseek_v32_fp8  the deepseek_v32 model with every 2-D projection stored float8 e4m3 with
                     16 x 16 block scales (`quantization_config`); its golden outputs come from
                     `transformers` loading that directory (it dequantises on a CPU).
@@ -105,6 +106,22 @@ def randomize(model, gen: torch.Generator) -> None:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+
+
+def lowrank_norms_use_config_eps(model) -> None:
+    """The attention's q_a / kv_a RMSNorms with the config's rms_norm_eps.
+
+    transformers (5.24) builds them with a hard-coded 1e-6 (`DeepseekV32RMSNorm(q_lora_rank)`,
+    a habit of its DeepSeek-V3 port, where rms_norm_eps is 1e-6 anyway), and GlmMoeDsa inherits
+    it although GLM-5's rms_norm_eps is 1e-5. The inference engines that serve these
+    checkpoints (vLLM, SGLang: `RMSNorm(kv_lora_rank, eps=config.rms_norm_eps)`) and fo_jax use
+    rms_norm_eps for every RMSNorm, so the golden outputs do too. For DeepSeek-V3.2 (1e-6)
+    nothing changes; on the GLM fixture transformers' own eps moves the logits by ~6e-5.
+    """
+    eps = model.config.rms_norm_eps
+    for name, module in model.named_modules():
+        if name.endswith(("q_a_layernorm", "kv_a_layernorm")):
+            module.variance_epsilon = eps
 
 
 def hub_state_dict(model) -> dict[str, torch.Tensor]:
@@ -274,9 +291,12 @@ def write_fixture(out: pathlib.Path, model, tensors: dict, extra_config: dict,
     np.savez_compressed(out / "golden.npz", **golden)
 
 
-def reload_logits(cls, directory: pathlib.Path, prompt: np.ndarray) -> np.ndarray:
+def reload_logits(cls, directory: pathlib.Path, prompt: np.ndarray, *,
+                  config_eps: bool = True) -> np.ndarray:
     model = cls.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
     model.eval()
+    if config_eps:
+        lowrank_norms_use_config_eps(model)
     with torch.no_grad():
         return model(torch.tensor(prompt[None], dtype=torch.long)).logits[0].numpy()
 
@@ -299,6 +319,7 @@ def build_seed(name: str, out_root: pathlib.Path, seed: int) -> bool:
     config._attn_implementation = "eager"
     model = cls(config).float().eval()
     randomize(model, gen)
+    lowrank_norms_use_config_eps(model)
     prompt = np.random.default_rng(seed).integers(2, config.vocab_size, PROMPT_LEN)
     tensors = hub_state_dict(model)
     add_mtp_layer(tensors, config.num_hidden_layers, gen)
@@ -321,6 +342,7 @@ def build_seed(name: str, out_root: pathlib.Path, seed: int) -> bool:
             write_fixture(pathlib.Path(tmp), model, tensors, extra, {})
             model = cls.from_pretrained(tmp, dtype=torch.float32,
                                         attn_implementation="eager").eval()
+            lowrank_norms_use_config_eps(model)
     golden = run_golden(model, prompt)
     if np.min(golden["topk_gap"]) < MIN_GAP:
         print(f"{name}, seed {seed}: a top-k gap of {np.min(golden['topk_gap']):.3g}; next seed")
@@ -332,6 +354,9 @@ def build_seed(name: str, out_root: pathlib.Path, seed: int) -> bool:
         if not np.array_equal(again, golden["prefill_logits"]):
             raise RuntimeError(f"{name}: transformers reloads {out} with other logits "
                                f"(max diff {np.abs(again - golden['prefill_logits']).max()})")
+        own = reload_logits(cls, out, prompt, config_eps=False)
+        print(f"{name}: transformers' own q_a / kv_a eps (1e-6) moves the prefill logits by "
+              f"{np.abs(own - golden['prefill_logits']).max():.3g}")
     sizes = sum(f.stat().st_size for f in out.iterdir())
     print(f"{name}: {sizes / 1024:.0f} KiB, greedy {golden['greedy'].tolist()}, "
           f"top-k rows with more than k visible tokens: {int(np.isfinite(golden['topk_gap']).sum())}"
