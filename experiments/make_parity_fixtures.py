@@ -329,8 +329,10 @@ def build_seed(name: str, out_root: pathlib.Path, seed: int) -> bool:
         # Every width here is a multiple of 16, so the blocks tile each matrix exactly:
         # transformers (5.24) derives the block from the scale grid (rows // grid rows),
         # which is wrong for a ragged last block (a 48-row matrix in blocks of 32 dequantises
-        # with 24-row blocks), while the DeepSeek reference's `weight_dequant` and fo_jax use
-        # the configured block with a partial last one.
+        # with 24-row blocks), while the DeepSeek reference (`Linear`'s ceil(out / 128) x
+        # ceil(in / 128) scale grid, read per 128-block by its `fp8_gemm`) and fo_jax use the
+        # configured block with a partial last one (DeepSeek-V3.2's kv_a_proj_with_mqa has
+        # 576 rows: 4.5 blocks).
         block = 16
         for key in [k for k in tensors if k.endswith(".weight") and tensors[k].ndim == 2
                     and not any(s in k for s in FP8_SKIP)]:
