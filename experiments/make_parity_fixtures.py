@@ -5,9 +5,11 @@ not). It builds three tiny random checkpoints with the `transformers` model clas
 a fixed 40-token prompt in float32 (eager attention, CPU), and writes each as a fixture under
 tests/fixtures/parity/<name>/:
 
-    config.json, model.safetensors    the checkpoint, in the Hub layout (one tensor per expert
-                                      and matrix, an extra multi-token-prediction layer L that
-                                      `transformers` ignores and fo_jax must skip)
+    config.json, model.safetensors    the checkpoint, config.json as `save_pretrained` writes
+                                      it plus num_nextn_predict_layers, tensors in the Hub
+                                      layout (what `save_pretrained` writes too: one tensor per
+                                      expert and matrix), plus a multi-token-prediction layer L
+                                      that `transformers` ignores and fo_jax must skip
     golden.npz                        prompt [T] int32, prefill_logits [T, V] float32,
                                       decode_logits [N, V] float32 (N = 20 greedy steps),
                                       greedy [N + 1] int32 (argmax of the prefill's last logits,
@@ -26,9 +28,14 @@ Fixtures:
   glm_moe_dsa       GlmMoeDsaForCausalLM: 4 layers, indexers shared in groups of two
                     (indexer_types full, shared, full, shared), rms_norm_eps 1e-5 (used
                     by every RMSNorm: see `lowrank_norms_use_config_eps`).
-  deepseek_v32_fp8  the deepseek_v32 model with every 2-D projection stored float8 e4m3 with
-                    16 x 16 block scales (`quantization_config`); its golden outputs come from
-                    `transformers` loading that directory (it dequantises on a CPU).
+  deepseek_v32_fp8  a deepseek_v32-shaped model whose projections (attention, indexer wq_b /
+                    wk, experts, dense MLP) are stored float8 e4m3 with 16 x 16 block scales
+                    (`quantization_config`); its golden outputs come from `transformers`
+                    loading that directory (it dequantises on a CPU).
+
+Each fixture takes the first seed (from SEED) whose top-k selections are all separated by at
+least MIN_GAP, so that neither the golden logits nor the selections depend on tie order.
+Made with torch 2.14.1 and transformers 5.24.0.
 
 Weights are drawn at unit scale (normal(0, fan_in^-0.5) matrices, normal(0, 1) embeddings,
 norms 1 + 0.1 normal, router biases 0.1 normal) rather than transformers' 0.02 init, so that
@@ -48,14 +55,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import pathlib
 import tempfile
 
 import numpy as np
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 PROMPT_LEN = 40
 DECODE_STEPS = 20
@@ -361,8 +367,9 @@ def build_seed(name: str, out_root: pathlib.Path, seed: int) -> bool:
               f"{np.abs(own - golden['prefill_logits']).max():.3g}")
     sizes = sum(f.stat().st_size for f in out.iterdir())
     print(f"{name}: {sizes / 1024:.0f} KiB, greedy {golden['greedy'].tolist()}, "
-          f"top-k rows with more than k visible tokens: {int(np.isfinite(golden['topk_gap']).sum())}"
-          f" of {golden['topk_gap'].size}, smallest k-th to (k+1)-th gap "
+          f"top-k rows with more than k visible tokens: "
+          f"{int(np.isfinite(golden['topk_gap']).sum())} of {golden['topk_gap'].size}, "
+          f"smallest k-th to (k+1)-th gap "
           f"{np.min(golden['topk_gap']):.3g} (seed {seed})")
     return True
 
