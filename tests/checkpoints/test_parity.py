@@ -6,7 +6,10 @@ by a developer; no torch here): the prefill logits of a 40-token prompt, the log
 decode steps, the greedy tokens and every full indexer layer's top-k. fo_jax loads the directory
 with `load_checkpoint` and must reproduce them:
 
-  * logits within ATOL + RTOL * |golden| (float32 both sides; see TOLERANCE below);
+  * logits within ATOL (float32 both sides; why that bound: at ATOL below). The prefill is
+    one resident `forward` over the prompt and the 20 greedy tokens (causal: its first 40 rows
+    are the prompt's prefill, the others must match the decode steps' logits too), keeping
+    each indexer group's selection; the decode steps start from its state after the prompt;
   * the greedy tokens exactly (fo_jax is fed the golden tokens, and its own argmax must equal
     them at every step);
   * every query's top-k selection exactly. `torch.topk` has no defined tie order, so the
@@ -18,7 +21,8 @@ with `load_checkpoint` and must reproduce them:
 Settings: `kv_dtype="float32"` (the cache in the golden's precision) and `index_fp8=False`:
 `transformers` computes the indexer in full precision, while the DeepSeek reference (and
 fo_jax's default for Hugging Face checkpoints) rounds the indexer's q / k to FP8; parity is
-checked without that rounding.
+checked without that rounding. The offloaded decode step (deepseek_v32, 16 hot slots, so steps
+miss and copy from host memory) must match too.
 """
 
 import functools
