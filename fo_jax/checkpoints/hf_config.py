@@ -12,8 +12,9 @@ Mapped fields (config.json -> ModelConfig):
     max_position_embeddings -> max_seq_len (unless given), rms_norm_eps -> norm_eps,
     rope_theta (or rope_parameters.rope_theta), YaRN from rope_scaling / rope_parameters
     (factor, original_max_position_embeddings, beta_fast, beta_slow, mscale_all_dim; mscale
-    must equal mscale_all_dim, both > 0), indexer_rope_interleave -> index_rope_interleave (default
-    false: halves, as the DeepSeek reference), indexer sharing (GLM: indexer_types, or
+    must equal mscale_all_dim, both > 0), indexer_rope_interleave -> index_rope_interleave (default:
+    halves for DeepSeek-V3.2, as its reference; interleaved pairs for GLM-5, as transformers'
+    GlmMoeDsa, whose config.json does not hold the field), indexer sharing (GLM: indexer_types, or
     index_topk_pattern, or index_topk_freq / index_skip_topk_offset) -> indexer_layers,
     MoE: n_routed_experts, num_experts_per_tok, moe_intermediate_size -> moe_hidden,
     n_shared_experts, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
@@ -136,7 +137,9 @@ def config_from_hf(config: dict | str | os.PathLike, *, name: str | None = None,
         raise ValueError(f"config.json num_key_value_heads={hf['num_key_value_heads']} must "
                          f"equal num_attention_heads={hf.get('num_attention_heads')} (MLA)")
     fields: dict[str, Any] = {MAPPED[k]: v for k, v in hf.items() if k in MAPPED}
-    fields.setdefault("index_rope_interleave", False)
+    # transformers' GlmMoeDsa indexer always rotates interleaved pairs and its config.json has
+    # no such field; DeepSeek-V3.2's rotates halves (as its reference).
+    fields.setdefault("index_rope_interleave", model_type == "glm_moe_dsa")
     fields.update(_rope_fields(hf))
     num_layers = hf["num_hidden_layers"]
     fields["indexer_layers"] = _indexer_layers(hf, num_layers)

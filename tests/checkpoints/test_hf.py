@@ -72,6 +72,17 @@ def test_deepseek_v32_config_json_is_the_preset_plus_moe():
     assert (config.num_dense_layers, config.num_moe_layers) == (3, 58)
 
 
+def test_indexer_rope_layout_defaults_per_architecture():
+    # transformers' GlmMoeDsa always rotates interleaved pairs in the indexer and writes no
+    # indexer_rope_interleave field; DeepSeek-V3.2 rotates halves.
+    glm = _glm()
+    del glm["indexer_rope_interleave"]
+    assert config_from_hf(glm, max_seq_len=4096).index_rope_interleave
+    assert not config_from_hf(_glm(indexer_rope_interleave=False),
+                              max_seq_len=4096).index_rope_interleave
+    assert not config_from_hf(DEEPSEEK_V32).index_rope_interleave
+
+
 def test_glm_indexer_sharing_and_rope_layout():
     config = config_from_hf(_glm(), max_seq_len=4096)
     assert config.indexer_layers == tuple(range(78)) and config.index_rope_interleave
