@@ -111,6 +111,7 @@ def check_host_access(access: str) -> None:
 
 def _frame(table, b, token, page: int):
     """Pool page of `token` of request(s) b ([...] ints), -1 where the page is not held."""
+    table = jnp.asarray(table)
     pages = table.shape[1]
     p = jnp.clip(token // page, 0, pages - 1)
     frame = table[b, p]
@@ -289,7 +290,7 @@ def load_history(host_kv, table, layer, *, history_pages: int, on_host: bool,
     check_host_access(access)
     _, _, page, width = host_kv.shape
     batch = table.shape[0]
-    frames = jnp.maximum(table[:, :history_pages], 0)  # [B, history_pages]
+    frames = jnp.maximum(jnp.asarray(table)[:, :history_pages], 0)  # [B, history_pages]
     layer = jnp.asarray(layer, jnp.int32)
     if access == "slices":
         def body(i, out):
