@@ -151,8 +151,9 @@ def check_table_covers(table, lengths, page_size: int) -> None:
     missing = np.argwhere((np.arange(ids.shape[1])[None, :] < need[:, None]) & (ids < 0))
     if missing.size:
         b, p = missing[0]
-        raise ValueError(f"request {b} stores {int(n[b])} tokens but page {p} of its page "
-                         "table is -1 (not held): assign it a pool page first")
+        raise ValueError(f"request {b} holds (or is about to hold) {int(n[b])} tokens but "
+                         f"page {p} of its page table is -1 (not held): assign it a pool page "
+                         "first (`assign_pages`)")
 
 
 def pool_to_tokens(pool, table, fill=0.0):
