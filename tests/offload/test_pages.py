@@ -25,7 +25,7 @@ from fo_jax.offload import decode as offload_decode
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.offload.invariants import check_invariants
 from fo_jax.offload.prefill import PrefillState, prefill
-from fo_jax.offload.state import DecodeState, assign_pages, identity_table
+from fo_jax.offload.state import DecodeState, assign_pages, identity_table, read_back
 
 NAN = float("nan")
 BATCH, PAGE, HOT, SPARE = 2, 4, 16, 5
@@ -80,7 +80,7 @@ def test_a_permuted_table_over_a_larger_pool_decodes_bitwise(policy, ways):
     chex.assert_trees_all_equal(perm.token_rows(), np.asarray(res.kv))
     # The spare pages were never written (they still hold the fill).
     spare = np.setdiff1d(np.arange(frames), np.asarray(perm.table))
-    assert np.isnan(np.asarray(perm.host.kv[:, spare]).astype(np.float32)).all()
+    assert np.isnan(read_back(perm.host.kv)[:, spare].astype(np.float32)).all()
     assert np.isnan(np.asarray(perm.index_keys[:, spare]).astype(np.float32)).all()
     check_invariants(perm, config=config, offload=offload, resident_kv=res.kv,
                      selected=stats.selected, poisoned=True)
@@ -123,7 +123,7 @@ def test_writes_to_pages_not_held_are_dropped():
     params = init_params(config, jax.random.key(0))
     _, state, _ = offload_decode.decode_step(params, state, jnp.ones((BATCH, 1), jnp.int32),
                                              config=config, offload=offload, check=False)
-    kv = np.asarray(state.host.kv).astype(np.float32)
+    kv = read_back(state.host.kv).astype(np.float32)
     keys = np.asarray(state.index_keys).astype(np.float32)
     assert np.isfinite(kv[:, 0, 0]).all() and np.isfinite(keys[:, 0, 0]).all()  # seat 0
     kv[:, 0, 0], keys[:, 0, 0] = NAN, NAN
