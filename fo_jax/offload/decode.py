@@ -134,9 +134,10 @@ class OffloadBackend:
         return read_pool_keys(carry["index_keys"], self.table, g)
 
     def select(self, carry, g, q, w, visible, k):
-        # The group's keys of every request, read through the table: [B, S, N], O(B S N) per
-        # step, the keys the indexer reads anyway.
-        keys = read_pool_keys(carry["index_keys"], self.table, g)
+        if self.keep_scores or self.implementation != "pallas":
+            # The group's keys of every request, read through the table: [B, S, N], O(B S N)
+            # per step, the keys the indexer reads anyway.
+            keys = read_pool_keys(carry["index_keys"], self.table, g)
         if self.keep_scores:
             # The same scores and rule as xla_select; kept (-inf where not visible).
             scores = indexer_scores(q, w, keys)
@@ -148,11 +149,12 @@ class OffloadBackend:
         if self.implementation == "pallas":
             from pallas_kernels.lim import lim
 
-            # LIM: scores and the slot lookup in one pass over the group's keys and map. The
-            # keys come read through the table ([1, B, S, N], as the XLA selection reads them).
-            tokens, slots, _ = lim(q, w, keys[None], carry["slots"][0][g][None],
-                                   visible.astype(jnp.int32), k=k, group=0,
-                                   interpret=self.interpret)
+            # LIM: scores and the slot lookup in one pass over the group's keys and map; the
+            # keys are DMA'd page by page from the key pool through the scalar-prefetched
+            # page table.
+            tokens, slots, _ = lim(q, w, carry["index_keys"], carry["slots"][0],
+                                   visible.astype(jnp.int32), k=k, group=g,
+                                   page_table=self.table, interpret=self.interpret)
             return tokens, tokens >= 0, slots
         return xla_select(keys, q, w, visible, k)
 

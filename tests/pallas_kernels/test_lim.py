@@ -311,6 +311,37 @@ class TestLim:
         chex.assert_trees_all_equal((token, slot), ref[:2])
         np.testing.assert_allclose(score, ref[2], **tolerance)
 
+    def test_paged_keys_bit_exact_with_per_request_keys(self, scenario, dtype, interpret):
+        """The stacked keys moved into a pool [G, F, Z, N] under a random permutation page
+        table (pages of the requests interleaved, spare pages NaN), read through the
+        scalar-prefetched table: bitwise the scores and payload of the per-request keys, with
+        pages of half a tile (two DMAs per tile) and of two tiles (a tile inside a page)."""
+        args, block_sizes = self._prepare(scenario, dtype, interpret)
+        group = SCENARIOS.index(scenario) % NUM_GROUPS
+        q, weights, keys, slots, visible = _stack(args, group=group)
+        want = lim_scores(q, weights, keys, slots, visible, group=jnp.int32(group),
+                          block_sizes=block_sizes, interpret=interpret)
+        num_g, b, s, n = keys.shape
+        block_s = scenario.block_s
+        pages = {z for z in (block_s // 2, 2 * block_s) if z >= 1 and s % z == 0
+                 and (block_s % z == 0 or z % block_s == 0)}
+        assert pages, (block_s, s)
+        for z in sorted(pages):
+            frames = b * (s // z) + 3
+            table = np.random.default_rng(z).permutation(frames)[: b * (s // z)]
+            table = table.astype(np.int32).reshape(b, s // z)
+            pool = np.full((num_g, frames, z, n), np.nan, np.float32)
+            pool[:, table] = np.asarray(keys, np.float32).reshape(num_g, b, s // z, z, n)
+            pool = jnp.asarray(pool, keys.dtype)
+            got = lim_scores(q, weights, pool, slots, visible, group=jnp.int32(group),
+                             page_table=jnp.asarray(table), block_sizes=block_sizes,
+                             interpret=interpret)
+            chex.assert_trees_all_equal(got, want)
+            chex.assert_trees_all_equal(
+                lim_reference(q, weights, pool, slots, visible, k=scenario.k, group=group,
+                              page_table=jnp.asarray(table)),
+                lim_reference(q, weights, keys, slots, visible, k=scenario.k, group=group))
+
     def test_matches_reference(self, scenario, dtype, interpret):
         args, block_sizes = self._prepare(scenario, dtype, interpret)
         q, weights, keys, _, visible = args
