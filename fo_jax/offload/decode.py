@@ -12,6 +12,12 @@ model's own `sparse_attention` combines them. After the layer loop the step's ne
 written through to host pages (only the new rows cross back). Both host accesses live in
 `fo_jax.offload.host`, in the way `OffloadConfig.host_access` chooses.
 
+Host KV [L, F, Z, D+R] and indexer keys [G, F, Z, N] are pools addressed by the state's page
+table [B, P] (fo_jax.offload.state): the misses, the write-through and the new indexer keys go
+through it, and the selection reads each request's keys through it ([B, S, N] per group, the
+keys the indexer reads anyway). The compiled step sees pools and table only: changing the
+table's contents never recompiles.
+
 Logits are bit for bit those of `fo_jax.resident.decode_step`: both gather the same rows in the
 same order and run the same math.
 """
@@ -342,8 +348,9 @@ def decode_step(params, state: DecodeState, tokens, *, config: ModelConfig,
     host pages must be in "device" memory kind: a jit mixing an interpret-mode kernel with a
     host-memory array fails in JAX) or None (by backend): see fo_jax.kernels.
     Shapes (and host token ids, in numpy before any cast) are always validated; with `check`,
-    device token ids and host capacity are validated against concrete values too (a read of
-    `state.lengths`). Errors are raised before any state changes. Traced values (the step
+    device token ids, host capacity and the page table are validated against concrete values
+    too (a read of `state.lengths` and of the [B, P] table: ids in [-1, F), no pool page held
+    twice, and every page the step writes held). Errors are raised before any state changes. Traced values (the step
     under an outer `jax.jit`, `lax.scan` or `lax.while_loop`) get the static checks only; checked
     or not, no request grows past capacity (tokens beyond it are dropped in the program).
     debug: check the state's invariants on the device after the step (fo_jax.offload.checks:

@@ -10,7 +10,10 @@ buffers [n, B, S, D+R] instead of all L layers. Buffer 0 holds layer 0 for the w
 is loaded before the layer loop, so compute starts at once); buffers 1 .. n-1 rotate over layers
 >= 1, layer j in buffer `buffer_of_layer(j, n)` = 1 + (j - 1) % (n - 1). A binding table [n]
 (the layer each buffer holds, -1 none) rides in the loop carry next to the buffers; the indexer
-keys [G, B, S, N] live apart and are never touched by rotation.
+keys live apart and are never touched by rotation. Host KV [L, F, Z, D+R] and indexer keys
+[G, F, Z, N] are pools read and written through the state's page table [B, P] (history loads,
+write-backs, key writes, the selection's key reads); the layer buffers are per request
+[n, B, S, D+R]. `PrefillState.create` builds the identity table by default.
 
 It is a backend of the shared layer loop `fo_jax.model.forward`, so the attention math is the
 resident path's own. At layer i (`OffloadPrefillBackend.attend`):

@@ -42,6 +42,13 @@ whole [B, S, N] group before the kernel reads it again (and pull it across PCIe 
 are in host memory). The slot map is DMA'd as [1, block_s] rows of the [.., B, S] array: no
 reshape, which on a TPU would re-tile (copy) the whole map.
 
+Paged keys
+----------
+With `page_table` [B, P] int32, `index_keys` is a pool [F, Z, N] (or [G, F, Z, N]) shared by
+the batch: token t of request b has key index_keys[page_table[b, t // Z], t % Z]. The table is
+scalar-prefetched (SMEM) and a tile's keys are one DMA per page (block_s a multiple of Z) or one
+DMA inside a page (Z a multiple of block_s); the slot map stays per request.
+
 Memory spaces
 -------------
 `token_to_slot` is read from device memory (`pl.ANY`). `index_keys` is read from device memory,
