@@ -350,9 +350,10 @@ def decode_step(params, state: DecodeState, tokens, *, config: ModelConfig,
     Shapes (and host token ids, in numpy before any cast) are always validated; with `check`,
     device token ids, host capacity and the page table are validated against concrete values
     too (a read of `state.lengths` and of the [B, P] table: ids in [-1, F), no pool page held
-    twice, and every page the step writes held). Errors are raised before any state changes. Traced values (the step
-    under an outer `jax.jit`, `lax.scan` or `lax.while_loop`) get the static checks only; checked
-    or not, no request grows past capacity (tokens beyond it are dropped in the program).
+    twice, and every page the step writes held). Errors are raised before any state changes.
+    Traced values (the step under an outer `jax.jit`, `lax.scan` or `lax.while_loop`) get the
+    static checks only; checked or not, no request grows past capacity (tokens beyond it are
+    dropped in the program).
     debug: check the state's invariants on the device after the step (fo_jax.offload.checks:
     maps, occupancy, selection, rows read, finite logits; O(G B (S + C)) more work, a second
     compiled program) and raise AssertionError naming the first violation (the input state is

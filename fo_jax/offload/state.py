@@ -22,8 +22,8 @@ them are dropped. `DecodeState.create` / `from_resident` build the identity tabl
 (F = B P, table[b, p] = b P + p). Hot caches stay one region of C + 2Z rows per batch seat.
 
 The batch axis is axis 1 of every per-request array (axis 0 of `lengths` and `table`), so it can
-be sharded over a data-parallel mesh axis. Layers sharing an indexer (a group) share one plan, hence the
-slot maps are per group and the rows per layer.
+be sharded over a data-parallel mesh axis. Layers sharing an indexer (a group) share one plan,
+hence the slot maps are per group and the rows per layer.
 
 Tokens of the two tail blocks: a token at position p with p >= tail_start = (n // Z) * Z (n the
 length before the step) lives in tail block (p // Z) % 2 at offset p % Z, is served from there,
@@ -489,7 +489,8 @@ def device_bytes_formula(config: ModelConfig, offload: OffloadConfig, batch: int
     """Device bytes of a DecodeState by the design's formula.
 
     KV: (C + 2Z) rows of D + R per layer and request; indexer keys of all S tokens per group
-    (a pool of F = B P pages of Z, the default); the page table [B, P] int32; maps: token_to_slot [G, S] + slot_to_token [G, C] int32; policy: stamp [G, C] (+ last_used
+    (a pool of F = B P pages of Z, the default); the page table [B, P] int32; maps:
+    token_to_slot [G, S] + slot_to_token [G, C] int32; policy: stamp [G, C] (+ last_used
     [G, C] for lru) + hand [G] int32 (+ ref [G, C] int8 for clock); lengths, step, key.
     """
     kvb = config.jnp_kv_dtype.itemsize

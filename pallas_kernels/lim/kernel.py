@@ -111,11 +111,11 @@ def _check_shapes(
                 f"page_table must be [B={b}, P] int32, got {page_table.shape=} "
                 f"{page_table.dtype=}"
             )
-        pool_rank = 4 if group is not None else 3
+        pool_rank, lead = (4, "G, ") if group is not None else (3, "")
         if index_keys.ndim != pool_rank:
             raise ValueError(
-                f"with a page_table, index_keys must be a pool [{'G, ' if group is not None else ''}"
-                f"F, Z, N={n}], got {index_keys.shape=}"
+                f"with a page_table, index_keys must be a pool [{lead}F, Z, N={n}], got "
+                f"{index_keys.shape=}"
             )
         # The per-request view the checks below expect: [(G,) B, P Z, N].
         index_keys = jax.ShapeDtypeStruct(

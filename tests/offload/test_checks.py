@@ -152,7 +152,8 @@ def plant_nan_row(tree, run):
     layer = _rows_of(tree, 0)[0]
     z = OFFLOAD.page_size
     tree.hot[layer, 0, s] = NAN
-    tree.host.kv[layer, tree.table[0, t // z], t % z] = NAN  # the same NaN in both: only finiteness sees it
+    # The same NaN in both: only finiteness sees it.
+    tree.host.kv[layer, tree.table[0, t // z], t % z] = NAN
     return (rf"layer {layer} request 0: hot slot \[{s}\] of token \[{t}\] holds a non-finite "
             "value",
             rf"layer {layer} group 0 request 0: device row {s} read for token {t} holds a "

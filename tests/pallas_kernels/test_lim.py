@@ -692,3 +692,29 @@ def test_lowers_for_tpu_stacked_at_production_shapes(keys_in_host_memory):
     body = base64.b64decode(re.search(r"body\\22: \\22([A-Za-z0-9+/=]+)", calls[0]).group(1))
     assert (b"#tpu.memory_space<host>" in body) == keys_in_host_memory
     assert [o.shape for o in exported.out_avals] == [(b, w, 2048)] * 3
+
+
+def test_paged_static_messages():
+    # SCENARIOS[0]: B = 1, S = 32; the keys as a pool of 8 pages of 4 (the identity table).
+    q, weights, keys, slots, visible = _inputs(SCENARIOS[0], jnp.float32)
+    b, s, n = keys.shape
+    pool = keys.reshape(b * s // 4, 4, n)
+    table = jnp.arange(b * s // 4, dtype=jnp.int32).reshape(b, s // 4)
+    call = functools.partial(lim_scores, q, weights, interpret=ON_WAIT)
+    with pytest.raises(ValueError, match=re.escape(f"page_table must be [B={b}, P] int32, got "
+                                                   "page_table.shape=(1, 8) "
+                                                   "page_table.dtype=dtype('uint32')")):
+        call(pool, slots, visible, page_table=table.astype(jnp.uint32))
+    with pytest.raises(ValueError, match=re.escape(
+            f"with a page_table, index_keys must be a pool [G, F, Z, N={n}], got "
+            f"index_keys.shape=(8, 4, {n})")):
+        call(pool, slots[None], visible, group=0, page_table=table)
+    # S = 24 in tiles of 8, pages of 12: a tile would straddle two pages.
+    scenario = next(sc for sc in SCENARIOS if sc.name == "mixed_sign_weights")
+    q, weights, keys, slots, visible = _inputs(scenario, jnp.float32)
+    b, s, n = keys.shape
+    with pytest.raises(ValueError, match=re.escape("block_s=8 and the key pool's page size 12 "
+                                                   "must divide one another")):
+        lim_scores(q, weights, keys.reshape(b * 2, 12, n), slots, visible,
+                   page_table=jnp.arange(b * 2, dtype=jnp.int32).reshape(b, 2),
+                   block_sizes=BlockSizes(block_s=8), interpret=ON_WAIT)
