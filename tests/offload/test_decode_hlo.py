@@ -135,13 +135,21 @@ def test_pallas_decode_step_updates_its_state_in_place(policy):
         hlo_checks.assert_no_sort_over(compiled, HOT, what="C")
 
 
-def test_prefill_updates_buffers_and_host_pages_in_place():
-    # L = 4 layers (host pages bf16[4,3,24,4,40]) through n = 3 layer buffers
-    # (bf16[3,3,96,40]), a chunk of 8 tokens after 8 of history: the program `prefill` runs.
+@pytest.mark.parametrize("spare", [None, 5], ids=["identity", "permuted"])
+def test_prefill_updates_buffers_and_host_pages_in_place(spare):
+    # L = 4 layers (a host pool bf16[4,72,4,40], or [4,77,4,40] under a permuted table) through
+    # n = 3 layer buffers (bf16[3,3,96,40]), a chunk of 8 tokens after 8 of history: the
+    # program `prefill` runs. Neither pool nor the table is copied.
     config = get_config("tiny").replace(index_topk=K)
     params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    frames, table = None, None
+    if spare is not None:
+        pages = CAPACITY // PAGE
+        frames = BATCH * pages + spare
+        table = np.random.default_rng(0).permutation(frames)[:BATCH * pages]
+        table = table.astype(np.int32).reshape(BATCH, pages)
     state = offload_prefill.PrefillState.create(config, batch=BATCH, capacity=CAPACITY,
-                                                page_size=PAGE)
+                                                page_size=PAGE, num_frames=frames, table=table)
     state = dataclasses.replace(state, lengths=jnp.full((BATCH,), 8, jnp.int32))
     compiled = hlo_checks.compile_call(offload_prefill, "_prefill_jit", offload_prefill.prefill,
                                        params, state, np.zeros((BATCH, 8), np.int32),
