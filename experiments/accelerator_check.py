@@ -9,7 +9,8 @@ context in `pinned_host` memory):
   gather_rows    decode misses: `--rows` rows per request out of the host pages, to the device
   write_rows     decode write-through: W new rows of each of `--layers` layers, to host pages
   write_back     prefill write-back: one layer's `--chunk` new rows per request, to host pages
-  load_history   prefill history load: one layer's pages (one pattern under both settings)
+  load_history   prefill history load: one layer's pages through the page table (measured
+                 under one setting, labelled "both")
 
 each one reports compile success (or the error text), bitwise equality with the same access
 done on a device-side copy, the median time, GB/s of the rows moved, and the ratio to a bulk
@@ -142,10 +143,22 @@ def _access_check(name, access, *, fn, make_args, reference, moved_shape, direct
 
 
 def _pages(key, layers, batch, context, page):
-    """Random bf16 host pages [L, B, P, Z, 576] in pinned_host memory, and a device copy."""
+    """Random bf16 host pages: a pool [L, B P, Z, 576] in pinned_host memory (the identity page
+    table: request b's page p is pool page b P + p), and a device copy [L, B, P, Z, 576]."""
     dev = jax.random.normal(key, (layers, batch, context // page, page, WIDTH),
                             jnp.float32).astype(jnp.bfloat16)
-    return to_memory_kind(dev, "pinned_host"), dev
+    return to_memory_kind(_pool(dev), "pinned_host"), dev
+
+
+def _pool(pages):
+    """[L, B, P, Z, W] per-request pages as the pool [L, B P, Z, W] of the identity table."""
+    num_l, batch, num_p, page, width = pages.shape
+    return pages.reshape(num_l, batch * num_p, page, width)
+
+
+def _table(batch, context, page):
+    """The identity page table [B, P] int32."""
+    return jnp.arange(batch * (context // page), dtype=jnp.int32).reshape(batch, -1)
 
 
 def access_checks(args, access):
@@ -161,8 +174,9 @@ def access_checks(args, access):
 
     out.append(_access_check(
         "gather_rows", access,
-        fn=lambda h, t, c: host.host_gather_rows(h, 0, t, c, chunk=args.miss_chunk,
-                                                 on_host=True, access=access),
+        fn=lambda h, t, c: host.host_gather_rows(h, _table(b, s, z), 0, t, c,
+                                                 chunk=args.miss_chunk, on_host=True,
+                                                 access=access),
         make_args=lambda: (pages, tokens, count),
         reference=lambda h, t, c: dev.reshape(1, b, s, WIDTH)[0, bidx, t],
         moved_shape=(b, rows, WIDTH), direction="h2d", repeats=args.repeats,
@@ -173,12 +187,14 @@ def access_checks(args, access):
     new = jax.random.normal(key, (layers, b, ways, WIDTH), jnp.float32).astype(jnp.bfloat16)
     positions = jnp.asarray(rng.integers(0, args.write_context - ways, (b, 1))
                             + np.arange(ways)).astype(jnp.int32)
-    w_ref = w_dev.reshape(layers, b, -1, WIDTH).at[:, bidx, positions].set(new).reshape(
-        w_dev.shape)
+    w_ref = _pool(w_dev.reshape(layers, b, -1, WIDTH).at[:, bidx, positions].set(new).reshape(
+        w_dev.shape))
+    w_table = _table(b, args.write_context, z)
     out.append(_access_check(
         "write_rows", access,
-        fn=lambda h, r, p: host.host_write_rows(h, r, p, on_host=True, access=access),
-        make_args=lambda: (to_memory_kind(w_dev, "pinned_host"), new, positions),
+        fn=lambda h, r, p: host.host_write_rows(h, w_table, r, p, on_host=True,
+                                                access=access),
+        make_args=lambda: (to_memory_kind(_pool(w_dev), "pinned_host"), new, positions),
         reference=lambda *_: w_ref,
         moved_shape=(layers, b, ways, WIDTH), direction="d2h", repeats=args.repeats,
         donate_first=True))
@@ -189,12 +205,14 @@ def access_checks(args, access):
     chunk_rows = jax.random.normal(key, (b, chunk, WIDTH), jnp.float32).astype(jnp.bfloat16)
     start = args.write_context - chunk
     write_pos = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
-    wb_ref = wb_dev.reshape(wb_layers, b, -1, WIDTH).at[1, bidx, write_pos].set(
-        chunk_rows).reshape(wb_dev.shape)
+    wb_ref = _pool(wb_dev.reshape(wb_layers, b, -1, WIDTH).at[1, bidx, write_pos].set(
+        chunk_rows).reshape(wb_dev.shape))
     out.append(_access_check(
         "write_back", access,
-        fn=lambda h, r, p: host.write_back_rows(h, 1, r, p, on_host=True, access=access),
-        make_args=lambda: (to_memory_kind(wb_dev, "pinned_host"), chunk_rows, write_pos),
+        fn=lambda h, r, p: host.write_back_rows(h, w_table, 1, r, p, on_host=True,
+                                                access=access),
+        make_args=lambda: (to_memory_kind(_pool(wb_dev), "pinned_host"), chunk_rows,
+                           write_pos),
         reference=lambda *_: wb_ref,
         moved_shape=(b, chunk, WIDTH), direction="d2h", repeats=args.repeats,
         donate_first=True))
@@ -204,7 +222,8 @@ def access_checks(args, access):
         load_ref = dev[0, :, :hist].reshape(b, hist * z, WIDTH)
         out.append(_access_check(
             "load_history", "both",
-            fn=lambda h: host.load_history(h, 0, history_pages=hist, on_host=True),
+            fn=lambda h: host.load_history(h, _table(b, s, z), 0, history_pages=hist,
+                                           on_host=True, access=access),
             make_args=lambda: (pages,),
             reference=lambda *_: load_ref,
             moved_shape=(b, hist * z, WIDTH), direction="h2d", repeats=args.repeats,
@@ -291,9 +310,13 @@ def prefill_check(args, access):
         return resident.ResidentState(kv=kv + 0, index_keys=ik + 0, lengths=lengths + 0)
 
     def make_offload():
-        pages = to_memory_kind(kv.reshape(config.num_layers, b, cap // z, z, -1), "pinned_host")
-        return offload_prefill.PrefillState(host=HostPages(kv=pages), index_keys=ik + 0,
-                                            lengths=lengths + 0)
+        # The identity page table: the pools are the per-request arrays, reshaped.
+        pages = to_memory_kind(kv.reshape(config.num_layers, b * (cap // z), z, -1),
+                               "pinned_host")
+        return offload_prefill.PrefillState(
+            host=HostPages(kv=pages), table=_table(b, cap, z),
+            index_keys=ik.reshape(config.num_groups, b * (cap // z), z, -1) + 0,
+            lengths=lengths + 0)
 
     run_res = functools.partial(resident.prefill, params, config=config, check=False)
     run_off = functools.partial(offload_prefill.prefill, params, config=config,

@@ -43,8 +43,10 @@ def _inputs(args):
     rng = np.random.default_rng(0)
     keys = jax.random.split(jax.random.key(0), 6)
     hot = jax.random.normal(keys[0], (1, b, c + 128, d + r), jnp.float32).astype(jnp.bfloat16)
-    host = jax.random.normal(keys[1], (1, b, s // 64, 64, d + r), jnp.float32
+    # The host pool [1, F = B P, Z, D+R] of the identity page table [B, P].
+    host = jax.random.normal(keys[1], (1, b * (s // 64), 64, d + r), jnp.float32
                              ).astype(jnp.bfloat16)
+    table = jnp.arange(b * (s // 64), dtype=jnp.int32).reshape(b, s // 64)
     q_lat = jax.random.normal(keys[2], (b, w, h, d))
     q_pe = jax.random.normal(keys[3], (b, w, h, r))
     q_i = jax.random.normal(keys[4], (b, w, i, n))
@@ -60,7 +62,7 @@ def _inputs(args):
     plan = GroupPlan(read_row=jnp.asarray(read), mask=jnp.ones((b, w, k), bool),
                      miss_tokens=jnp.asarray(miss_tokens), victims=jnp.asarray(victims),
                      num_miss=jnp.full((b,), misses, jnp.int32))
-    return dict(hot=hot, host=host, q_lat=q_lat, q_pe=q_pe, q_i=q_i, w_i=w_i,
+    return dict(hot=hot, host=host, table=table, q_lat=q_lat, q_pe=q_pe, q_i=q_i, w_i=w_i,
                 index_keys=index_keys, plan=plan)
 
 
@@ -84,8 +86,8 @@ def run(args, meta):
 
     @functools.partial(jax.jit, donate_argnums=0)
     def xla_copy(hot, host, plan):
-        fetched = host_gather_rows(host, 0, plan.miss_tokens, plan.num_miss, chunk=64,
-                                   on_host=True, access=args.host_access)
+        fetched = host_gather_rows(host, x["table"], 0, plan.miss_tokens, plan.num_miss,
+                                   chunk=64, on_host=True, access=args.host_access)
         b2 = jnp.arange(hot.shape[1])[:, None]
         return hot.at[0, b2, jnp.where(plan.victims >= 0, plan.victims, hot.shape[2])].set(
             fetched, mode="drop")
@@ -117,16 +119,16 @@ def run(args, meta):
         from pallas_kernels.copy_sfa import copy_sfa
         from pallas_kernels.lim import lim
 
-        flat_host = host.reshape(1, args.batch, args.context, 576)
         read = jnp.where(plan.mask, plan.read_row, -1)
 
         @functools.partial(jax.jit, donate_argnums=0)
         def fused(hot, host):
             return copy_sfa(x["q_lat"], x["q_pe"], hot, host, read, plan.miss_tokens,
-                            plan.victims, plan.num_miss, scale=scale, layer=0)
+                            plan.victims, plan.num_miss, scale=scale, layer=0,
+                            page_table=x["table"])
 
         def t_fused():
-            out, state["hot"] = fused(state["hot"], flat_host)
+            out, state["hot"] = fused(state["hot"], host)
             out.block_until_ready()
 
         slots = jnp.full((args.batch, args.context), -1, jnp.int32)

@@ -456,12 +456,10 @@ class OffloadEngine(_Lengths):
 
     def _check_state(self, where: str, logits, selected=None) -> None:
         state = self.state
-        num_l, batch, pages, page, width = state.host.kv.shape
-        host = offload_state.read_back(state.host.kv).reshape(num_l, batch, pages * page,
-                                                              width)
-        _check_finite(where, self.lengths, [("host KV of layer", "holds", host),
+        # Per-request rows and keys, read through the page table: [L, B, S, D+R], [G, B, S, N].
+        _check_finite(where, self.lengths, [("host KV of layer", "holds", state.token_rows()),
                                             ("indexer keys of group", "hold",
-                                             state.index_keys)], logits)
+                                             state.token_index_keys())], logits)
         try:
             check_invariants(state, config=self.config, offload=self.offload, selected=selected)
         except AssertionError as err:

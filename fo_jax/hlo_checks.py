@@ -7,6 +7,11 @@ that cannot alias. Nothing in the results shows it; the optimized HLO does. The 
 turn that class of bug into a test failure on any machine (a CPU is enough: copy insertion
 and buffer aliasing are decided before any backend code is emitted).
 
+Pools and page tables (fo_jax.offload.state: host KV [L, F, Z, D+R], indexer keys
+[G, F, Z, N], the page table [B, P] int32) are ordinary state leaves here: a step that copies
+or rewrites a whole pool, or the table, fails like any other (tests/offload/test_decode_hlo.py
+checks a pool of F != B P pages under a permuted table, so the pools' shapes are distinctive).
+
 Use it for a new compiled step like this (small, distinctive shapes so that no intermediate
 array happens to share a state array's shape and dtype):
 

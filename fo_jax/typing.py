@@ -12,6 +12,8 @@ Every shape comment, docstring and einsum string in the project uses these lette
     N  indexer head width            P  host pages (token blocks) per request
     Z  tokens per page / tail block (b in the design notes)
     M  miss capacity per step (K * W)
+    F  pages in a pool (host KV [L, F, Z, D+R], indexer keys [G, F, Z, N]), addressed by a
+       page table [B, P] of int32 page ids (-1: not held)
 
 A KV row is `D + R` wide (576 at real size): the RMS-normed latent followed by the RoPE key.
 """

@@ -118,12 +118,11 @@ def test_rejected_drafts_leave_no_visible_trace(params):
                          finite=True)
         checks.check_state_on_device(state_o, config=CONFIG, offload=offload)  # the jit twin
         # Everything to numpy once (slicing device arrays would compile a program per slice).
-        kv_b, keys_b, kv_r, keys_r, keys_o, host, logits_b, logits_r, logits_o = (
+        kv_b, keys_b, kv_r, keys_r, logits_b, logits_r, logits_o = (
             np.asarray(x) for x in (state_b.kv, state_b.index_keys, state_r.kv,
-                                    state_r.index_keys, state_o.index_keys, state_o.host.kv,
-                                    logits_b, logits_r, logits_o))
-        num_l, _, pages, z, width = host.shape
-        host = host.reshape(num_l, batch, pages * z, width)
+                                    state_r.index_keys, logits_b, logits_r, logits_o))
+        # The offloaded pools read through the page table: [L, B, S, D+R], [G, B, S, N].
+        host, keys_o = state_o.token_rows(), state_o.token_index_keys()
         for b, n in enumerate(lengths):
             where = f"round {round_}, request {b}"
             for got in (kv_r, host):

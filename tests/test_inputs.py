@@ -123,7 +123,7 @@ def test_a_donated_state_used_again_is_named():
 
 def test_unchecked_offloaded_steps_never_pass_capacity():
     params, dec = _offloaded(lengths=(22, 19))
-    host_before = np.asarray(dec.host.kv)
+    host_before = dec.token_rows()
     tokens = np.full((2, 2), 9, np.int32)
     for _ in range(3):  # request 0 fills at 24, then asks for 26 and 28
         _, dec, stats = offload_decode.decode_step(params, dec, tokens, config=CONFIG,
@@ -132,8 +132,7 @@ def test_unchecked_offloaded_steps_never_pass_capacity():
         check_invariants(dec, config=CONFIG, offload=OFFLOAD, selected=stats.selected)
     np.testing.assert_array_equal(dec.lengths, [24, 24])
     # Request 0's stored rows [0, 22) are what they were; only 22 and 23 were added.
-    np.testing.assert_array_equal(np.asarray(dec.host.kv)[:, 0, :5],
-                                  host_before[:, 0, :5])
+    np.testing.assert_array_equal(dec.token_rows()[:, 0, :22], host_before[:, 0, :22])
 
 
 def test_unchecked_resident_calls_never_pass_capacity():
@@ -324,7 +323,7 @@ class _Planted:
 
 def _plant_nan_host(state):
     host = np.asarray(state.host.kv).copy()
-    host[1, 0, 0, 2, 5] = np.nan  # layer 1, request 0, token 2
+    host[1, 0, 2, 5] = np.nan  # layer 1, pool page 0 (request 0's page 0: identity), token 2
     kind = state.host.kv.sharding.memory_kind
     return dataclasses.replace(state, host=HostPages(kv=to_memory_kind(jnp.asarray(host), kind)))
 

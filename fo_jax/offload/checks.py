@@ -19,6 +19,8 @@ What is checked (each failed check names the first violation: group, request, sl
 layer for rows), and what it costs. These are debug checks: O(G B (S + C)) for the maps, the
 rest O(L B W K (D + R)), the same order as the step's own gather; never in the serving path.
 
+  * page table: every page holding a stored token (< length) is a pool page (not -1, < F);
+    host rows are read through the table.                                       O(B P)
   * maps (`check_state_jit`): slot_to_token holds -1 or a stored token (< length) whose
     token_to_slot is that slot; token_to_slot holds -1 or a slot in [0, C) whose slot_to_token
     is that token (so no slot is handed to two tokens); no token of the current tail blocks
@@ -82,14 +84,31 @@ def _static_checks(state: DecodeState, config: ModelConfig, offload: OffloadConf
     batch = state.hot.shape[1]
     groups, layers = config.num_groups, config.num_layers
     chex.assert_shape(state.hot, (layers, batch, offload.rows, config.kv_width))
-    chex.assert_shape(state.host.kv, (layers, batch, offload.num_pages, offload.page_size,
-                                      config.kv_width))
+    frames = state.host.kv.shape[1]
+    chex.assert_shape(state.host.kv, (layers, frames, offload.page_size, config.kv_width))
+    chex.assert_shape(state.index_keys, (groups, frames, offload.page_size,
+                                         config.index_head_dim))
+    chex.assert_shape(state.table, (batch, offload.num_pages))
     chex.assert_shape(state.slots.token_to_slot, (groups, batch, offload.capacity))
     chex.assert_shape(state.slots.slot_to_token, (groups, batch, offload.hot_slots))
     chex.assert_shape(state.lengths, (batch,))
     chex.assert_type([state.hot, state.host.kv], config.jnp_kv_dtype)
     chex.assert_type([state.slots.token_to_slot, state.slots.slot_to_token, state.lengths,
-                      state.step], jnp.int32)
+                      state.step, state.table], jnp.int32)
+
+
+def _check_table(state: DecodeState, offload: OffloadConfig) -> None:
+    """Every page holding a stored token is a pool page: O(B P)."""
+    table = state.table
+    batch, pages = table.shape
+    frames = state.host.kv.shape[1]
+    page = jnp.arange(pages)[None, :]
+    stored = page * offload.page_size < state.lengths[:, None]
+    _check(stored & ((table < 0) | (table >= frames)),
+           "request {b}: page {p} holds stored tokens (length {n}) but its page table entry "
+           "is {id}, not a pool page in [0, {f})",
+           b=jnp.arange(batch)[:, None], p=page, n=state.lengths[:, None], id=table,
+           f=jnp.asarray(frames))
 
 
 def _check_maps(state: DecodeState, offload: OffloadConfig) -> None:
@@ -190,7 +209,7 @@ def _check_selection(state: DecodeState, config: ModelConfig, offload: OffloadCo
            "non-finite value (rows below {c} are hot slots, then the tail blocks)",
            l=layers, g=g_l, b=b_l, s=row, t=tok_l, c=jnp.asarray(c))
     on_host = offload.host_memory_kind != "device"
-    want = host_rows_at(state.host.kv, jnp.broadcast_to(layers, tok_l.shape),
+    want = host_rows_at(state.host.kv, state.table, jnp.broadcast_to(layers, tok_l.shape),
                       jnp.broadcast_to(b_l, tok_l.shape), tok_l, on_host)
     same = jnp.all(_bits(got) == _bits(want), axis=-1)
     _check(read & ~same,
@@ -217,6 +236,7 @@ def check_state_jit(state: DecodeState, *, config: ModelConfig, offload: Offload
     Shapes and dtypes are asserted at trace time (AssertionError from chex).
     """
     _static_checks(state, config, offload)
+    _check_table(state, offload)
     _check_maps(state, offload)
     if occupied_before is not None:
         _check_occupancy(state, offload, occupied_before, union)

@@ -12,6 +12,12 @@ model's own `sparse_attention` combines them. After the layer loop the step's ne
 written through to host pages (only the new rows cross back). Both host accesses live in
 `fo_jax.offload.host`, in the way `OffloadConfig.host_access` chooses.
 
+Host KV [L, F, Z, D+R] and indexer keys [G, F, Z, N] are pools addressed by the state's page
+table [B, P] (fo_jax.offload.state): the misses, the write-through and the new indexer keys go
+through it, and the selection reads each request's keys through it ([B, S, N] per group, the
+keys the indexer reads anyway). The compiled step sees pools and table only: changing the
+table's contents never recompiles.
+
 Logits are bit for bit those of `fo_jax.resident.decode_step`: both gather the same rows in the
 same order and run the same math.
 """
@@ -35,7 +41,16 @@ from fo_jax.offload import checks
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.offload.host import host_gather_rows, host_write_rows, memory_kind
 from fo_jax.offload.manage import GroupPlan, manage_group
-from fo_jax.offload.state import CacheSlots, DecodeState, HostPages, PolicyState
+from fo_jax.offload.state import (
+    CacheSlots,
+    DecodeState,
+    HostPages,
+    PolicyState,
+    check_table,
+    check_table_covers,
+    read_pool_keys,
+    write_pool_keys,
+)
 from fo_jax.resident import (
     check_active,
     check_capacity,
@@ -71,13 +86,14 @@ class DecodeStats:
     scores: jax.Array | None = None
 
 
-def gather_attend(hot, host_kv, layer, plan: GroupPlan, q_lat, q_pe, *, scale: float,
+def gather_attend(hot, host_kv, table, layer, plan: GroupPlan, q_lat, q_pe, *, scale: float,
                   chunk: int, on_host: bool, access: str = "gather"):
     """CopySFA logic for one layer, in XLA: install the misses, gather, attend.
 
     Args:
       hot: [L, B, C + 2Z, D+R] device rows of every layer (new tokens already in the tail).
-      host_kv: host pages; layer: [] int; plan: the group's plan; q_lat [B, W, H, D],
+      host_kv: [L, F, Z, D+R] host pool; table: [B, P] page table; layer: [] int; plan: the
+      group's plan; q_lat [B, W, H, D],
       q_pe [B, W, H, R]; access: how the misses leave host pages (fo_jax.offload.host).
     Returns:
       (hot with every miss of this layer written into its victim slot,
@@ -88,7 +104,7 @@ def gather_attend(hot, host_kv, layer, plan: GroupPlan, q_lat, q_pe, *, scale: f
     """
     batch, rows_total = hot.shape[1], hot.shape[2]
     b2 = jnp.arange(batch)[:, None]
-    fetched = host_gather_rows(host_kv, layer, plan.miss_tokens, plan.num_miss, chunk=chunk,
+    fetched = host_gather_rows(host_kv, table, layer, plan.miss_tokens, plan.num_miss, chunk=chunk,
                                on_host=on_host, access=access)
     hot = hot.at[layer, b2, jnp.where(plan.victims >= 0, plan.victims, rows_total)].set(
         fetched, mode="drop")
@@ -101,7 +117,7 @@ class OffloadBackend:
 
     def __init__(self, config: ModelConfig, offload: OffloadConfig, host_kv, tail_start, step,
                  implementation: str = "xla", interpret=False, active=None,
-                 keep_scores: bool = False):
+                 keep_scores: bool = False, table=None):
         self.config, self.offload = config, offload
         # [B] bool or None: a request that is not active selects nothing, so its hot cache,
         # slot maps and policy state stay as they are (see `decode_step`).
@@ -109,6 +125,7 @@ class OffloadBackend:
         # keep_scores: every group's indexer scores [B, W, S] (traces), in group order.
         self.keep_scores, self.group_scores = keep_scores, []
         self.host_kv, self.tail_start, self.step = host_kv, tail_start, step
+        self.table = table  # [B, P] int32: both pools are read and written through it
         self.implementation, self.interpret = implementation, interpret
         self.on_host = offload.host_memory_kind != "device"
         # (GroupStats, selection) of each group, in group order. plan_group runs at trace time
@@ -117,18 +134,19 @@ class OffloadBackend:
 
     def write_index_keys(self, carry, g, keys, write_pos):
         ik = carry["index_keys"]
-        rows = jnp.arange(ik.shape[1])[:, None]
-        return {**carry, "index_keys": ik.at[g, rows, write_pos].set(keys.astype(ik.dtype),
-                                                                    mode="drop")}
+        return {**carry, "index_keys": write_pool_keys(ik, self.table, g, keys, write_pos)}
 
     def index_keys(self, carry, g):
-        return carry["index_keys"][g]
+        return read_pool_keys(carry["index_keys"], self.table, g)
 
     def select(self, carry, g, q, w, visible, k):
-        ik = carry["index_keys"]
+        if self.keep_scores or self.implementation != "pallas":
+            # The group's keys of every request, read through the table: [B, S, N], O(B S N)
+            # per step, the keys the indexer reads anyway.
+            keys = read_pool_keys(carry["index_keys"], self.table, g)
         if self.keep_scores:
             # The same scores and rule as xla_select; kept (-inf where not visible).
-            scores = indexer_scores(q, w, ik[g])
+            scores = indexer_scores(q, w, keys)
             allowed = jnp.arange(scores.shape[-1])[None, None, :] < visible[..., None]
             self.group_scores.append(jnp.where(allowed, scores, -jnp.inf))
             if self.implementation != "pallas":
@@ -137,11 +155,14 @@ class OffloadBackend:
         if self.implementation == "pallas":
             from pallas_kernels.lim import lim
 
-            # LIM: scores and the slot lookup in one pass over the group's keys and map.
-            tokens, slots, _ = lim(q, w, ik, carry["slots"][0], visible.astype(jnp.int32),
-                                   k=k, group=g, interpret=self.interpret)
+            # LIM: scores and the slot lookup in one pass over the group's keys and map; the
+            # keys are DMA'd page by page from the key pool through the scalar-prefetched
+            # page table.
+            tokens, slots, _ = lim(q, w, carry["index_keys"], carry["slots"][0],
+                                   visible.astype(jnp.int32), k=k, group=g,
+                                   page_table=self.table, interpret=self.interpret)
             return tokens, tokens >= 0, slots
-        return xla_select(ik[g], q, w, visible, k)
+        return xla_select(keys, q, w, visible, k)
 
     def plan_group(self, carry, g, tokens, mask, slots):
         oc = self.offload
@@ -169,14 +190,14 @@ class OffloadBackend:
 
             # CopySFA: hits from the hot cache, misses from host pages straight into their
             # victim slots and the attention workspace, in the canonical order.
-            num_l, batch, pages, page, width = self.host_kv.shape
-            host = self.host_kv.reshape(num_l, batch, pages * page, width)
-            out, hot = copy_sfa(q_lat, q_pe, hot, host, jnp.where(plan.mask, plan.read_row, -1),
+            # The misses are read through the page table (scalar-prefetched page ids).
+            out, hot = copy_sfa(q_lat, q_pe, hot, self.host_kv,
+                                jnp.where(plan.mask, plan.read_row, -1),
                                 plan.miss_tokens, plan.victims, plan.num_miss,
                                 scale=softmax_scale(self.config), layer=l,
-                                interpret=self.interpret)
+                                page_table=self.table, interpret=self.interpret)
             return {**carry, "hot": hot}, out
-        hot, out = gather_attend(hot, self.host_kv, l, plan, q_lat, q_pe,
+        hot, out = gather_attend(hot, self.host_kv, self.table, l, plan, q_lat, q_pe,
                                  scale=softmax_scale(self.config), chunk=oc.miss_chunk,
                                  on_host=self.on_host, access=oc.host_access)
         return {**carry, "hot": hot}, out
@@ -205,7 +226,8 @@ def _decode_jit(params, state: DecodeState, tokens, active=None, *, config: Mode
     write_pos = jnp.where(offsets[None, :] < num_new[:, None], positions, offload.capacity)
     tail_start = (state.lengths // offload.page_size) * offload.page_size
     backend = OffloadBackend(config, offload, state.host.kv, tail_start, state.step,
-                             implementation, interpret, active, keep_scores=scores)
+                             implementation, interpret, active, keep_scores=scores,
+                             table=state.table)
     p = state.policy
     carry = {
         "hot": state.hot,
@@ -218,12 +240,13 @@ def _decode_jit(params, state: DecodeState, tokens, active=None, *, config: Mode
     z = offload.page_size
     tail_row = offload.hot_slots + ((positions // z) % 2) * z + positions % z
     new_rows = carry["hot"][:, jnp.arange(batch)[:, None], tail_row]  # [L, B, W, D+R]
-    host_kv = host_write_rows(state.host.kv, new_rows, write_pos,
+    host_kv = host_write_rows(state.host.kv, state.table, new_rows, write_pos,
                               on_host=offload.host_memory_kind != "device",
                               access=offload.host_access)
     stamp, hand, last_used, ref, key = carry["policy"]
     new_state = DecodeState(
         host=HostPages(kv=host_kv),
+        table=state.table,
         hot=carry["hot"],
         index_keys=carry["index_keys"],
         slots=CacheSlots(*carry["slots"]),
@@ -265,16 +288,20 @@ def _decode_checked(params, state: DecodeState, tokens, active=None, *, config: 
 def check_state(state: DecodeState, *, config: ModelConfig, offload: OffloadConfig) -> None:
     """Raise ValueError unless `state` was built for this config and offload setting.
 
-    Static (shape, dtype, memory kind) checks only: a state stepped with another setting would
-    read the wrong tail rows and maps without any error.
+    Static (shape, dtype, memory kind) checks only (`decode_step(check=True)` checks the page
+    table's values): a state stepped with another setting would read the wrong tail rows and
+    maps without any error.
     """
     offload.validate_for(config)
     batch = state.batch
+    frames = state.host.kv.shape[1]  # F: pages in the pools, any size
+    check_table(state.table, batch=batch, num_pages=offload.num_pages, num_frames=frames,
+                values=False)
     expect = {
         "hot": (state.hot.shape, (config.num_layers, batch, offload.rows, config.kv_width)),
-        "host.kv": (state.host.kv.shape, (config.num_layers, batch, offload.num_pages,
-                                          offload.page_size, config.kv_width)),
-        "index_keys": (state.index_keys.shape, (config.num_groups, batch, offload.capacity,
+        "host.kv": (state.host.kv.shape, (config.num_layers, frames, offload.page_size,
+                                          config.kv_width)),
+        "index_keys": (state.index_keys.shape, (config.num_groups, frames, offload.page_size,
                                                 config.index_head_dim)),
         "slots.token_to_slot": (state.slots.token_to_slot.shape,
                                 (config.num_groups, batch, offload.capacity)),
@@ -321,10 +348,12 @@ def decode_step(params, state: DecodeState, tokens, *, config: ModelConfig,
     host pages must be in "device" memory kind: a jit mixing an interpret-mode kernel with a
     host-memory array fails in JAX) or None (by backend): see fo_jax.kernels.
     Shapes (and host token ids, in numpy before any cast) are always validated; with `check`,
-    device token ids and host capacity are validated against concrete values too (a read of
-    `state.lengths`). Errors are raised before any state changes. Traced values (the step
-    under an outer `jax.jit`, `lax.scan` or `lax.while_loop`) get the static checks only; checked
-    or not, no request grows past capacity (tokens beyond it are dropped in the program).
+    device token ids, host capacity and the page table are validated against concrete values
+    too (a read of `state.lengths` and of the [B, P] table: ids in [-1, F), no pool page held
+    twice, and every page the step writes held). Errors are raised before any state changes.
+    Traced values (the step under an outer `jax.jit`, `lax.scan` or `lax.while_loop`) get the
+    static checks only; checked or not, no request grows past capacity (tokens beyond it are
+    dropped in the program).
     debug: check the state's invariants on the device after the step (fo_jax.offload.checks:
     maps, occupancy, selection, rows read, finite logits; O(G B (S + C)) more work, a second
     compiled program) and raise AssertionError naming the first violation (the input state is
@@ -351,6 +380,10 @@ def decode_step(params, state: DecodeState, tokens, *, config: ModelConfig,
         if active is not None and is_concrete(active):
             taken = np.where(np.asarray(active), taken, 0)
         check_capacity(state.lengths, taken, state.capacity, config, what="the host pages'")
+        if is_concrete(state.table):
+            check_table(state.table, batch=state.batch, num_pages=offload.num_pages,
+                        num_frames=state.num_frames)
+            check_table_covers(state.table, np.asarray(state.lengths) + taken, offload.page_size)
     if debug and is_concrete(state.lengths):
         err, out = _decode_checked(params, state, tokens, active, config=config, offload=offload,
                                    implementation=implementation,

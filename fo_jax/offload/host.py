@@ -27,8 +27,11 @@ prefill under both). Their costs differ: "slices" pays one loop trip (a few tiny
 one row-sized copy) per row, which suits decode (misses and W new rows per layer) but makes the
 prefill write-back B T trips per layer; if an accelerator compiles only "slices" and the
 write-back is then slow, the next step is a page-granular write of each request's contiguous
-run of new rows. `load_history` is one dynamic slice of whole pages moved to the device
-under both settings: that is already the pattern of the "slices" setting.
+run of new rows. `load_history` moves whole pages: one gather of pages ("gather") or one
+dynamic slice per page ("slices"), since a request's pages need not be contiguous in the pool.
+
+Every access goes through the page table [B, P] (see the "Page tables" note below): host pages
+are one pool [L, F, Z, D+R] that requests share.
 
 What is known about accelerators (design brief, section 5; none of it shows on a CPU, whose
 compiler drops memory spaces and compiles every move to nothing):
@@ -98,52 +101,75 @@ def check_host_access(access: str) -> None:
         raise ValueError(f"host_access={access!r}; choose one of {HOST_ACCESS}")
 
 
+# Page tables ----------------------------------------------------------------------------------
+#
+# Host pages are a pool [L, F, Z, D+R]; a request's token t lives in pool page table[b, t // Z]
+# at offset t % Z (table [B, P] int32 on the device, -1 for pages not held). Every function below
+# reads and writes through the table: reads of a page not held (only padding entries, never a
+# stored token) read page 0 and are never used; writes to it are dropped.
+
+
+def _frame(table, b, token, page: int):
+    """Pool page of `token` of request(s) b ([...] ints), -1 where the page is not held."""
+    table = jnp.asarray(table)
+    pages = table.shape[1]
+    p = jnp.clip(token // page, 0, pages - 1)
+    frame = table[b, p]
+    return jnp.where((token >= 0) & (token < pages * page), frame, -1)
+
+
 # "gather" helpers -----------------------------------------------------------------------------
 
 _ROWS = jax.lax.GatherDimensionNumbers(offset_dims=(2,), collapsed_slice_dims=(0, 1),
                                        start_index_map=(0, 1))
-# Writes index the pages [L, B, P, Z, D+R] themselves with (layer, request, page, offset): a
-# scatter through the [L * B, P * Z, D+R] view made XLA give the pages another layout at B = 1,
-# two whole copies per step.
+# Writes index the pool [L, F, Z, D+R] itself with (layer, pool page, offset): a scatter
+# through a flat view once made XLA give the pages another layout at B = 1, two whole copies per
+# step.
 _WRITE = jax.lax.ScatterDimensionNumbers(update_window_dims=(3,),
-                                         inserted_window_dims=(0, 1, 2, 3),
-                                         scatter_dims_to_operand_dims=(0, 1, 2, 3))
+                                         inserted_window_dims=(0, 1, 2),
+                                         scatter_dims_to_operand_dims=(0, 1, 2))
 
 
-def _host_index(host_kv, layer, tokens):
-    """[B, n, 2] (layer * B + b, token) indices into host_kv viewed as [L * B, P * Z, D+R].
+def _host_index(host_kv, table, layer, tokens):
+    """[B, n, 2] (layer, pool page * Z + offset) indices into host_kv viewed as [L, F Z, D+R].
 
-    Two int32 coordinates instead of one flat row index: L * B and P * Z each fit int32 at
-    real sizes, their product does not.
+    Two int32 coordinates instead of one flat row index: L and F Z each fit int32 at real
+    sizes, their product may not. Pages not held read pool row 0 (never used).
     """
+    page = host_kv.shape[2]
     batch = tokens.shape[0]
-    rows = layer * batch + jnp.arange(batch, dtype=jnp.int32)[:, None]
-    return jnp.stack([jnp.broadcast_to(rows, tokens.shape), tokens], axis=-1)
+    frame = _frame(table, jnp.arange(batch, dtype=jnp.int32)[:, None], tokens, page)
+    rows = jnp.maximum(frame, 0) * page + tokens % page
+    layers = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), tokens.shape)
+    return jnp.stack([layers, rows.astype(jnp.int32)], axis=-1)
 
 
 # "slices" helpers -----------------------------------------------------------------------------
 
 
-def _read_row(host_kv, layer, b, token, on_host: bool):
+def _read_row(host_kv, table, layer, b, token, on_host: bool):
     """[1, 1, D+R] device copy of row `token` of request b, layer `layer`: one dynamic slice of
-    the host array, moved to the device (the pattern XLA turns into a DMA of just that row)."""
-    page = host_kv.shape[3]
-    start = (jnp.asarray(layer, jnp.int32), b, token // page, token % page, jnp.int32(0))
-    row = jax.lax.dynamic_slice(host_kv, start, (1, 1, 1, 1, host_kv.shape[4]))
-    return to_device(row, on_host).reshape(1, 1, host_kv.shape[4])
+    the host pool at (layer, table[b, token // Z], token % Z), moved to the device (the pattern
+    XLA turns into a DMA of just that row)."""
+    page = host_kv.shape[2]
+    frame = jnp.maximum(_frame(table, b, token, page), 0)
+    start = (jnp.asarray(layer, jnp.int32), frame, token % page, jnp.int32(0))
+    row = jax.lax.dynamic_slice(host_kv, start, (1, 1, 1, host_kv.shape[3]))
+    return to_device(row, on_host).reshape(1, 1, host_kv.shape[3])
 
 
-def _write_slices(host_kv, first_layer, rows, positions, on_host: bool):
+def _write_slices(host_kv, table, first_layer, rows, positions, on_host: bool):
     """Rows [n, B, T, D+R] into layers first_layer .. first_layer + n - 1 at positions [B, T].
 
-    One trip per written row: n x (entries with 0 <= position < S); the others are dropped.
-    Each trip moves one device row to host memory and writes it with a dynamic update slice
-    whose operand, update and result all live in host memory.
+    One trip per written row: n x (entries with 0 <= position < S in a held page); the others
+    are dropped. Each trip moves one device row to host memory and writes it with a dynamic
+    update slice whose operand, update and result all live in host memory.
     """
     num_n, batch, num_t, width = rows.shape
-    page, cap = host_kv.shape[3], host_kv.shape[2] * host_kv.shape[3]
+    page = host_kv.shape[2]
     positions = positions.astype(jnp.int32)
-    valid = ((positions >= 0) & (positions < cap)).reshape(-1)
+    frames = _frame(table, jnp.arange(batch, dtype=jnp.int32)[:, None], positions, page)
+    valid = (frames >= 0).reshape(-1)
     order = jnp.argsort(~valid, stable=True).astype(jnp.int32)  # valid entries first
     count = jnp.sum(valid, dtype=jnp.int32)
     first_layer = jnp.asarray(first_layer, jnp.int32)
@@ -154,9 +180,9 @@ def _write_slices(host_kv, first_layer, rows, positions, on_host: bool):
         layer, b, t = i // count, entry // num_t, entry % num_t
         pos = positions[b, t]
         row = jax.lax.dynamic_slice(rows, (layer, b, t, jnp.int32(0)), (1, 1, 1, width))
-        row = to_host(row.reshape(1, 1, 1, 1, width), on_host)
+        row = to_host(row.reshape(1, 1, 1, width), on_host)
         return jax.lax.dynamic_update_slice(
-            host, row, (first_layer + layer, b, pos // page, pos % page, jnp.int32(0)))
+            host, row, (first_layer + layer, frames[b, t], pos % page, jnp.int32(0)))
 
     return jax.lax.fori_loop(0, num_n * count, body, host_kv)
 
@@ -164,24 +190,26 @@ def _write_slices(host_kv, first_layer, rows, positions, on_host: bool):
 # Decode: miss gather, write-through ------------------------------------------------------------
 
 
-def host_gather_rows(host_kv, layer, tokens, count, *, chunk: int, on_host: bool,
+def host_gather_rows(host_kv, table, layer, tokens, count, *, chunk: int, on_host: bool,
                      access: str = "gather"):
-    """Rows of `tokens` of one layer, from host pages to the device.
+    """Rows of `tokens` of one layer, from the host pool to the device, through the table.
 
     Args:
-      host_kv: [L, B, P, Z, D+R] host pages; layer: [] int; tokens: [B, M] (-1 padding last);
-      count: [B] real entries per request; chunk: rows per gather ("gather" only);
-      on_host: whether host_kv lives in host memory; access: "gather" or "slices".
+      host_kv: [L, F, Z, D+R] host pool; table: [B, P] int32 page table; layer: [] int;
+      tokens: [B, M] (-1 padding last); count: [B] real entries per request; chunk: rows per
+      gather ("gather" only); on_host: whether host_kv lives in host memory; access: "gather"
+      or "slices".
     Returns:
       [B, M, D+R] device rows (entries past `count` are unspecified).
     "gather" moves ceil(max(count) / chunk) * chunk rows per request, not M: a while loop whose
     trip count is the number of chunks actually needed, each chunk one gather on the host array
     with host-side indices, then one move of just those rows to the device. "slices" moves
-    sum(count) rows: one trip per real entry, one dynamic slice of one host row each.
+    sum(count) rows: one trip per real entry, one dynamic slice of one host row each. The table
+    lookups are B M reads of the [B, P] table on the device.
     """
     check_host_access(access)
     batch, size = tokens.shape
-    num_l, _, pages, page, width = host_kv.shape
+    num_l, frames, page, width = host_kv.shape
     if access == "slices":
         count = jnp.clip(count.astype(jnp.int32), 0, size)
         ends = jnp.cumsum(count)
@@ -190,15 +218,15 @@ def host_gather_rows(host_kv, layer, tokens, count, *, chunk: int, on_host: bool
         def body(i, out):
             b = jnp.sum(ends <= i, dtype=jnp.int32)  # entry i belongs to request b
             m = i - (ends[b] - count[b])
-            row = _read_row(host_kv, layer, b, tokens[b, m], on_host)
+            row = _read_row(host_kv, table, layer, b, tokens[b, m], on_host)
             return jax.lax.dynamic_update_slice(out, row, (b, m, jnp.int32(0)))
 
         out = jnp.zeros((batch, size, width), host_kv.dtype)
         return jax.lax.fori_loop(0, ends[-1], body, out)
-    rows_kv = host_kv.reshape(num_l * batch, pages * page, width)
+    rows_kv = host_kv.reshape(num_l, frames * page, width)
     padded = -(-size // chunk) * chunk
     tokens = jnp.pad(jnp.maximum(tokens, 0), ((0, 0), (0, padded - size)))
-    index = _host_index(host_kv, layer, tokens)  # [B, padded, 2]
+    index = _host_index(host_kv, table, layer, tokens)  # [B, padded, 2]
     out = jnp.zeros((batch, padded, width), host_kv.dtype)
     trips = (jnp.max(count) + chunk - 1) // chunk
 
@@ -214,25 +242,29 @@ def host_gather_rows(host_kv, layer, tokens, count, *, chunk: int, on_host: bool
     return out[:, :size]
 
 
-def host_write_rows(host_kv, rows_kv, positions, *, on_host: bool, access: str = "gather"):
-    """Write new rows [L, B, T, D+R] at token positions [B, T] into host pages (only them).
+def host_write_rows(host_kv, table, rows_kv, positions, *, on_host: bool,
+                    access: str = "gather"):
+    """Write new rows [L, B, T, D+R] at token positions [B, T] into the host pool (only them),
+    through the page table [B, P].
 
-    A position past capacity (only possible with unchecked inputs) is dropped, never written
-    out of bounds. "gather": one scatter of L B T rows; "slices": one dynamic update slice per
-    row, L x (positions in [0, S)) trips.
+    A position past capacity (only possible with unchecked inputs) or in a page not held (-1)
+    is dropped, never written out of bounds. "gather": one scatter of L B T rows; "slices": one
+    dynamic update slice per row, L x (positions in held pages) trips.
     """
     check_host_access(access)
     if access == "slices":
-        return _write_slices(host_kv, 0, rows_kv, positions, on_host)
-    num_l, batch, _, page, _ = host_kv.shape
+        return _write_slices(host_kv, table, 0, rows_kv, positions, on_host)
+    num_l, num_frames, page, _ = host_kv.shape
+    batch = positions.shape[0]
     shape = (num_l,) + positions.shape  # [L, B, T]
     positions = positions.astype(jnp.int32)
+    frames = _frame(table, jnp.arange(batch, dtype=jnp.int32)[:, None], positions, page)
+    frames = jnp.where(frames >= 0, frames, num_frames)  # dropped
     index = jnp.stack([
         jnp.broadcast_to(jnp.arange(num_l, dtype=jnp.int32)[:, None, None], shape),
-        jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[None, :, None], shape),
-        jnp.broadcast_to(positions // page, shape),
+        jnp.broadcast_to(frames, shape),
         jnp.broadcast_to(positions % page, shape),
-    ], axis=-1)  # [L, B, T, 4]; a position outside [0, S) has its page outside [0, P)
+    ], axis=-1)  # [L, B, T, 3]
     return jax.lax.scatter(host_kv, to_host(index, on_host),
                            to_host(rows_kv.astype(host_kv.dtype), on_host), _WRITE,
                            mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
@@ -241,40 +273,63 @@ def host_write_rows(host_kv, rows_kv, positions, *, on_host: bool, access: str =
 # Prefill: history load, write-back -------------------------------------------------------------
 
 
-def load_history(host_kv, layer, *, history_pages: int, on_host: bool):
+def load_history(host_kv, table, layer, *, history_pages: int, on_host: bool,
+                 access: str = "gather"):
     """Layer `layer`'s first `history_pages` pages of every request, as device rows.
 
     Args:
-      host_kv: [L, B, P, Z, D+R] host pages; layer: [] int (may be traced).
+      host_kv: [L, F, Z, D+R] host pool; table: [B, P] page table; layer: [] int (may be
+        traced).
     Returns:
-      [B, history_pages * Z, D+R] device rows (the caller writes them into its layer buffer).
-    One host read of [1, B, history_pages, Z, D+R] (a dynamic slice, the pattern XLA's host
-    offloading handles, under both access settings) and one move to the device.
+      [B, history_pages * Z, D+R] device rows (the caller writes them into its layer buffer);
+      pages not held read pool page 0 (they hold no stored token).
+    Whole pages move: B x history_pages pages of [Z, D+R]. "gather": one gather of those pages
+    on the host pool with host-side indices, then one move to the device; "slices": one dynamic
+    slice of one page per trip (B history_pages trips), each moved to the device.
     """
-    _, batch, _, page, width = host_kv.shape
-    pages = jax.lax.dynamic_slice(host_kv, (layer, 0, 0, 0, 0),
-                                  (1, batch, history_pages, page, width))
+    check_host_access(access)
+    _, _, page, width = host_kv.shape
+    batch = table.shape[0]
+    frames = jnp.maximum(jnp.asarray(table)[:, :history_pages], 0)  # [B, history_pages]
+    layer = jnp.asarray(layer, jnp.int32)
+    if access == "slices":
+        def body(i, out):
+            b, p = i // history_pages, i % history_pages
+            got = jax.lax.dynamic_slice(host_kv, (layer, frames[b, p], jnp.int32(0),
+                                                  jnp.int32(0)), (1, 1, page, width))
+            return jax.lax.dynamic_update_slice(out, to_device(got, on_host),
+                                                (b, p, jnp.int32(0), jnp.int32(0)))
+
+        out = jnp.zeros((batch, history_pages, page, width), host_kv.dtype)
+        out = jax.lax.fori_loop(0, batch * history_pages, body, out)
+        return out.reshape(batch, history_pages * page, width)
+    layers = jnp.broadcast_to(layer, frames.shape)
+    pages = host_kv[to_host(layers, on_host), to_host(frames, on_host)]  # [B, hp, Z, D+R]
     return to_device(pages, on_host).reshape(batch, history_pages * page, width)
 
 
-def write_back_rows(host_kv, layer, rows, write_pos, *, on_host: bool, access: str = "gather"):
-    """Write one layer's new rows [B, T, D+R] at positions [B, T] into host pages (only them).
+def write_back_rows(host_kv, table, layer, rows, write_pos, *, on_host: bool,
+                    access: str = "gather"):
+    """Write one layer's new rows [B, T, D+R] at positions [B, T] into the host pool (only
+    them), through the page table.
 
-    Positions >= S (padding entries) are dropped. "gather": a scatter with (layer, request,
-    position) indices moved to host memory with the rows (no flat row index: L * B * S overflows
-    int32 at real sizes); "slices": one dynamic update slice per row written.
+    Positions >= S (padding entries) and positions in pages not held are dropped. "gather": a
+    scatter with (layer, pool page, offset) indices moved to host memory with the rows (no flat
+    row index: L F Z overflows int32 at real sizes); "slices": one dynamic update slice per row
+    written.
     """
     check_host_access(access)
     if access == "slices":
-        return _write_slices(host_kv, layer, rows[None], write_pos, on_host)
-    num_l, batch, pages, page, width = host_kv.shape
-    by_token = host_kv.reshape(num_l, batch, pages * page, width)
+        return _write_slices(host_kv, table, layer, rows[None], write_pos, on_host)
+    num_frames, page = host_kv.shape[1], host_kv.shape[2]
+    batch = write_pos.shape[0]
+    write_pos = write_pos.astype(jnp.int32)
+    frames = _frame(table, jnp.arange(batch, dtype=jnp.int32)[:, None], write_pos, page)
+    frames = jnp.where(frames >= 0, frames, num_frames)  # dropped
     layers = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), write_pos.shape)
-    requests = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], write_pos.shape)
-    by_token = by_token.at[to_host(layers, on_host), to_host(requests, on_host),
-                           to_host(write_pos, on_host)].set(
+    return host_kv.at[to_host(layers, on_host), to_host(frames, on_host),
+                      to_host(write_pos % page, on_host)].set(
         to_host(rows.astype(host_kv.dtype), on_host), mode="drop")
-    return by_token.reshape(host_kv.shape)
 
 
 __all__ = [
@@ -290,14 +345,16 @@ __all__ = [
 ]
 
 
-def host_rows_at(host_kv, layer, batch_idx, tokens, on_host: bool):
-    """host_kv[layer, b, t // Z, t % Z] for index arrays of one shape: [..., D + R] device rows.
+def host_rows_at(host_kv, table, layer, batch_idx, tokens, on_host: bool):
+    """host_kv[layer, table[b, t // Z], t % Z] for index arrays of one shape: [..., D + R]
+    device rows (pages not held read pool page 0).
 
     For the debug checks (fo_jax.offload.checks), which compare device rows with their host
     rows: one gather on host memory with host-side indices, then a move of just those rows to
     the device. Deliberately not the decode step's own miss loop, so a bug there cannot cancel
     itself out. Touches as many rows as there are indices.
     """
-    z = host_kv.shape[3]
-    idx = to_host((layer, batch_idx, tokens // z, tokens % z), on_host)
+    z = host_kv.shape[2]
+    frames = jnp.maximum(_frame(table, batch_idx, tokens, z), 0)
+    idx = to_host((layer, frames, tokens % z), on_host)
     return to_device(host_kv[idx], on_host)

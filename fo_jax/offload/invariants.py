@@ -19,6 +19,8 @@ def check_invariants(state: DecodeState, *, config: ModelConfig, offload: Offloa
     """Raise AssertionError unless every invariant of the offloaded state holds.
 
     Checks:
+      * page table: every page holding a stored token (t < length) is held (table entry >= 0
+        and < F), and no pool page is held twice; every host row below is read through it;
       * slot maps: token_to_slot and slot_to_token are inverse on resident tokens, indices in
         range, no tail token (position >= tail start) holds a slot;
       * every hot-cache row equals its token's row in host pages (every layer of the group);
@@ -41,9 +43,21 @@ def check_invariants(state: DecodeState, *, config: ModelConfig, offload: Offloa
     s2t = np.asarray(state.slots.slot_to_token)
     lengths = np.asarray(state.lengths)
     hot = np.asarray(state.hot).astype(np.float32)
-    host = read_back(state.host.kv).astype(np.float32)
-    num_l, batch, pages, _, width = host.shape
-    host_tok = host.reshape(num_l, batch, pages * z, width)
+    host = read_back(state.host.kv).astype(np.float32)  # [L, F, Z, D+R]
+    table = np.asarray(state.table)
+    batch, pages = table.shape
+    num_frames = host.shape[1]
+    for b in range(batch):
+        need = -(-int(lengths[b]) // z)
+        bad = np.flatnonzero((table[b, :need] < 0) | (table[b, :need] >= num_frames))
+        assert bad.size == 0, (
+            f"request {b}: page {bad[:1]} holds stored tokens (length {lengths[b]}) but its "
+            f"page table entry is {table[b, bad[:1]]}, not a pool page in [0, {num_frames})")
+    held = table[table >= 0]
+    assert np.unique(held).size == held.size, "a pool page is held by two page table entries"
+    # Every request's host rows, read through the table: [L, B, S, D+R].
+    host_tok = host[:, np.maximum(table, 0)].reshape(host.shape[0], batch, pages * z,
+                                                     host.shape[-1])
     tail_start = (lengths // z) * z
     checked = range(batch) if seats is None else np.flatnonzero(np.asarray(seats, bool))
     for g, (lo, hi) in enumerate(config.group_bounds):

@@ -10,7 +10,10 @@ buffers [n, B, S, D+R] instead of all L layers. Buffer 0 holds layer 0 for the w
 is loaded before the layer loop, so compute starts at once); buffers 1 .. n-1 rotate over layers
 >= 1, layer j in buffer `buffer_of_layer(j, n)` = 1 + (j - 1) % (n - 1). A binding table [n]
 (the layer each buffer holds, -1 none) rides in the loop carry next to the buffers; the indexer
-keys [G, B, S, N] live apart and are never touched by rotation.
+keys live apart and are never touched by rotation. Host KV [L, F, Z, D+R] and indexer keys
+[G, F, Z, N] are pools read and written through the state's page table [B, P] (history loads,
+write-backs, key writes, the selection's key reads); the layer buffers are per request
+[n, B, S, D+R]. `PrefillState.create` builds the identity table by default.
 
 It is a backend of the shared layer loop `fo_jax.model.forward`, so the attention math is the
 resident path's own. At layer i (`OffloadPrefillBackend.attend`):
@@ -77,10 +80,17 @@ from fo_jax.offload.state import (
     CacheSlots,
     DecodeState,
     HostPages,
+    check_table,
+    check_table_covers,
     committed,
     host_sharding,
     initial_layout,
+    make_table,
+    pool_to_tokens,
+    read_back,
+    read_pool_keys,
     to_memory_kind,
+    write_pool_keys,
 )
 from fo_jax.resident import (
     QUERY_BLOCK,
@@ -168,25 +178,31 @@ class PrefillState:
     """What the offloaded prefill reads and writes between chunks.
 
     Attributes:
-      host: HostPages, kv [L, B, P, Z, D + R] kv_dtype in `pinned_host` memory (the
-        authoritative KV; token t of request b, layer l at kv[l, b, t // Z, t % Z]).
-      index_keys: [G, B, S, N] kv_dtype on the device (S = P * Z).
+      host: HostPages, kv [L, F, Z, D + R] kv_dtype in `pinned_host` memory (the
+        authoritative KV, a pool of F pages; token t of request b, layer l at
+        kv[l, table[b, t // Z], t % Z]).
+      table: [B, P] int32 page table into both pools (-1: page not held); S = P * Z.
+      index_keys: [G, F, Z, N] kv_dtype on the device, the indexer-key pool.
       lengths: [B] int32 tokens stored per request.
     """
 
     host: HostPages
+    table: jax.Array
     index_keys: jax.Array
     lengths: jax.Array
 
     @classmethod
     def create(cls, config: ModelConfig, *, batch: int, capacity: int | None = None,
                page_size: int = 16, fill: float = 0.0,
-               memory_kind: str = "pinned_host") -> "PrefillState":
+               memory_kind: str = "pinned_host", num_frames: int | None = None,
+               table=None) -> "PrefillState":
         """An empty state; host pages are built in host memory (never all on the device).
 
         `fill` is the value of unwritten rows (tests use NaN so a stray read shows);
         `memory_kind` "device" is for Pallas interpret mode only (a jit holding an interpret-mode
-        kernel and a host-memory array fails in JAX).
+        kernel and a host-memory array fails in JAX). `num_frames` (F, default B P) pages in
+        the pools, `table` [B, P] int32 the page table (default the identity, table[b, p] =
+        b P + p; see `fo_jax.offload.state.check_table`).
         """
         capacity = config.max_seq_len if capacity is None else capacity
         if batch < 1:
@@ -199,22 +215,39 @@ class PrefillState:
         if memory_kind not in MEMORY_KINDS:
             raise ValueError(f"{memory_kind=}; choose one of {MEMORY_KINDS}")
         dt = config.jnp_kv_dtype
-        shape = (config.num_layers, batch, capacity // page_size, page_size, config.kv_width)
+        table, num_frames = make_table(table, num_frames, batch=batch,
+                                       num_pages=capacity // page_size)
+        shape = (config.num_layers, num_frames, page_size, config.kv_width)
         host = jax.device_put(np.full(shape, fill, dt), host_sharding(memory_kind))
         return cls(
             host=HostPages(kv=host),
-            index_keys=jnp.full((config.num_groups, batch, capacity, config.index_head_dim),
-                                fill, dt),
+            table=table,
+            index_keys=jnp.full((config.num_groups, num_frames, page_size,
+                                 config.index_head_dim), fill, dt),
             lengths=jnp.zeros((batch,), jnp.int32),
         )
 
     @property
     def batch(self) -> int:
-        return self.host.kv.shape[1]
+        return self.table.shape[0]
 
     @property
     def capacity(self) -> int:
-        return self.host.kv.shape[2] * self.host.kv.shape[3]
+        return self.table.shape[1] * self.host.page_size
+
+    @property
+    def num_frames(self) -> int:
+        return self.host.num_frames
+
+    def token_rows(self) -> np.ndarray:
+        """[L, B, S, D + R] numpy: every request's host rows read through the table (debug
+        reads, O(L B S); pages not held read as NaN)."""
+        return np.asarray(pool_to_tokens(jnp.asarray(read_back(self.host.kv)), self.table,
+                                         jnp.nan))
+
+    def token_index_keys(self) -> np.ndarray:
+        """[G, B, S, N] numpy: every request's indexer keys read through the table."""
+        return np.asarray(pool_to_tokens(self.index_keys, self.table, jnp.nan))
 
     @property
     def page_size(self) -> int:
@@ -232,29 +265,31 @@ def layer_bytes(config: ModelConfig, *, batch: int, capacity: int) -> int:
 class OffloadPrefillBackend:
     """Backend of `forward` over (layer buffers, binding table, host pages, indexer keys).
 
-    carry = {"buffers": [n, B, S, D+R], "binding": [n] int32, "host": [L, B, P, Z, D+R],
-             "index_keys": [G, B, S, N]}
+    carry = {"buffers": [n, B, S, D+R], "binding": [n] int32, "host": [L, F, Z, D+R],
+             "index_keys": [G, F, Z, N]}; both pools are read and written through `table`
+    [B, P] (the buffers are per request: [B, S]).
     """
 
     def __init__(self, config: ModelConfig, dense: bool, schedule: PrefillSchedule, *,
                  history_pages: int, poison: bool, on_host: bool, access: str = "gather",
-                 query_block: int | None = None):
+                 query_block: int | None = None, table=None):
         self.config, self.dense, self.schedule = config, dense, schedule
+        self.table = table
         self.query_block = query_block
         self.history_pages, self.poison, self.on_host = history_pages, poison, on_host
         self.access = access
 
     def write_index_keys(self, carry, g, keys, write_pos):
-        ik = carry["index_keys"]
-        rows = jnp.arange(ik.shape[1])[:, None]
-        ik = ik.at[g, rows, write_pos].set(keys.astype(ik.dtype), mode="drop")
+        ik = write_pool_keys(carry["index_keys"], self.table, g, keys, write_pos)
         return {**carry, "index_keys": ik}
 
     def index_keys(self, carry, g):
-        return carry["index_keys"][g]
+        return read_pool_keys(carry["index_keys"], self.table, g)
 
     def select(self, carry, g, q, w, visible, k):
-        return xla_select(carry["index_keys"][g], q, w, visible, k, key_block=self.query_block)
+        # The group's keys read through the table ([B, S, N]: the keys the indexer reads).
+        return xla_select(read_pool_keys(carry["index_keys"], self.table, g), q, w, visible, k,
+                          key_block=self.query_block)
 
     def plan_group(self, carry, g, tokens, mask, slots=None):
         return carry, (tokens, mask)
@@ -271,7 +306,7 @@ class OffloadPrefillBackend:
         num_b, batch, cap, width = buffers.shape
         when = jnp.asarray(when)
         target = jnp.where(when, buffer, 0).astype(jnp.int32)
-        loaded = self.history_pages * carry["host"].shape[3]  # rows of the history pages
+        loaded = self.history_pages * carry["host"].shape[2]  # rows of the history pages
         span = loaded
         if self.poison:
             span = cap  # rows past the history are set to NaN: a stray read shows
@@ -279,8 +314,9 @@ class OffloadPrefillBackend:
             old = jax.lax.dynamic_slice(buffers, (target, 0, 0, 0), (1, batch, span, width))[0]
             if self.history_pages:
                 def read(layer):
-                    return load_history(carry["host"], layer, history_pages=self.history_pages,
-                                        on_host=self.on_host).astype(buffers.dtype)
+                    return load_history(carry["host"], self.table, layer,
+                                        history_pages=self.history_pages, on_host=self.on_host,
+                                        access=self.access).astype(buffers.dtype)
 
                 def skip(layer):
                     return jnp.zeros((batch, loaded, width), buffers.dtype)
@@ -324,8 +360,8 @@ class OffloadPrefillBackend:
         # layer's attention, or XLA's copy insertion copies the whole [n, B, S, D+R] buffers.
         buffers, out = jax.lax.optimization_barrier((buffers, out))
         # (4) write back the chunk's rows of layer l.
-        host = write_back_rows(carry["host"], l, kv_new, write_pos, on_host=self.on_host,
-                               access=self.access)
+        host = write_back_rows(carry["host"], self.table, l, kv_new, write_pos,
+                               on_host=self.on_host, access=self.access)
         carry = {**carry, "buffers": buffers, "host": host}
         # (5) prefetch onload_layer_map[l] into free buffers.
         loads, targets = (jnp.asarray(t) for t in self.schedule.tables())
@@ -351,7 +387,7 @@ def _prefill_jit(params, state: PrefillState, tokens, num_new, *, config: ModelC
     write_pos = jnp.where(offsets[None, :] < num_new[:, None], positions, cap)
     backend = OffloadPrefillBackend(config, dense, schedule, history_pages=history_pages,
                                     poison=poison, on_host=on_host, access=host_access,
-                                    query_block=query_block)
+                                    query_block=query_block, table=state.table)
     width = config.kv_width
     carry = {
         "buffers": jnp.full((schedule.num_buffers, batch, cap, width),
@@ -363,8 +399,8 @@ def _prefill_jit(params, state: PrefillState, tokens, num_new, *, config: ModelC
     carry = backend.load(carry, 0, 0)  # buffer 0: layer 0, for the whole prefill
     logits, carry = forward(params, tokens, positions, write_pos, backend, carry,
                             config=config, dense=dense, query_block=query_block)
-    new_state = PrefillState(host=HostPages(kv=carry["host"]), index_keys=carry["index_keys"],
-                             lengths=state.lengths + num_new)
+    new_state = PrefillState(host=HostPages(kv=carry["host"]), table=state.table,
+                             index_keys=carry["index_keys"], lengths=state.lengths + num_new)
     return logits, new_state
 
 
@@ -448,7 +484,15 @@ def _prefill_arguments(params, state: PrefillState, tokens, num_new, *, config: 
     if num_new.shape != (state.batch,):
         raise ValueError(f"num_new has shape {num_new.shape}, expected ({state.batch},) "
                          "(one count per request)")
-    num_pages = state.host.kv.shape[2]
+    num_pages = state.table.shape[1]
+    check_table(state.table, batch=state.batch, num_pages=num_pages,
+                num_frames=state.num_frames, values=check)
+    if tuple(state.index_keys.shape) != (config.num_groups, state.num_frames, state.page_size,
+                                         config.index_head_dim):
+        raise ValueError(f"state.index_keys has shape {tuple(state.index_keys.shape)}, expected "
+                         f"[G, F, Z, N] = {(config.num_groups, state.num_frames, state.page_size,
+                                           config.index_head_dim)} (the key pool shares the "
+                         "host pool's pages)")
     known = is_concrete(state.lengths)
     if check and is_concrete(num_new):
         if np.any(np.asarray(num_new) > num_t):
@@ -456,6 +500,9 @@ def _prefill_arguments(params, state: PrefillState, tokens, num_new, *, config: 
                              f"{num_t}")
         if known:
             check_capacity(state.lengths, num_new, state.capacity, config)
+            if is_concrete(state.table):
+                check_table_covers(state.table, np.asarray(state.lengths) + np.asarray(num_new),
+                                   state.page_size)
     if history_pages is None:
         history_pages = (history_pages_for(state.lengths, state.page_size, num_pages) if known
                          else num_pages)
@@ -475,18 +522,32 @@ def _prefill_arguments(params, state: PrefillState, tokens, num_new, *, config: 
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "on_host", "access"))
-def _gather_hot(host_kv, tokens, fill, *, chunk: int, on_host: bool, access: str):
+def _gather_hot(host_kv, table, tokens, fill, *, chunk: int, on_host: bool, access: str):
     """hot [L, B, M, D+R]: row m of request b is token tokens[b, m] of each layer, or fill."""
     num_l = host_kv.shape[0]
     batch, size = tokens.shape
     count = jnp.full((batch,), size, jnp.int32)
 
     def one_layer(layer):
-        rows = host_gather_rows(host_kv, layer, tokens, count, chunk=chunk, on_host=on_host,
-                                access=access)
+        rows = host_gather_rows(host_kv, table, layer, tokens, count, chunk=chunk,
+                                on_host=on_host, access=access)
         return jnp.where((tokens >= 0)[..., None], rows, fill.astype(rows.dtype))
 
     return jax.lax.map(one_layer, jnp.arange(num_l, dtype=jnp.int32))
+
+
+@jax.jit
+def _clear_unstored(pool, table, lengths, fill):
+    """The key pool [G, F, Z, N] with every position >= length of a held page set to `fill`
+    (what `DecodeState.from_resident` stores there); pages no request holds are left as they
+    are. O(G F Z N): the handoff's one pass."""
+    batch, pages = table.shape
+    page = pool.shape[2]
+    positions = jnp.arange(pages * page).reshape(pages, page)
+    unstored = positions[None] >= lengths[:, None, None]  # [B, P, Z]
+    frames = jnp.where(table >= 0, table, pool.shape[1])
+    clear = jnp.zeros(pool.shape[1:3], bool).at[frames].set(unstored, mode="drop")  # [F, Z]
+    return jnp.where(clear[None, :, :, None], fill, pool)
 
 
 def to_decode_state(state: PrefillState, *, config: ModelConfig, offload: OffloadConfig,
@@ -508,21 +569,21 @@ def to_decode_state(state: PrefillState, *, config: ModelConfig, offload: Offloa
             f"offload page_size={offload.page_size}, capacity={offload.capacity} must equal the "
             f"prefill state's page_size={state.page_size}, capacity={state.capacity}: the host "
             "pages are handed over as they are")
-    cap = offload.capacity
     lengths_np = np.asarray(state.lengths).astype(np.int32)
-    stored = jnp.arange(cap)[None, :] < jnp.asarray(lengths_np)[:, None]  # [B, S]
-    index_keys = jnp.where(stored[None, :, :, None], state.index_keys,
-                           jnp.asarray(fill, state.index_keys.dtype))
+    check_table_covers(state.table, lengths_np, offload.page_size)
+    index_keys = _clear_unstored(state.index_keys, state.table, jnp.asarray(lengths_np),
+                                 jnp.asarray(fill, state.index_keys.dtype))
     host = state.host.kv
     if host.sharding.memory_kind != offload.host_memory_kind:
         host = to_memory_kind(host, offload.host_memory_kind)
 
     # The same placement as DecodeState.from_resident; rows gathered from host pages.
     row_tok, slots, policy = initial_layout(config, offload, lengths_np)
-    hot = _gather_hot(host, jnp.asarray(row_tok), jnp.asarray(fill, jnp.float32),
+    hot = _gather_hot(host, state.table, jnp.asarray(row_tok), jnp.asarray(fill, jnp.float32),
                       chunk=offload.miss_chunk, on_host=in_host_memory(host),
                       access=offload.host_access)
-    return committed(DecodeState(host=HostPages(kv=host), hot=hot, index_keys=index_keys,
+    return committed(DecodeState(host=HostPages(kv=host), table=state.table, hot=hot,
+                                 index_keys=index_keys,
                                  slots=slots, policy=policy, lengths=jnp.asarray(lengths_np),
                                  step=jnp.asarray(1, jnp.int32)))
 

@@ -1,16 +1,29 @@
 """State pytrees of the offloaded decode path.
 
     DecodeState
-      host: HostPages          kv [L, B, P, Z, D+R] in host memory: the authoritative KV
+      host: HostPages          kv [L, F, Z, D+R] in host memory: the authoritative KV, a pool
+                               of F pages of Z tokens
+      table: [B, P] int32      device: the page table, page p of request b is pool page
+                               table[b, p] (-1: not held)
       hot: [L, B, C + 2Z, D+R] device rows: C hot slots, then two tail blocks of Z tokens
-      index_keys: [G, B, S, N] device: every token's indexer key (needed every step)
+      index_keys: [G, F, Z, N] device: every stored token's indexer key (needed every step),
+                               a pool addressed by the same table
       slots: CacheSlots        token_to_slot [G, B, S], slot_to_token [G, B, C] (int32, -1 = none)
       policy: PolicyState      the eviction policy's per-slot state
       lengths: [B] int32, step: [] int32
 
-The batch axis is axis 1 of every per-request array (axis 0 of `lengths`), so it can be sharded
-over a data-parallel mesh axis. Layers sharing an indexer (a group) share one plan, hence the
-slot maps are per group and the rows per layer.
+Pools and tables: token t of request b, layer l lives at host.kv[l, table[b, t // Z], t % Z] and
+its group-g indexer key at index_keys[g, table[b, t // Z], t % Z]; a page id names the same Z
+tokens in both pools, so device memory follows the pages held, not B x S. The table is the only
+per-request view of the pools: a scheduler assigns pages (`assign_pages`) and requests come and
+go without recompiling (the compiled step sees pools and tables only). Pages a request does not
+hold are -1: no token < length lives there (fo_jax.offload.invariants asserts it) and writes to
+them are dropped. `DecodeState.create` / `from_resident` build the identity table by default
+(F = B P, table[b, p] = b P + p). Hot caches stay one region of C + 2Z rows per batch seat.
+
+The batch axis is axis 1 of every per-request array (axis 0 of `lengths` and `table`), so it can
+be sharded over a data-parallel mesh axis. Layers sharing an indexer (a group) share one plan,
+hence the slot maps are per group and the rows per layer.
 
 Tokens of the two tail blocks: a token at position p with p >= tail_start = (n // Z) * Z (n the
 length before the step) lives in tail block (p // Z) % 2 at offset p % Z, is served from there,
@@ -70,18 +83,141 @@ def committed(tree):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class HostPages:
-    """The authoritative KV of every layer and request, paged in token blocks.
+    """The authoritative KV of every layer, a pool of pages of Z tokens.
 
     Attributes:
-      kv: [L, B, P, Z, D + R] kv_dtype, in `pinned_host` memory (or `device` memory under
-        Pallas interpret mode): token t of request b, layer l is kv[l, b, t // Z, t % Z].
+      kv: [L, F, Z, D + R] kv_dtype, in `pinned_host` memory (or `device` memory under
+        Pallas interpret mode): token t of request b, layer l is kv[l, table[b, t // Z], t % Z]
+        for the state's page table [B, P].
     """
 
     kv: jax.Array
 
     @property
     def page_size(self) -> int:
-        return self.kv.shape[3]
+        return self.kv.shape[2]
+
+    @property
+    def num_frames(self) -> int:
+        return self.kv.shape[1]
+
+
+# Page tables -----------------------------------------------------------------------------------
+
+
+def identity_table(batch: int, num_pages: int) -> np.ndarray:
+    """[B, P] int32: request b holds pool pages b P .. b P + P - 1 (the default layout)."""
+    return np.arange(batch * num_pages, dtype=np.int32).reshape(batch, num_pages)
+
+
+def check_table(table, *, batch: int, num_pages: int, num_frames: int,
+                values: bool = True) -> None:
+    """Raise ValueError unless `table` is a valid page table for a pool of `num_frames` pages.
+
+    Static: shape [B, P] and dtype int32. With `values` (and a concrete table; O(B P), one
+    read of the table): every entry in [-1, F), and no pool page named twice (two seats, or two
+    pages of one seat, writing the same pool page would collide).
+    """
+    shape = tuple(getattr(table, "shape", ()))
+    if shape != (batch, num_pages):
+        raise ValueError(f"page table has shape {shape}, expected [B, P] = "
+                         f"({batch}, {num_pages}) (P = capacity / page_size pages per request)")
+    if getattr(table, "dtype", None) != np.int32:
+        raise ValueError(f"page table has dtype {getattr(table, 'dtype', None)}, expected int32 "
+                         "(pool page ids, -1 for pages not held)")
+    if not values or isinstance(table, jax.core.Tracer):
+        return
+    ids = np.asarray(table)
+    bad = np.argwhere((ids < -1) | (ids >= num_frames))
+    if bad.size:
+        b, p = bad[0]
+        raise ValueError(f"page table entry [{b}, {p}] = {ids[b, p]} is outside [-1, "
+                         f"{num_frames}): ids name pages of a pool of F={num_frames} pages "
+                         "(-1 for a page not held)")
+    held = ids[ids >= 0]
+    unique, counts = np.unique(held, return_counts=True)
+    if np.any(counts > 1):
+        page = int(unique[np.argmax(counts > 1)])
+        where = np.argwhere(ids == page).tolist()
+        raise ValueError(f"pool page {page} is named by page table entries {where}: writes "
+                         "would collide; give every held page to one seat and page only")
+
+
+def check_table_covers(table, lengths, page_size: int) -> None:
+    """Raise ValueError unless every stored token (t < lengths[b]) lies in a held page (concrete
+    values only; O(B P))."""
+    ids, n = np.asarray(table), np.asarray(lengths)
+    need = -(-n // page_size)  # pages holding tokens < length
+    missing = np.argwhere((np.arange(ids.shape[1])[None, :] < need[:, None]) & (ids < 0))
+    if missing.size:
+        b, p = missing[0]
+        raise ValueError(f"request {b} holds (or is about to hold) {int(n[b])} tokens but "
+                         f"page {p} of its page table is -1 (not held): assign it a pool page "
+                         "first (`assign_pages`)")
+
+
+def pool_to_tokens(pool, table, fill=0.0):
+    """[X, B, P Z, Y] per-request view of a pool [X, F, Z, Y] through table [B, P].
+
+    Pages not held (-1) read as `fill`. Touches B P Z rows of every leading index: debug reads,
+    the handoff, and the selection (which reads every key of a request anyway).
+    """
+    batch, pages = table.shape
+    x, _, z, y = pool.shape
+    got = pool[:, jnp.maximum(table, 0)]  # [X, B, P, Z, Y]
+    got = jnp.where((table >= 0)[None, :, :, None, None], got, jnp.asarray(fill, pool.dtype))
+    return got.reshape(x, batch, pages * z, y)
+
+
+def tokens_to_pool(rows, table, num_frames: int, fill=0.0):
+    """The pool [X, F, Z, Y] holding per-request rows [X, B, P Z, Y] at table [B, P].
+
+    Pages not held by any request hold `fill`; rows of a page not held (-1) are dropped.
+    """
+    x, batch, s, y = rows.shape
+    pages = table.shape[1]
+    z = s // pages
+    pool = jnp.full((x, num_frames, z, y), fill, rows.dtype)
+    target = jnp.where(table >= 0, table, num_frames)
+    return pool.at[:, target].set(rows.reshape(x, batch, pages, z, y), mode="drop")
+
+
+def read_pool_keys(pool, table, g):
+    """Group g's indexer keys of every request, [B, S, N], read from the key pool [G, F, Z, N]
+    through the page table [B, P]: one gather of B P pages (O(B S N), the keys the selection
+    reads anyway). Pages not held read pool page 0: they hold no visible token (tokens >=
+    length are masked by the selection)."""
+    batch, pages = table.shape
+    got = pool[g, jnp.maximum(table, 0)]  # [B, P, Z, N]
+    return got.reshape(batch, pages * pool.shape[2], pool.shape[3])
+
+
+def write_pool_keys(pool, table, g, keys, write_pos):
+    """The key pool [G, F, Z, N] with keys [B, T, N] of group g written at positions [B, T]
+    through the table; positions >= S or in pages not held are dropped. Touches B T rows."""
+    num_frames, page = pool.shape[1], pool.shape[2]
+    batch, pages = table.shape
+    write_pos = write_pos.astype(jnp.int32)
+    inside = (write_pos >= 0) & (write_pos < pages * page)
+    frames = table[jnp.arange(batch)[:, None], jnp.clip(write_pos // page, 0, pages - 1)]
+    frames = jnp.where(inside & (frames >= 0), frames, num_frames)
+    return pool.at[g, frames, write_pos % page].set(keys.astype(pool.dtype), mode="drop")
+
+
+def assign_pages(state, seat, pages):
+    """`state` with seat `seat`'s page-table row set to `pages` ([P] int32, -1 for pages not
+    held): a seat joining (or growing) with pages from an allocator. Pure and jit-able; the
+    pools keep their shapes and contents and nothing recompiles (the table is an array).
+
+    Works for DecodeState and PrefillState. Only the table changes: the caller owns what else
+    a new request needs (its length, its hot maps). The pages must not be held by another seat
+    (`check_table` refuses a table that shares one when the next step is checked).
+    """
+    pages = jnp.asarray(pages, jnp.int32)
+    if pages.shape != (state.table.shape[1],):
+        raise ValueError(f"pages has shape {pages.shape}, expected ({state.table.shape[1]},) "
+                         "(one pool page id per page of a request, -1 for pages not held)")
+    return dataclasses.replace(state, table=state.table.at[seat].set(pages))
 
 
 @jax.tree_util.register_dataclass
@@ -126,9 +262,10 @@ class DecodeState:
     """Everything the offloaded decode step reads and writes (see the module docstring).
 
     Attributes:
-      host: HostPages.
+      host: HostPages, kv [L, F, Z, D + R].
+      table: [B, P] int32 page table into both pools (-1: page not held).
       hot: [L, B, C + 2Z, D + R] kv_dtype device rows.
-      index_keys: [G, B, S, N] kv_dtype.
+      index_keys: [G, F, Z, N] kv_dtype, the indexer-key pool.
       slots: CacheSlots.
       policy: PolicyState.
       lengths: [B] int32 tokens stored per request.
@@ -136,6 +273,7 @@ class DecodeState:
     """
 
     host: HostPages
+    table: jax.Array
     hot: jax.Array
     index_keys: jax.Array
     slots: CacheSlots
@@ -149,7 +287,11 @@ class DecodeState:
 
     @property
     def capacity(self) -> int:
-        return self.index_keys.shape[2]
+        return self.table.shape[1] * self.host.page_size
+
+    @property
+    def num_frames(self) -> int:
+        return self.host.num_frames
 
     def device_bytes(self) -> int:
         """Bytes of the device-resident part (everything but host pages)."""
@@ -159,17 +301,32 @@ class DecodeState:
     def host_bytes(self) -> int:
         return self.host.kv.size * self.host.kv.dtype.itemsize
 
+    def token_rows(self) -> np.ndarray:
+        """[L, B, S, D + R] numpy: every request's host rows read through the table (debug
+        reads, O(L B S); pages not held read as NaN)."""
+        host = jnp.asarray(read_back(self.host.kv))
+        return np.asarray(pool_to_tokens(host, self.table, jnp.nan))
+
+    def token_index_keys(self) -> np.ndarray:
+        """[G, B, S, N] numpy: every request's indexer keys read through the table (debug
+        reads; pages not held read as NaN)."""
+        return np.asarray(pool_to_tokens(self.index_keys, self.table, jnp.nan))
+
     # Construction ------------------------------------------------------------------------
 
     @classmethod
     def from_resident(cls, kv, index_keys, lengths, *, config: ModelConfig,
-                      offload: OffloadConfig, fill: float = 0.0) -> "DecodeState":
+                      offload: OffloadConfig, fill: float = 0.0, num_frames: int | None = None,
+                      table=None) -> "DecodeState":
         """Hand a prefilled batch over to the offloaded decode path.
 
         Args:
           kv: [L, B, S', D + R] the resident KV (S' <= offload.capacity).
           index_keys: [G, B, S', N]; lengths: [B].
           fill: value of rows that hold no token (tests use NaN so a stray read shows).
+          num_frames: F, pages in the pools; default B P.
+          table: [B, P] int32 page table (`check_table`), default the identity table
+            (needs F >= B P); every stored token must lie in a held page.
 
         The host pages receive every token; the tail blocks receive the tokens of the current,
         partly filled block; the hot cache of every layer receives the most recent
@@ -195,6 +352,9 @@ class DecodeState:
         if lengths_np.shape != (batch,) or np.any(lengths_np < 0) or np.any(lengths_np > s_in):
             raise ValueError(f"lengths {lengths_np.tolist()} must be {batch} counts in "
                              f"[0, {s_in}] (the prefilled positions)")
+        table, num_frames = make_table(table, num_frames, batch=batch,
+                                       num_pages=offload.num_pages)
+        check_table_covers(table, lengths_np, z)
         kv = jnp.pad(kv, ((0, 0), (0, 0), (0, cap - s_in), (0, 0)), constant_values=fill)
         index_keys = jnp.pad(index_keys, ((0, 0), (0, 0), (0, cap - s_in), (0, 0)),
                              constant_values=fill)
@@ -204,27 +364,50 @@ class DecodeState:
         kv = jnp.where(stored[None, :, :, None], kv, jnp.asarray(fill, kv.dtype))
         index_keys = jnp.where(stored[None, :, :, None], index_keys,
                                jnp.asarray(fill, index_keys.dtype))
-        pages = kv.reshape(num_l, batch, cap // z, z, width)
+        pages = tokens_to_pool(kv, table, num_frames, fill)
         host = HostPages(kv=to_memory_kind(pages, offload.host_memory_kind))
+        key_pool = tokens_to_pool(index_keys, table, num_frames, fill)
 
         row_tok, slots, policy = initial_layout(config, offload, lengths_np)
         # Device rows: row r of request b holds token row_tok[b, r], or `fill`.
         gathered = kv[:, jnp.arange(batch)[:, None], jnp.asarray(np.maximum(row_tok, 0))]
         hot = jnp.where(jnp.asarray(row_tok >= 0)[None, :, :, None], gathered,
                         jnp.asarray(fill, kv.dtype))
-        return committed(cls(host=host, hot=hot, index_keys=index_keys, slots=slots,
-                             policy=policy, lengths=jnp.asarray(lengths_np),
+        return committed(cls(host=host, table=table, hot=hot, index_keys=key_pool,
+                             slots=slots, policy=policy, lengths=jnp.asarray(lengths_np),
                              step=jnp.asarray(1, jnp.int32)))
 
     @classmethod
     def create(cls, config: ModelConfig, offload: OffloadConfig, *, batch: int,
-               fill: float = 0.0) -> "DecodeState":
-        """An empty state (no tokens yet) for `batch` requests."""
+               fill: float = 0.0, num_frames: int | None = None, table=None) -> "DecodeState":
+        """An empty state (no tokens yet) for `batch` requests: pools of `num_frames` pages
+        (default B P) and the page table `table` (default the identity table; see
+        `from_resident`). A serving engine builds it once with its pool size and a table of
+        -1 rows, then `assign_pages` as requests join."""
         kv = jnp.zeros((config.num_layers, batch, 1, config.kv_width), config.jnp_kv_dtype)
         keys = jnp.zeros((config.num_groups, batch, 1, config.index_head_dim),
                          config.jnp_kv_dtype)
         return cls.from_resident(kv, keys, np.zeros(batch, np.int32), config=config,
-                                 offload=offload, fill=fill)
+                                 offload=offload, fill=fill, num_frames=num_frames, table=table)
+
+
+def make_table(table, num_frames, *, batch: int, num_pages: int):
+    """(table [B, P] int32 device array, F) from the constructors' arguments, validated.
+
+    Default F = B P; default table the identity (which needs F >= B P).
+    """
+    if num_frames is None:
+        num_frames = batch * num_pages
+    if not isinstance(num_frames, (int, np.integer)) or num_frames < 1:
+        raise ValueError(f"num_frames={num_frames!r} must be a positive int (pages in the pool)")
+    num_frames = int(num_frames)
+    if table is None:
+        if num_frames < batch * num_pages:
+            raise ValueError(f"the identity page table needs num_frames >= B P = "
+                             f"{batch * num_pages}, got {num_frames}: pass a table")
+        table = identity_table(batch, num_pages)
+    check_table(table, batch=batch, num_pages=num_pages, num_frames=num_frames)
+    return jnp.asarray(table, jnp.int32), num_frames
 
 
 def rollback(state: DecodeState, num_drop) -> DecodeState:
@@ -305,8 +488,9 @@ def initial_layout(config: ModelConfig, offload: OffloadConfig, lengths: np.ndar
 def device_bytes_formula(config: ModelConfig, offload: OffloadConfig, batch: int) -> dict:
     """Device bytes of a DecodeState by the design's formula.
 
-    KV: (C + 2Z) rows of D + R per layer and request; indexer keys of all S tokens per group;
-    maps: token_to_slot [G, S] + slot_to_token [G, C] int32; policy: stamp [G, C] (+ last_used
+    KV: (C + 2Z) rows of D + R per layer and request; indexer keys of all S tokens per group
+    (a pool of F = B P pages of Z, the default); the page table [B, P] int32; maps:
+    token_to_slot [G, S] + slot_to_token [G, C] int32; policy: stamp [G, C] (+ last_used
     [G, C] for lru) + hand [G] int32 (+ ref [G, C] int8 for clock); lengths, step, key.
     """
     kvb = config.jnp_kv_dtype.itemsize
@@ -317,6 +501,7 @@ def device_bytes_formula(config: ModelConfig, offload: OffloadConfig, batch: int
     parts = {
         "kv": config.num_layers * batch * (c + 2 * z) * config.kv_width * kvb,
         "index_keys": g * batch * s * config.index_head_dim * kvb,
+        "table": 4 * batch * (s // z),
         "maps": 4 * g * batch * (s + c),
         "policy": 4 * g * batch * (c + lru + 1) + g * batch * clock + 8,
         "scalars": 4 * batch + 4,

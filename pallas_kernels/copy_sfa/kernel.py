@@ -78,6 +78,7 @@ def _copy_sfa_kernel(
     # Scalar prefetch
     num_miss_ref,  # [B] int32 in SMEM
     layer_ref,  # [1] int32 in SMEM: the layer of hot and host (unused when they are per-layer)
+    table_ref,  # [B, P] int32 in SMEM: pool page of each request's page (paged host only)
     # Inputs
     read_src_ref,  # [1, W*K] int32 in SMEM: slot >= 0, PADDING, or MISS_BASE - i for miss i
     miss_token_ref,  # [1, M] int32 in SMEM
@@ -85,7 +86,8 @@ def _copy_sfa_kernel(
     valid_ref,  # [W*K/block_k, block_k] int32 in VMEM: 1 where the entry is not padding
     q_lat_ref,  # [W, H, D] float32 in VMEM
     q_pe_ref,  # [W, H, R] float32 in VMEM
-    host_ref,  # [L, B, S, D+R] or [B, S, D+R] in host memory (pl.ANY under interpret mode)
+    host_ref,  # [L, B, S, D+R] or [B, S, D+R] (paged: [L, F, Z, D+R] or [F, Z, D+R]) in host
+    #            memory (pl.ANY under interpret mode)
     hot_ref,  # [L, B, C2, D+R] or [B, C2, D+R] in HBM; aliased to hot_out_ref, never touched
     # Outputs
     out_ref,  # [W, H, D] float32 in VMEM
@@ -104,6 +106,7 @@ def _copy_sfa_kernel(
     num_ways: int,
     latent_width: int,
     stacked: bool,
+    paged: bool,
     planted_bug: PlantedBug,
 ):
     del hot_ref
@@ -115,10 +118,14 @@ def _copy_sfa_kernel(
     d = latent_width
 
     def load(i):
-        row = pl.ds(miss_token_ref[0, i], 1)
-        return pltpu.make_async_copy(
-            host_ref.at[(*at, row)], miss_buf.at[pl.ds(i, 1)], load_sems.at[i]
-        )
+        token = miss_token_ref[0, i]
+        if paged:  # the token's pool page, from the scalar-prefetched page table
+            page = host_ref.shape[-2]
+            frame = table_ref[b, token // page]
+            src = host_ref.at[(*at[:-1], frame, pl.ds(token % page, 1))]
+        else:
+            src = host_ref.at[(*at, pl.ds(token, 1))]
+        return pltpu.make_async_copy(src, miss_buf.at[pl.ds(i, 1)], load_sems.at[i])
 
     def install(i):
         row = pl.ds(miss_slot_ref[0, i], 1)
@@ -295,6 +302,7 @@ def copy_sfa(
     *,
     scale: float,
     layer: jax.Array | int | None = None,
+    page_table: jax.Array | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool | pltpu.InterpretParams = False,
 ) -> tuple[jax.Array, jax.Array]:
@@ -311,6 +319,10 @@ def copy_sfa(
         (may be traced) for stacked `hot [L, B, C2, D+R]` and `host [L, B, S, D+R]`: only that
         layer is read and written, and `hot_updated` is the whole stack, aliased to `hot`.
         Clamped to [0, L) (`check_copy_sfa_inputs` checks it).
+      page_table: None for per-request host rows; [B, P] int32 for a page pool `host`
+        ([F, Z, D+R], or [L, F, Z, D+R] with a layer): miss token t of request b is read from
+        host[page_table[b, t // Z], t % Z]. The table reaches the kernel by scalar prefetch
+        (SMEM; B P int32 words, so very long contexts want a per-request block instead).
       block_sizes: the tiling; `BlockSizes.get_default(k=K, interpret=...)` if None.
       interpret: False to compile for a TPU; True or `pltpu.InterpretParams(...)` to run the
         TPU interpreter on CPU.
@@ -326,6 +338,7 @@ def copy_sfa(
         num_miss,
         scale=scale,
         layer=layer,
+        page_table=page_table,
         block_sizes=block_sizes,
         planted_bug=None,
         interpret=interpret,
@@ -344,6 +357,7 @@ def _copy_sfa(
     *,
     scale,
     layer=None,
+    page_table=None,
     block_sizes,
     planted_bug: PlantedBug,
     interpret,
@@ -351,8 +365,11 @@ def _copy_sfa(
     """`copy_sfa` with a test-only `planted_bug` (see `PlantedBug`)."""
     static_validate_inputs(
         q_lat, q_pe, hot, host, read_slot, miss_token, miss_slot, num_miss, scale=scale,
-        layer=layer,
+        layer=layer, page_table=page_table,
     )
+    paged = page_table is not None
+    # Pages not held (-1) hold no valid miss: clamp so that no id leaves the pool.
+    table = jnp.maximum(page_table, 0) if paged else jnp.zeros((q_lat.shape[0], 1), jnp.int32)
     b, w, h, d = q_lat.shape
     r = q_pe.shape[-1]
     k = read_slot.shape[-1]
@@ -425,9 +442,10 @@ def _copy_sfa(
         num_ways=w,
         latent_width=d,
         stacked=stacked,
+        paged=paged,
         planted_bug=planted_bug,
     )
-    num_scalar_prefetch = 2  # num_miss, layer
+    num_scalar_prefetch = 3  # num_miss, layer, page table
     hot_index = num_scalar_prefetch + 7  # position of `hot` among the call's operands
     out, hot_updated = pl.pallas_call(
         kernel,
@@ -452,6 +470,7 @@ def _copy_sfa(
     )(
         num_miss,
         layer,
+        table,
         read_src,
         miss_token.reshape(b, 1, m),
         miss_slot.reshape(b, 1, m),

@@ -29,6 +29,14 @@ Stacked form (`layer` given; what a decode step over stacked layers passes):
   layer of hot_updated is hot's, bit for bit. The kernel touches only layer `layer` and writes
   it in place, so no layer is sliced out or copied back.
 
+Paged form (`page_table` given; what a decode step over a shared page pool passes):
+
+  host       [F, Z, D+R] (or [L, F, Z, D+R] with a layer)   a pool of F pages of Z rows
+  page_table [B, P]          int32    pool page of each request's page (-1: not held)
+
+  host row of token t of request b = host[page_table[b, t // Z], t % Z]; the per-request
+  contract above holds with host[b] = those rows (S = P Z). Every valid miss lies in a held page.
+
 Rows at padding entries are never read (they may hold NaN). Two checks guard the contract:
 `static_validate_inputs` (shapes, dtypes: trace time, ValueError) and `check_copy_sfa_inputs`
 (values: ids in range, victims distinct; on concrete arrays, for tests and debug runs).
@@ -46,9 +54,28 @@ KV_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 def static_validate_inputs(
-    q_lat, q_pe, hot, host, read_slot, miss_token, miss_slot, num_miss, *, scale, layer=None
+    q_lat, q_pe, hot, host, read_slot, miss_token, miss_slot, num_miss, *, scale, layer=None,
+    page_table=None,
 ) -> None:
     """Trace-time checks of shapes and dtypes; raises ValueError saying what was expected."""
+    if page_table is not None:
+        b = q_lat.shape[0] if q_lat.ndim else None
+        if page_table.ndim != 2 or page_table.shape[0] != b or page_table.dtype != jnp.int32:
+            raise ValueError(
+                f"page_table must be [B={b}, P] int32, got {page_table.shape=} "
+                f"{page_table.dtype=}"
+            )
+        paged = 4 if layer is not None else 3
+        if host.ndim != paged:
+            raise ValueError(
+                f"with a page_table, host must be a pool [{'L, ' if layer is not None else ''}F, "
+                f"Z, D+R], got {host.shape=}"
+            )
+        # The per-request view the checks below expect: [(L,) B, P Z, D+R].
+        lead = host.shape[:-3]
+        host = jax.ShapeDtypeStruct(
+            (*lead, b, page_table.shape[1] * host.shape[-2], host.shape[-1]), host.dtype
+        )
     if q_lat.ndim != 4:
         raise ValueError(f"q_lat must be [B, W, H, D], got {q_lat.shape=}")
     b, w, h, d = q_lat.shape
@@ -185,9 +212,13 @@ def _copy_sfa_one_sequence(
 
 
 def copy_sfa_reference(
-    q_lat, q_pe, hot, host, read_slot, miss_token, miss_slot, num_miss, *, scale, layer=None
+    q_lat, q_pe, hot, host, read_slot, miss_token, miss_slot, num_miss, *, scale, layer=None,
+    page_table=None,
 ):
     """Sparse MLA attention over hot-cache rows after installing the misses (see module doc).
+
+    With `page_table` [B, P], `host` is a page pool ([F, Z, D+R], or [L, F, Z, D+R] with a
+    layer) read through the table (pages not held read pool page 0; no valid miss is there).
 
     Returns:
       out: [B, W, H, D] float32.
@@ -196,8 +227,12 @@ def copy_sfa_reference(
     """
     static_validate_inputs(
         q_lat, q_pe, hot, host, read_slot, miss_token, miss_slot, num_miss, scale=scale,
-        layer=layer,
+        layer=layer, page_table=page_table,
     )
+    if page_table is not None:  # the per-request rows, through the table
+        b, p = page_table.shape
+        pages = host[..., jnp.maximum(page_table, 0), :, :]  # [(L,) B, P, Z, D+R]
+        host = pages.reshape(*host.shape[:-3], b, p * host.shape[-2], host.shape[-1])
     if layer is not None:
         hot_l = jax.lax.dynamic_index_in_dim(hot, layer, axis=0, keepdims=False)
         host_l = jax.lax.dynamic_index_in_dim(host, layer, axis=0, keepdims=False)

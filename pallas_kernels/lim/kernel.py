@@ -42,6 +42,13 @@ whole [B, S, N] group before the kernel reads it again (and pull it across PCIe 
 are in host memory). The slot map is DMA'd as [1, block_s] rows of the [.., B, S] array: no
 reshape, which on a TPU would re-tile (copy) the whole map.
 
+Paged keys
+----------
+With `page_table` [B, P] int32, `index_keys` is a pool [F, Z, N] (or [G, F, Z, N]) shared by
+the batch: token t of request b has key index_keys[page_table[b, t // Z], t % Z]. The table is
+scalar-prefetched (SMEM) and a tile's keys are one DMA per page (block_s a multiple of Z) or one
+DMA inside a page (Z a multiple of block_s); the slot map stays per request.
+
 Memory spaces
 -------------
 `token_to_slot` is read from device memory (`pl.ANY`). `index_keys` is read from device memory,
@@ -92,12 +99,28 @@ def _check_group(group) -> None:
 
 
 def _check_shapes(
-    q_index, weights, index_keys, token_to_slot, visible, *, k, group=None
+    q_index, weights, index_keys, token_to_slot, visible, *, k, group=None, page_table=None
 ) -> tuple[int, ...]:
     """Static checks of the LIM inputs; returns (B, W, I, N, S)."""
     if q_index.ndim != 4:
         raise ValueError(f"q_index must be [B, W, I, N], got {q_index.shape=}")
     b, w, i, n = q_index.shape
+    if page_table is not None:
+        if page_table.ndim != 2 or page_table.shape[0] != b or page_table.dtype != jnp.int32:
+            raise ValueError(
+                f"page_table must be [B={b}, P] int32, got {page_table.shape=} "
+                f"{page_table.dtype=}"
+            )
+        pool_rank, lead = (4, "G, ") if group is not None else (3, "")
+        if index_keys.ndim != pool_rank:
+            raise ValueError(
+                f"with a page_table, index_keys must be a pool [{lead}F, Z, N={n}], got "
+                f"{index_keys.shape=}"
+            )
+        # The per-request view the checks below expect: [(G,) B, P Z, N].
+        index_keys = jax.ShapeDtypeStruct(
+            (*index_keys.shape[:-3], b, page_table.shape[1] * index_keys.shape[-2],
+             index_keys.shape[-1]), index_keys.dtype)
     keys_shape, slots_shape, lead = index_keys.shape, token_to_slot.shape, ""
     if group is not None:
         _check_group(group)
@@ -161,11 +184,13 @@ def _lim_kernel(
     # Scalar prefetch
     visible_max_ref,  # [B] int32 in SMEM: tokens visible to some way of request b
     group_ref,  # [1] int32 in SMEM: the group of keys and slots (unused when they are per-group)
+    table_ref,  # [B, P] int32 in SMEM: pool page of each page of a request (paged keys only)
     # Inputs
     q_ref,  # [1, W * I, N] float32: queries of request b, ways major, heads minor
     weights_ref,  # [1, W * I, 1] float32
     visible_ref,  # [1, W, 1] int32
-    keys_hbm_ref,  # [G, B, S, N] or [B, S, N] bfloat16 / float32 in device (HBM) or host memory
+    keys_hbm_ref,  # [G, B, S, N] or [B, S, N] (paged: [G, F, Z, N] or [F, Z, N]) bfloat16 /
+    #                float32 in device (HBM) or host memory
     slots_hbm_ref,  # [G, B, S] or [B, S] int32 in device memory
     # Outputs
     scores_ref,  # [1, W, block_s] float32
@@ -179,6 +204,7 @@ def _lim_kernel(
     num_ways: int,
     num_heads: int,
     stacked: bool,
+    page: int | None,
 ):
     b = pl.program_id(0)
     tile = pl.program_id(1)
@@ -189,14 +215,35 @@ def _lim_kernel(
     def needed(t):  # tiles are visible as a prefix: skip the DMA and the matmul past it
         return t * block_s < visible_max
 
-    def copies(t, buf):
-        start = pl.multiple_of(t * block_s, block_s)
-        return (
-            pltpu.make_async_copy(
+    def key_copies(t, buf, start):
+        if page is None:  # per-request keys: one DMA of the tile
+            return (pltpu.make_async_copy(
                 keys_hbm_ref.at[(*at, b, pl.ds(start, block_s), slice(None))],
                 keys_buf.at[buf],
                 sems.at[buf, 0],
-            ),
+            ),)
+        if block_s <= page:  # the tile lies in one page: one DMA from its pool page
+            frame = table_ref[b, start // page]
+            return (pltpu.make_async_copy(
+                keys_hbm_ref.at[(*at, frame, pl.ds(start % page, block_s), slice(None))],
+                keys_buf.at[buf],
+                sems.at[buf, 0],
+            ),)
+        # block_s // page whole pages: one DMA per page, from the page table.
+        first = t * (block_s // page)
+        return tuple(
+            pltpu.make_async_copy(
+                keys_hbm_ref.at[(*at, table_ref[b, first + j], slice(None), slice(None))],
+                keys_buf.at[buf, pl.ds(j * page, page)],
+                sems.at[buf, 0],
+            )
+            for j in range(block_s // page)
+        )
+
+    def copies(t, buf):
+        start = pl.multiple_of(t * block_s, block_s)
+        return (
+            *key_copies(t, buf, start),
             pltpu.make_async_copy(
                 slots_hbm_ref.at[(*at, pl.ds(b, 1), pl.ds(start, block_s))],
                 slots_buf.at[buf],
@@ -267,7 +314,7 @@ def _keys_memory_space(index_keys, keys_memory_space, interpret):
     jax.jit, static_argnames=("block_sizes", "keys_memory_space", "interpret")
 )
 def lim_scores(
-    q_index, weights, index_keys, token_to_slot, visible, *, group=None,
+    q_index, weights, index_keys, token_to_slot, visible, *, group=None, page_table=None,
     block_sizes: BlockSizes | None = None, keys_memory_space: Space | None = None,
     interpret=False,
 ):
@@ -283,6 +330,12 @@ def lim_scores(
       visible: [B, W] int32: way w of request b may select tokens 0 .. visible[b, w] - 1.
       group: None for per-group keys and slots; an int32 scalar (may be traced) for stacked
         ones: only group `group` is read. Clamped to [0, G) like `lax.dynamic_index_in_dim`.
+      page_table: None for per-request keys; [B, P] int32 for a key pool `index_keys`
+        ([F, Z, N], or [G, F, Z, N] with a group): token t of request b is key
+        index_keys[page_table[b, t // Z], t % Z] (S = P Z). The table reaches the kernel by
+        scalar prefetch; a tile is one DMA per page (block_s a multiple of Z) or one DMA
+        inside a page (Z a multiple of block_s). Pages not held (-1) read pool page 0: no
+        visible token is there.
       block_sizes: tiling of S; `BlockSizes.get_default(s=S, interpret=...)` if None.
       keys_memory_space: where the kernel DMAs the keys from: None follows the memory kind of
         `index_keys`; `Space.Host` on a device-kind array is for interpret mode only (it models
@@ -294,12 +347,21 @@ def lim_scores(
       (slot, MISS = -1 or HIDDEN = -2; see the module docstring).
     """
     b, w, i, n, s = _check_shapes(
-        q_index, weights, index_keys, token_to_slot, visible, k=1, group=group
+        q_index, weights, index_keys, token_to_slot, visible, k=1, group=group,
+        page_table=page_table,
     )
     if block_sizes is None:
         block_sizes = BlockSizes.get_default(s=s, interpret=bool(interpret))
     block_sizes.validate(s=s, interpret=bool(interpret))
     block_s = block_sizes.block_s
+    page = None if page_table is None else index_keys.shape[-2]
+    if page is not None and block_s % page and page % block_s:
+        raise ValueError(
+            f"{block_s=} and the key pool's page size {page} must divide one another (a tile "
+            "is whole pages or part of one page)"
+        )
+    table = (jnp.zeros((b, 1), jnp.int32) if page_table is None
+             else jnp.maximum(page_table, 0))
     keys_space = _keys_memory_space(index_keys, keys_memory_space, interpret)
     visible = jnp.clip(visible, 0, s)
     visible_max = jnp.max(visible, axis=1)  # [B]
@@ -309,13 +371,13 @@ def lim_scores(
     else:
         group = jnp.zeros((1,), jnp.int32)
     kernel = functools.partial(
-        _lim_kernel, block_s=block_s, num_ways=w, num_heads=i, stacked=stacked
+        _lim_kernel, block_s=block_s, num_ways=w, num_heads=i, stacked=stacked, page=page
     )
     out_spec = pl.BlockSpec((1, w, block_s), lambda bi, ti, *_: (bi, 0, ti))
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,  # visible_max, group
+            num_scalar_prefetch=3,  # visible_max, group, page table
             grid=(b, s // block_s),
             in_specs=[
                 pl.BlockSpec((1, w * i, n), lambda bi, ti, *_: (bi, 0, 0)),
@@ -341,6 +403,7 @@ def lim_scores(
     )(
         visible_max,
         group,
+        table,
         q_index.reshape(b, w * i, n),
         weights.reshape(b, w * i, 1),
         visible.reshape(b, w, 1),
@@ -385,7 +448,7 @@ def lim_select(scores, payload, *, k):
     jax.jit, static_argnames=("k", "block_sizes", "keys_memory_space", "interpret")
 )
 def lim(
-    q_index, weights, index_keys, token_to_slot, visible, *, k, group=None,
+    q_index, weights, index_keys, token_to_slot, visible, *, k, group=None, page_table=None,
     block_sizes: BlockSizes | None = None, keys_memory_space: Space | None = None,
     interpret=False,
 ):
@@ -394,9 +457,11 @@ def lim(
     Same arguments and results as `lim_reference` (plus `block_sizes`, `keys_memory_space` and
     `interpret`, see `lim_scores`).
     """
-    _check_shapes(q_index, weights, index_keys, token_to_slot, visible, k=k, group=group)
+    _check_shapes(q_index, weights, index_keys, token_to_slot, visible, k=k, group=group,
+                  page_table=page_table)
     scores, payload = lim_scores(
         q_index, weights, index_keys, token_to_slot, visible, group=group,
+        page_table=page_table,
         block_sizes=block_sizes, keys_memory_space=keys_memory_space, interpret=interpret,
     )
     return lim_select(scores, payload, k=k)

@@ -40,7 +40,8 @@ def _one_way(q, w, keys, token_to_slot, visible, *, k):
     return token[order], slot[order], top_score[order]
 
 
-def lim_reference(q_index, weights, index_keys, token_to_slot, visible, *, k, group=None):
+def lim_reference(q_index, weights, index_keys, token_to_slot, visible, *, k, group=None,
+                  page_table=None):
     """Top-k tokens of every way under the DSA lightning indexer, with their hot-cache slots.
 
     score[b, w, s] = sum_i weights[b, w, i] * relu(q_index[b, w, i] . float32(index_keys[b, s]))
@@ -59,10 +60,18 @@ def lim_reference(q_index, weights, index_keys, token_to_slot, visible, *, k, gr
       k: tokens selected per way (K), at most S.
       group: None, or an int32 scalar (may be traced): LIM over `index_keys[group]` and
         `token_to_slot[group]`, the index clamped to [0, G) like `lax.dynamic_index_in_dim`.
+      page_table: None, or [B, P] int32: `index_keys` is then a pool [F, Z, N] (or
+        [G, F, Z, N] with a group) and token t of request b has key
+        index_keys[page_table[b, t // Z], t % Z] (pages not held, -1, read pool page 0).
 
     Returns:
       token [B, W, K] int32, slot [B, W, K] int32 (-1: miss or padding), score [B, W, K] float32.
     """
+    if page_table is not None:  # the per-request keys [(G,) B, P Z, N], through the table
+        b, p = page_table.shape
+        pages = index_keys[..., jnp.maximum(page_table, 0), :, :]
+        index_keys = pages.reshape(*index_keys.shape[:-3], b, p * index_keys.shape[-2],
+                                   index_keys.shape[-1])
     if group is not None:
         index_keys = jax.lax.dynamic_index_in_dim(index_keys, group, axis=0, keepdims=False)
         token_to_slot = jax.lax.dynamic_index_in_dim(token_to_slot, group, axis=0, keepdims=False)

@@ -142,9 +142,9 @@ def _rows(state, b):
     """Every per-request leaf of an offloaded state at request b (the batch is axis 1 of the
     [L|G, B, ...] arrays, axis 0 of lengths); the batch-wide step counter and key left out."""
     return {
-        "host.kv": np.asarray(state.host.kv[:, b]),
+        "host.kv": state.token_rows()[:, b],  # read through the page table
         "hot": np.asarray(state.hot[:, b]),
-        "index_keys": np.asarray(state.index_keys[:, b]),
+        "index_keys": state.token_index_keys()[:, b],
         "token_to_slot": np.asarray(state.slots.token_to_slot[:, b]),
         "slot_to_token": np.asarray(state.slots.slot_to_token[:, b]),
         "stamp": np.asarray(state.policy.stamp[:, b]),

@@ -112,7 +112,7 @@ def _rows_of(tree, g):
 
 def _host_row(tree, layer, b, t):
     z = OFFLOAD.page_size
-    return tree.host.kv[layer, b, t // z, t % z]
+    return tree.host.kv[layer, tree.table[b, t // z], t % z]
 
 
 def plant_maps_not_inverse(tree, run):
@@ -152,7 +152,8 @@ def plant_nan_row(tree, run):
     layer = _rows_of(tree, 0)[0]
     z = OFFLOAD.page_size
     tree.hot[layer, 0, s] = NAN
-    tree.host.kv[layer, 0, t // z, t % z] = NAN  # the same NaN in both: only finiteness sees it
+    # The same NaN in both: only finiteness sees it.
+    tree.host.kv[layer, tree.table[0, t // z], t % z] = NAN
     return (rf"layer {layer} request 0: hot slot \[{s}\] of token \[{t}\] holds a non-finite "
             "value",
             rf"layer {layer} group 0 request 0: device row {s} read for token {t} holds a "
@@ -187,9 +188,18 @@ def plant_occupancy_drop(tree, run):
             "group 0 request 0: filled slots fell from 16 to 15")
 
 
+def plant_page_not_held(tree, run):
+    # Request 1 (length 13 + 2 STEPS = 19) loses page 0 of its page table.
+    tree.table[1, 0] = -1
+    return (r"request 1: page \[0\] holds stored tokens \(length 19\) but its page table "
+            r"entry is \[-1\], not a pool page in \[0, 32\)",
+            r"request 1: page 0 holds stored tokens \(length 19\) but its page table entry "
+            r"is -1, not a pool page in \[0, 32\)")
+
+
 @pytest.mark.parametrize("plant", [
     plant_maps_not_inverse, plant_slot_given_twice, plant_wrong_installed_row, plant_nan_row,
-    plant_selected_not_resident, plant_occupancy_drop,
+    plant_selected_not_resident, plant_occupancy_drop, plant_page_not_held,
 ], ids=lambda f: f.__name__.removeprefix("plant_"))
 def test_both_checkers_name_each_planted_violation(run, plant):
     tree = _copy(run["state"])

@@ -1,11 +1,13 @@
 """Performance invariants of the compiled offloaded decode step and prefill (fo_jax.hlo_checks).
 
 Small distinctive shapes, so that no intermediate shares a state array's shape and dtype:
-B = 3, L = 2, G = 2, C = 36, Z = 4, S = 96 (P = 24), D + R = 40, N = 16, k = 8 (W K = 8 or 32).
+B = 3, L = 2, G = 2, C = 36, Z = 4, S = 96 (P = 24), D + R = 40, N = 16, k = 8 (W K = 8 or 32);
+the pools hold F = B P = 72 pages (the identity table), or F = 77 under a permuted table.
 The per-request counters (lengths, step, the ring hands [G, B], the PRNG key) are O(B) and
 share their shapes with the step's statistics: they are not checked.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -37,12 +39,20 @@ def _params(ways):
 
 
 @functools.cache
-def _compiled_decode(policy, ways, hot=HOT, capacity=CAPACITY, batch=BATCH, access="gather"):
-    """(compiled decode step as `decode_step` runs it, its state, config, offload)."""
+def _compiled_decode(policy, ways, hot=HOT, capacity=CAPACITY, batch=BATCH, access="gather",
+                     spare=None):
+    """(compiled decode step as `decode_step` runs it, its state, config, offload); with
+    `spare`, pools of B P + spare pages under a permuted page table."""
     config = _config(ways)
     offload = OffloadConfig(hot_slots=hot, page_size=PAGE, capacity=capacity, policy=policy,
                             host_access=access)
-    state = DecodeState.create(config, offload, batch=batch)
+    if spare is None:
+        state = DecodeState.create(config, offload, batch=batch)
+    else:
+        frames = batch * offload.num_pages + spare
+        table = np.random.default_rng(0).permutation(frames)[:batch * offload.num_pages]
+        state = DecodeState.create(config, offload, batch=batch, num_frames=frames,
+                                   table=table.astype(np.int32).reshape(batch, -1))
     tokens = np.zeros((batch, ways), np.int32)
     compiled = hlo_checks.compile_call(offload_decode, "_decode_jit", offload_decode.decode_step,
                                        _params(ways), state, tokens, config=config,
@@ -71,6 +81,19 @@ def test_decode_step_in_place_at_batch_1_and_under_slices(batch, access):
     # Batch 1 (what `fo-jax generate` runs) once made the write-through scatter copy the whole
     # host pages twice per step; the "slices" host access must keep every update in place too.
     compiled, state, _, _ = _compiled_decode("ring", 1, batch=batch, access=access)
+    hlo_checks.assert_no_state_copies(compiled, state, ignore=COUNTERS)
+    hlo_checks.assert_donation_aliased(compiled, state, ignore=COUNTERS)
+    hlo_checks.assert_no_sort_over(compiled, HOT, what="C")
+
+
+@pytest.mark.parametrize("access", ["gather", "slices"])
+def test_decode_step_over_a_larger_pool_keeps_pools_and_table_in_place(access):
+    # Pools [L, F=77, Z, D+R] (host) and [G, F, Z, N] (indexer keys) under a permuted table
+    # [B, P] int32: the step reads and writes both pools through the table and must copy or
+    # rewrite neither pool nor the table (all three are checked state leaves).
+    compiled, state, config, _ = _compiled_decode("ring", 4, access=access, spare=5)
+    assert state.host.kv.shape == (config.num_layers, 77, PAGE, config.kv_width)
+    assert state.index_keys.shape == (config.num_groups, 77, PAGE, config.index_head_dim)
     hlo_checks.assert_no_state_copies(compiled, state, ignore=COUNTERS)
     hlo_checks.assert_donation_aliased(compiled, state, ignore=COUNTERS)
     hlo_checks.assert_no_sort_over(compiled, HOT, what="C")
@@ -112,15 +135,22 @@ def test_pallas_decode_step_updates_its_state_in_place(policy):
         hlo_checks.assert_no_sort_over(compiled, HOT, what="C")
 
 
-def test_prefill_updates_buffers_and_host_pages_in_place():
-    # L = 4 layers (host pages bf16[4,3,24,4,40]) through n = 3 layer buffers
-    # (bf16[3,3,96,40]), a chunk of 8 tokens after 8 of history: the program `prefill` runs.
+@pytest.mark.parametrize("spare", [None, 5], ids=["identity", "permuted"])
+def test_prefill_updates_buffers_and_host_pages_in_place(spare):
+    # L = 4 layers (a host pool bf16[4,72,4,40], or [4,77,4,40] under a permuted table) through
+    # n = 3 layer buffers (bf16[3,3,96,40]), a chunk of 8 tokens after 8 of history: the
+    # program `prefill` runs. Neither pool nor the table is copied.
     config = get_config("tiny").replace(index_topk=K)
     params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    frames, table = None, None
+    if spare is not None:
+        pages = CAPACITY // PAGE
+        frames = BATCH * pages + spare
+        table = np.random.default_rng(0).permutation(frames)[:BATCH * pages]
+        table = table.astype(np.int32).reshape(BATCH, pages)
     state = offload_prefill.PrefillState.create(config, batch=BATCH, capacity=CAPACITY,
-                                                page_size=PAGE)
-    state = offload_prefill.PrefillState(host=state.host, index_keys=state.index_keys,
-                                         lengths=jnp.full((BATCH,), 8, jnp.int32))
+                                                page_size=PAGE, num_frames=frames, table=table)
+    state = dataclasses.replace(state, lengths=jnp.full((BATCH,), 8, jnp.int32))
     compiled = hlo_checks.compile_call(offload_prefill, "_prefill_jit", offload_prefill.prefill,
                                        params, state, np.zeros((BATCH, 8), np.int32),
                                        config=config, num_buffers=3,

@@ -35,7 +35,7 @@ def _no_races(capfd):
     assert "RACE DETECTED" not in text and "non-zero" not in text, text
 
 
-def _setup(*, batch, ways, k, hot, page, lengths, policy, shared, steps):
+def _setup(*, batch, ways, k, hot, page, lengths, policy, shared, steps, permuted=False):
     config = get_config("tiny").replace(index_topk=k, max_ways=ways,
                                         indexer_layers=(0, 2) if shared else (0, 1, 2, 3))
     capacity = -(-(max(lengths) + steps * ways) // page) * page
@@ -47,9 +47,16 @@ def _setup(*, batch, ways, k, hot, page, lengths, policy, shared, steps):
     res = resident.ResidentState.create(config, batch=batch, capacity=capacity, fill=NAN)
     _, res = resident.prefill(params, res, prompt, np.asarray(lengths), config=config)
 
+    frames, table = None, None
+    if permuted:  # the requests' pages interleaved at random over a pool with 3 spare pages
+        frames = batch * offload.num_pages + 3
+        table = np.random.default_rng(2).permutation(frames)[:batch * offload.num_pages]
+        table = table.astype(np.int32).reshape(batch, offload.num_pages)
+
     def handoff():
         return DecodeState.from_resident(res.kv, res.index_keys, res.lengths, config=config,
-                                         offload=offload, fill=NAN)
+                                         offload=offload, fill=NAN, num_frames=frames,
+                                         table=table)
 
     return config, offload, params, res, handoff, rng
 
@@ -82,6 +89,13 @@ def _compare(scenario, steps):
 def test_pallas_decode_with_misses_and_two_ways():
     _compare(dict(batch=2, ways=2, k=8, hot=16, page=4, lengths=[30, 21], policy="ring",
                   shared=True), steps=4)
+
+
+def test_pallas_decode_through_a_permuted_page_table():
+    # CopySFA reads the misses through the scalar-prefetched page table; LIM reads the keys
+    # through it: still bitwise the resident path, and the XLA step's selection and maps.
+    _compare(dict(batch=2, ways=2, k=8, hot=16, page=4, lengths=[30, 21], policy="ring",
+                  shared=True, permuted=True), steps=3)
 
 
 @settings(max_examples=2)

@@ -30,70 +30,105 @@ from fo_jax.offload.state import DecodeState, to_memory_kind
 
 NAN = float("nan")
 TINY = get_config("tiny")
-L, B, P, Z, W = 3, 2, 4, 4, 8  # host pages [L, B, P, Z, D+R]: S = 16 positions
+L, B, P, Z, W = 3, 2, 4, 4, 8  # host pool [L, F, Z, D+R], table [B, P]: S = 16 positions
+F = B * P + 3  # the permuted pool: spare pages
+TABLES = ("identity", "permuted")
 
 
-def _pages(seed=0):
-    kv = np.random.default_rng(seed).normal(size=(L, B, P, Z, W)).astype(np.float32)
-    return kv, to_memory_kind(jnp.asarray(kv), "pinned_host")
+def _table(kind):
+    """(table [B, P] int32, F): the identity table over B P pages, or the pages of the two
+    requests interleaved at random over a larger pool, request 1's last page not held."""
+    if kind == "identity":
+        return np.arange(B * P, dtype=np.int32).reshape(B, P), B * P
+    table = np.random.default_rng(7).permutation(F)[:B * P].astype(np.int32).reshape(B, P)
+    table[1, P - 1] = -1
+    return table, F
 
 
-def _by_token(kv):
-    return kv.reshape(L, B, P * Z, W)
+def _pages(seed=0, kind="identity"):
+    table, frames = _table(kind)
+    kv = np.random.default_rng(seed).normal(size=(L, frames, Z, W)).astype(np.float32)
+    return kv, to_memory_kind(jnp.asarray(kv), "pinned_host"), table
 
 
-# Each function against numpy ---------------------------------------------------------------
+def _by_token(kv, table):
+    """[L, B, S, W]: every request's rows through the table (pages not held: NaN)."""
+    got = kv[:, np.maximum(table, 0)].reshape(L, B, P * Z, W).copy()
+    got[:, np.repeat(table < 0, Z, axis=1)] = NAN
+    return got
 
 
+def _write(kv, table, layer, b, pos, row):
+    """numpy: write one row through the table; positions past S or in pages not held drop."""
+    if 0 <= pos < P * Z and table[b, pos // Z] >= 0:
+        kv[layer, table[b, pos // Z], pos % Z] = row
+
+
+# Each function against numpy, identity and permuted tables ---------------------------------
+
+
+@pytest.mark.parametrize("kind", TABLES)
 @pytest.mark.parametrize("access", HOST_ACCESS)
-def test_gather_rows(access):
-    kv, pages = _pages()
+def test_gather_rows(access, kind):
+    kv, pages, table = _pages(kind=kind)
     # Entries past count are real tokens too: "slices" must not read them (left zero).
     tokens = np.array([[5, 1, 15, 7, 3], [2, 9, 4, 0, 11]], np.int32)
     count = np.array([3, 2], np.int32)
-    gather = jax.jit(lambda h, t, c: host.host_gather_rows(h, 1, t, c, chunk=2, on_host=True,
-                                                           access=access))
-    got = np.asarray(gather(pages, tokens, count))
+    gather = jax.jit(lambda h, tb, t, c: host.host_gather_rows(h, tb, 1, t, c, chunk=2,
+                                                               on_host=True, access=access))
+    got = np.asarray(gather(pages, table, tokens, count))
     assert got.shape == (B, 5, W)
     for b in range(B):
-        chex.assert_trees_all_equal(got[b, :count[b]], _by_token(kv)[1, b, tokens[b, :count[b]]])
+        chex.assert_trees_all_equal(got[b, :count[b]],
+                                    _by_token(kv, table)[1, b, tokens[b, :count[b]]])
     if access == "slices":  # one trip per miss: nothing past count was read
         assert not got[0, 3:].any() and not got[1, 2:].any()
 
 
+@pytest.mark.parametrize("kind", TABLES)
 @pytest.mark.parametrize("access", HOST_ACCESS)
-def test_write_rows_all_layers(access):
-    kv, pages = _pages(1)
+def test_write_rows_all_layers(access, kind):
+    kv, pages, table = _pages(1, kind)
     rows = np.random.default_rng(2).normal(size=(L, B, 2, W)).astype(np.float32)
-    positions = np.array([[4, 16], [6, 7]], np.int32)  # 16 is past capacity: dropped
-    write = jax.jit(lambda h, r, p: host.host_write_rows(h, r, p, on_host=True, access=access),
-                    donate_argnums=0)
-    got = write(pages, jnp.asarray(rows), jnp.asarray(positions))
+    # 16 is past capacity: dropped; 13 is in request 1's last page (not held when permuted).
+    positions = np.array([[4, 16], [6, 13]], np.int32)
+    write = jax.jit(lambda h, tb, r, p: host.host_write_rows(h, tb, r, p, on_host=True,
+                                                             access=access), donate_argnums=0)
+    got = write(pages, table, jnp.asarray(rows), jnp.asarray(positions))
     assert got.sharding.memory_kind == "pinned_host"
-    want = _by_token(kv).copy()
-    want[:, 0, 4], want[:, 1, 6], want[:, 1, 7] = rows[:, 0, 0], rows[:, 1, 0], rows[:, 1, 1]
-    chex.assert_trees_all_equal(_by_token(np.asarray(got)), want)
+    want = kv.copy()
+    for layer in range(L):
+        for b in range(B):
+            for t in range(2):
+                _write(want, table, layer, b, positions[b, t], rows[layer, b, t])
+    chex.assert_trees_all_equal(np.asarray(got), want)  # the whole pool: spare pages too
 
 
+@pytest.mark.parametrize("kind", TABLES)
 @pytest.mark.parametrize("access", HOST_ACCESS)
-def test_write_back_one_layer(access):
-    kv, pages = _pages(3)
+def test_write_back_one_layer(access, kind):
+    kv, pages, table = _pages(3, kind)
     rows = np.random.default_rng(4).normal(size=(B, 3, W)).astype(np.float32)
     write_pos = np.array([[13, 14, 15], [2, 16, 16]], np.int32)  # padding at S = 16
-    write = jax.jit(lambda h, r, p: host.write_back_rows(h, 2, r, p, on_host=True,
-                                                         access=access), donate_argnums=0)
-    got = write(pages, jnp.asarray(rows), jnp.asarray(write_pos))
-    want = _by_token(kv).copy()
-    want[2, 0, 13:16], want[2, 1, 2] = rows[0], rows[1, 0]
-    chex.assert_trees_all_equal(_by_token(np.asarray(got)), want)
+    write = jax.jit(lambda h, tb, r, p: host.write_back_rows(h, tb, 2, r, p, on_host=True,
+                                                             access=access), donate_argnums=0)
+    got = write(pages, table, jnp.asarray(rows), jnp.asarray(write_pos))
+    want = kv.copy()
+    for b in range(B):
+        for t in range(3):
+            _write(want, table, 2, b, write_pos[b, t], rows[b, t])
+    chex.assert_trees_all_equal(np.asarray(got), want)
 
 
-def test_load_history_is_one_slice_of_whole_pages():
-    kv, pages = _pages(5)
-    load = jax.jit(lambda h: host.load_history(h, 1, history_pages=2, on_host=True))
-    got = np.asarray(load(pages))
+@pytest.mark.parametrize("kind", TABLES)
+@pytest.mark.parametrize("access", HOST_ACCESS)
+def test_load_history_reads_whole_pages_through_the_table(access, kind):
+    kv, pages, table = _pages(5, kind)
+    load = jax.jit(lambda h, tb: host.load_history(h, tb, 1, history_pages=2, on_host=True,
+                                                   access=access))
+    got = np.asarray(load(pages, table))
     assert got.shape == (B, 2 * Z, W)
-    chex.assert_trees_all_equal(got, _by_token(kv)[1, :, :2 * Z])
+    chex.assert_trees_all_equal(got, _by_token(kv, table)[1, :, :2 * Z])
 
 
 def _host_ops(jaxpr, out):
@@ -113,17 +148,20 @@ def _host_ops(jaxpr, out):
 
 @pytest.mark.parametrize("access", HOST_ACCESS)
 def test_slices_use_only_dynamic_slices_on_host_memory(access):
-    _, pages = _pages()
+    _, pages, table = _pages()
     tokens, count = jnp.zeros((B, 5), jnp.int32), jnp.ones((B,), jnp.int32)
     rows, positions = jnp.zeros((L, B, 2, W)), jnp.zeros((B, 2), jnp.int32)
 
     def every_access(h):
-        got = host.host_gather_rows(h, 1, tokens, count, chunk=2, on_host=True, access=access)
-        h = host.host_write_rows(h, rows, positions, on_host=True, access=access)
-        return got, host.write_back_rows(h, 1, rows[0], positions, on_host=True, access=access)
+        got = host.host_gather_rows(h, table, 1, tokens, count, chunk=2, on_host=True,
+                                    access=access)
+        h = host.host_write_rows(h, table, rows, positions, on_host=True, access=access)
+        loaded = host.load_history(h, table, 1, history_pages=2, on_host=True, access=access)
+        return got, loaded, host.write_back_rows(h, table, 1, rows[0], positions, on_host=True,
+                                                 access=access)
 
     ops = _host_ops(jax.make_jaxpr(every_access)(pages).jaxpr, set())
-    control = {"while", "pjit", "jit", "device_put", "reshape"}
+    control = {"while", "scan", "pjit", "jit", "device_put", "reshape"}
     if access == "slices":
         assert ops - control == {"dynamic_slice", "dynamic_update_slice"}, ops
     else:
@@ -184,7 +222,7 @@ def test_prefill_and_handoff_bitwise_with_slices():
         for b, n in enumerate(num_new):
             chex.assert_trees_all_equal(np.asarray(got)[b, :n], np.asarray(want)[b, :n])
         chex.assert_trees_all_equal(np.asarray(ps.host.kv).reshape(rs.kv.shape),
-                                    np.asarray(rs.kv))
+                                    np.asarray(rs.kv))  # the identity table: a reshape
     handed = to_decode_state(ps, config=config, offload=offload, fill=NAN)
     expect = DecodeState.from_resident(rs.kv, rs.index_keys, rs.lengths, config=config,
                                        offload=offload, fill=NAN)
@@ -198,18 +236,19 @@ def test_prefill_and_handoff_bitwise_with_slices():
 def test_cross_lowers_for_cuda(access):
     # Concrete pinned_host arrays: a ShapeDtypeStruct with a pinned_host sharding does not carry
     # the host memory space into tracing (jax 0.12).
-    _, pages = _pages()
+    _, pages, table = _pages()
+    table = jnp.asarray(table)
     tokens, count = jnp.zeros((B, 5), jnp.int32), jnp.ones((B,), jnp.int32)
     rows, positions = jnp.zeros((L, B, 2, W)), jnp.zeros((B, 2), jnp.int32)
     functions = {
         "host_gather_rows": (lambda h, t, c: host.host_gather_rows(
-            h, 1, t, c, chunk=2, on_host=True, access=access), (pages, tokens, count)),
+            h, table, 1, t, c, chunk=2, on_host=True, access=access), (pages, tokens, count)),
         "host_write_rows": (lambda h, r, p: host.host_write_rows(
-            h, r, p, on_host=True, access=access), (pages, rows, positions)),
+            h, table, r, p, on_host=True, access=access), (pages, rows, positions)),
         "write_back_rows": (lambda h, r, p: host.write_back_rows(
-            h, 1, r, p, on_host=True, access=access), (pages, rows[0], positions)),
-        "load_history": (lambda h: host.load_history(h, 1, history_pages=2, on_host=True),
-                         (pages,)),
+            h, table, 1, r, p, on_host=True, access=access), (pages, rows[0], positions)),
+        "load_history": (lambda h: host.load_history(h, table, 1, history_pages=2,
+                                                     on_host=True, access=access), (pages,)),
     }
     for name, (fn, args) in functions.items():
         exported = jax.export.export(jax.jit(fn), platforms=("cuda",))(*args)

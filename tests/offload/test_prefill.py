@@ -8,6 +8,7 @@ Logits are compared on real tokens only (padding logits are unspecified).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -33,7 +34,7 @@ from fo_jax.offload.prefill import (
     prefill,
     to_decode_state,
 )
-from fo_jax.offload.state import DecodeState, HostPages, to_memory_kind
+from fo_jax.offload.state import DecodeState, HostPages, to_memory_kind, tokens_to_pool
 
 NAN = float("nan")
 TINY = get_config("tiny")
@@ -83,11 +84,10 @@ def _run_both(params, config, chunks, *, batch, capacity, page_size, dense, runs
                                       query_block=query_block)
         expected[-1] = (expected[-1], np.asarray(logits), jax.device_get(rs))
     for kwargs in runs:
+        kwargs = dict(kwargs)
+        table, frames = _pool_table(kwargs.pop("pool", "identity"), batch, capacity // page_size)
         before = expected[start][0]
-        ps = PrefillState(
-            host=HostPages(kv=to_memory_kind(jnp.asarray(before.kv.reshape(
-                before.kv.shape[:2] + (capacity // page_size, page_size, -1))), "pinned_host")),
-            index_keys=jnp.asarray(before.index_keys), lengths=jnp.asarray(before.lengths))
+        ps = _prefill_state_from(before, config, table, frames, page_size)
         for (tokens, num_new), (_, want_logits, want) in zip(chunks[start:], expected[start:]):
             logits, ps = prefill(params, ps, tokens, num_new, config=config, dense=dense,
                                  poison=True, query_block=query_block, **kwargs)
@@ -95,10 +95,35 @@ def _run_both(params, config, chunks, *, batch, capacity, page_size, dense, runs
             logits = np.asarray(logits)
             for b, n in enumerate(num_new):
                 chex.assert_trees_all_equal(logits[b, :n], want_logits[b, :n])
-            host = np.asarray(ps.host.kv)
-            chex.assert_trees_all_equal(host.reshape(want.kv.shape), want.kv)
-            chex.assert_trees_all_equal(np.asarray(ps.index_keys), want.index_keys)
+            # Every request's host rows and indexer keys, read through the page table.
+            chex.assert_trees_all_equal(ps.token_rows(), want.kv)
+            chex.assert_trees_all_equal(ps.token_index_keys(), want.index_keys)
             chex.assert_trees_all_equal(np.asarray(ps.lengths), want.lengths)
+            if table is None:  # the identity table: the pool is the resident KV, reshaped
+                chex.assert_trees_all_equal(np.asarray(ps.host.kv).reshape(
+                    want.kv.shape[0], -1, want.kv.shape[-1]),
+                    want.kv.reshape(want.kv.shape[0], -1, want.kv.shape[-1]))
+
+
+def _pool_table(kind, batch, pages):
+    """(table or None, F): the identity table (None: the default), or the requests' pages
+    interleaved at random over a pool with 5 spare pages."""
+    if kind == "identity":
+        return None, None
+    frames = batch * pages + 5
+    table = np.random.default_rng(11).permutation(frames)[:batch * pages]
+    return table.astype(np.int32).reshape(batch, pages), frames
+
+
+def _prefill_state_from(before, config, table, frames, page_size):
+    """A PrefillState holding the resident state `before` in pools laid out by `table`."""
+    batch, capacity = before.kv.shape[1:3]
+    empty = PrefillState.create(config, batch=batch, capacity=capacity, page_size=page_size,
+                                fill=NAN, num_frames=frames, table=table)
+    pool = tokens_to_pool(jnp.asarray(before.kv), empty.table, empty.num_frames, NAN)
+    keys = tokens_to_pool(jnp.asarray(before.index_keys), empty.table, empty.num_frames, NAN)
+    return dataclasses.replace(empty, host=HostPages(kv=to_memory_kind(pool, "pinned_host")),
+                               index_keys=keys, lengths=jnp.asarray(before.lengths))
 
 
 # Bit for bit --------------------------------------------------------------------------------
@@ -215,7 +240,7 @@ def test_loads_only_pages_before_the_chunk(params):
     assert {shape for kind, shape in new if kind == "Device"} == set()
     assert {shape for kind, shape in new if kind == "Host"} == {(2, 5), (2, 5, width)}
     chunked = moves(3)
-    assert {shape for kind, shape in chunked if kind == "Device"} == {(1, 2, 3, 4, width)}
+    assert {shape for kind, shape in chunked if kind == "Device"} == {(2, 3, 4, width)}
 
 
 # Schedules and errors ----------------------------------------------------------------------------
@@ -346,7 +371,7 @@ def _copies_of(hlo: str, shape: tuple, dtype: str) -> list[str]:
 
 @pytest.mark.parametrize("dense,query_block", [(False, 256), (True, 256), (False, 2)])
 def test_compiled_prefill_updates_buffers_and_pages_in_place(params, dense, query_block):
-    # Distinctive shapes: n = 4 buffers of [B=3, S=72, D+R=40], host pages [L=6, 3, 9, 8, 40].
+    # Distinctive shapes: n = 4 buffers of [B=3, S=72, D+R=40], a host pool [L=6, F=27, 8, 40].
     # Loading a layer's history writes its rows into the buffer in place: no copy of the
     # [n, B, S, D+R] buffers (a lax.cond over them made two per load) or of the host pages.
     state = PrefillState.create(CONFIG, batch=3, capacity=72, page_size=8)
@@ -356,7 +381,7 @@ def test_compiled_prefill_updates_buffers_and_pages_in_place(params, dense, quer
                         check=False).compile().as_text()
     dtype = "bf16" if CONFIG.jnp_kv_dtype == jnp.bfloat16 else "f32"
     buffers = (4, 3, 72, CONFIG.kv_width)
-    host = (CONFIG.num_layers, 3, 9, 8, CONFIG.kv_width)
+    host = (CONFIG.num_layers, 27, 8, CONFIG.kv_width)
     assert re.search(re.escape(f"{dtype}[{','.join(map(str, buffers))}]"), hlo)  # shapes right
     assert _copies_of(hlo, buffers, dtype) == []
     assert _copies_of(hlo, host, dtype) == []
@@ -399,6 +424,49 @@ def test_handoff_to_decode_state_and_decode_steps():
         chex.assert_trees_all_equal(np.asarray(logits), np.asarray(want_logits))
         misses += int(np.sum(stats.union))
     assert misses > 0  # the steps did read rows the prefill wrote to host pages
+
+
+def test_permuted_page_table_over_a_larger_pool(params):
+    # The requests' pages interleaved at random over a pool with spare pages: the same logits,
+    # and the same rows and keys per token (read through the table) as the resident prefill,
+    # chunk on chunk (the second chunk loads history), under both host accesses.
+    rng = np.random.default_rng(5)
+    chunks = [(_tokens(rng, (2, 11)), [11, 6]), (_tokens(rng, (2, 9)), [9, 4])]
+    _run_both(params, CONFIG, chunks, batch=2, capacity=32, page_size=4, dense=False,
+              runs=[dict(distance=1, num_buffers=3, pool="permuted"),
+                    dict(distance=1, num_buffers=3, pool="permuted", host_access="slices")])
+
+
+def test_handoff_with_a_permuted_table_and_decode_steps():
+    # Prefill into a permuted pool, hand off, decode: logits bitwise the resident path's; the
+    # handed state equals DecodeState.from_resident with the same pool size and table.
+    config = TINY.replace(num_layers=2, indexer_layers=(0,), index_topk=8, max_ways=2)
+    params = init_params(config, jax.random.key(4))
+    offload = OffloadConfig(hot_slots=16, page_size=8, capacity=64)
+    rng = np.random.default_rng(6)
+    table, frames = _pool_table("permuted", 2, 8)
+    chunks = [(_tokens(rng, (2, 30), config), [30, 30]),
+              (_tokens(rng, (2, 20), config), [20, 13])]
+    rs = resident.ResidentState.create(config, batch=2, capacity=64, fill=NAN)
+    ps = PrefillState.create(config, batch=2, capacity=64, page_size=8, fill=NAN,
+                             num_frames=frames, table=table)
+    for tokens, num_new in chunks:
+        _, rs = resident.prefill(params, rs, tokens, num_new, config=config)
+        _, ps = prefill(params, ps, tokens, num_new, config=config, num_buffers=2)
+    handed = to_decode_state(ps, config=config, offload=offload, fill=NAN)
+    want = DecodeState.from_resident(rs.kv, rs.index_keys, rs.lengths, config=config,
+                                     offload=offload, fill=NAN, num_frames=frames, table=table)
+    chex.assert_trees_all_equal(jax.device_get(handed), jax.device_get(want))
+    misses = 0
+    for _ in range(3):
+        tokens = _tokens(rng, (2, 2), config)
+        want_logits, rs = resident.decode_step(params, rs, tokens, config=config)
+        logits, handed, stats = offload_decode.decode_step(params, handed, tokens,
+                                                           config=config, offload=offload)
+        chex.assert_trees_all_equal(np.asarray(logits), np.asarray(want_logits))
+        misses += int(np.sum(stats.union))
+    assert misses > 0
+    chex.assert_trees_all_equal(handed.token_rows()[:, :, :56], np.asarray(rs.kv)[:, :, :56])
 
 
 def test_handoff_needs_matching_pages():

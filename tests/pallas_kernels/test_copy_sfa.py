@@ -260,6 +260,25 @@ def stack_case(args, expected_hot, *, layer: int, num_layers: int = NUM_LAYERS):
     return tuple(stacked), stacked[2].at[layer].set(expected_hot)
 
 
+PAGE, SPARE = 4, 3
+
+
+def page_case(args, *, seed: int = 0):
+    """The case with `host` [(L,) B, S, D+R] moved into a pool [(L,) F, Z, D+R] of F = B P + 3
+    pages under a random permutation table [B, P] (pages of the two requests interleaved; the
+    spare pages NaN): (paged args, page_table)."""
+    host = np.asarray(args[3])
+    *lead, b, s, width = host.shape
+    pages = s // PAGE
+    frames = b * pages + SPARE
+    table = np.random.default_rng(seed).permutation(frames)[: b * pages].reshape(b, pages)
+    pool = np.full((*lead, frames, PAGE, width), np.nan, host.dtype)
+    pool[..., table, :, :] = host.reshape(*lead, b, pages, PAGE, width)
+    paged = list(args)
+    paged[3] = jnp.asarray(pool)
+    return tuple(paged), jnp.asarray(table, jnp.int32)
+
+
 def _assert_bits_equal(actual, expected):
     """Equal bit for bit (NaN payloads included), not merely NaN where NaN."""
     actual, expected = np.asarray(actual), np.asarray(expected)
@@ -269,20 +288,22 @@ def _assert_bits_equal(actual, expected):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "planted_bug", "interpret"))
-def _kernel(*args, scale, block_k, planted_bug, interpret, layer=None):
+def _kernel(*args, scale, block_k, planted_bug, interpret, layer=None, page_table=None):
     # Module-level jit: one compile per (dtype, bug, mode, stacked), shared by the scenarios;
     # `layer` is traced, as in a scan over layers.
     return copy_sfa_kernel._copy_sfa(
         *args,
         scale=scale,
         layer=layer,
+        page_table=page_table,
         block_sizes=BlockSizes(block_k=block_k),
         planted_bug=planted_bug,
         interpret=interpret,
     )
 
 
-def _run_kernel(capfd, args, shapes, *, interpret, planted_bug=None, layer=None):
+def _run_kernel(capfd, args, shapes, *, interpret, planted_bug=None, layer=None,
+                page_table=None):
     kernel = functools.partial(
         _kernel,
         scale=_scale(shapes),
@@ -290,6 +311,7 @@ def _run_kernel(capfd, args, shapes, *, interpret, planted_bug=None, layer=None)
         planted_bug=planted_bug,
         interpret=interpret,
         layer=None if layer is None else jnp.int32(layer),
+        page_table=page_table,
     )
     return _run_checked(capfd, kernel, *args)
 
@@ -379,6 +401,27 @@ class TestCopySFA:
             ref_out, _ = copy_sfa_reference(*args, scale=_scale(shapes))
             _assert_bits_equal(hot_updated[layer], expected_hot)
             np.testing.assert_allclose(out[layer], ref_out, **TOLERANCES[jnp.dtype(jnp.bfloat16)])
+
+    @pytest.mark.parametrize("layer", [None, 1], ids=["per_layer", "stacked"])
+    def test_paged_host_bit_exact_with_per_request_rows(self, capfd, interpret, layer):
+        # Misses read through a scalar-prefetched page table from a pool whose pages are
+        # permuted (spare pages NaN): the same bits as the per-request host rows, and the
+        # reference agrees (every miss is installed from its pool page).
+        shapes = SHAPES["compiled" if interpret is False else "interpret"]
+        case, expected_hot = make_case(SCENARIOS[2], jnp.bfloat16, shapes, seed=3)
+        if layer is not None:
+            case, expected_hot = stack_case(case, expected_hot, layer=layer)
+        out, hot_updated = _run_kernel(capfd, case, shapes, interpret=interpret, layer=layer)
+        paged, table = page_case(case, seed=4)
+        paged_out, paged_hot = _run_kernel(capfd, paged, shapes, interpret=interpret,
+                                           layer=layer, page_table=table)
+        _assert_bits_equal(paged_out, out)
+        _assert_bits_equal(paged_hot, hot_updated)
+        _assert_bits_equal(paged_hot, expected_hot)
+        ref_out, ref_hot = copy_sfa_reference(*paged, scale=_scale(shapes), layer=layer,
+                                              page_table=table)
+        _assert_bits_equal(ref_hot, expected_hot)
+        np.testing.assert_allclose(paged_out, ref_out, **TOLERANCES[jnp.dtype(jnp.bfloat16)])
 
     @pytest.mark.parametrize("layer", [None, 2], ids=["per_layer", "stacked"])
     def test_public_wrapper_default_block_sizes(self, capfd, interpret, layer):
@@ -508,6 +551,21 @@ def test_static_messages():
         call(q_lat, q_pe, hot, host, read_slot.astype(jnp.uint32), miss_token, miss_slot, num_miss)
     with pytest.raises(ValueError, match="must be a Python float"):
         copy_sfa(*_tiny_args(), scale=jnp.float32(0.1), interpret=ON_WAIT)
+
+
+def test_static_messages_paged():
+    args = _tiny_args()
+    paged, table = page_case(args)
+    call = functools.partial(copy_sfa, scale=0.1, interpret=ON_WAIT)
+    with pytest.raises(ValueError, match=re.escape("page_table must be [B=2, P] int32, got "
+                                                   "page_table.shape=(2, 8) "
+                                                   "page_table.dtype=dtype('uint32')")):
+        call(*paged, page_table=table.astype(jnp.uint32))
+    no_pool = list(paged)
+    no_pool[3] = paged[3][0]  # one page, not a pool
+    with pytest.raises(ValueError, match=re.escape("with a page_table, host must be a pool "
+                                                   "[F, Z, D+R], got host.shape=(4, 12)")):
+        call(*no_pool, page_table=table)
 
 
 def test_static_messages_stacked():

@@ -311,6 +311,37 @@ class TestLim:
         chex.assert_trees_all_equal((token, slot), ref[:2])
         np.testing.assert_allclose(score, ref[2], **tolerance)
 
+    def test_paged_keys_bit_exact_with_per_request_keys(self, scenario, dtype, interpret):
+        """The stacked keys moved into a pool [G, F, Z, N] under a random permutation page
+        table (pages of the requests interleaved, spare pages NaN), read through the
+        scalar-prefetched table: bitwise the scores and payload of the per-request keys, with
+        pages of half a tile (two DMAs per tile) and of two tiles (a tile inside a page)."""
+        args, block_sizes = self._prepare(scenario, dtype, interpret)
+        group = SCENARIOS.index(scenario) % NUM_GROUPS
+        q, weights, keys, slots, visible = _stack(args, group=group)
+        want = lim_scores(q, weights, keys, slots, visible, group=jnp.int32(group),
+                          block_sizes=block_sizes, interpret=interpret)
+        num_g, b, s, n = keys.shape
+        block_s = scenario.block_s
+        pages = {z for z in (block_s // 2, 2 * block_s) if z >= 1 and s % z == 0
+                 and (block_s % z == 0 or z % block_s == 0)}
+        assert pages, (block_s, s)
+        for z in sorted(pages):
+            frames = b * (s // z) + 3
+            table = np.random.default_rng(z).permutation(frames)[: b * (s // z)]
+            table = table.astype(np.int32).reshape(b, s // z)
+            pool = np.full((num_g, frames, z, n), np.nan, np.float32)
+            pool[:, table] = np.asarray(keys, np.float32).reshape(num_g, b, s // z, z, n)
+            pool = jnp.asarray(pool, keys.dtype)
+            got = lim_scores(q, weights, pool, slots, visible, group=jnp.int32(group),
+                             page_table=jnp.asarray(table), block_sizes=block_sizes,
+                             interpret=interpret)
+            chex.assert_trees_all_equal(got, want)
+            chex.assert_trees_all_equal(
+                lim_reference(q, weights, pool, slots, visible, k=scenario.k, group=group,
+                              page_table=jnp.asarray(table)),
+                lim_reference(q, weights, keys, slots, visible, k=scenario.k, group=group))
+
     def test_matches_reference(self, scenario, dtype, interpret):
         args, block_sizes = self._prepare(scenario, dtype, interpret)
         q, weights, keys, _, visible = args
@@ -661,3 +692,29 @@ def test_lowers_for_tpu_stacked_at_production_shapes(keys_in_host_memory):
     body = base64.b64decode(re.search(r"body\\22: \\22([A-Za-z0-9+/=]+)", calls[0]).group(1))
     assert (b"#tpu.memory_space<host>" in body) == keys_in_host_memory
     assert [o.shape for o in exported.out_avals] == [(b, w, 2048)] * 3
+
+
+def test_paged_static_messages():
+    # SCENARIOS[0]: B = 1, S = 32; the keys as a pool of 8 pages of 4 (the identity table).
+    q, weights, keys, slots, visible = _inputs(SCENARIOS[0], jnp.float32)
+    b, s, n = keys.shape
+    pool = keys.reshape(b * s // 4, 4, n)
+    table = jnp.arange(b * s // 4, dtype=jnp.int32).reshape(b, s // 4)
+    call = functools.partial(lim_scores, q, weights, interpret=ON_WAIT)
+    with pytest.raises(ValueError, match=re.escape(f"page_table must be [B={b}, P] int32, got "
+                                                   "page_table.shape=(1, 8) "
+                                                   "page_table.dtype=dtype('uint32')")):
+        call(pool, slots, visible, page_table=table.astype(jnp.uint32))
+    with pytest.raises(ValueError, match=re.escape(
+            f"with a page_table, index_keys must be a pool [G, F, Z, N={n}], got "
+            f"index_keys.shape=(8, 4, {n})")):
+        call(pool, slots[None], visible, group=0, page_table=table)
+    # S = 24 in tiles of 8, pages of 12: a tile would straddle two pages.
+    scenario = next(sc for sc in SCENARIOS if sc.name == "mixed_sign_weights")
+    q, weights, keys, slots, visible = _inputs(scenario, jnp.float32)
+    b, s, n = keys.shape
+    with pytest.raises(ValueError, match=re.escape("block_s=8 and the key pool's page size 12 "
+                                                   "must divide one another")):
+        lim_scores(q, weights, keys.reshape(b * 2, 12, n), slots, visible,
+                   page_table=jnp.arange(b * 2, dtype=jnp.int32).reshape(b, 2),
+                   block_sizes=BlockSizes(block_s=8), interpret=ON_WAIT)
