@@ -377,14 +377,14 @@ class Engine:
             oc = self.offload
             pages = min(_next_power_of_two(-(-history // oc.page_size)),
                         oc.capacity // oc.page_size)
-            view = offload_prefill.PrefillState(host=self.state.host,
+            view = offload_prefill.PrefillState(host=self.state.host, table=self.state.table,
                                                 index_keys=self.state.index_keys,
                                                 lengths=self.state.lengths)
             logits, view = offload_prefill.prefill(
                 self.params, view, tokens, num_new, config=self.config,
                 num_buffers=self.num_buffers, history_pages=pages, check=False,
                 host_access=oc.host_access, query_block=self.query_block)
-            self.state = dataclasses.replace(self.state, host=view.host,
+            self.state = dataclasses.replace(self.state, host=view.host, table=view.table,
                                              index_keys=view.index_keys, lengths=view.lengths)
         jax.block_until_ready(logits)
         self.timings["prefill_s"] += time.perf_counter() - start

@@ -608,7 +608,7 @@ def join_seats(state: DecodeState, joined, *, config: ModelConfig, offload: Offl
     row_tok, slots, policy = initial_layout(config, offload, lengths_np)
     row_tok = np.where(joined[:, None], row_tok, -1)  # read the joined seats' rows only
     host = state.host.kv
-    hot = _gather_hot(host, jnp.asarray(row_tok), jnp.asarray(fill, jnp.float32),
+    hot = _gather_hot(host, state.table, jnp.asarray(row_tok), jnp.asarray(fill, jnp.float32),
                       chunk=offload.miss_chunk, on_host=in_host_memory(host),
                       access=offload.host_access)
     old = (state.hot, state.slots, state.policy)
