@@ -7,7 +7,8 @@ checkify). Prefill: `PrefillState`, `to_decode_state`, and the
 module `fo_jax.offload.prefill` whose `prefill` runs the layer buffers and `onload_layer_map`
 (not re-exported here: the name would shadow the module). `pipeline_model` simulates the
 prefill's copy engines. `host` holds every read and write of host memory, in the way
-`OffloadConfig.host_access` chooses.
+`OffloadConfig.host_access` chooses. Host KV and indexer keys are page pools addressed by a
+per-request page table (`assign_pages` sets a seat's row; `check_table` validates one).
 """
 
 from fo_jax.offload.checks import check_state_jit
@@ -16,7 +17,15 @@ from fo_jax.offload.decode import DecodeStats, check_state, decode_step, gather_
 from fo_jax.offload.invariants import check_invariants
 from fo_jax.offload.manage import GroupPlan, GroupStats, manage_group
 from fo_jax.offload.prefill import PrefillState, to_decode_state
-from fo_jax.offload.state import CacheSlots, DecodeState, HostPages, PolicyState
+from fo_jax.offload.state import (
+    CacheSlots,
+    DecodeState,
+    HostPages,
+    PolicyState,
+    assign_pages,
+    check_table,
+    identity_table,
+)
 
 __all__ = [
     "CacheSlots",
@@ -28,11 +37,14 @@ __all__ = [
     "OffloadConfig",
     "PolicyState",
     "PrefillState",
+    "assign_pages",
     "check_invariants",
     "check_state",
     "check_state_jit",
+    "check_table",
     "decode_step",
     "gather_attend",
+    "identity_table",
     "manage_group",
     "to_decode_state",
 ]
