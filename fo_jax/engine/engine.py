@@ -10,8 +10,14 @@ The engine owns one batch state of `seats` requests (the offloaded `DecodeState`
 resident `ResidentState` with `offload=None`), sized once: requests come and go without
 recompiling. Each `step()`:
 
-  1. admits waiting requests (FIFO) into free seats: the seat's length is reset to 0 (what
-     the previous occupant left in its rows is never read: reads stop at the length);
+  1. admits waiting requests (FIFO) into free seats. Offloaded, the seats share one pool of
+     `num_pages` pages (host KV and indexer keys, `fo_jax.offload` page tables): a request is
+     admitted once the pool can reserve pages for its prompt and `max_tokens` (so a running
+     request never waits for a page; one that does not fit yet waits at the head of the
+     queue); with `prefix_cache`, the longest cached prefix of whole prefill chunks of its
+     prompt is mapped from earlier requests' pages (`fo_jax.engine.pages.PrefixCache`) and not
+     prefilled again. The seat's length starts at the cached tokens (what the previous
+     occupant left in the seat is never read: reads stop at the length);
   2. runs one prefill chunk for every seat that is prefilling (one program for all of them,
      `prefill_chunk` tokens per seat; the others take 0 tokens and are not written); a seat
      whose prompt is complete samples its first token from the chunk's logits and joins the
@@ -34,8 +40,11 @@ Costs per step: admission and bookkeeping O(seats) on the host; a prefill chunk 
 `history_pages` pages per seat and layer: the longest history among the prefilling seats,
 rounded up to a power of two so that a prompt of n chunks compiles O(log n) programs); a
 join is O(L seats (C + 2Z)) device work; the decode loop reads its outputs once per call.
-Not here yet: shared page pools (every seat owns `capacity` tokens of host pages), admission
-and preemption by memory, prefix reuse.
+A finished or cancelled request's pages return to the pool at once (the ones the prefix cache
+registered stay cached, mapped by none, until an allocation needs them: least recently
+released first). Not here yet: preemption (a request keeps its seat and pages to the end),
+admission by the planner's device-byte budget (`fo_jax.engine.admission`: the seats and the
+pool are sized up front instead), prefix reuse on the resident path.
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ from fo_jax.engine.loop import (
 )
 from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload.config import OffloadConfig
+from fo_jax.engine.pages import NO_PAGE, PagePool, PoolExhausted, PrefixCache, RequestPages
 from fo_jax.offload.state import DecodeState, committed
 
 FINISH_REASONS = ("stop", "length", "cancelled")
@@ -116,6 +126,8 @@ class _Request:
     finish_reason: str | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    pages: Any = None  # RequestPages (offloaded path): the pool pages the request maps
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (not prefilled)
 
     def output(self, new: list[int]) -> RequestOutput:
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
@@ -128,9 +140,15 @@ class _Request:
 
 
 @jax.jit
-def _clear_lengths(lengths, mask):
-    """lengths with the seats of `mask` [B] set to 0 (a new request starts there)."""
-    return jnp.where(mask, 0, lengths)
+def _set_lengths(lengths, mask, values):
+    """lengths [B] with the seats of `mask` set to `values` (a request starts there)."""
+    return jnp.where(mask, values, lengths)
+
+
+@jax.jit
+def _set_rows(table, mask, rows):
+    """The page table [B, P] with the rows of the seats of `mask` set to `rows`."""
+    return jnp.where(mask[:, None], rows, table)
 
 
 @jax.jit
@@ -163,6 +181,11 @@ class Engine:
       tokenizer: anything with `decode(ids) -> str`; needed for text stop strings and `text`.
       max_stop_ids: stop token ids per request (fixed so that the programs' shapes are).
       query_block: the prefill's query blocks (the same for both paths: bitwise equal).
+      num_pages: offloaded: pages of `offload.page_size` tokens in the shared host-KV and
+        indexer-key pools (default seats x capacity / page_size: every seat full at once).
+      prefix_cache: offloaded: map cached pages of earlier prompts (needs prefill_chunk a
+        multiple of page_size: a reused prefix ends where a chunk ends, so the rest of the
+        prompt is computed exactly as from scratch: the tokens do not change).
     Raises:
       ValueError: bad settings, before anything is allocated.
     """
@@ -171,7 +194,8 @@ class Engine:
                  offload: OffloadConfig | None = None, decode_steps_per_call: int = 1,
                  prefill_chunk: int = 256, tokenizer=None, max_stop_ids: int = 8,
                  query_block: int | None = resident.QUERY_BLOCK, num_buffers: int | None = None,
-                 implementation: str | None = None, interpret: Any = False):
+                 implementation: str | None = None, interpret: Any = False,
+                 num_pages: int | None = None, prefix_cache: bool = False):
         for name, value in (("seats", seats), ("decode_steps_per_call", decode_steps_per_call),
                             ("prefill_chunk", prefill_chunk), ("max_stop_ids", max_stop_ids)):
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
@@ -192,12 +216,32 @@ class Engine:
         self.n_steps, self.chunk = int(decode_steps_per_call), int(prefill_chunk)
         self.tokenizer, self.max_stop_ids = tokenizer, int(max_stop_ids)
         self.query_block, self.num_buffers = query_block, num_buffers
+        self.pool = self.prefix = None
+        if offload is None and (num_pages is not None or prefix_cache):
+            raise ValueError("num_pages and prefix_cache need the offloaded path (an "
+                             "OffloadConfig): the resident state keeps each seat's KV apart")
+        if offload is not None:
+            z = offload.page_size
+            self.max_pages = self.capacity // z
+            num_pages = self.seats * self.max_pages if num_pages is None else num_pages
+            if not isinstance(num_pages, numbers.Integral) or num_pages < 1:
+                raise ValueError(f"num_pages={num_pages!r} must be an int >= 1 (pages of "
+                                 f"{z} tokens in the shared pools)")
+            if prefix_cache and self.chunk % z:
+                raise ValueError(f"prefix_cache needs prefill_chunk={self.chunk} to be a "
+                                 f"multiple of page_size={z}: a reused prefix must end where a "
+                                 "prefill chunk ends, so the rest of the prompt is computed "
+                                 "exactly as it would be from scratch")
+            self.pool = PagePool(int(num_pages), z)
+            self.prefix = PrefixCache(self.pool) if prefix_cache else None
         if offload is None:
             self.state = committed(resident.ResidentState.create(config, batch=self.seats,
                                                                  capacity=self.capacity))
             self.step_fn = ResidentStep(config, implementation or "xla", interpret)
         else:
-            self.state = DecodeState.create(config, offload, batch=self.seats)
+            self.state = DecodeState.create(
+                config, offload, batch=self.seats, num_frames=self.pool.num_pages,
+                table=np.full((self.seats, self.max_pages), NO_PAGE, np.int32))
             self.step_fn = OffloadedStep(config, offload, implementation or "xla", interpret)
         batch = self.seats
         # Every array the programs take is committed to the device, as the programs' outputs
@@ -215,7 +259,7 @@ class Engine:
         self._ids = itertools.count()
         self.stats = None  # offload statistics summed over decode calls, on the device
         self.counters = {"steps": 0, "prefill_calls": 0, "decode_calls": 0,
-                         "prefill_tokens": 0, "decode_tokens": 0,
+                         "prefill_tokens": 0, "decode_tokens": 0, "prefix_hit_tokens": 0,
                          "requests_finished": 0, "requests_cancelled": 0}
         # Wall seconds of `step`: in the prefill / decode programs (until their results are
         # ready) and in total; the rest is the engine's own host work.
@@ -243,6 +287,13 @@ class Engine:
         if (not isinstance(max_tokens, numbers.Integral) or isinstance(max_tokens, bool)
                 or max_tokens < 1):
             raise ValueError(f"max_tokens={max_tokens!r} must be an int >= 1")
+        if self.pool is not None:
+            need = -(-self._reserved_tokens(prompt_np.size, max_tokens) // self.pool.page_size)
+            if need > self.pool.num_pages:
+                raise ValueError(
+                    f"prompt of {prompt_np.size} tokens + max_tokens={max_tokens} needs {need} "
+                    f"pages of {self.pool.page_size} tokens, but the pool holds "
+                    f"{self.pool.num_pages}: lower max_tokens or raise num_pages")
         _check_sampling_values(np.asarray([temperature]), np.asarray([top_p]))
         if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
             raise ValueError(f"seed={seed!r} must be an int")
@@ -307,6 +358,19 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def pool_occupancy(self) -> dict | None:
+        """Pages of the shared pools: free, held (mapped by requests), cached (kept by the
+        prefix cache, mapped by none) and total; None on the resident path. O(1)."""
+        if self.pool is None:
+            return None
+        return {"free": self.pool.num_free, "held": self.pool.num_held,
+                "cached": self.pool.num_cached, "total": self.pool.num_pages}
+
+    def decoding_seats(self) -> np.ndarray:
+        """[seats] bool: seats whose request has its decode state (prompt complete)."""
+        return np.asarray([r is not None and r.prefilled >= len(r.prompt)
+                           for r in self._occupant])
+
     def prefilling_seats(self) -> np.ndarray:
         """[seats] bool: seats whose request is still prefilling (their decode rows, maps and
         policy state are set when the prompt is complete: see `join_seats`)."""
@@ -336,20 +400,61 @@ class Engine:
         self.timings["step_s"] += time.perf_counter() - start
         return [self._requests[rid].output(new) for rid, new in moved.items()]
 
+    def _reserved_tokens(self, prompt_len: int, max_tokens: int) -> int:
+        """Tokens a request's pages are reserved for at admission: prompt + output, at most a
+        seat (all at once: a running request never waits for a page)."""
+        return min(prompt_len + max_tokens, self.capacity)
+
     def _admit(self) -> None:
+        """FIFO: the first waiting request takes a free seat once the pool can reserve its
+        pages (a request that does not fit yet blocks the ones behind it: no starvation).
+        With the prefix cache, its longest cached prefix of whole prefill chunks is mapped and
+        not prefilled. O(seats + prompt + pages) per admitted request."""
         free = [b for b, r in enumerate(self._occupant) if r is None]
-        reset = []
+        started = {}
         while free and self._waiting:
-            req = self._waiting.pop(0)
+            req = self._waiting[0]
+            if self.pool is not None:
+                matched, cached = np.zeros((0,), np.int32), 0
+                if self.prefix is not None:
+                    matched, cached = self.prefix.match(req.prompt[:-1])
+                    keep = cached // self.chunk * self.chunk // self.pool.page_size
+                    self.pool.decref(matched[keep:].tolist())
+                    matched, cached = matched[:keep], keep * self.pool.page_size
+                pages = RequestPages(self.pool, self.max_pages, prefix_pages=matched.tolist(),
+                                     prefix_tokens=cached)
+                try:
+                    pages.grow(self._reserved_tokens(len(req.prompt), req.max_tokens))
+                except PoolExhausted:
+                    pages.release()
+                    break
+                req.pages, req.cached_tokens = pages, cached
+                self.counters["prefix_hit_tokens"] += cached
+            self._waiting.pop(0)
             b = free.pop(0)
-            req.seat, req.prefilled = b, 0
+            req.seat, req.prefilled = b, req.cached_tokens
             self._occupant[b] = req
-            reset.append(b)
-        if reset:
-            mask = np.zeros((self.seats,), bool)
-            mask[reset] = True
+            started[b] = req
+        if started:
+            self._set_seats({b: (r.cached_tokens, None if r.pages is None else r.pages.table_row())
+                             for b, r in started.items()})
+
+    def _set_seats(self, seats: dict) -> None:
+        """Set seat b's length (and page-table row, offloaded) to seats[b] = (length, row)."""
+        mask = np.zeros((self.seats,), bool)
+        lengths = np.zeros((self.seats,), np.int32)
+        rows = np.full((self.seats, getattr(self, "max_pages", 1)), NO_PAGE, np.int32)
+        for b, (length, row) in seats.items():
+            mask[b], lengths[b] = True, length
+            if row is not None:
+                rows[b] = row
+        new_lengths = _set_lengths(self.state.lengths, jnp.asarray(mask), jnp.asarray(lengths))
+        if self.pool is None:
+            self.state = dataclasses.replace(self.state, lengths=new_lengths)
+        else:
             self.state = dataclasses.replace(
-                self.state, lengths=_clear_lengths(self.state.lengths, jnp.asarray(mask)))
+                self.state, lengths=new_lengths,
+                table=_set_rows(self.state.table, jnp.asarray(mask), jnp.asarray(rows)))
 
     def _prefilling(self) -> list[_Request]:
         return [r for r in self._occupant
@@ -393,6 +498,9 @@ class Engine:
         for req in requests:
             req.prefilled += int(num_new[req.seat])
         done = [r for r in requests if r.prefilled == len(r.prompt)]
+        if self.prefix is not None:
+            for req in done:  # its prompt's full pages are final: later requests may map them
+                self.prefix.insert(req.prompt, req.pages.pages)
         if done:
             self._join(done, logits, num_new, moved)
 
@@ -504,6 +612,10 @@ class Engine:
             done = np.array(self._seats.done)
             done[b] = True
             self._seats = committed(dataclasses.replace(self._seats, done=jnp.asarray(done)))
+            self._set_seats({b: (0, None)})  # an empty seat: no tokens, no pages
+        if req.pages is not None:
+            req.pages.release()
+            req.pages = None
         req.seat = None
         if req.finish_reason != "cancelled":
             self.counters["requests_finished"] += 1

@@ -32,11 +32,11 @@ def _offload(policy="ring"):
     return OffloadConfig(hot_slots=8, page_size=4, capacity=CAPACITY, policy=policy)
 
 
-def _engine(path="ring", *, n=2, seats=SEATS, tokenizer=None):
+def _engine(path="ring", *, n=2, seats=SEATS, tokenizer=None, **kwargs):
     offload = None if path == "resident" else _offload(path)
     return Engine(_params(), CONFIG, seats=seats, capacity=CAPACITY, offload=offload,
                   decode_steps_per_call=n, prefill_chunk=8, query_block=None,
-                  tokenizer=tokenizer)
+                  tokenizer=tokenizer, **kwargs)
 
 
 def _prompt(seed, length):
@@ -83,7 +83,7 @@ def test_tokens_do_not_depend_on_the_batch(requests, arrivals, cancels, path):
         engine.step()
         if path != "resident":
             check_invariants(engine.state, config=CONFIG, offload=_offload(path),
-                             seats=~engine.prefilling_seats())
+                             seats=engine.decoding_seats())
         step += 1
         assert step < 200
     assert engine.num_running() == 0 and engine.num_waiting() == 0
@@ -199,3 +199,72 @@ def test_bad_settings(kwargs, message):
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
         Engine(_params(), CONFIG, **args)
+
+
+SYSTEM = _prompt(99, 16)  # a shared "system prompt": two prefill chunks, four pages
+
+
+@settings(max_examples=3, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(requests=st.lists(st.tuples(st.booleans(), st.integers(0, 10**6), st.integers(1, 9),
+                                   st.integers(1, 6)), min_size=3, max_size=6),
+       cancel=st.integers(0, 8))
+def test_shared_pool_and_prefix_reuse(requests, cancel):
+    """A pool smaller than seats x capacity (requests wait for pages) and the prefix cache
+    (requests that share the system prompt map its pages instead of prefilling them): every
+    request's tokens still equal its solo resident run, and when all have ended no page is
+    held (the pool and cache agree; cached pages are mapped by none)."""
+    engine = _engine("ring", num_pages=12, prefix_cache=True)
+    prompts = [(SYSTEM if shared else []) + _prompt(seed, length)
+               for shared, seed, length, _ in requests]
+    ids = [engine.add_request(p, max_tokens=m) for p, (*_, m) in zip(prompts, requests)]
+    step = 0
+    while engine.has_unfinished():
+        if step == cancel:
+            engine.cancel(ids[-1])
+        engine.step()
+        check_invariants(engine.state, config=CONFIG, offload=_offload(),
+                         seats=engine.decoding_seats())
+        engine.pool.check()
+        step += 1
+    outputs = engine.run()
+    for rid, prompt, (*_, max_tokens) in zip(ids, prompts, requests):
+        want, reason = _solo(tuple(prompt), max_tokens, 0.0, 0)
+        got = outputs[rid]
+        if got.finish_reason == "cancelled":
+            assert tuple(got.token_ids) == want[:len(got.token_ids)]
+        else:
+            assert (tuple(got.token_ids), got.finish_reason) == (want, reason), rid
+    occupancy = engine.pool_occupancy()
+    assert occupancy["held"] == 0 and occupancy["free"] + occupancy["cached"] == 12
+    engine.prefix.check()
+    if sum(shared for shared, *_ in requests) >= 2:
+        assert engine.counters["prefix_hit_tokens"] > 0
+
+
+def test_prefix_reuse_skips_the_shared_chunks():
+    engine = _engine("ring", prefix_cache=True)
+    first = engine.add_request(SYSTEM + _prompt(1, 5), max_tokens=3)
+    engine.run()
+    before = engine.counters["prefill_tokens"]
+    prompt = SYSTEM + _prompt(2, 7)
+    second = engine.add_request(prompt, max_tokens=4)
+    out = engine.run()
+    # The 16 system tokens (two whole chunks) come from the cache; 7 are prefilled.
+    assert engine.counters["prefix_hit_tokens"] == 16
+    assert engine.counters["prefill_tokens"] - before == 7
+    assert tuple(out[second].token_ids) == _solo(tuple(prompt), 4, 0.0, 0)[0]
+    assert out[first].finish_reason == "length"
+
+
+def test_pool_settings_and_sizes_are_checked():
+    with pytest.raises(ValueError, match="num_pages and prefix_cache need the offloaded path"):
+        _engine("resident", num_pages=8)
+    with pytest.raises(ValueError, match="prefill_chunk=6 to be a multiple of page_size=4"):
+        Engine(_params(), CONFIG, seats=2, offload=_offload(), prefill_chunk=6,
+               prefix_cache=True)
+    engine = _engine("ring", num_pages=4)
+    with pytest.raises(ValueError, match=r"prompt of 10 tokens \+ max_tokens=8 needs 5 pages "
+                                         "of 4 tokens, but the pool holds 4"):
+        engine.add_request(_prompt(0, 10), max_tokens=8)
+    assert engine.num_waiting() == 0
