@@ -295,6 +295,7 @@ def build_app(driver: EngineDriver, *, tokenizer, model_name: str, capacity: int
         assert isinstance(first, Accepted), first
         rid, created = handle.request_id, int(time.time())
         prompt_tokens = len(ids)
+        metrics.prompt_tokens.inc(prompt_tokens)
 
         def usage(out):
             n = len(out.token_ids)

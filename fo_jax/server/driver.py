@@ -9,7 +9,7 @@ through queues.
     driver.cancel(handle.request_id)      # e.g. the client went away
     driver.stop(timeout=10)               # cancel what is left, join the thread
 
-Threads: `submit`, `cancel`, `stop_accepting` and `stop` may be called from any thread (the
+Threads: `submit`, `cancel`, `stop_accepting`, `begin_shutdown` and `stop` may be called from any thread (the
 event loop's); they only put commands on a `queue.Queue`. The engine thread applies every
 pending command between two `Engine.step()` calls, then steps while anything is unfinished,
 and blocks on the command queue when idle (no busy loop). Outputs go back to each request's
@@ -136,6 +136,7 @@ class EngineDriver:
         self._engine_waiting = 0    # engine.num_waiting() after the last command / step
         self._accepting = True
         self._thread: threading.Thread | None = None
+        self._drain_timer: threading.Timer | None = None
         self._handles: dict[str, RequestHandle] = {}  # engine thread only
 
     # Any thread --------------------------------------------------------------------------
@@ -180,6 +181,16 @@ class EngineDriver:
         with self._lock:
             self._accepting = False
 
+    def begin_shutdown(self, timeout: float) -> None:
+        """Stop accepting; in `timeout` seconds cancel whatever is still in flight (each
+        client then gets its final output, finish_reason "cancelled"). Returns at once."""
+        self.stop_accepting()
+        if self._drain_timer is None:
+            self._drain_timer = threading.Timer(timeout, self._commands.put,
+                                                (("cancel_all", None),))
+            self._drain_timer.daemon = True
+            self._drain_timer.start()
+
     def in_flight(self) -> int:
         """Requests submitted and not yet finished (approximate from other threads)."""
         with self._lock:
@@ -189,6 +200,8 @@ class EngineDriver:
         """Stop accepting; let in-flight requests finish for up to `timeout` seconds, cancel
         the rest, stop the thread. True if the thread has exited."""
         self.stop_accepting()
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
         if self._thread is None:
             return True
         deadline = time.monotonic() + timeout
@@ -241,6 +254,9 @@ class EngineDriver:
                 self._add(arg)
             elif kind == "cancel":
                 self._cancel(arg)
+            elif kind == "cancel_all":
+                for request_id in list(self._handles):
+                    self._cancel(request_id)
 
     def _add(self, handle: RequestHandle) -> None:
         try:

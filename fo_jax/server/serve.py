@@ -89,10 +89,11 @@ def _server_class():
         exits 0 on SIGTERM / SIGINT (uvicorn would raise the signal again after shutdown)."""
 
         driver: EngineDriver | None = None
+        drain_timeout: float = 10.0
 
         def handle_exit(self, sig, frame) -> None:
             if self.driver is not None:
-                self.driver.stop_accepting()
+                self.driver.begin_shutdown(self.drain_timeout)
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True
             else:
@@ -102,13 +103,16 @@ def _server_class():
 
 
 def make_server(served: Served, *, host: str = "127.0.0.1", port: int = 8000,
-                log_level: str = "info", graceful_timeout: float = 10.0):
+                log_level: str = "info", shutdown_timeout: float = 10.0):
+    """A uvicorn server for `served`. On shutdown, in-flight requests get `shutdown_timeout`
+    seconds, then the driver cancels them (their clients get finish_reason "cancelled"); uvicorn
+    closes connections still open 2 s after that."""
     import uvicorn
 
     config = uvicorn.Config(served.app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=graceful_timeout, lifespan="on")
+                            timeout_graceful_shutdown=shutdown_timeout + 2.0, lifespan="on")
     server = _server_class()(config)
-    server.driver = served.driver
+    server.driver, server.drain_timeout = served.driver, shutdown_timeout
     return server
 
 
@@ -120,10 +124,10 @@ class ServerThread:
     """
 
     def __init__(self, served: Served, *, host: str = "127.0.0.1", port: int = 0,
-                 graceful_timeout: float = 5.0):
+                 shutdown_timeout: float = 5.0):
         self.served = served
         self.server = make_server(served, host=host, port=port, log_level="warning",
-                                  graceful_timeout=graceful_timeout)
+                                  shutdown_timeout=shutdown_timeout)
         self.thread = threading.Thread(target=self.server.run, name="fo-jax-http", daemon=True)
         self.host, self.port = host, port
 
@@ -218,7 +222,7 @@ def run(args) -> int:
     served = build_served(engine, tokenizer, model_name=name, max_queue=args.max_queue,
                           shutdown_timeout=args.shutdown_timeout)
     server = make_server(served, host=args.host, port=args.port, log_level=args.log_level,
-                         graceful_timeout=args.shutdown_timeout)
+                         shutdown_timeout=args.shutdown_timeout)
     print(f"fo-jax serve: {name} ({'offloaded' if offload else 'resident'}, {args.seats} seats "
           f"of {capacity} tokens) on http://{args.host}:{args.port}/v1", flush=True)
     server.run()

@@ -3,7 +3,6 @@ output equals the engine's own; backpressure (429), refused requests (400), bad 
 disconnects cancel, metrics add up, graceful shutdown."""
 
 import asyncio
-import functools
 import json
 import threading
 import time
@@ -13,35 +12,35 @@ import jax
 import openai
 import pytest
 
-from fo_jax.config import get_config
+from fo_jax.embedded import load_embedded
 from fo_jax.engine import Engine
-from fo_jax.model.dsa import init_params
 from fo_jax.server.serve import ServerThread, build_served, warm_up
-from fo_jax.tokenizer import ByteTokenizer
 
-CONFIG = get_config("tiny").replace(num_layers=2, indexer_layers=(0,), max_ways=1,
-                                    index_topk=4)
-CAPACITY = 48
+# The embedded model (read from the package in 0.3 s; random tiny weights take longer to make),
+# two seats of 64 tokens, resident: small programs.
+CONFIG, PARAMS, TOKENIZER = load_embedded()
+CAPACITY = 64
 SEATS = 2
 MAX_QUEUE = 2
-TOKENIZER = ByteTokenizer()
-
-
-@functools.cache
-def _params():
-    return init_params(CONFIG, jax.random.key(0))
+NAME = CONFIG.name
+SEP = TOKENIZER.sep  # the server's default stop token
 
 
 def _engine():
-    return Engine(_params(), CONFIG, seats=SEATS, capacity=CAPACITY, decode_steps_per_call=2,
+    return Engine(PARAMS, CONFIG, seats=SEATS, capacity=CAPACITY, decode_steps_per_call=2,
                   prefill_chunk=8, query_block=None, tokenizer=TOKENIZER)
 
 
-def _start(max_queue=MAX_QUEUE, **kwargs):
+def _start(max_queue=MAX_QUEUE, shutdown_timeout=2.0):
     engine = _engine()
     warm_up(engine)
-    served = build_served(engine, TOKENIZER, model_name="tiny", max_queue=max_queue, **kwargs)
-    return ServerThread(served, graceful_timeout=2.0).start()
+    served = build_served(engine, TOKENIZER, model_name=NAME, max_queue=max_queue,
+                          shutdown_timeout=shutdown_timeout)
+    return ServerThread(served, shutdown_timeout=shutdown_timeout).start()
+
+
+def _n(text):
+    return len(TOKENIZER.encode(text))
 
 
 @pytest.fixture(scope="module")
@@ -81,25 +80,27 @@ def _idle(srv, timeout=10.0):
 def test_models_health(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     models = _client(server).models.list()
-    assert [m.id for m in models.data] == ["tiny"]
+    assert [m.id for m in models.data] == [NAME]
 
 
 def test_completion_greedy_equals_engine(server):
     """Greedy tokens over HTTP equal the engine's own for the same request, streamed or not."""
-    prompt = "def f(x):"
+    prompt = "def read_lines(path):"
     reference = _engine()
-    rid = reference.add_request(TOKENIZER.encode(prompt), max_tokens=10, temperature=0.0)
+    rid = reference.add_request(TOKENIZER.encode(prompt), max_tokens=10, temperature=0.0,
+                                stop_token_ids=[SEP])
     ref = reference.run()[rid]
+    assert ref.finish_reason == "length"
     client = _client(server)
-    resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0,
+    resp = client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0,
                                      extra_body={"return_token_ids": True})
     choice = resp.choices[0]
     assert choice.model_extra["token_ids"] == ref.token_ids
     assert choice.text == ref.text
     assert choice.finish_reason == ref.finish_reason == "length"
     assert (resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.total_tokens) \
-        == (len(prompt), 10, len(prompt) + 10)
-    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=10,
+        == (_n(prompt), 10, _n(prompt) + 10)
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=10,
                                             temperature=0, stream=True,
                                             stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
@@ -110,12 +111,12 @@ def test_completion_greedy_equals_engine(server):
 def test_chat_streaming_and_not(server):
     client = _client(server)
     messages = [{"role": "user", "content": "hello"}]
-    resp = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
+    resp = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6,
                                           temperature=0)
     text = resp.choices[0].message.content
     assert resp.choices[0].message.role == "assistant"
-    assert resp.usage.prompt_tokens == len("user: hello\nassistant:")
-    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
+    assert resp.usage.prompt_tokens == _n("user: hello\nassistant:")
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6,
                                             temperature=0, stream=True)
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -125,15 +126,15 @@ def test_chat_streaming_and_not(server):
 
 def test_stop_string_is_cut_and_sampling_is_seeded(server):
     client = _client(server)
-    kwargs = dict(model="tiny", prompt="abc", max_tokens=12, temperature=1.0, seed=7)
+    kwargs = dict(model=NAME, prompt="abc", max_tokens=12, temperature=1.0, seed=7)
     a = client.completions.create(**kwargs).choices[0].text
     assert client.completions.create(**kwargs).choices[0].text == a
     stop = a[3:5]
-    if stop:
-        cut = client.completions.create(stop=[stop], **kwargs).choices[0]
-        assert cut.text == a[:a.find(stop)] and cut.finish_reason == "stop"
-        streamed = client.completions.create(stop=stop, stream=True, **kwargs)
-        assert "".join(c.choices[0].text for c in streamed) == a[:a.find(stop)]
+    assert len(stop) == 2, a
+    cut = client.completions.create(stop=[stop], **kwargs).choices[0]
+    assert cut.text == a[:a.find(stop)] and cut.finish_reason == "stop"
+    streamed = client.completions.create(stop=stop, stream=True, **kwargs)
+    assert "".join(c.choices[0].text for c in streamed) == a[:a.find(stop)]
 
 
 def test_bad_requests(server):
@@ -142,12 +143,12 @@ def test_bad_requests(server):
     assert bad.status_code == 422
     assert bad.json()["error"]["param"] == "temperature"
     assert "temperature" in bad.json()["error"]["message"]
-    missing = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny"})
+    missing = httpx.post(server.url + "/v1/chat/completions", json={"model": NAME})
     assert missing.status_code == 422 and missing.json()["error"]["param"] == "messages"
     broken = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
     assert broken.status_code == 400
     assert broken.json()["error"]["message"].startswith("malformed JSON body")
-    long = httpx.post(url, json={"prompt": "x" * (CAPACITY + 1), "max_tokens": 1})
+    long = httpx.post(url, json={"prompt": [1] * (CAPACITY + 1), "max_tokens": 1})
     assert long.status_code == 400
     assert long.json()["error"]["message"] == (
         f"prompt of {CAPACITY + 1} tokens does not fit a seat of {CAPACITY} tokens: shorten it "
@@ -155,9 +156,10 @@ def test_bad_requests(server):
     vocab = httpx.post(url, json={"prompt": [1, CONFIG.vocab_size]})
     assert vocab.status_code == 400 and "outside the vocabulary" in vocab.text
     other = httpx.post(url, json={"prompt": "x", "model": "gpt-4"})
-    assert other.status_code == 404 and "'tiny'" in other.json()["error"]["message"]
+    assert other.status_code == 404 and repr(NAME) in other.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="does not fit a seat"):
-        _client(server).completions.create(model="tiny", prompt="y" * 100, max_tokens=1)
+        _client(server).completions.create(model=NAME, prompt="import os\n" * 40,
+                                          max_tokens=1)
 
 
 def test_client_dropped_mid_stream_is_cancelled(server):
@@ -212,28 +214,30 @@ def test_load_accepted_complete_rejected_429_and_metrics_add_up(server):
 
 
 def test_shutdown_ends_in_flight_requests():
-    srv = _start(max_queue=4)
+    """Shutdown: new requests get 503; in-flight streams get the drain time, then end with
+    finish_reason "cancelled" and [DONE]; the server and engine threads exit."""
+    srv = _start(max_queue=4, shutdown_timeout=0.5)
     results = []
 
     def call():
-        try:
-            with httpx.Client(timeout=30) as client:
-                with client.stream("POST", srv.url + "/v1/completions",
-                                   json={"prompt": "z", "max_tokens": 40, "stream": True,
-                                         "ignore_eos": True}) as resp:
-                    results.append([line for line in resp.iter_lines() if line])
-        except httpx.HTTPError as err:
-            results.append(err)
+        with httpx.Client(timeout=30) as client:
+            with client.stream("POST", srv.url + "/v1/completions",
+                               json={"prompt": "z", "max_tokens": 60, "stream": True,
+                                     "ignore_eos": True}) as resp:
+                results.append([line for line in resp.iter_lines() if line])
 
     threads = [threading.Thread(target=call) for _ in range(3)]
     try:
         for t in threads:
             t.start()
         deadline = time.monotonic() + 20
-        while srv.served.driver.in_flight() < 3 and time.monotonic() < deadline:
+        while srv.served.driver.snapshot.running < SEATS and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert srv.stop(timeout=30)  # server thread and engine thread have exited
-        assert httpx.get  # noqa: the listening socket is closed now
+        srv.served.driver.stop_accepting()  # what SIGTERM does first
+        assert httpx.get(srv.url + "/health").status_code == 503
+        refused = httpx.post(srv.url + "/v1/completions", json={"prompt": "a"})
+        assert refused.status_code == 503
+        assert srv.stop(timeout=30)  # the server thread and the engine thread have exited
         with pytest.raises(httpx.ConnectError):
             httpx.get(srv.url + "/health", timeout=2)
     finally:
@@ -241,5 +245,8 @@ def test_shutdown_ends_in_flight_requests():
             t.join(30)
         srv.stop(timeout=5)
     assert len(results) == 3 and srv.served.driver.in_flight() == 0
+    assert all(lines[-1] == "data: [DONE]" for lines in results)
+    reasons = [json.loads(lines[-2][5:])["choices"][0]["finish_reason"] for lines in results]
+    assert "cancelled" in reasons, reasons
     snap = srv.served.driver.snapshot
     assert snap.running == 0 and snap.waiting == 0
