@@ -21,6 +21,8 @@ import time
 
 from fo_jax.server.driver import EngineDriver
 
+SHUTDOWN_MARGIN = 30.0  # seconds uvicorn waits for connections after the drain
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `serve` subcommand's flags (fastapi / uvicorn are imported only when it runs)."""
@@ -105,12 +107,13 @@ def _server_class():
 def make_server(served: Served, *, host: str = "127.0.0.1", port: int = 8000,
                 log_level: str = "info", shutdown_timeout: float = 10.0):
     """A uvicorn server for `served`. On shutdown, in-flight requests get `shutdown_timeout`
-    seconds, then the driver cancels them (their clients get finish_reason "cancelled"); uvicorn
-    closes connections still open 2 s after that."""
+    seconds, then the driver cancels them after the engine's current step (their clients get
+    finish_reason "cancelled"); uvicorn closes connections still open `SHUTDOWN_MARGIN` seconds
+    after that (a step that compiles a program can take that long)."""
     import uvicorn
 
     config = uvicorn.Config(served.app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout + 2.0, lifespan="on")
+                            timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_MARGIN, lifespan="on")
     server = _server_class()(config)
     server.driver, server.drain_timeout = served.driver, shutdown_timeout
     return server
@@ -159,11 +162,17 @@ class ServerThread:
 
 
 def warm_up(engine) -> None:
-    """One short request through the engine, so that the first client does not wait for the
-    compilation of the prefill, join and decode programs."""
-    rid = engine.add_request([0], max_tokens=2)
-    engine.run()
-    engine.release(rid)
+    """Requests through the engine before the server starts, so that clients do not wait for
+    compilations: a prompt of two prefill chunks (the second reads history), sampled and
+    greedy, each with enough tokens for three decode calls (the engine's decode program is
+    compiled again on its second call: its arguments become committed device arrays). Prompts
+    whose history reaches further compile their prefill program on first use."""
+    n = min(engine.chunk + 1, max(1, engine.capacity // 2))
+    steps = engine.n_steps
+    for temperature in (0.0, 1.0):
+        rid = engine.add_request([0] * n, max_tokens=3 * steps + 1, temperature=temperature)
+        engine.run()
+        engine.release(rid)
 
 
 def run(args) -> int:
