@@ -8,7 +8,9 @@ Each client sends `requests` streaming completions one after the other (`max_tok
 greedy, `ignore_eos`), and records per request the time from sending to the first token and the
 gaps between tokens (a chunk of k tokens counts its gap / k per token: `return_token_ids`).
 Reported: p50 / p99 of TTFT and inter-token latency, output tokens/s over the run, requests
-rejected (429). The server warms up (compiles) before the clock starts, unless --smoke.
+rejected (429), and the server's own means (its /metrics histograms, measured where the engine
+thread hands tokens over: client-side gaps also hold the event loop's and the socket's
+batching, which bunch tokens). The server warms up (compiles) before the clock starts, unless --smoke.
 
     python experiments/serving_latency.py --clients 8 --seats 4 --out runs/serving.jsonl
     python experiments/serving_latency.py --offload --hot-slots 512 --clients 16 --seats 8
@@ -73,6 +75,25 @@ async def _load(url, clients, requests, max_tokens):
         return [r for rs in results for r in rs], time.perf_counter() - start
 
 
+def _server_metrics(url) -> dict:
+    """The server's own TTFT and inter-token sums and counts (/metrics)."""
+    import httpx
+
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith(("fojax_time_to_first_token_seconds_",
+                            "fojax_inter_token_latency_seconds_")) and "bucket" not in name:
+            out[name] = float(value)
+    return out
+
+
+def _mean(before, after, name):
+    count = after.get(name + "_count", 0) - before.get(name + "_count", 0)
+    total = after.get(name + "_sum", 0) - before.get(name + "_sum", 0)
+    return total / count if count else None
+
+
 def _percentiles(values):
     if not values:
         return None, None
@@ -122,8 +143,10 @@ def main(argv=None) -> list[dict]:
     else:
         url = args.url.rstrip("/")
     try:
+        before = _server_metrics(url)
         results, seconds = asyncio.run(_load(url, args.clients, args.requests,
                                              args.max_tokens))
+        after = _server_metrics(url)
     finally:
         if server is not None:
             server.stop()
@@ -138,6 +161,8 @@ def main(argv=None) -> list[dict]:
            "max_tokens": args.max_tokens, "seats": args.seats, "capacity": args.capacity,
            "offload": args.offload, "decode_steps_per_call": args.decode_steps_per_call,
            "ttft_p50": ttft50, "ttft_p99": ttft99, "itl_p50": itl50, "itl_p99": itl99,
+           "server_ttft_mean": _mean(before, after, "fojax_time_to_first_token_seconds"),
+           "server_itl_mean": _mean(before, after, "fojax_inter_token_latency_seconds"),
            "output_tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
            "url": args.url, **run_metadata()}
     print(f"{len(done)}/{len(results)} requests, {tokens} tokens in {seconds:.2f} s "
