@@ -156,6 +156,22 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
                         status_code=status, headers=headers)
 
 
+class _EventStream(StreamingResponse):
+    """A StreamingResponse that calls `on_close` however the response ends: a client that
+    leaves before the first chunk cancels a stream whose generator never started (and so never
+    runs its `finally`)."""
+
+    def __init__(self, content, *, on_close: Callable[[], object], **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
 async def _wait_disconnect(request: Request) -> None:
     while True:
         message = await request.receive()
@@ -285,7 +301,11 @@ def build_app(driver: EngineDriver, *, tokenizer, model_name: str, capacity: int
         except NotAccepting as err:
             metrics.rejected.labels("unavailable").inc()
             return _error(503, str(err), "unavailable")
-        first = await handle.queue.get()
+        try:
+            first = await handle.queue.get()
+        except asyncio.CancelledError:  # the handler was cancelled (shutdown) before it began
+            driver.cancel(handle.request_id)
+            raise
         if isinstance(first, Refused):
             metrics.rejected.labels("invalid").inc()
             return _error(400, first.message)
@@ -304,9 +324,11 @@ def build_app(driver: EngineDriver, *, tokenizer, model_name: str, capacity: int
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
+            state = {"finished": False}
+            return _EventStream(
                 _stream(handle, rid, created, chat, stops, stop_ids, usage, include_usage,
-                        body),
+                        body, state),
+                on_close=lambda: state["finished"] or driver.cancel(rid),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
         finished = False
@@ -343,7 +365,8 @@ def build_app(driver: EngineDriver, *, tokenizer, model_name: str, capacity: int
                 "created": created, "model": model_name, "choices": [choice],
                 "usage": usage(out)}
 
-    async def _stream(handle, rid, created, chat, stops, stop_ids, usage, include_usage, body):
+    async def _stream(handle, rid, created, chat, stops, stop_ids, usage, include_usage, body,
+                      state):
         hold = max((len(s) for s in stops), default=1) - 1
         kind = "chat.completion.chunk" if chat else "text_completion"
         want_ids = body.return_token_ids
@@ -394,6 +417,7 @@ def build_app(driver: EngineDriver, *, tokenizer, model_name: str, capacity: int
                     sent = max(visible, sent)
             yield "data: [DONE]\n\n"
         finally:
+            state["finished"] = finished
             if not finished:
                 driver.cancel(rid)
 
