@@ -9,8 +9,8 @@ greedy, `ignore_eos`), and records per request the time from sending to the firs
 gaps between tokens (a chunk of k tokens counts its gap / k per token: `return_token_ids`).
 Reported: p50 / p99 of TTFT and inter-token latency, output tokens/s over the run, requests
 rejected (429), and the server's own means (its /metrics histograms, measured where the engine
-thread hands tokens over: client-side gaps also hold the event loop's and the socket's
-batching, which bunch tokens). The server warms up (compiles) before the clock starts, unless --smoke.
+thread hands tokens over: client-side gaps also hold the event loop's and the socket's batching,
+which bunch tokens). The server warms up (compiles) before the clock starts, unless --smoke.
 
     python experiments/serving_latency.py --clients 8 --seats 4 --out runs/serving.jsonl
     python experiments/serving_latency.py --offload --hot-slots 512 --clients 16 --seats 8

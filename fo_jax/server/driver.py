@@ -9,12 +9,12 @@ through queues.
     driver.cancel(handle.request_id)      # e.g. the client went away
     driver.stop(timeout=10)               # cancel what is left, join the thread
 
-Threads: `submit`, `cancel`, `stop_accepting`, `begin_shutdown` and `stop` may be called from any thread (the
-event loop's); they only put commands on a `queue.Queue`. The engine thread applies every
-pending command between two `Engine.step()` calls, then steps while anything is unfinished,
-and blocks on the command queue when idle (no busy loop). Outputs go back to each request's
-`asyncio.Queue` with `loop.call_soon_threadsafe`; a finished request is released from the
-engine at once (its id can be used again).
+Threads: `submit`, `cancel`, `stop_accepting`, `begin_shutdown` and `stop` may be called from
+any thread (the event loop's); they only put commands on a `queue.Queue`. The engine thread
+applies every pending command between two `Engine.step()` calls, then steps while anything is
+unfinished, and blocks on the command queue when idle (no busy loop). Outputs go back to each
+request's `asyncio.Queue` with `loop.call_soon_threadsafe`; a finished request is released from
+the engine at once (its id can be used again).
 
 Backpressure: at most `max_queue` requests wait for a seat (commands not yet applied plus the
 engine's own waiting list); `submit` refuses the next one with `QueueFull` at once, in the

@@ -113,7 +113,8 @@ def make_server(served: Served, *, host: str = "127.0.0.1", port: int = 8000,
     import uvicorn
 
     config = uvicorn.Config(served.app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_MARGIN, lifespan="on")
+                            timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_MARGIN,
+                            lifespan="on")
     server = _server_class()(config)
     server.driver, server.drain_timeout = served.driver, shutdown_timeout
     return server
