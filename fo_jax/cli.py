@@ -4,6 +4,7 @@
                     [--model-dir DIR [--chat]] [--draft none|ngram|mtp] ...
     fo-jax plan (--model glm52 | --model-dir DIR) --context 128000 [--budget-gb 29]
                 [--hot-slots 16384]
+    fo-jax serve [--model-dir DIR] [--port 8000] [--seats N --offload ...]   (fo_jax.server)
 
 `generate` runs the trained model that ships with the package by default (`trained-small`: a
 4.4 M-parameter DSA model trained on the Python standard library's sources, with its BPE
@@ -94,6 +95,11 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--interpret", action="store_true",
                      help="run the Pallas kernels in TPU interpret mode (slow; off TPU)")
     gen.add_argument("--no-progress", action="store_true")
+
+    from fo_jax.server.serve import add_arguments as add_serve_arguments
+
+    add_serve_arguments(sub.add_parser("serve", help="OpenAI-compatible HTTP server over the "
+                                                     "continuous-batching engine"))
 
     plan = sub.add_parser("plan", help="capacity planner for a model preset or directory")
     plan.add_argument("--model", default=None, help="a preset (default glm52)")
@@ -442,6 +448,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "plan":
             return _cmd_plan(args)
+        if args.command == "serve":
+            from fo_jax.server.serve import run as serve
+
+            return serve(args)
         return _cmd_generate(args)
     except (ValueError, FileNotFoundError, NotImplementedError) as err:
         print(f"fo-jax: error: {err}", file=sys.stderr)

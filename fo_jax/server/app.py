@@ -1,0 +1,427 @@
+"""The OpenAI-compatible ASGI app (FastAPI) over an `EngineDriver`.
+
+    POST /v1/completions        prompt (string or token ids) -> text; stream=true: server-sent
+                                events in OpenAI's chunk format, ending with `data: [DONE]`
+    POST /v1/chat/completions   messages -> one assistant message (the chat template is
+                                `protocol.simple_chat_template` unless one is given)
+    GET  /v1/models             the served model
+    GET  /health                200 while accepting requests, 503 when shutting down / failed
+    GET  /metrics               Prometheus text: requests received / completed / cancelled /
+                                rejected, running / waiting, engine counters, offload statistics,
+                                TTFT and inter-token latency histograms
+
+Status codes: 400 a request the engine refuses (its `add_request` message: prompt too long for
+a seat, ids outside the vocabulary ...) or malformed JSON; 422 a bad field (named, as
+pydantic reports it); 404 another model name; 429 with `Retry-After` when `max_queue` requests
+already wait for a seat; 503 while shutting down. Errors have OpenAI's body
+`{"error": {"message", "type", "param", "code"}}`.
+
+A client that disconnects (mid-stream or while waiting for a whole response) has its request
+cancelled in the engine, which frees its seat before the next step.
+
+Text: the engine's decoded text, without the rendering of a final stop token (the separator);
+while streaming, the last `max(len(stop)) - 1` characters and a trailing incomplete UTF-8
+character (U+FFFD) are held back until the next output, so that streamed text never has to be
+taken back when a stop string completes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import time
+from typing import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client import generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from fo_jax.server.driver import (
+    Accepted,
+    EngineDriver,
+    Failed,
+    NotAccepting,
+    QueueFull,
+    Refused,
+)
+from fo_jax.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    simple_chat_template,
+)
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 7.5, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    """Prometheus metrics of one server, in their own registry (several servers may live in
+    one process: tests). The engine thread feeds `on_output`; the snapshot collector reads
+    what the driver last published (every `stats_every` steps), never the engine itself."""
+
+    def __init__(self, driver: EngineDriver | None = None):
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.received = Counter("fojax_requests_received", "Requests with a valid body",
+                                registry=reg)
+        self.completed = Counter("fojax_requests_completed", "Requests that finished",
+                                 ["finish_reason"], registry=reg)
+        self.cancelled = Counter("fojax_requests_cancelled",
+                                 "Requests cancelled (client gone, shutdown)", registry=reg)
+        self.rejected = Counter("fojax_requests_rejected", "Requests refused before running",
+                                ["reason"], registry=reg)
+        self.failed = Counter("fojax_requests_failed", "Requests lost to an engine failure",
+                              registry=reg)
+        self.prompt_tokens = Counter("fojax_prompt_tokens", "Prompt tokens of accepted requests",
+                                     registry=reg)
+        self.generation_tokens = Counter("fojax_generation_tokens", "Tokens generated",
+                                         registry=reg)
+        self.ttft = Histogram("fojax_time_to_first_token_seconds",
+                              "Submit to first token (queue, prefill, first sample)",
+                              buckets=LATENCY_BUCKETS, registry=reg)
+        self.itl = Histogram("fojax_inter_token_latency_seconds",
+                             "Time between tokens of a request (a call of N decode steps "
+                             "counts its time / N per token)",
+                             buckets=LATENCY_BUCKETS, registry=reg)
+        self.driver = driver
+        reg.register(_SnapshotCollector(self))
+
+    def on_output(self, handle, out, now: float) -> None:
+        """Engine thread: one RequestOutput (before it is handed to the client)."""
+        new = len(out.new_token_ids)
+        if new:
+            self.generation_tokens.inc(new)
+            if handle.first_token_at is None:
+                self.ttft.observe(now - handle.submitted)
+                new -= 1
+                last = now
+            else:
+                last = handle.last_token_at
+            if new:
+                gap = (now - last) / new
+                for _ in range(new):
+                    self.itl.observe(gap)
+        if out.finished:
+            if out.finish_reason == "cancelled":
+                self.cancelled.inc()
+            else:
+                self.completed.labels(out.finish_reason).inc()
+
+
+class _SnapshotCollector:
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        driver = self.metrics.driver
+        if driver is None:
+            return
+        snap = driver.snapshot
+        yield GaugeMetricFamily("fojax_requests_running", "Requests in a seat",
+                                value=snap.running)
+        yield GaugeMetricFamily("fojax_requests_waiting", "Requests waiting for a seat",
+                                value=snap.waiting)
+        counters = CounterMetricFamily("fojax_engine_events", "Engine.counters",
+                                       labels=["counter"])
+        for name, value in sorted(snap.counters.items()):
+            counters.add_metric([name], value)
+        yield counters
+        if snap.offload:
+            rows = CounterMetricFamily("fojax_offload_rows",
+                                       "Offloaded decode: selected rows by outcome (hits, "
+                                       "tail_hits, misses) and rows copied (union)",
+                                       labels=["kind"])
+            for name in ("hits", "tail_hits", "misses", "union"):
+                rows.add_metric([name], snap.offload[name])
+            yield rows
+            moved = CounterMetricFamily("fojax_offload_bytes", "Offloaded decode: bytes moved",
+                                        labels=["direction"])
+            moved.add_metric(["h2d"], snap.offload["h2d_bytes"])
+            moved.add_metric(["d2h"], snap.offload["d2h_bytes"])
+            yield moved
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", param=None,
+           headers=None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                   "code": status}},
+                        status_code=status, headers=headers)
+
+
+class _EventStream(StreamingResponse):
+    """A StreamingResponse that calls `on_close` however the response ends: a client that
+    leaves before the first chunk cancels a stream whose generator never started (and so never
+    runs its `finally`)."""
+
+    def __init__(self, content, *, on_close: Callable[[], object], **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def build_app(driver: EngineDriver, *, tokenizer, model_name: str, capacity: int,
+              stop_token_ids: tuple[int, ...] = (), chat_template: Callable | None = None,
+              metrics: ServerMetrics | None = None, shutdown_timeout: float = 10.0,
+              retry_after: int = 1) -> FastAPI:
+    """The app. The driver is started by the app's startup (unless it runs already) and
+    stopped by its shutdown (in-flight requests get `shutdown_timeout` seconds, then are
+    cancelled).
+
+    Args:
+      driver: the EngineDriver (its engine must have this `tokenizer`).
+      tokenizer: encode(str) -> ids, decode(ids) -> str.
+      model_name: what /v1/models lists and requests must name (or omit).
+      capacity: tokens per seat: chat requests without max_tokens get the rest of the seat.
+      stop_token_ids: ids that end every request (the document separator), unless the request
+        sets `ignore_eos`.
+      chat_template: messages -> prompt text (default `simple_chat_template`).
+    """
+    metrics = metrics or ServerMetrics(driver)
+    metrics.driver = driver
+    if driver.on_output is None:
+        driver.on_output = metrics.on_output
+    template = chat_template or simple_chat_template
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if not driver.alive:
+            driver.start()
+        yield
+        driver.stop_accepting()
+        await asyncio.to_thread(driver.stop, shutdown_timeout)
+
+    app = FastAPI(title="fo_jax", lifespan=lifespan)
+    app.state.driver, app.state.metrics = driver, metrics
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        json_bad = any(e.get("type") == "json_invalid" for e in errors)
+        parts, param = [], None
+        for e in errors:
+            loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+            field = ".".join(loc) or "body"
+            param = param or field
+            parts.append(f"{field}: {e.get('msg')}")
+        status = 400 if json_bad else 422
+        message = ("malformed JSON body: " if json_bad else "invalid request: ") + "; ".join(parts)
+        body = {"error": {"message": message, "type": "invalid_request_error", "param": param,
+                          "code": status},
+                "detail": json.loads(json.dumps(errors, default=str))}
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/health")
+    async def health():
+        if driver.accepting:
+            return {"status": "ok"}
+        return _error(503, driver.failure or "the server is shutting down", "unavailable")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list",
+                "data": [{"id": model_name, "object": "model", "created": 0,
+                          "owned_by": "fo_jax", "max_model_len": capacity}]}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                metrics.received.inc()
+                metrics.rejected.labels("invalid").inc()
+                return _error(400, f"prompt: one prompt per request, got {len(prompt)}",
+                              param="prompt")
+            prompt = prompt[0]
+        if body.echo:
+            metrics.received.inc()
+            metrics.rejected.labels("invalid").inc()
+            return _error(400, "echo: not supported (send echo=false)", param="echo")
+        ids = tokenizer.encode(prompt).tolist() if isinstance(prompt, str) else list(prompt)
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        return await _generate(request, body, ids, max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        ids = tokenizer.encode(template(body.messages)).tolist()
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, capacity - len(ids))
+        return await _generate(request, body, ids, max_tokens, chat=True)
+
+    def _final_text(out, stop_ids, stops) -> str:
+        text = out.text or ""
+        if (out.finish_reason == "stop" and out.token_ids and out.token_ids[-1] in stop_ids):
+            text = tokenizer.decode(out.token_ids[:-1])
+            cut = [at for at in (text.find(s) for s in stops) if at >= 0]
+            if cut:
+                text = text[:min(cut)]
+        return text
+
+    async def _generate(request: Request, body, ids: list[int], max_tokens: int, *, chat: bool):
+        metrics.received.inc()
+        if body.model is not None and body.model != model_name:
+            metrics.rejected.labels("model").inc()
+            return _error(404, f"model {body.model!r} is not served here; GET /v1/models "
+                               f"lists {model_name!r}", "not_found_error", "model")
+        stops = body.stop_strings()
+        stop_ids = () if body.ignore_eos else tuple(stop_token_ids)
+        seed = random.getrandbits(31) if body.seed is None else body.seed
+        kwargs = dict(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                      seed=seed, stop_token_ids=stop_ids, stop=stops)
+        try:
+            handle = driver.submit(ids, loop=asyncio.get_running_loop(), **kwargs)
+        except QueueFull as err:
+            metrics.rejected.labels("queue_full").inc()
+            return _error(429, str(err), "rate_limit_error",
+                          headers={"Retry-After": str(retry_after)})
+        except NotAccepting as err:
+            metrics.rejected.labels("unavailable").inc()
+            return _error(503, str(err), "unavailable")
+        try:
+            first = await handle.queue.get()
+        except asyncio.CancelledError:  # the handler was cancelled (shutdown) before it began
+            driver.cancel(handle.request_id)
+            raise
+        if isinstance(first, Refused):
+            metrics.rejected.labels("invalid").inc()
+            return _error(400, first.message)
+        if isinstance(first, Failed):
+            metrics.rejected.labels("unavailable").inc()
+            return _error(503, first.message, "unavailable")
+        assert isinstance(first, Accepted), first
+        rid, created = handle.request_id, int(time.time())
+        prompt_tokens = len(ids)
+        metrics.prompt_tokens.inc(prompt_tokens)
+
+        def usage(out):
+            n = len(out.token_ids)
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": n,
+                    "total_tokens": prompt_tokens + n}
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            state = {"finished": False}
+            return _EventStream(
+                _stream(handle, rid, created, chat, stops, stop_ids, usage, include_usage,
+                        body, state),
+                on_close=lambda: state["finished"] or driver.cancel(rid),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+        finished = False
+        watch = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            while True:
+                get = asyncio.ensure_future(handle.queue.get())
+                done, _ = await asyncio.wait({get, watch},
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    return Response(status_code=499)  # the client has gone
+                out = get.result()
+                if isinstance(out, Failed):
+                    metrics.failed.inc()
+                    finished = True
+                    return _error(500, out.message, "server_error")
+                if out.finished:
+                    finished = True
+                    break
+        finally:
+            watch.cancel()
+            if not finished:
+                driver.cancel(rid)
+        text = _final_text(out, stop_ids, stops)
+        choice = {"index": 0, "logprobs": None, "finish_reason": out.finish_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if body.return_token_ids:
+            choice["token_ids"] = list(out.token_ids)
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                "created": created, "model": model_name, "choices": [choice],
+                "usage": usage(out)}
+
+    async def _stream(handle, rid, created, chat, stops, stop_ids, usage, include_usage, body,
+                      state):
+        hold = max((len(s) for s in stops), default=1) - 1
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        want_ids = body.return_token_ids
+
+        def chunk(delta: str, reason, token_ids=None) -> str:
+            choice = {"index": 0, "logprobs": None, "finish_reason": reason}
+            if chat:
+                choice["delta"] = {"content": delta} if delta or reason is None else {}
+            else:
+                choice["text"] = delta
+            if want_ids and token_ids is not None:
+                choice["token_ids"] = token_ids
+            data = {"id": rid, "object": kind, "created": created, "model": model_name,
+                    "choices": [choice]}
+            return f"data: {json.dumps(data)}\n\n"
+
+        sent, finished = 0, False
+        try:
+            if chat:
+                head = {"id": rid, "object": kind, "created": created, "model": model_name,
+                        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}]}
+                yield f"data: {json.dumps(head)}\n\n"
+            while True:
+                out = await handle.queue.get()
+                if isinstance(out, Failed):
+                    metrics.failed.inc()
+                    finished = True
+                    err = {"error": {"message": out.message, "type": "server_error",
+                                     "param": None, "code": 500}}
+                    yield f"data: {json.dumps(err)}\n\n"
+                    break
+                if out.finished:
+                    finished = True
+                    text = _final_text(out, stop_ids, stops)
+                    yield chunk(text[sent:], out.finish_reason, out.new_token_ids)
+                    if include_usage:
+                        data = {"id": rid, "object": kind, "created": created,
+                                "model": model_name, "choices": [], "usage": usage(out)}
+                        yield f"data: {json.dumps(data)}\n\n"
+                    break
+                text = out.text or ""
+                visible = len(text) - hold
+                while visible > sent and text[visible - 1] == "\ufffd":
+                    visible -= 1
+                if visible > sent or want_ids:
+                    yield chunk(text[sent:max(visible, sent)], None, out.new_token_ids)
+                    sent = max(visible, sent)
+            yield "data: [DONE]\n\n"
+        finally:
+            state["finished"] = finished
+            if not finished:
+                driver.cancel(rid)
+
+    return app
+
+
+__all__ = ["LATENCY_BUCKETS", "ServerMetrics", "build_app"]

@@ -1,0 +1,336 @@
+"""The engine driver: one thread owns the `Engine` (and the device); HTTP handlers talk to it
+through queues.
+
+    driver = EngineDriver(engine, max_queue=64)
+    driver.start()
+    handle = driver.submit(prompt_ids, loop=asyncio.get_running_loop(), max_tokens=16, ...)
+    first = await handle.queue.get()      # Accepted(request_id) or Refused(message)
+    out = await handle.queue.get()        # RequestOutput ... until out.finished
+    driver.cancel(handle.request_id)      # e.g. the client went away
+    driver.stop(timeout=10)               # cancel what is left, join the thread
+
+Threads: `submit`, `cancel`, `stop_accepting`, `begin_shutdown` and `stop` may be called from
+any thread (the event loop's); they only put commands on a `queue.Queue`. The engine thread
+applies every pending command between two `Engine.step()` calls, then steps while anything is
+unfinished, and blocks on the command queue when idle (no busy loop). Outputs go back to each
+request's `asyncio.Queue` with `loop.call_soon_threadsafe`; a finished request is released from
+the engine at once (its id can be used again).
+
+Backpressure: at most `max_queue` requests wait for a seat (commands not yet applied plus the
+engine's own waiting list); `submit` refuses the next one with `QueueFull` at once, in the
+caller's thread, so that the server answers 429 without waiting for the engine thread.
+
+Costs: per step O(requests that moved) callbacks onto the event loop; the engine's counters and
+offload statistics (`engine.stats`: one device-to-host read) are copied into `snapshot` every
+`stats_every` steps and whenever the engine goes idle, not per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+import numpy as np
+
+logger = logging.getLogger("fo_jax.server")
+
+
+class QueueFull(Exception):
+    """`max_queue` requests already wait for a seat (HTTP 429)."""
+
+
+class NotAccepting(Exception):
+    """The driver is shutting down or has stopped (HTTP 503)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Accepted:
+    """First item of a request's queue: the engine queued it."""
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """First item of a request's queue: `Engine.add_request` raised ValueError (HTTP 400)."""
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    """The engine thread failed (an exception in `step()`): no more outputs (HTTP 500)."""
+    message: str
+
+
+@dataclasses.dataclass
+class RequestHandle:
+    """A submitted request as the handler sees it: read `queue` until a finished output."""
+    request_id: str
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    submitted: float
+    kwargs: dict
+    prompt: list[int]
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    def put(self, item) -> None:
+        """Hand an item to the handler's event loop (from the engine thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """What the engine thread last published (read by /metrics and /health)."""
+    running: int = 0
+    waiting: int = 0
+    counters: dict = dataclasses.field(default_factory=dict)
+    offload: dict = dataclasses.field(default_factory=dict)
+
+
+def offload_totals(stats) -> dict:
+    """Sums of the engine's `LoopStats` (one device-to-host read): hits, tail_hits, misses,
+    union (rows copied), h2d_bytes, d2h_bytes. Empty before the first offloaded decode call."""
+    if stats is None:
+        return {}
+    import jax
+
+    host = jax.device_get(stats)
+    return {name: float(np.asarray(getattr(host, name), np.float64).sum())
+            for name in ("hits", "tail_hits", "misses", "union", "h2d_bytes", "d2h_bytes")}
+
+
+class EngineDriver:
+    """Runs an `Engine` in one dedicated thread (see the module doc).
+
+    Args:
+      engine: a `fo_jax.engine.Engine`; nothing else may touch it once `start` ran.
+      max_queue: requests that may wait for a seat; the next is refused with `QueueFull`.
+      stats_every: publish the engine counters and offload statistics every this many steps.
+      on_output: called in the engine thread with (handle, RequestOutput, now) for each output
+        before it is handed over (metrics: TTFT, inter-token latency, finish counters).
+    """
+
+    def __init__(self, engine, *, max_queue: int = 64, stats_every: int = 16,
+                 on_output: Callable[[RequestHandle, Any, float], None] | None = None):
+        if not isinstance(max_queue, int) or max_queue < 0:
+            raise ValueError(f"max_queue={max_queue!r} must be an int >= 0")
+        if not isinstance(stats_every, int) or stats_every < 1:
+            raise ValueError(f"stats_every={stats_every!r} must be an int >= 1")
+        self.engine = engine
+        self.max_queue, self.stats_every = max_queue, stats_every
+        self.on_output = on_output
+        self.snapshot = Snapshot()
+        self.failure: str | None = None
+        self._commands: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._pending_adds = 0      # submitted, not yet applied by the engine thread
+        self._engine_waiting = 0    # engine.num_waiting() after the last command / step
+        self._accepting = True
+        self._thread: threading.Thread | None = None
+        self._drain_timer: threading.Timer | None = None
+        self._handles: dict[str, RequestHandle] = {}  # engine thread only
+
+    # Any thread --------------------------------------------------------------------------
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and self.failure is None and self.alive
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the driver was started already")
+        self._thread = threading.Thread(target=self._run, name="fo-jax-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt: list[int], *, loop: asyncio.AbstractEventLoop,
+               **kwargs) -> RequestHandle:
+        """Queue a request for the engine (kwargs: `Engine.add_request`'s). Raises
+        `NotAccepting` (shutting down) or `QueueFull` (`max_queue` already waiting) at once."""
+        with self._lock:
+            if not self.accepting:
+                raise NotAccepting(self.failure or "the server is shutting down")
+            if self._pending_adds + self._engine_waiting >= self.max_queue:
+                raise QueueFull(f"{self.max_queue} requests already wait for a seat "
+                                f"(--max-queue {self.max_queue}): retry later")
+            self._pending_adds += 1
+        handle = RequestHandle(f"cmpl-{uuid.uuid4().hex}", asyncio.Queue(), loop,
+                               time.perf_counter(), kwargs, list(prompt))
+        self._commands.put(("add", handle))
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a request (no-op if it finished or was refused); its seat is freed by the
+        engine thread before its next step."""
+        self._commands.put(("cancel", request_id))
+
+    def stop_accepting(self) -> None:
+        """New requests are refused with `NotAccepting` from now on."""
+        with self._lock:
+            self._accepting = False
+
+    def begin_shutdown(self, timeout: float) -> None:
+        """Stop accepting; in `timeout` seconds cancel whatever is still in flight (each
+        client then gets its final output, finish_reason "cancelled"). Returns at once."""
+        self.stop_accepting()
+        if self._drain_timer is None:
+            self._drain_timer = threading.Timer(timeout, self._commands.put,
+                                                (("cancel_all", None),))
+            self._drain_timer.daemon = True
+            self._drain_timer.start()
+
+    def in_flight(self) -> int:
+        """Requests submitted and not yet finished (approximate from other threads)."""
+        with self._lock:
+            return self._pending_adds + len(self._handles)
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Stop accepting; let in-flight requests finish for up to `timeout` seconds, cancel
+        the rest, stop the thread. True if the thread has exited."""
+        self.stop_accepting()
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
+        if self._thread is None:
+            return True
+        deadline = time.monotonic() + timeout
+        while self.alive and self.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._commands.put(("stop", None))
+        self._thread.join(max(1.0, deadline - time.monotonic()))
+        return not self._thread.is_alive()
+
+    # The engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        steps = 0
+        try:
+            while True:
+                block = not engine.has_unfinished()
+                if block:
+                    self._publish()
+                if not self._apply_commands(block=block):
+                    break
+                if not engine.has_unfinished():
+                    continue
+                outputs = engine.step()
+                steps += 1
+                now = time.perf_counter()
+                for out in outputs:
+                    self._deliver(out, now)
+                self._publish(stats=steps % self.stats_every == 0)
+        except Exception as err:  # noqa: BLE001 - every request must hear about it
+            logger.exception("the engine thread failed")
+            self.failure = f"engine failure: {type(err).__name__}: {err}"
+            for handle in list(self._handles.values()):
+                handle.put(Failed(self.failure))
+            self._handles.clear()
+        finally:
+            self._stop_remaining()
+
+    def _apply_commands(self, *, block: bool) -> bool:
+        """Apply every pending command (wait for one if `block`); False on "stop"."""
+        while True:
+            try:
+                kind, arg = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._add(arg)
+            elif kind == "cancel":
+                self._cancel(arg)
+            elif kind == "cancel_all":
+                for request_id in list(self._handles):
+                    self._cancel(request_id)
+
+    def _add(self, handle: RequestHandle) -> None:
+        try:
+            self.engine.add_request(handle.prompt, request_id=handle.request_id,
+                                    **handle.kwargs)
+        except ValueError as err:
+            handle.put(Refused(str(err)))
+        else:
+            self._handles[handle.request_id] = handle
+            handle.put(Accepted(handle.request_id))
+        finally:
+            with self._lock:
+                self._pending_adds -= 1
+                self._engine_waiting = self.engine.num_waiting()
+
+    def _cancel(self, request_id: str) -> None:
+        if request_id not in self._handles:
+            return  # finished, refused, or never known
+        self.engine.cancel(request_id)
+        self._deliver(self.engine.release(request_id), time.perf_counter(), released=True)
+
+    def _deliver(self, out, now: float, *, released: bool = False) -> None:
+        handle = self._handles.get(out.request_id)
+        if handle is None:
+            return
+        if out.finished:
+            del self._handles[out.request_id]
+            if not released:
+                self.engine.release(out.request_id)
+        if self.on_output is not None:
+            try:
+                self.on_output(handle, out, now)
+            except Exception:  # noqa: BLE001 - metrics must not stop the engine
+                logger.exception("on_output failed")
+        if out.new_token_ids:
+            if handle.first_token_at is None:
+                handle.first_token_at = now
+            handle.last_token_at = now
+        handle.put(out)
+
+    def _publish(self, stats: bool = True) -> None:
+        engine = self.engine
+        with self._lock:
+            self._engine_waiting = engine.num_waiting()
+        snap = Snapshot(running=engine.num_running(), waiting=engine.num_waiting(),
+                        counters=self.snapshot.counters, offload=self.snapshot.offload)
+        if stats:
+            snap.counters = dict(engine.counters)
+            snap.offload = offload_totals(getattr(engine, "stats", None))
+        self.snapshot = snap
+
+    def _stop_remaining(self) -> None:
+        """Cancel every request still known (the thread is ending) and refuse pending adds."""
+        with self._lock:
+            self._accepting = False
+        for request_id in list(self._handles):
+            try:
+                self._cancel(request_id)
+            except Exception:  # noqa: BLE001
+                logger.exception("cancel %s failed", request_id)
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                with self._lock:
+                    self._pending_adds -= 1
+                arg.put(Failed(self.failure or "the server is shutting down"))
+        try:
+            self._publish()
+        except Exception:  # noqa: BLE001
+            logger.exception("final publish failed")
+
+
+__all__ = ["Accepted", "EngineDriver", "Failed", "NotAccepting", "QueueFull", "Refused",
+           "RequestHandle", "Snapshot", "offload_totals"]

@@ -1,0 +1,243 @@
+"""`fo-jax serve`: the engine behind an OpenAI-compatible HTTP server (uvicorn).
+
+    fo-jax serve                                  # the embedded model, resident, 127.0.0.1:8000
+    fo-jax serve --offload --hot-slots 512 --seats 8 --capacity 2048 --max-queue 32
+    fo-jax serve --model-dir runs/bpe --port 8080
+
+Shutdown (SIGTERM, SIGINT, or `ServerThread.stop`): new requests get 503, in-flight ones get
+`--shutdown-timeout` seconds to finish and are then cancelled, the engine thread stops, the
+process exits 0.
+
+`ServerThread` runs the same server in a background thread (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import signal
+import threading
+import time
+
+from fo_jax.server.driver import EngineDriver
+
+SHUTDOWN_MARGIN = 30.0  # seconds uvicorn waits for connections after the drain
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `serve` subcommand's flags (fastapi / uvicorn are imported only when it runs)."""
+    parser.add_argument("--model", default=None,
+                        help="trained-small (default: the model shipped with the package) or a "
+                             "preset with random weights (tiny, small) or --weights")
+    parser.add_argument("--model-dir", default=None, help="a model directory (fo_jax.embedded)")
+    parser.add_argument("--weights", default=None, help="safetensors weights for a --model preset")
+    parser.add_argument("--seed", type=int, default=0, help="random weights of a --model preset")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the name of /v1/models (default: the config's name)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--seats", type=int, default=4, help="requests decoded at once")
+    parser.add_argument("--capacity", type=int, default=None,
+                        help="tokens per seat, prompt + output (default: min(max_seq_len, 2048))")
+    parser.add_argument("--offload", action="store_true", help="KV cache in host memory")
+    parser.add_argument("--hot-slots", type=int, default=None,
+                        help="with --offload: hot-cache slots per layer (default: top-k x max "
+                             "ways)")
+    parser.add_argument("--page-size", type=int, default=16, help="with --offload: host page")
+    parser.add_argument("--policy", default=None,
+                        help="with --offload: eviction policy ring (default), lru, random, clock")
+    parser.add_argument("--decode-steps-per-call", type=int, default=1)
+    parser.add_argument("--prefill-chunk", type=int, default=256)
+    parser.add_argument("--max-queue", type=int, default=64,
+                        help="requests that may wait for a seat; more get HTTP 429")
+    parser.add_argument("--shutdown-timeout", type=float, default=10.0,
+                        help="seconds in-flight requests get to finish on shutdown")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="skip the start-up request that compiles the programs")
+    parser.add_argument("--max-param-gb", type=float, default=None)
+    parser.add_argument("--log-level", default="info")
+
+
+@dataclasses.dataclass
+class Served:
+    """What the server needs: the app and its driver (and the engine's settings)."""
+    app: object
+    driver: EngineDriver
+    model_name: str
+    capacity: int
+
+
+def build_served(engine, tokenizer, *, model_name: str, max_queue: int = 64,
+                 shutdown_timeout: float = 10.0, stop_token_ids=None, chat_template=None,
+                 stats_every: int = 16) -> Served:
+    """An app and its driver over `engine` (the driver starts with the app)."""
+    from fo_jax.server.app import build_app
+
+    if stop_token_ids is None:  # the document separator ends a reply when the model has it
+        sep = getattr(tokenizer, "sep", None)
+        stop_token_ids = (sep,) if sep is not None and sep < engine.config.vocab_size else ()
+    driver = EngineDriver(engine, max_queue=max_queue, stats_every=stats_every)
+    app = build_app(driver, tokenizer=tokenizer, model_name=model_name,
+                    capacity=engine.capacity, stop_token_ids=tuple(stop_token_ids),
+                    chat_template=chat_template, shutdown_timeout=shutdown_timeout)
+    return Served(app, driver, model_name, engine.capacity)
+
+
+def _server_class():
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn.Server that refuses new requests (503) as soon as shutdown starts, and
+        exits 0 on SIGTERM / SIGINT (uvicorn would raise the signal again after shutdown)."""
+
+        driver: EngineDriver | None = None
+        drain_timeout: float = 10.0
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.driver is not None:
+                self.driver.begin_shutdown(self.drain_timeout)
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            else:
+                self.should_exit = True
+
+    return GracefulServer
+
+
+def make_server(served: Served, *, host: str = "127.0.0.1", port: int = 8000,
+                log_level: str = "info", shutdown_timeout: float = 10.0):
+    """A uvicorn server for `served`. On shutdown, in-flight requests get `shutdown_timeout`
+    seconds, then the driver cancels them after the engine's current step (their clients get
+    finish_reason "cancelled"); uvicorn closes connections still open `SHUTDOWN_MARGIN` seconds
+    after that (a step that compiles a program can take that long)."""
+    import uvicorn
+
+    config = uvicorn.Config(served.app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_MARGIN,
+                            lifespan="on")
+    server = _server_class()(config)
+    server.driver, server.drain_timeout = served.driver, shutdown_timeout
+    return server
+
+
+class ServerThread:
+    """The server in a background thread, on a free port of 127.0.0.1 (tests, benchmarks).
+
+        with ServerThread(served) as srv:
+            httpx.get(srv.url + "/health")
+    """
+
+    def __init__(self, served: Served, *, host: str = "127.0.0.1", port: int = 0,
+                 shutdown_timeout: float = 5.0):
+        self.served = served
+        self.server = make_server(served, host=host, port=port, log_level="warning",
+                                  shutdown_timeout=shutdown_timeout)
+        self.thread = threading.Thread(target=self.server.run, name="fo-jax-http", daemon=True)
+        self.host, self.port = host, port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self, timeout: float = 30.0) -> bool:
+        """Graceful shutdown (as on SIGTERM); True if the server and engine threads ended."""
+        self.server.handle_exit(signal.SIGTERM, None)
+        self.thread.join(timeout)
+        return not self.thread.is_alive() and not self.served.driver.alive
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def warm_up(engine) -> None:
+    """Requests through the engine before the server starts, so that clients do not wait for
+    compilations: a prompt of two prefill chunks (the second reads history), sampled and
+    greedy, each with enough tokens for three decode calls (the engine's decode program is
+    compiled again on its second call: its arguments become committed device arrays). Prompts
+    whose history reaches further compile their prefill program on first use."""
+    n = min(engine.chunk + 1, max(1, engine.capacity // 2))
+    steps = engine.n_steps
+    for temperature in (0.0, 1.0):
+        rid = engine.add_request([0] * n, max_tokens=3 * steps + 1, temperature=temperature)
+        engine.run()
+        engine.release(rid)
+
+
+def run(args) -> int:
+    """`fo-jax serve` (flags: `add_arguments`)."""
+    import jax
+
+    from fo_jax.cli import _check_param_memory, _resolve_model
+    from fo_jax.engine import Engine
+    from fo_jax.model import dsa
+    from fo_jax.offload.config import OffloadConfig, check_hot_slots, min_hot_slots
+    from fo_jax.tokenizer import ByteTokenizer
+    from fo_jax.weights import load_params
+
+    config, load, tokenizer = _resolve_model(args)
+    if tokenizer is None:
+        tokenizer = ByteTokenizer()
+        if config.vocab_size < 256:
+            raise ValueError(f"the byte tokenizer needs vocab_size >= 256; {config.name!r} has "
+                             f"{config.vocab_size}")
+    for flag in ("seats", "max_queue", "decode_steps_per_call", "prefill_chunk", "page_size"):
+        value = getattr(args, flag)
+        if value < (0 if flag == "max_queue" else 1):
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= "
+                             f"{0 if flag == 'max_queue' else 1}, got {value}")
+    if not args.offload:
+        for flag in ("policy", "hot_slots"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} applies to the offloaded path "
+                                 "only: add --offload")
+    capacity = min(config.max_seq_len, 2048) if args.capacity is None else args.capacity
+    offload = None
+    if args.offload:
+        if capacity % args.page_size:
+            raise ValueError(f"--capacity {capacity} must be a multiple of --page-size "
+                             f"{args.page_size} with --offload")
+        if args.hot_slots is not None:
+            check_hot_slots(args.hot_slots, config)
+        hot = min_hot_slots(config) if args.hot_slots is None else args.hot_slots
+        offload = OffloadConfig(hot_slots=hot, page_size=args.page_size, capacity=capacity,
+                                policy=args.policy or "ring")
+        offload.validate_for(config)
+    _check_param_memory(config, args.max_param_gb)
+    if load is not None:
+        params = load()[1]
+    else:
+        params = (load_params(args.weights, config) if args.weights
+                  else dsa.init_params(config, jax.random.key(args.seed)))
+    engine = Engine(params, config, seats=args.seats, capacity=capacity, offload=offload,
+                    decode_steps_per_call=args.decode_steps_per_call,
+                    prefill_chunk=args.prefill_chunk, tokenizer=tokenizer)
+    if not args.no_warmup:
+        t0 = time.perf_counter()
+        warm_up(engine)
+        print(f"fo-jax serve: compiled in {time.perf_counter() - t0:.1f} s", flush=True)
+    name = args.served_model_name or config.name
+    served = build_served(engine, tokenizer, model_name=name, max_queue=args.max_queue,
+                          shutdown_timeout=args.shutdown_timeout)
+    server = make_server(served, host=args.host, port=args.port, log_level=args.log_level,
+                         shutdown_timeout=args.shutdown_timeout)
+    print(f"fo-jax serve: {name} ({'offloaded' if offload else 'resident'}, {args.seats} seats "
+          f"of {capacity} tokens) on http://{args.host}:{args.port}/v1", flush=True)
+    server.run()
+    return 0 if served.driver.failure is None else 1
+
+
+__all__ = ["Served", "ServerThread", "add_arguments", "build_served", "make_server", "run",
+           "warm_up"]

@@ -1,0 +1,201 @@
+"""EngineDriver with a stand-in engine (no device): commands are applied between steps, the
+thread sleeps when idle, the queue bound answers at once, refusals and engine failures reach
+the request's queue, stop cancels what is left."""
+
+import asyncio
+import collections
+import time
+
+import numpy as np
+import pytest
+from prometheus_client import generate_latest
+
+from fo_jax.engine.engine import RequestOutput
+from fo_jax.server.app import ServerMetrics
+from fo_jax.server.driver import (
+    Accepted,
+    EngineDriver,
+    Failed,
+    NotAccepting,
+    QueueFull,
+    Refused,
+    offload_totals,
+)
+
+
+class FakeEngine:
+    """One token per step per running request; `seats` seats; `fail_at` raises in step()."""
+
+    def __init__(self, seats=1, fail_at=None):
+        self.seats, self.fail_at = seats, fail_at
+        self.requests, self.waiting, self.running = {}, [], []
+        self.steps, self.counters, self.stats = 0, {"steps": 0}, None
+
+    def add_request(self, prompt, *, request_id, max_tokens, **_):
+        if not prompt:
+            raise ValueError("prompt must be a non-empty list of token ids")
+        self.requests[request_id] = dict(max=max_tokens, tokens=[], reason=None, n=len(prompt))
+        self.waiting.append(request_id)
+
+    def _out(self, rid, new):
+        r = self.requests[rid]
+        return RequestOutput(rid, new, list(r["tokens"]), None, r["reason"] is not None,
+                             r["reason"], r["n"], None)
+
+    def step(self):
+        self.steps += 1
+        self.counters["steps"] += 1
+        if self.fail_at is not None and self.steps >= self.fail_at:
+            raise RuntimeError("device lost")
+        while self.waiting and len(self.running) < self.seats:
+            self.running.append(self.waiting.pop(0))
+        outs = []
+        for rid in list(self.running):
+            r = self.requests[rid]
+            r["tokens"].append(7)
+            if len(r["tokens"]) >= r["max"]:
+                r["reason"] = "length"
+                self.running.remove(rid)
+            outs.append(self._out(rid, [7]))
+        return outs
+
+    def cancel(self, rid):
+        r = self.requests[rid]
+        if r["reason"] is not None:
+            return False
+        r["reason"] = "cancelled"
+        for lst in (self.waiting, self.running):
+            if rid in lst:
+                lst.remove(rid)
+        return True
+
+    def release(self, rid):
+        out = self._out(rid, [])
+        del self.requests[rid]
+        return out
+
+    def has_unfinished(self):
+        return bool(self.waiting or self.running)
+
+    def num_waiting(self):
+        return len(self.waiting)
+
+    def num_running(self):
+        return len(self.running)
+
+
+async def _drain(handle, timeout=5.0):
+    items = []
+    while True:
+        item = await asyncio.wait_for(handle.queue.get(), timeout)
+        items.append(item)
+        if isinstance(item, (Refused, Failed)) or getattr(item, "finished", False):
+            return items
+
+
+def test_requests_run_and_the_idle_thread_sleeps():
+    engine = FakeEngine(seats=1)
+    driver = EngineDriver(engine, max_queue=4)
+    driver.start()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        a = driver.submit([1, 2], loop=loop, max_tokens=3)
+        b = driver.submit([1], loop=loop, max_tokens=2)
+        bad = driver.submit([], loop=loop, max_tokens=2)
+        return await asyncio.gather(_drain(a), _drain(b), _drain(bad))
+
+    a, b, bad = asyncio.run(main())
+    assert isinstance(a[0], Accepted) and [o.token_ids for o in a[1:]][-1] == [7, 7, 7]
+    assert a[-1].finish_reason == "length" and b[-1].token_ids == [7, 7]
+    assert bad == [Refused("prompt must be a non-empty list of token ids")]
+    steps = engine.steps
+    time.sleep(0.2)
+    assert engine.steps == steps  # idle: no stepping
+    assert engine.requests == {}  # finished requests were released
+    assert driver.stop(timeout=5) and not driver.alive
+    with pytest.raises(NotAccepting):
+        asyncio.run(_submit(driver))
+
+
+async def _submit(driver, **kwargs):
+    return driver.submit([1], loop=asyncio.get_running_loop(), max_tokens=50, **kwargs)
+
+
+def test_queue_bound_cancel_and_stop():
+    engine = FakeEngine(seats=1)
+    driver = EngineDriver(engine, max_queue=0)  # nothing may wait: refused in the caller
+    driver.start()
+    with pytest.raises(QueueFull, match="--max-queue 0"):
+        asyncio.run(_submit(driver))
+    assert driver.stop(timeout=5)
+    driver = EngineDriver(engine, max_queue=2)
+    driver.start()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        h = driver.submit([1], loop=loop, max_tokens=10**6)
+        assert isinstance(await h.queue.get(), Accepted)
+        await h.queue.get()  # it runs
+        driver.cancel(h.request_id)
+        driver.cancel("never-known")  # ignored
+        while True:
+            out = await asyncio.wait_for(h.queue.get(), 5)
+            if out.finished:
+                return out
+
+    assert asyncio.run(main()).finish_reason == "cancelled"
+    assert engine.requests == {}
+
+    async def left_running():
+        h = driver.submit([1], loop=asyncio.get_running_loop(), max_tokens=10**6)
+        await h.queue.get()
+        assert await asyncio.to_thread(driver.stop, 0.1)  # in flight after 0.1 s: cancelled
+        return await _drain(h)
+
+    assert asyncio.run(left_running())[-1].finish_reason == "cancelled"
+
+
+def test_engine_failure_reaches_every_request():
+    driver = EngineDriver(FakeEngine(seats=1, fail_at=3), max_queue=4)
+    driver.start()
+
+    async def main():
+        h = driver.submit([1], loop=asyncio.get_running_loop(), max_tokens=10)
+        return await _drain(h)
+
+    items = asyncio.run(main())
+    assert items[-1] == Failed("engine failure: RuntimeError: device lost")
+    driver._thread.join(5)
+    assert not driver.alive and not driver.accepting
+    with pytest.raises(NotAccepting, match="device lost"):
+        asyncio.run(_submit(driver))
+
+
+def test_offload_statistics_reach_metrics():
+    """engine.stats (LoopStats sums) -> the snapshot (every stats_every steps, when idle) ->
+    /metrics counters."""
+    Stats = collections.namedtuple("Stats", "hits tail_hits misses union h2d_bytes d2h_bytes")
+    gbw = np.ones((2, 3, 1), np.int32)
+    stats = Stats(gbw * 5, gbw, gbw * 2, np.ones((2, 3), np.int32),
+                  np.full((3,), 1024.0, np.float32), np.full((3,), 64.0, np.float32))
+    assert offload_totals(None) == {}
+    totals = offload_totals(stats)
+    assert totals == {"hits": 30.0, "tail_hits": 6.0, "misses": 12.0, "union": 6.0,
+                      "h2d_bytes": 3072.0, "d2h_bytes": 192.0}
+    engine = FakeEngine(seats=1)
+    engine.stats = stats
+    driver = EngineDriver(engine, max_queue=1)
+    metrics = ServerMetrics(driver)
+    driver.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not driver.snapshot.offload and time.monotonic() < deadline:
+            time.sleep(0.01)  # published when the thread goes idle
+        text = generate_latest(metrics.registry).decode()
+    finally:
+        driver.stop(timeout=5)
+    assert 'fojax_offload_rows_total{kind="misses"} 12.0' in text
+    assert 'fojax_offload_bytes_total{direction="h2d"} 3072.0' in text
+    assert 'fojax_engine_events_total{counter="steps"} 0.0' in text
+    assert "fojax_requests_running 0.0" in text

@@ -1,0 +1,258 @@
+"""`fo-jax serve` (fo_jax.server): the OpenAI client against the server on loopback; greedy
+output equals the engine's own; backpressure (429), refused requests (400), bad fields (422),
+disconnects cancel, metrics add up, graceful shutdown."""
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import jax
+import openai
+import pytest
+
+from fo_jax.embedded import load_embedded
+from fo_jax.engine import Engine
+from fo_jax.server.serve import ServerThread, build_served, warm_up
+
+# The embedded model (read from the package in 0.3 s; random tiny weights take longer to make),
+# two seats of 64 tokens, resident: small programs.
+CONFIG, PARAMS, TOKENIZER = load_embedded()
+CAPACITY = 64
+SEATS = 2
+MAX_QUEUE = 2
+NAME = CONFIG.name
+SEP = TOKENIZER.sep  # the server's default stop token
+
+
+def _engine():
+    return Engine(PARAMS, CONFIG, seats=SEATS, capacity=CAPACITY, decode_steps_per_call=2,
+                  prefill_chunk=8, query_block=None, tokenizer=TOKENIZER)
+
+
+def _start(max_queue=MAX_QUEUE, shutdown_timeout=2.0):
+    engine = _engine()
+    warm_up(engine)
+    served = build_served(engine, TOKENIZER, model_name=NAME, max_queue=max_queue,
+                          shutdown_timeout=shutdown_timeout)
+    return ServerThread(served, shutdown_timeout=shutdown_timeout).start()
+
+
+def _n(text):
+    return len(TOKENIZER.encode(text))
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = _start()
+    try:
+        yield srv
+    finally:
+        assert srv.stop(timeout=20)
+
+
+def _client(srv):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=30)
+
+
+def _metrics(srv) -> dict:
+    out = {}
+    for line in httpx.get(srv.url + "/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def _idle(srv, timeout=10.0):
+    """Wait until the engine has neither running nor waiting requests."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = _metrics(srv)
+        if m["fojax_requests_running"] == 0 and m["fojax_requests_waiting"] == 0 and \
+                srv.served.driver.in_flight() == 0:
+            return m
+        time.sleep(0.05)
+    raise AssertionError(f"still busy: {m}")
+
+
+def test_models_health(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    models = _client(server).models.list()
+    assert [m.id for m in models.data] == [NAME]
+
+
+def test_completion_greedy_equals_engine(server):
+    """Greedy tokens over HTTP equal the engine's own for the same request, streamed or not."""
+    prompt = "def read_lines(path):"
+    reference = _engine()
+    rid = reference.add_request(TOKENIZER.encode(prompt), max_tokens=10, temperature=0.0,
+                                stop_token_ids=[SEP])
+    ref = reference.run()[rid]
+    assert ref.finish_reason == "length"
+    client = _client(server)
+    resp = client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0,
+                                     extra_body={"return_token_ids": True})
+    choice = resp.choices[0]
+    assert choice.model_extra["token_ids"] == ref.token_ids
+    assert choice.text == ref.text
+    assert choice.finish_reason == ref.finish_reason == "length"
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.total_tokens) \
+        == (_n(prompt), 10, _n(prompt) + 10)
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=10,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_chat_streaming_and_not(server):
+    client = _client(server)
+    messages = [{"role": "user", "content": "hello"}]
+    resp = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6,
+                                          temperature=0)
+    text = resp.choices[0].message.content
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.usage.prompt_tokens == _n("user: hello\nassistant:")
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6,
+                                            temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_string_is_cut_and_sampling_is_seeded(server):
+    client = _client(server)
+    kwargs = dict(model=NAME, prompt="abc", max_tokens=12, temperature=1.0, seed=7)
+    a = client.completions.create(**kwargs).choices[0].text
+    assert client.completions.create(**kwargs).choices[0].text == a
+    stop = a[3:5]
+    assert len(stop) == 2, a
+    cut = client.completions.create(stop=[stop], **kwargs).choices[0]
+    assert cut.text == a[:a.find(stop)] and cut.finish_reason == "stop"
+    streamed = client.completions.create(stop=stop, stream=True, **kwargs)
+    assert "".join(c.choices[0].text for c in streamed) == a[:a.find(stop)]
+
+
+def test_bad_requests(server):
+    url = server.url + "/v1/completions"
+    bad = httpx.post(url, json={"prompt": "x", "temperature": -1})
+    assert bad.status_code == 422
+    assert bad.json()["error"]["param"] == "temperature"
+    assert "temperature" in bad.json()["error"]["message"]
+    missing = httpx.post(server.url + "/v1/chat/completions", json={"model": NAME})
+    assert missing.status_code == 422 and missing.json()["error"]["param"] == "messages"
+    broken = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert broken.status_code == 400
+    assert broken.json()["error"]["message"].startswith("malformed JSON body")
+    long = httpx.post(url, json={"prompt": [1] * (CAPACITY + 1), "max_tokens": 1})
+    assert long.status_code == 400
+    assert long.json()["error"]["message"] == (
+        f"prompt of {CAPACITY + 1} tokens does not fit a seat of {CAPACITY} tokens: shorten it "
+        "or raise the capacity")
+    vocab = httpx.post(url, json={"prompt": [1, CONFIG.vocab_size]})
+    assert vocab.status_code == 400 and "outside the vocabulary" in vocab.text
+    other = httpx.post(url, json={"prompt": "x", "model": "gpt-4"})
+    assert other.status_code == 404 and repr(NAME) in other.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="does not fit a seat"):
+        _client(server).completions.create(model=NAME, prompt="import os\n" * 40,
+                                          max_tokens=1)
+
+
+def test_client_dropped_mid_stream_is_cancelled(server):
+    before = _idle(server)
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", server.url + "/v1/completions",
+                           json={"prompt": "a", "max_tokens": 40, "stream": True,
+                                 "temperature": 0, "ignore_eos": True}) as resp:
+            lines = resp.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+    after = _idle(server)  # the seat was freed: nothing running, nothing waiting
+    assert after["fojax_requests_cancelled_total"] == before["fojax_requests_cancelled_total"] + 1
+    with pytest.raises(httpx.ReadTimeout):  # a whole-response client that gives up
+        httpx.post(server.url + "/v1/completions", timeout=httpx.Timeout(30, read=0.3),
+                   json={"prompt": "b", "max_tokens": 60, "ignore_eos": True})
+    last = _idle(server)
+    assert last["fojax_requests_cancelled_total"] == after["fojax_requests_cancelled_total"] + 1
+
+
+async def _stream_one(client, url, i):
+    body = {"prompt": f"request {i}:", "max_tokens": 8, "stream": True, "temperature": 0}
+    async with client.stream("POST", url, json=body) as resp:
+        if resp.status_code == 429:
+            assert resp.headers["retry-after"] == "1"
+            return "rejected"
+        assert resp.status_code == 200
+        lines = [line async for line in resp.aiter_lines() if line.startswith("data:")]
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][5:])["choices"][0]["finish_reason"] == "length"
+        return "completed"
+
+
+def test_load_accepted_complete_rejected_429_and_metrics_add_up(server):
+    before = _idle(server)
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(_stream_one(client, server.url + "/v1/completions", i)
+                                          for i in range(24)))
+
+    results = asyncio.run(asyncio.wait_for(main(), 60))
+    assert results.count("completed") >= SEATS and results.count("rejected") >= 1
+    m = _idle(server)
+
+    def delta(name):
+        return m.get(name, 0.0) - before.get(name, 0.0)
+
+    completed = sum(delta(k) for k in m if k.startswith("fojax_requests_completed_total"))
+    rejected = sum(delta(k) for k in m if k.startswith("fojax_requests_rejected_total"))
+    assert delta("fojax_requests_received_total") == 24
+    assert completed == results.count("completed")
+    assert delta('fojax_requests_rejected_total{reason="queue_full"}') == results.count("rejected")
+    assert delta("fojax_requests_received_total") == \
+        completed + delta("fojax_requests_cancelled_total") + rejected
+    assert m["fojax_time_to_first_token_seconds_count"] >= completed
+    assert m['fojax_engine_events_total{counter="decode_calls"}'] > 0
+
+
+def test_shutdown_ends_in_flight_requests():
+    """Shutdown: new requests get 503; in-flight streams end with finish_reason "cancelled"
+    and [DONE] once the drain time is over (0 here: at once; the CLI test drains 0.5 s); the
+    server and engine threads exit."""
+    srv = _start(max_queue=4, shutdown_timeout=0.0)
+    results = []
+
+    def call():
+        with httpx.Client(timeout=30) as client:
+            with client.stream("POST", srv.url + "/v1/completions",
+                               json={"prompt": "z", "max_tokens": 60, "stream": True,
+                                     "ignore_eos": True}) as resp:
+                results.append([line for line in resp.iter_lines() if line])
+
+    threads = [threading.Thread(target=call) for _ in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while srv.served.driver.snapshot.running < SEATS and time.monotonic() < deadline:
+            time.sleep(0.01)
+        srv.served.driver.stop_accepting()  # what SIGTERM does first
+        assert httpx.get(srv.url + "/health").status_code == 503
+        refused = httpx.post(srv.url + "/v1/completions", json={"prompt": "a"})
+        assert refused.status_code == 503
+        assert srv.stop(timeout=30)  # the server thread and the engine thread have exited
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(srv.url + "/health", timeout=2)
+    finally:
+        for t in threads:
+            t.join(30)
+        srv.stop(timeout=5)
+    assert len(results) == 3 and srv.served.driver.in_flight() == 0
+    assert all(lines[-1] == "data: [DONE]" for lines in results)
+    reasons = [json.loads(lines[-2][5:])["choices"][0]["finish_reason"] for lines in results]
+    assert "cancelled" in reasons, reasons
+    snap = srv.served.driver.snapshot
+    assert snap.running == 0 and snap.waiting == 0
