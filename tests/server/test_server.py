@@ -173,7 +173,7 @@ def test_client_dropped_mid_stream_is_cancelled(server):
     after = _idle(server)  # the seat was freed: nothing running, nothing waiting
     assert after["fojax_requests_cancelled_total"] == before["fojax_requests_cancelled_total"] + 1
     with pytest.raises(httpx.ReadTimeout):  # a whole-response client that gives up
-        httpx.post(server.url + "/v1/completions", timeout=httpx.Timeout(30, read=0.3),
+        httpx.post(server.url + "/v1/completions", timeout=httpx.Timeout(30, read=0.02),
                    json={"prompt": "b", "max_tokens": 60, "ignore_eos": True})
     last = _idle(server)
     assert last["fojax_requests_cancelled_total"] == after["fojax_requests_cancelled_total"] + 1
