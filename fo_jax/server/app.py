@@ -194,7 +194,8 @@ def build_app(driver: EngineDriver, *, tokenizer, model_name: str, capacity: int
       capacity: tokens per seat: chat requests without max_tokens get the rest of the seat.
       stop_token_ids: ids that end every request (the document separator), unless the request
         sets `ignore_eos`.
-      chat_template: messages -> prompt text (default `simple_chat_template`).
+      chat_template: messages -> prompt text (default `simple_chat_template`; `build_served`
+        passes a Hugging Face checkpoint's own template).
     """
     metrics = metrics or ServerMetrics(driver)
     metrics.driver = driver
@@ -266,7 +267,11 @@ def build_app(driver: EngineDriver, *, tokenizer, model_name: str, capacity: int
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        ids = tokenizer.encode(template(body.messages)).tolist()
+        text = template(body.messages)
+        try:  # a rendered template carries its own special tokens (BOS included)
+            ids = tokenizer.encode(text, add_special_tokens=False).tolist()
+        except TypeError:  # tokenizers without special tokens to add
+            ids = tokenizer.encode(text).tolist()
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
             max_tokens = max(1, capacity - len(ids))

@@ -74,7 +74,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 def simple_chat_template(messages: list[ChatMessage]) -> str:
-    """The stand-in chat template (until model chat templates land): one line per message,
+    """The chat template of a model that has none (the embedded model): one line per message,
     `"{role}: {content}\\n"`, then `"assistant:"` for the model to continue.
 
         [{"role": "user", "content": "hi"}] -> "user: hi\\nassistant:"

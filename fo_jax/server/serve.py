@@ -73,9 +73,15 @@ def build_served(engine, tokenizer, *, model_name: str, max_queue: int = 64,
     """An app and its driver over `engine` (the driver starts with the app)."""
     from fo_jax.server.app import build_app
 
-    if stop_token_ids is None:  # the document separator ends a reply when the model has it
+    if stop_token_ids is None:  # a checkpoint's EOS ids, or fo_jax's document separator
+        eos = tuple(getattr(tokenizer, "eos_ids", ()) or ())
         sep = getattr(tokenizer, "sep", None)
-        stop_token_ids = (sep,) if sep is not None and sep < engine.config.vocab_size else ()
+        stop_token_ids = eos or ((sep,) if sep is not None else ())
+        stop_token_ids = tuple(t for t in stop_token_ids if t < engine.config.vocab_size)
+    if chat_template is None and getattr(tokenizer, "chat_template", None) is not None:
+        def chat_template(messages):  # the checkpoint's own template (Hugging Face tokenizers)
+            return tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.text()} for m in messages])
     driver = EngineDriver(engine, max_queue=max_queue, stats_every=stats_every)
     app = build_app(driver, tokenizer=tokenizer, model_name=model_name,
                     capacity=engine.capacity, stop_token_ids=tuple(stop_token_ids),

@@ -256,3 +256,37 @@ def test_shutdown_ends_in_flight_requests():
     assert "cancelled" in reasons, reasons
     snap = srv.served.driver.snapshot
     assert snap.running == 0 and snap.waiting == 0
+
+
+class _TemplatedTokenizer:
+    """The embedded tokenizer with a chat template and EOS ids, as a Hugging Face checkpoint's
+    tokenizer has them (fo_jax.tokenizer.HFTokenizer's interface)."""
+
+    chat_template = "{% for m in messages %}{{ m.role }}> {{ m.content }}\n{% endfor %}bot>"
+    sep = None
+    eos_ids = (SEP,)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return "".join(f"{m['role']}> {m['content']}\n" for m in messages) + "bot>"
+
+    def encode(self, text, *, add_special_tokens=True):
+        assert not add_special_tokens, "a rendered template is encoded without BOS"
+        return TOKENIZER.encode(text)
+
+    def decode(self, ids):
+        return TOKENIZER.decode(ids)
+
+
+def test_chat_uses_the_checkpoints_template_and_eos():
+    engine = _engine()
+    tokenizer = _TemplatedTokenizer()
+    served = build_served(engine, tokenizer, model_name=NAME, max_queue=4)
+    srv = ServerThread(served, shutdown_timeout=2.0).start()
+    try:
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+        reply = _client(srv).chat.completions.create(model=NAME, messages=messages,
+                                                     max_tokens=2, temperature=0)
+        want = tokenizer.apply_chat_template(messages)
+        assert reply.usage.prompt_tokens == len(TOKENIZER.encode(want))
+    finally:
+        assert srv.stop(timeout=20)
