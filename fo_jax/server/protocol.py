@@ -1,5 +1,5 @@
 """OpenAI-compatible request bodies (pydantic: a bad field is answered 422 naming it), and the
-chat template used until model chat templates land.
+chat template of models without one of their own.
 
 Only what the engine does is accepted: one choice per request (`n` = 1), `prompt` as one string
 or one list of token ids, sampling by `temperature` / `top_p` / `seed`, `stop` strings,
