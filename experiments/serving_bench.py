@@ -16,7 +16,9 @@ Ratios are to the first cell of the same run (these machines are noisy).
     python experiments/serving_bench.py                         # small model, CPU sizes
     python experiments/serving_bench.py --smoke                 # seconds; run by the tests
 
-Prefix reuse and admission by memory are not in the engine yet: no cells for them.
+With `--shared-prefix F` (default 0.8) a second workload gives F of the prompts one
+`--prefix-len`-token system prompt before their own tokens, served offloaded with and without
+the prefix cache (`Engine(prefix_cache=True)`): prompt tokens prefilled, TTFT, throughput.
 """
 
 from __future__ import annotations
@@ -48,15 +50,22 @@ def seat_bytes(config, path: str, capacity: int, offload: OffloadConfig | None) 
     return device_bytes_formula(config, offload, 1)["total"]
 
 
-def workload(args, vocab: int, seed: int = 0):
-    """[(arrival seconds, prompt ids, max_tokens)] of a Poisson process."""
+def workload(args, vocab: int, seed: int = 0, shared: float = 0.0):
+    """[(arrival seconds, prompt ids, max_tokens)] of a Poisson process; a fraction `shared`
+    of the prompts start with the same `args.prefix_len` tokens."""
     rng = np.random.default_rng(seed)
+    system = rng.integers(0, vocab, getattr(args, "prefix_len", 0)).tolist()
     gaps = rng.exponential(1.0 / args.rate, args.requests)
     arrivals = np.cumsum(gaps) - gaps[0]
     lo, hi = args.prompt_len
     olo, ohi = args.output_len
-    return [(float(t), rng.integers(0, vocab, int(rng.integers(lo, hi + 1))).tolist(),
-             int(rng.integers(olo, ohi + 1))) for t in arrivals]
+    out = []
+    for t in arrivals:
+        prompt = rng.integers(0, vocab, int(rng.integers(lo, hi + 1))).tolist()
+        if rng.random() < shared:
+            prompt = system + prompt
+        out.append((float(t), prompt, int(rng.integers(olo, ohi + 1))))
+    return out
 
 
 def serve(engine: Engine, requests, *, warm: bool = True) -> dict:
@@ -64,7 +73,8 @@ def serve(engine: Engine, requests, *, warm: bool = True) -> dict:
     if warm:  # compile every program first (each prefill history bucket up to the longest
         # prompt, the join, the decode loop), untimed
         longest = max((r[1] for r in requests), key=len)
-        engine.add_request(longest, max_tokens=2)
+        # reversed: the same length (the same programs) without filling a prefix cache
+        engine.add_request(longest[::-1], max_tokens=2)
         engine.run()
         engine.timings = dict.fromkeys(engine.timings, 0.0)
         engine.counters = dict.fromkeys(engine.counters, 0)
@@ -119,12 +129,18 @@ def main(argv=None):
     parser.add_argument("--output-len", type=int, nargs=2, default=[16, 64])
     parser.add_argument("--prefill-chunk", type=int, default=128)
     parser.add_argument("--steps-per-call", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--shared-prefix", type=float, default=0.8,
+                        help="prefix workload: fraction of prompts sharing the system prompt "
+                             "(0: skip that workload)")
+    parser.add_argument("--prefix-len", type=int, default=512,
+                        help="prefix workload: tokens of the shared system prompt")
     parser.add_argument("--out", default=None, help="append JSON lines here")
     args = parser.parse_args(argv)
     if args.smoke:
         args.model, args.capacity, args.page_size, args.requests = "tiny", 64, 4, 5
         args.prompt_len, args.output_len, args.prefill_chunk = [4, 20], [2, 6], 8
         args.rate, args.device_budget_mb, args.steps_per_call = 50.0, 0.2, [1, 4]
+        args.prefix_len = 16
     config = get_config(args.model).replace(max_ways=1)
     if args.capacity > config.max_seq_len:
         config = config.replace(max_seq_len=args.capacity)
@@ -160,12 +176,41 @@ def main(argv=None):
                   f"{fig['ttft_p50']:>8.2f}/{fig['ttft_p99']:<8.2f}{tpot:>13s}"
                   f"{fig['programs_per_token']:>10.3f}{fig['host_share']:>12.3f}")
             rows.append({**meta, "model": config.name, "path": path, "steps_per_call": n,
+                         "workload": "poisson",
                          "seats": int(seats), "seat_device_bytes": int(per_seat),
                          "device_budget_bytes": budget, "capacity": args.capacity,
                          "hot_slots": hot if path == "offload" else None,
                          "requests": args.requests, "rate": args.rate,
                          "ratio": fig["tokens_per_s"] / base, **fig})
+    if args.shared_prefix > 0:
+        rows += _prefix_cells(args, config, params, offload, budget, meta)
     write_jsonl(args.out, rows)
+    return rows
+
+
+def _prefix_cells(args, config, params, offload, budget, meta):
+    """The shared-prefix workload, offloaded, without and with the prefix cache."""
+    requests = workload(args, config.vocab_size, seed=1, shared=args.shared_prefix)
+    seats = int(min(args.max_seats, budget // seat_bytes(config, "offload", args.capacity,
+                                                         offload)))
+    n = max(args.steps_per_call)
+    print(f"\nshared prefix: {args.shared_prefix:.0%} of {args.requests} prompts start with the "
+          f"same {args.prefix_len} tokens; offloaded, {seats} seats, N={n}")
+    print(f"{'cell':22s}{'prefilled':>10s}{'cached':>8s}{'tok/s':>9s}{'TTFT p50/p99 s':>17s}")
+    rows, chunk = [], args.prefill_chunk - args.prefill_chunk % offload.page_size
+    for cache in (False, True):
+        engine = Engine(params, config, seats=seats, capacity=args.capacity, offload=offload,
+                        decode_steps_per_call=n, prefill_chunk=max(chunk, offload.page_size),
+                        prefix_cache=cache)
+        fig = serve(engine, requests)
+        cached = engine.counters["prefix_hit_tokens"]
+        name = f"prefix cache {'on' if cache else 'off'}"
+        print(f"{name:22s}{fig['prefill_tokens']:>10d}{cached:>8d}{fig['tokens_per_s']:>9.1f}"
+              f"{fig['ttft_p50']:>8.2f}/{fig['ttft_p99']:<8.2f}")
+        rows.append({**meta, "model": config.name, "path": "offload", "workload": "shared_prefix",
+                     "prefix_cache": cache, "shared_fraction": args.shared_prefix,
+                     "prefix_len": args.prefix_len, "steps_per_call": n, "seats": seats,
+                     "cached_tokens": cached, **fig})
     return rows
 
 

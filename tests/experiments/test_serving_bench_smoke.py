@@ -8,7 +8,9 @@ def test_smoke(load_experiment, tmp_path, capsys):
     rows = load_experiment("serving_bench").main(["--smoke", "--out", str(out)])
     printed = capsys.readouterr().out
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(lines) == len(rows) == 4
+    assert len(lines) == len(rows) == 6
+    prefix = [r for r in lines if r["workload"] == "shared_prefix"]
+    lines = [r for r in lines if r["workload"] == "poisson"]
     assert {(r["path"], r["steps_per_call"]) for r in lines} == {
         (p, n) for p in ("resident", "offload") for n in (1, 4)}
     by_path = {r["path"]: r for r in lines}
@@ -26,3 +28,9 @@ def test_smoke(load_experiment, tmp_path, capsys):
         assert n4["programs_per_token"] < n1["programs_per_token"]
         assert n4["output_tokens"] == n1["output_tokens"]  # the same greedy tokens
     assert "host share" in printed
+    # The shared-prefix workload: the cache serves prompt tokens, fewer are prefilled, and the
+    # greedy tokens do not change.
+    off, on = sorted(prefix, key=lambda r: r["prefix_cache"])
+    assert off["cached_tokens"] == 0 < on["cached_tokens"]
+    assert on["prefill_tokens"] == off["prefill_tokens"] - on["cached_tokens"]
+    assert on["output_tokens"] == off["output_tokens"]
