@@ -72,6 +72,7 @@ from fo_jax.engine.loop import (
 )
 from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload.config import OffloadConfig
+from fo_jax.engine.admission import MemoryCosts
 from fo_jax.engine.pages import NO_PAGE, PagePool, PoolExhausted, PrefixCache, RequestPages
 from fo_jax.offload.state import DecodeState, committed
 
@@ -183,6 +184,8 @@ class Engine:
       query_block: the prefill's query blocks (the same for both paths: bitwise equal).
       num_pages: offloaded: pages of `offload.page_size` tokens in the shared host-KV and
         indexer-key pools (default seats x capacity / page_size: every seat full at once).
+      host_pool_bytes: offloaded: size the pools in bytes of host KV instead (the planner's
+        bytes per page, `fo_jax.engine.admission.MemoryCosts`; as vLLM's host pool setting).
       prefix_cache: offloaded: map cached pages of earlier prompts (needs prefill_chunk a
         multiple of page_size: a reused prefix ends where a chunk ends, so the rest of the
         prompt is computed exactly as from scratch: the tokens do not change).
@@ -195,7 +198,8 @@ class Engine:
                  prefill_chunk: int = 256, tokenizer=None, max_stop_ids: int = 8,
                  query_block: int | None = resident.QUERY_BLOCK, num_buffers: int | None = None,
                  implementation: str | None = None, interpret: Any = False,
-                 num_pages: int | None = None, prefix_cache: bool = False):
+                 num_pages: int | None = None, host_pool_bytes: int | None = None,
+                 prefix_cache: bool = False):
         for name, value in (("seats", seats), ("decode_steps_per_call", decode_steps_per_call),
                             ("prefill_chunk", prefill_chunk), ("max_stop_ids", max_stop_ids)):
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
@@ -217,12 +221,25 @@ class Engine:
         self.tokenizer, self.max_stop_ids = tokenizer, int(max_stop_ids)
         self.query_block, self.num_buffers = query_block, num_buffers
         self.pool = self.prefix = None
-        if offload is None and (num_pages is not None or prefix_cache):
-            raise ValueError("num_pages and prefix_cache need the offloaded path (an "
-                             "OffloadConfig): the resident state keeps each seat's KV apart")
+        if offload is None and (num_pages is not None or host_pool_bytes is not None
+                                or prefix_cache):
+            raise ValueError("num_pages, host_pool_bytes and prefix_cache need the offloaded "
+                             "path (an OffloadConfig): the resident state keeps each seat's KV "
+                             "apart")
+        if num_pages is not None and host_pool_bytes is not None:
+            raise ValueError("give num_pages or host_pool_bytes, not both (both size the pool)")
         if offload is not None:
             z = offload.page_size
             self.max_pages = self.capacity // z
+            if host_pool_bytes is not None:  # the planner's bytes of one page (every layer)
+                page_bytes = MemoryCosts.from_config(
+                    config, page_size=z, hot_slots=offload.hot_slots,
+                    num_buffers=min(4, config.num_layers)).page_host_bytes
+                num_pages = int(host_pool_bytes) // page_bytes
+                if num_pages < 1:
+                    raise ValueError(f"host_pool_bytes={host_pool_bytes} holds no page of {z} "
+                                     f"tokens ({page_bytes} bytes over {config.num_layers} "
+                                     "layers): raise it")
             num_pages = self.seats * self.max_pages if num_pages is None else num_pages
             if not isinstance(num_pages, numbers.Integral) or num_pages < 1:
                 raise ValueError(f"num_pages={num_pages!r} must be an int >= 1 (pages of "

@@ -46,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=16, help="with --offload: host page")
     parser.add_argument("--policy", default=None,
                         help="with --offload: eviction policy ring (default), lru, random, clock")
+    parser.add_argument("--host-pool-gb", type=float, default=None,
+                        help="with --offload: host KV pool shared by the seats, in GB (default "
+                             "every seat full at once)")
+    parser.add_argument("--prefix-cache", action="store_true",
+                        help="with --offload: reuse the pages of earlier prompts' prefixes")
     parser.add_argument("--decode-steps-per-call", type=int, default=1)
     parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--max-queue", type=int, default=64,
@@ -227,9 +232,16 @@ def run(args) -> int:
     else:
         params = (load_params(args.weights, config) if args.weights
                   else dsa.init_params(config, jax.random.key(args.seed)))
+    pool = {}
+    if args.host_pool_gb is not None or args.prefix_cache:
+        if offload is None:
+            raise SystemExit("fo-jax serve: --host-pool-gb and --prefix-cache need --offload")
+        if args.host_pool_gb is not None:
+            pool["host_pool_bytes"] = int(args.host_pool_gb * 1e9)
+        pool["prefix_cache"] = args.prefix_cache
     engine = Engine(params, config, seats=args.seats, capacity=capacity, offload=offload,
                     decode_steps_per_call=args.decode_steps_per_call,
-                    prefill_chunk=args.prefill_chunk, tokenizer=tokenizer)
+                    prefill_chunk=args.prefill_chunk, tokenizer=tokenizer, **pool)
     if not args.no_warmup:
         t0 = time.perf_counter()
         warm_up(engine)

@@ -258,8 +258,16 @@ def test_prefix_reuse_skips_the_shared_chunks():
 
 
 def test_pool_settings_and_sizes_are_checked():
-    with pytest.raises(ValueError, match="num_pages and prefix_cache need the offloaded path"):
+    with pytest.raises(ValueError, match="num_pages, host_pool_bytes and prefix_cache need the "
+                                         "offloaded path"):
         _engine("resident", num_pages=8)
+    with pytest.raises(ValueError, match="give num_pages or host_pool_bytes, not both"):
+        _engine("ring", num_pages=8, host_pool_bytes=10**6)
+    # Sized in bytes: a page holds Z tokens of every layer's KV row.
+    page_bytes = CONFIG.num_layers * 4 * CONFIG.kv_width * CONFIG.jnp_kv_dtype.itemsize
+    assert _engine("ring", host_pool_bytes=10 * page_bytes + 1).pool.num_pages == 10
+    with pytest.raises(ValueError, match="holds no page of 4 tokens"):
+        _engine("ring", host_pool_bytes=page_bytes - 1)
     with pytest.raises(ValueError, match="prefill_chunk=6 to be a multiple of page_size=4"):
         Engine(_params(), CONFIG, seats=2, offload=_offload(), prefill_chunk=6,
                prefix_cache=True)
