@@ -134,6 +134,14 @@ class _SnapshotCollector:
         for name, value in sorted(snap.counters.items()):
             counters.add_metric([name], value)
         yield counters
+        if snap.pool:
+            pages = GaugeMetricFamily("fojax_pool_pages",
+                                      "Pages of the shared host-KV / indexer-key pools by state "
+                                      "(free, held by requests, cached by the prefix cache, "
+                                      "total)", labels=["state"])
+            for name in ("free", "held", "cached", "total"):
+                pages.add_metric([name], snap.pool[name])
+            yield pages
         if snap.offload:
             rows = CounterMetricFamily("fojax_offload_rows",
                                        "Offloaded decode: selected rows by outcome (hits, "

@@ -94,6 +94,7 @@ class Snapshot:
     waiting: int = 0
     counters: dict = dataclasses.field(default_factory=dict)
     offload: dict = dataclasses.field(default_factory=dict)
+    pool: dict = dataclasses.field(default_factory=dict)  # pages: free, held, cached, total
 
 
 def offload_totals(stats) -> dict:
@@ -301,8 +302,10 @@ class EngineDriver:
         engine = self.engine
         with self._lock:
             self._engine_waiting = engine.num_waiting()
+        occupancy = getattr(engine, "pool_occupancy", None)
         snap = Snapshot(running=engine.num_running(), waiting=engine.num_waiting(),
-                        counters=self.snapshot.counters, offload=self.snapshot.offload)
+                        counters=self.snapshot.counters, offload=self.snapshot.offload,
+                        pool=(occupancy() or {}) if occupancy is not None else {})
         if stats:
             snap.counters = dict(engine.counters)
             snap.offload = offload_totals(getattr(engine, "stats", None))

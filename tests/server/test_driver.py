@@ -185,6 +185,7 @@ def test_offload_statistics_reach_metrics():
                       "h2d_bytes": 3072.0, "d2h_bytes": 192.0}
     engine = FakeEngine(seats=1)
     engine.stats = stats
+    engine.pool_occupancy = lambda: {"free": 5, "held": 2, "cached": 1, "total": 8}
     driver = EngineDriver(engine, max_queue=1)
     metrics = ServerMetrics(driver)
     driver.start()
@@ -199,3 +200,5 @@ def test_offload_statistics_reach_metrics():
     assert 'fojax_offload_bytes_total{direction="h2d"} 3072.0' in text
     assert 'fojax_engine_events_total{counter="steps"} 0.0' in text
     assert "fojax_requests_running 0.0" in text
+    assert 'fojax_pool_pages{state="cached"} 1.0' in text
+    assert 'fojax_pool_pages{state="total"} 8.0' in text
