@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import jax
 import numpy as np
@@ -36,6 +35,7 @@ from common import run_metadata, write_jsonl  # noqa: E402
 from fo_jax import resident  # noqa: E402
 from fo_jax.config import get_config  # noqa: E402
 from fo_jax.engine import Engine  # noqa: E402
+from fo_jax.engine.bench import poisson_workload, run_workload  # noqa: E402
 from fo_jax.model.dsa import init_params  # noqa: E402
 from fo_jax.offload.config import OffloadConfig  # noqa: E402
 from fo_jax.offload.state import device_bytes_formula  # noqa: E402
@@ -51,65 +51,10 @@ def seat_bytes(config, path: str, capacity: int, offload: OffloadConfig | None) 
 
 
 def workload(args, vocab: int, seed: int = 0, shared: float = 0.0):
-    """[(arrival seconds, prompt ids, max_tokens)] of a Poisson process; a fraction `shared`
-    of the prompts start with the same `args.prefix_len` tokens."""
-    rng = np.random.default_rng(seed)
-    system = rng.integers(0, vocab, getattr(args, "prefix_len", 0)).tolist()
-    gaps = rng.exponential(1.0 / args.rate, args.requests)
-    arrivals = np.cumsum(gaps) - gaps[0]
-    lo, hi = args.prompt_len
-    olo, ohi = args.output_len
-    out = []
-    for t in arrivals:
-        prompt = rng.integers(0, vocab, int(rng.integers(lo, hi + 1))).tolist()
-        if rng.random() < shared:
-            prompt = system + prompt
-        out.append((float(t), prompt, int(rng.integers(olo, ohi + 1))))
-    return out
-
-
-def serve(engine: Engine, requests, *, warm: bool = True) -> dict:
-    """Feed `requests` by their arrival times; step until all finish. Figures of the run."""
-    if warm:  # compile every program first (each prefill history bucket up to the longest
-        # prompt, the join, the decode loop), untimed
-        longest = max((r[1] for r in requests), key=len)
-        # reversed: the same length (the same programs) without filling a prefix cache
-        engine.add_request(longest[::-1], max_tokens=2)
-        engine.run()
-        engine.timings = dict.fromkeys(engine.timings, 0.0)
-        engine.counters = dict.fromkeys(engine.counters, 0)
-    start = time.perf_counter()
-    pending = list(enumerate(requests))
-    ids, running = {}, []
-    while pending or engine.has_unfinished():
-        now = time.perf_counter() - start
-        while pending and pending[0][1][0] <= now:
-            i, (_, prompt, max_tokens) = pending.pop(0)
-            ids[i] = engine.add_request(prompt, max_tokens=max_tokens)
-        if not engine.has_unfinished():
-            time.sleep(max(0.0, pending[0][1][0] - now))
-            continue
-        engine.step()
-        running.append(engine.num_running())
-    wall = time.perf_counter() - start
-    outputs = engine.run()
-    outs = [outputs[ids[i]] for i in range(len(requests))]
-    tokens = sum(len(o.token_ids) for o in outs)
-    ttft = np.asarray([o.time_to_first_token for o in outs])
-    tpot = np.asarray([o.time_per_output_token for o in outs
-                       if o.time_per_output_token is not None])
-    t = engine.timings
-    programs = engine.counters["prefill_calls"] + engine.counters["decode_calls"]
-    return {"wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
-            "mean_running": float(np.mean(running)) if running else 0.0,
-            "peak_running": int(np.max(running)) if running else 0,
-            "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p99": float(np.percentile(ttft, 99)),
-            "tpot_p50": float(np.percentile(tpot, 50)) if tpot.size else None,
-            "tpot_p99": float(np.percentile(tpot, 99)) if tpot.size else None,
-            "programs_per_token": programs / max(tokens, 1),
-            "host_share": 1 - (t["prefill_s"] + t["decode_s"]) / max(t["step_s"], 1e-9),
-            "prefill_tokens": engine.counters["prefill_tokens"],
-            "steps": engine.counters["steps"]}
+    """The benchmark's requests (`fo_jax.engine.bench.poisson_workload`)."""
+    return poisson_workload(args.requests, rate=args.rate, prompt_len=tuple(args.prompt_len),
+                            output_len=tuple(args.output_len), vocab=vocab, seed=seed,
+                            shared_fraction=shared, prefix_len=args.prefix_len)
 
 
 def main(argv=None):
@@ -167,7 +112,7 @@ def main(argv=None):
             engine = Engine(params, config, seats=int(seats), capacity=args.capacity,
                             offload=None if path == "resident" else offload,
                             decode_steps_per_call=n, prefill_chunk=args.prefill_chunk)
-            fig = serve(engine, requests)
+            fig = run_workload(engine, requests)
             base = base or fig["tokens_per_s"]
             name = f"{path} N={n}"
             tpot = "-" if fig["tpot_p50"] is None else f"{fig['tpot_p50'] * 1e3:.1f}"
@@ -202,8 +147,8 @@ def _prefix_cells(args, config, params, offload, budget, meta):
         engine = Engine(params, config, seats=seats, capacity=args.capacity, offload=offload,
                         decode_steps_per_call=n, prefill_chunk=max(chunk, offload.page_size),
                         prefix_cache=cache)
-        fig = serve(engine, requests)
-        cached = engine.counters["prefix_hit_tokens"]
+        fig = run_workload(engine, requests)
+        cached = fig["cached_tokens"]
         name = f"prefix cache {'on' if cache else 'off'}"
         print(f"{name:22s}{fig['prefill_tokens']:>10d}{cached:>8d}{fig['tokens_per_s']:>9.1f}"
               f"{fig['ttft_p50']:>8.2f}/{fig['ttft_p99']:<8.2f}")

@@ -5,6 +5,7 @@
     fo-jax plan (--model glm52 | --model-dir DIR) --context 128000 [--budget-gb 29]
                 [--hot-slots 16384]
     fo-jax serve [--model-dir DIR] [--port 8000] [--seats N --offload ...]   (fo_jax.server)
+    fo-jax bench-serve [--offload --prefix-cache ...] [--requests 16 --rate 4 ...]
 
 `generate` runs the trained model that ships with the package by default (`trained-small`: a
 4.4 M-parameter DSA model trained on the Python standard library's sources, with its BPE
@@ -100,6 +101,19 @@ def _build_parser() -> argparse.ArgumentParser:
 
     add_serve_arguments(sub.add_parser("serve", help="OpenAI-compatible HTTP server over the "
                                                      "continuous-batching engine"))
+    from fo_jax.server.serve import add_engine_arguments
+
+    bench = sub.add_parser("bench-serve", help="a Poisson stream of requests through the engine, "
+                                               "then its figures")
+    add_engine_arguments(bench)
+    bench.add_argument("--requests", type=int, default=16)
+    bench.add_argument("--rate", type=float, default=4.0, help="arrivals per second")
+    bench.add_argument("--prompt-len", type=int, nargs=2, default=[32, 128], metavar=("LO", "HI"))
+    bench.add_argument("--output-len", type=int, nargs=2, default=[16, 48], metavar=("LO", "HI"))
+    bench.add_argument("--shared-prefix", type=float, default=0.0,
+                       help="fraction of prompts that start with the same system prompt")
+    bench.add_argument("--prefix-len", type=int, default=256)
+    bench.add_argument("--out", default=None, help="append the figures as a JSON line here")
 
     plan = sub.add_parser("plan", help="capacity planner for a model preset or directory")
     plan.add_argument("--model", default=None, help="a preset (default glm52)")
@@ -443,6 +457,40 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _cmd_bench_serve(args) -> int:
+    """`fo-jax bench-serve`: the engine under a Poisson workload, then a summary."""
+    import json
+
+    from fo_jax.engine.bench import poisson_workload, run_workload, summary_lines
+    from fo_jax.server.serve import build_engine
+
+    if not 0 <= args.shared_prefix <= 1:
+        raise ValueError(f"--shared-prefix {args.shared_prefix} must be a fraction in [0, 1]")
+    workload = dict(rate=args.rate, prompt_len=tuple(args.prompt_len),
+                    output_len=tuple(args.output_len), shared_fraction=args.shared_prefix,
+                    prefix_len=args.prefix_len if args.shared_prefix else 0)
+    poisson_workload(args.requests, vocab=1, **workload)  # bad flags: refused before loading
+    engine, config, _, offload = build_engine(args)
+    requests = poisson_workload(args.requests, vocab=config.vocab_size, **workload)
+    longest = max(len(p) for _, p, _ in requests)
+    if longest > engine.capacity:
+        raise ValueError(f"prompts of up to {longest} tokens do not fit seats of "
+                         f"{engine.capacity} tokens: raise --capacity or lower --prompt-len / "
+                         "--prefix-len")
+    figures = run_workload(engine, requests)
+    print(f"bench-serve: {config.name}, {'offloaded' if offload else 'resident'}, "
+          f"{engine.seats} seats of {engine.capacity} tokens, {engine.n_steps} decode steps "
+          "per call")
+    for line in summary_lines(figures):
+        print("  " + line)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps({"model": config.name, "offload": offload is not None,
+                                "seats": engine.seats, "capacity": engine.capacity,
+                                **figures}) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
@@ -452,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
             from fo_jax.server.serve import run as serve
 
             return serve(args)
+        if args.command == "bench-serve":
+            return _cmd_bench_serve(args)
         return _cmd_generate(args)
     except (ValueError, FileNotFoundError, NotImplementedError) as err:
         print(f"fo-jax: error: {err}", file=sys.stderr)

@@ -26,16 +26,28 @@ SHUTDOWN_MARGIN = 30.0  # seconds uvicorn waits for connections after the drain
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `serve` subcommand's flags (fastapi / uvicorn are imported only when it runs)."""
+    add_engine_arguments(parser)
+    parser.add_argument("--served-model-name", default=None,
+                        help="the name of /v1/models (default: the config's name)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-queue", type=int, default=64,
+                        help="requests that may wait for a seat; more get HTTP 429")
+    parser.add_argument("--shutdown-timeout", type=float, default=10.0,
+                        help="seconds in-flight requests get to finish on shutdown")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="skip the start-up request that compiles the programs")
+    parser.add_argument("--log-level", default="info")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and engine flags (`serve`, `bench-serve`)."""
     parser.add_argument("--model", default=None,
                         help="trained-small (default: the model shipped with the package) or a "
                              "preset with random weights (tiny, small) or --weights")
     parser.add_argument("--model-dir", default=None, help="a model directory (fo_jax.embedded)")
     parser.add_argument("--weights", default=None, help="safetensors weights for a --model preset")
     parser.add_argument("--seed", type=int, default=0, help="random weights of a --model preset")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the name of /v1/models (default: the config's name)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--seats", type=int, default=4, help="requests decoded at once")
     parser.add_argument("--capacity", type=int, default=None,
                         help="tokens per seat, prompt + output (default: min(max_seq_len, 2048))")
@@ -53,14 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --offload: reuse the pages of earlier prompts' prefixes")
     parser.add_argument("--decode-steps-per-call", type=int, default=1)
     parser.add_argument("--prefill-chunk", type=int, default=256)
-    parser.add_argument("--max-queue", type=int, default=64,
-                        help="requests that may wait for a seat; more get HTTP 429")
-    parser.add_argument("--shutdown-timeout", type=float, default=10.0,
-                        help="seconds in-flight requests get to finish on shutdown")
-    parser.add_argument("--no-warmup", action="store_true",
-                        help="skip the start-up request that compiles the programs")
     parser.add_argument("--max-param-gb", type=float, default=None)
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--no-progress", action="store_true")
 
 
 @dataclasses.dataclass
@@ -187,8 +193,9 @@ def warm_up(engine) -> None:
         engine.release(rid)
 
 
-def run(args) -> int:
-    """`fo-jax serve` (flags: `add_arguments`)."""
+def build_engine(args):
+    """(engine, config, tokenizer, offload config or None) from the flags of
+    `add_engine_arguments`, every flag checked before the weights are read."""
     import jax
 
     from fo_jax.cli import _check_param_memory, _resolve_model
@@ -205,7 +212,7 @@ def run(args) -> int:
             raise ValueError(f"the byte tokenizer needs vocab_size >= 256; {config.name!r} has "
                              f"{config.vocab_size}")
     for flag in ("seats", "max_queue", "decode_steps_per_call", "prefill_chunk", "page_size"):
-        value = getattr(args, flag)
+        value = getattr(args, flag, 1)
         if value < (0 if flag == "max_queue" else 1):
             raise ValueError(f"--{flag.replace('_', '-')} must be >= "
                              f"{0 if flag == 'max_queue' else 1}, got {value}")
@@ -235,13 +242,20 @@ def run(args) -> int:
     pool = {}
     if args.host_pool_gb is not None or args.prefix_cache:
         if offload is None:
-            raise SystemExit("fo-jax serve: --host-pool-gb and --prefix-cache need --offload")
+            raise ValueError("--host-pool-gb and --prefix-cache need --offload")
         if args.host_pool_gb is not None:
             pool["host_pool_bytes"] = int(args.host_pool_gb * 1e9)
         pool["prefix_cache"] = args.prefix_cache
     engine = Engine(params, config, seats=args.seats, capacity=capacity, offload=offload,
                     decode_steps_per_call=args.decode_steps_per_call,
                     prefill_chunk=args.prefill_chunk, tokenizer=tokenizer, **pool)
+    return engine, config, tokenizer, offload
+
+
+def run(args) -> int:
+    """`fo-jax serve` (flags: `add_arguments`)."""
+    engine, config, tokenizer, offload = build_engine(args)
+    capacity = engine.capacity
     if not args.no_warmup:
         t0 = time.perf_counter()
         warm_up(engine)
@@ -257,5 +271,5 @@ def run(args) -> int:
     return 0 if served.driver.failure is None else 1
 
 
-__all__ = ["Served", "ServerThread", "add_arguments", "build_served", "make_server", "run",
-           "warm_up"]
+__all__ = ["Served", "ServerThread", "add_arguments", "add_engine_arguments", "build_engine",
+           "build_served", "make_server", "run", "warm_up"]

@@ -21,11 +21,11 @@ def test_smoke(load_experiment, tmp_path, capsys):
         assert r["output_tokens"] > 0 and r["tokens_per_s"] > 0
         assert 0 <= r["host_share"] <= 1 and r["peak_running"] >= 1
         assert r["ttft_p50"] <= r["ttft_p99"]
-    # More decode steps per program: fewer programs per generated token.
+    # More decode steps per program: fewer decode programs for the same tokens.
     for path in ("resident", "offload"):
         n1, n4 = (next(r for r in lines if r["path"] == path and r["steps_per_call"] == n)
                   for n in (1, 4))
-        assert n4["programs_per_token"] < n1["programs_per_token"]
+        assert n4["decode_calls"] < n1["decode_calls"]
         assert n4["output_tokens"] == n1["output_tokens"]  # the same greedy tokens
     assert "host share" in printed
     # The shared-prefix workload: the cache serves prompt tokens, fewer are prefilled, and the

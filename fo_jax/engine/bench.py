@@ -1,0 +1,143 @@
+"""A Poisson stream of requests through the engine, and what it measured (`fo-jax bench-serve`,
+experiments/serving_bench.py).
+
+    requests = poisson_workload(16, rate=2.0, prompt_len=(64, 256), output_len=(16, 48),
+                                vocab=config.vocab_size)
+    figures = run_workload(engine, requests)     # tokens/s, TTFT, TPOT, hit rate, pool ...
+    print("\\n".join(summary_lines(figures)))
+
+The host clock drives arrivals: a request is added once its arrival time has passed, so an
+engine whose steps are slower sees more requests waiting. Figures are of the timed run only:
+every program is compiled first by an untimed request as long as the longest prompt.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from fo_jax.engine.engine import Engine
+
+
+def poisson_workload(num_requests: int, *, rate: float, prompt_len: tuple[int, int],
+                     output_len: tuple[int, int], vocab: int, seed: int = 0,
+                     shared_fraction: float = 0.0, prefix_len: int = 0):
+    """[(arrival seconds, prompt ids, max_tokens)]: arrivals of a Poisson process of `rate`
+    requests per second (the first at 0), random prompts and output lengths uniform in the
+    inclusive ranges; a fraction `shared_fraction` of the prompts start with the same
+    `prefix_len` tokens (a system prompt)."""
+    if num_requests < 1 or rate <= 0:
+        raise ValueError(f"num_requests={num_requests} must be >= 1 and rate={rate} > 0")
+    for name, (lo, hi) in (("prompt_len", prompt_len), ("output_len", output_len)):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{name}=({lo}, {hi}) must be a range 1 <= lo <= hi")
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, vocab, prefix_len).tolist()
+    gaps = rng.exponential(1.0 / rate, num_requests)
+    arrivals = np.cumsum(gaps) - gaps[0]
+    out = []
+    for t in arrivals:
+        prompt = rng.integers(0, vocab, int(rng.integers(prompt_len[0], prompt_len[1] + 1)))
+        prompt = prompt.tolist()
+        if rng.random() < shared_fraction:
+            prompt = system + prompt
+        out.append((float(t), prompt, int(rng.integers(output_len[0], output_len[1] + 1))))
+    return out
+
+
+def _reset(engine: Engine) -> None:
+    engine.timings = dict.fromkeys(engine.timings, 0.0)
+    engine.counters = dict.fromkeys(engine.counters, 0)
+    engine.stats = None
+
+
+def run_workload(engine: Engine, requests, *, warm: bool = True) -> dict:
+    """Feed `requests` by their arrival times and step until all finish; the run's figures.
+
+    Figures: wall seconds, output tokens and tokens/s, mean / peak running requests per step,
+    TTFT and time per output token (p50 / p99), compiled programs per output token (host
+    round trips), the engine's host work as a share of its step time, prompt tokens prefilled
+    and served from the prefix cache, and, offloaded, the hit rate and bytes moved per token
+    and the pool's pages at the end.
+    """
+    if warm:  # compile every program (each prefill bucket up to the longest prompt), untimed;
+        # reversed: the same length without filling a prefix cache with a workload prompt
+        longest = max((r[1] for r in requests), key=len)
+        engine.add_request(longest[::-1], max_tokens=2)
+        engine.run()
+        _reset(engine)
+    start = time.perf_counter()
+    pending = list(enumerate(requests))
+    ids, running = {}, []
+    while pending or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while pending and pending[0][1][0] <= now:
+            i, (_, prompt, max_tokens) = pending.pop(0)
+            ids[i] = engine.add_request(prompt, max_tokens=max_tokens)
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, pending[0][1][0] - now))
+            continue
+        engine.step()
+        running.append(engine.num_running())
+    wall = time.perf_counter() - start
+    outputs = engine.run()
+    outs = [outputs[ids[i]] for i in range(len(requests))]
+    for i in range(len(requests)):
+        engine.release(ids[i])
+    tokens = sum(len(o.token_ids) for o in outs)
+    ttft = np.asarray([o.time_to_first_token for o in outs])
+    tpot = np.asarray([o.time_per_output_token for o in outs
+                       if o.time_per_output_token is not None])
+    t, c = engine.timings, engine.counters
+    figures = {
+        "requests": len(requests), "wall_s": wall, "output_tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "mean_running": float(np.mean(running)) if running else 0.0,
+        "peak_running": int(np.max(running)) if running else 0,
+        "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p99": float(np.percentile(ttft, 99)),
+        "tpot_p50": float(np.percentile(tpot, 50)) if tpot.size else None,
+        "tpot_p99": float(np.percentile(tpot, 99)) if tpot.size else None,
+        "programs_per_token": (c["prefill_calls"] + c["decode_calls"]) / max(tokens, 1),
+        "host_share": 1 - (t["prefill_s"] + t["decode_s"]) / max(t["step_s"], 1e-9),
+        "prefill_tokens": c["prefill_tokens"], "cached_tokens": c["prefix_hit_tokens"],
+        "steps": c["steps"], "prefill_calls": c["prefill_calls"],
+        "decode_calls": c["decode_calls"], "decode_tokens": c["decode_tokens"],
+    }
+    if engine.stats is not None:
+        s = engine.stats
+        hits = float(np.sum(s.hits) + np.sum(s.tail_hits))
+        misses = float(np.sum(s.misses))
+        figures["hit_rate"] = hits / max(hits + misses, 1.0)
+        figures["h2d_bytes_per_token"] = float(np.sum(s.h2d_bytes)) / max(tokens, 1)
+    if engine.pool_occupancy() is not None:
+        figures["pool_pages"] = engine.pool_occupancy()
+    return figures
+
+
+def summary_lines(figures: dict) -> list[str]:
+    """The figures of `run_workload` as a few readable lines."""
+    f = figures
+    tpot = "-" if f["tpot_p50"] is None else (f"{f['tpot_p50'] * 1e3:.1f} / "
+                                              f"{f['tpot_p99'] * 1e3:.1f} ms")
+    lines = [
+        f"requests: {f['requests']} in {f['wall_s']:.1f} s; {f['output_tokens']} output tokens, "
+        f"{f['tokens_per_s']:.1f} tokens/s",
+        f"running requests per step: mean {f['mean_running']:.2f}, peak {f['peak_running']}",
+        f"time to first token p50 / p99: {f['ttft_p50']:.3f} / {f['ttft_p99']:.3f} s; time per "
+        f"output token p50 / p99: {tpot}",
+        f"prompt tokens prefilled {f['prefill_tokens']}, from the prefix cache "
+        f"{f['cached_tokens']}; programs per output token {f['programs_per_token']:.3f}; "
+        f"engine host work {f['host_share']:.1%} of its step time",
+    ]
+    if "hit_rate" in f:
+        lines.append(f"offload: hit rate {f['hit_rate']:.3f}, H2D "
+                     f"{f['h2d_bytes_per_token'] / 1e3:.2f} kB per output token")
+    if "pool_pages" in f:
+        p = f["pool_pages"]
+        lines.append(f"pool pages at the end: {p['free']} free, {p['held']} held, "
+                     f"{p['cached']} cached of {p['total']}")
+    return lines
+
+
+__all__ = ["poisson_workload", "run_workload", "summary_lines"]

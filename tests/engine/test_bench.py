@@ -1,0 +1,58 @@
+"""`fo-jax bench-serve` and fo_jax.engine.bench: a Poisson workload through the engine, the
+figures it reports, and bad workload flags refused before any weights are read."""
+
+import json
+
+import numpy as np
+import pytest
+
+from fo_jax import cli
+from fo_jax.engine.bench import poisson_workload
+
+
+def test_poisson_workload_shapes_and_shared_prefix():
+    requests = poisson_workload(50, rate=10.0, prompt_len=(3, 7), output_len=(2, 4), vocab=100,
+                                seed=1, shared_fraction=0.5, prefix_len=5)
+    arrivals = [t for t, _, _ in requests]
+    assert arrivals[0] == 0 and np.all(np.diff(arrivals) >= 0)
+    system = [p[:5] for _, p, _ in requests if len(p) >= 8]  # only prefixed prompts are >= 8
+    assert system and all(s == system[0] for s in system)
+    assert all(3 <= len(p) <= 12 and 2 <= m <= 4 for _, p, m in requests)
+    assert 0.3 < len(system) / 50 < 0.7
+    assert requests == poisson_workload(50, rate=10.0, prompt_len=(3, 7), output_len=(2, 4),
+                                        vocab=100, seed=1, shared_fraction=0.5, prefix_len=5)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(rate=0.0), "rate=0.0 > 0"),
+    (dict(prompt_len=(5, 2)), r"prompt_len=\(5, 2\) must be a range 1 <= lo <= hi"),
+])
+def test_bad_workloads(kwargs, message):
+    args = dict(rate=1.0, prompt_len=(1, 2), output_len=(1, 2), vocab=10)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        poisson_workload(4, **args)
+
+
+def test_bench_serve_offloaded_with_prefix_cache(tmp_path, capsys):
+    out = tmp_path / "bench.jsonl"
+    rc = cli.main(["bench-serve", "--offload", "--seats", "2", "--capacity", "512",
+                   "--hot-slots", "512", "--prefill-chunk", "32", "--requests", "4",
+                   "--rate", "50", "--prompt-len", "4", "12", "--output-len", "3", "6",
+                   "--shared-prefix", "1", "--prefix-len", "64", "--prefix-cache",
+                   "--decode-steps-per-call", "2", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    fig = json.loads(out.read_text())
+    assert fig["requests"] == 4 and fig["output_tokens"] >= 4 * 3
+    assert fig["cached_tokens"] > 0  # later prompts map the system prompt's pages
+    assert fig["pool_pages"]["held"] == 0  # every page back once all requests ended
+    assert 0 <= fig["hit_rate"] <= 1
+    assert "time to first token" in printed and "pool pages at the end" in printed
+
+
+def test_bench_serve_refuses_bad_flags_first(capsys):
+    assert cli.main(["bench-serve", "--rate", "0"]) == 2
+    assert "rate=0.0 > 0" in capsys.readouterr().err
+    assert cli.main(["bench-serve", "--prefix-cache"]) == 2
+    assert "--host-pool-gb and --prefix-cache need --offload" in capsys.readouterr().err
