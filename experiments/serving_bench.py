@@ -79,6 +79,8 @@ def main(argv=None):
                              "(0: skip that workload)")
     parser.add_argument("--prefix-len", type=int, default=512,
                         help="prefix workload: tokens of the shared system prompt")
+    parser.add_argument("--workloads", nargs="+", choices=("poisson", "shared_prefix"),
+                        default=["poisson", "shared_prefix"])
     parser.add_argument("--out", default=None, help="append JSON lines here")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -102,7 +104,7 @@ def main(argv=None):
     print(f"{'cell':22s}{'seats':>6s}{'mean/peak run':>15s}{'tok/s':>9s}{'ratio':>7s}"
           f"{'TTFT p50/p99 s':>17s}{'TPOT p50 ms':>13s}{'prog/tok':>10s}{'host share':>12s}")
     rows, base = [], None
-    for path in ("resident", "offload"):
+    for path in ("resident", "offload") if "poisson" in args.workloads else ():
         per_seat = seat_bytes(config, path, args.capacity, offload)
         seats = min(args.max_seats, budget // per_seat)
         if seats < 1:
@@ -127,7 +129,7 @@ def main(argv=None):
                          "hot_slots": hot if path == "offload" else None,
                          "requests": args.requests, "rate": args.rate,
                          "ratio": fig["tokens_per_s"] / base, **fig})
-    if args.shared_prefix > 0:
+    if args.shared_prefix > 0 and "shared_prefix" in args.workloads:
         rows += _prefix_cells(args, config, params, offload, budget, meta)
     write_jsonl(args.out, rows)
     return rows

@@ -514,10 +514,10 @@ class Engine:
         self.counters["prefill_tokens"] += int(num_new.sum())
         for req in requests:
             req.prefilled += int(num_new[req.seat])
+            if self.prefix is not None:  # pages of prefilled tokens are final: a request
+                # admitted from now on may map them (O(prefilled) hashing per chunk)
+                self.prefix.insert(req.prompt[:req.prefilled], req.pages.pages)
         done = [r for r in requests if r.prefilled == len(r.prompt)]
-        if self.prefix is not None:
-            for req in done:  # its prompt's full pages are final: later requests may map them
-                self.prefix.insert(req.prompt, req.pages.pages)
         if done:
             self._join(done, logits, num_new, moved)
 

@@ -276,3 +276,17 @@ def test_pool_settings_and_sizes_are_checked():
                                          "of 4 tokens, but the pool holds 4"):
         engine.add_request(_prompt(0, 10), max_tokens=8)
     assert engine.num_waiting() == 0
+
+
+def test_a_prefix_is_shared_while_it_is_still_being_prefilled():
+    """Pages register as soon as their chunk is prefilled: a request admitted while another
+    is still prefilling the same system prompt maps the chunks done so far."""
+    engine = _engine("ring", prefix_cache=True)
+    first = engine.add_request(SYSTEM + _prompt(1, 5), max_tokens=3)
+    engine.step()  # first chunk of `first` prefilled
+    prompt = SYSTEM + _prompt(2, 7)
+    second = engine.add_request(prompt, max_tokens=4)
+    out = engine.run()
+    assert engine.counters["prefix_hit_tokens"] == 8
+    assert tuple(out[second].token_ids) == _solo(tuple(prompt), 4, 0.0, 0)[0]
+    assert tuple(out[first].token_ids) == _solo(tuple(SYSTEM + _prompt(1, 5)), 3, 0.0, 0)[0]
