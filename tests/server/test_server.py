@@ -192,13 +192,16 @@ async def _stream_one(client, url, i):
         return "completed"
 
 
+CLIENTS = 64  # concurrent streaming clients of the load test
+
+
 def test_load_accepted_complete_rejected_429_and_metrics_add_up(server):
     before = _idle(server)
 
     async def main():
         async with httpx.AsyncClient(timeout=60) as client:
             return await asyncio.gather(*(_stream_one(client, server.url + "/v1/completions", i)
-                                          for i in range(24)))
+                                          for i in range(CLIENTS)))
 
     results = asyncio.run(asyncio.wait_for(main(), 60))
     assert results.count("completed") >= SEATS and results.count("rejected") >= 1
@@ -209,7 +212,7 @@ def test_load_accepted_complete_rejected_429_and_metrics_add_up(server):
 
     completed = sum(delta(k) for k in m if k.startswith("fojax_requests_completed_total"))
     rejected = sum(delta(k) for k in m if k.startswith("fojax_requests_rejected_total"))
-    assert delta("fojax_requests_received_total") == 24
+    assert delta("fojax_requests_received_total") == CLIENTS
     assert completed == results.count("completed")
     assert delta('fojax_requests_rejected_total{reason="queue_full"}') == results.count("rejected")
     assert delta("fojax_requests_received_total") == \
