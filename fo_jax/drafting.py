@@ -241,7 +241,7 @@ def make_drafter(draft: str, config, *, engine=None) -> Drafter | None:
             f"{getattr(engine, 'name', type(engine).__name__)!r} engine's step does not return "
             "yet: use the resident engine (ResidentEngine(..., mtp=...)) or draft='ngram'")
     mtp = getattr(engine, "mtp", None)
-    if mtp is None:
+    if mtp is None or config.num_nextn_predict_layers < 1:
         raise ValueError(
             f"draft='mtp' needs the multi-token-prediction layer of the model "
             f"(num_nextn_predict_layers of a DeepSeek-V3.2 / GLM-5 checkpoint); model "

@@ -561,8 +561,11 @@ def check_draft(draft, num_drafts, temperature, config, engine=None):
     verified greedily, so a drafter needs temperature 0 (speculative sampling is not
     implemented).
     """
-    drafter = (make_drafter(draft, config, engine=engine) if isinstance(draft, str)
-               else draft)
+    if draft == "mtp" and engine is None and config.num_nextn_predict_layers >= 1:
+        drafter = "mtp"  # checked without an engine (the CLI, before loading): built later
+    else:
+        drafter = (make_drafter(draft, config, engine=engine) if isinstance(draft, str)
+                   else draft)
     if (getattr(drafter, "needs_hidden", False) and engine is not None
             and not getattr(engine, "returns_hidden", False)):
         raise NotImplementedError(

@@ -1,6 +1,7 @@
 """Loading and saving the multi-token-prediction (MTP) layers of HF checkpoints."""
 
 import json
+import re
 import os
 
 import jax
@@ -95,3 +96,27 @@ def test_mtp_needs_an_mtp_layer(tmp_path):
     with pytest.raises(ValueError, match=r"mtp=True: config 'tiny' has "
                        r"num_nextn_predict_layers=0"):
         load_checkpoint(tmp_path, config, progress=False, mtp=True)
+
+
+def test_cli_draft_mtp_from_a_model_dir(tmp_path, capsys):
+    # A tiny HF checkpoint with an MTP layer and a tokenizer: --draft mtp prints the text of
+    # --draft none and its drafting figures; the offloaded path is refused.
+    from fo_jax.cli import main
+    from tests.checkpoints.hf_tiny import tiny_hf_config, write_tokenizer
+
+    config = tiny_hf_config().replace(num_layers=2, indexer_layers=(0,),
+                                      num_nextn_predict_layers=1)
+    save_checkpoint(tmp_path, init_params(config, jax.random.key(0)), config,
+                    mtp=init_mtp_params(config, jax.random.key(1)), progress=False)
+    write_tokenizer(tmp_path)
+    common = ["generate", "--model-dir", str(tmp_path), "--prompt", "hello world",
+              "--max-new-tokens", "6", "--no-progress"]
+    assert main(common) == 0
+    plain = capsys.readouterr().out
+    assert main(common + ["--draft", "mtp"]) == 0
+    out = capsys.readouterr().out
+    assert out.split("--- summary ---")[0] == plain.split("--- summary ---")[0]
+    assert re.search(r"drafts: mtp, 3 per step: [0-9.]+ tokens per step over \d+ steps "
+                     r"\(accepted \d+ of \d+ drafts\)", out), out
+    assert main(common + ["--draft", "mtp", "--offload"]) == 2
+    assert "--draft mtp runs on the resident path only" in capsys.readouterr().err
