@@ -40,14 +40,14 @@ def test_hidden_states_leave_the_logits_bitwise_unchanged(model):
         out = resident.prefill(params, state, tokens, lengths, config=config,
                                return_hidden=hidden)
         logits, state = out[:2]
-        step = resident.decode_step(params, state, [[1, 2, 3], [4, 5, 6]], config=config,
-                                    return_hidden=hidden)
+        step = resident.decode_step(params, state, [[1, 2, 3, 4], [4, 5, 6, 7]],
+                                    config=config, return_hidden=hidden)
         runs.append((out, step))
     (p0, s0), (p1, s1) = runs
     np.testing.assert_array_equal(np.asarray(p0[0]), np.asarray(p1[0]))
     np.testing.assert_array_equal(np.asarray(s0[0]), np.asarray(s1[0]))
     assert len(p0) == 2 and p1[2].shape == (2, 30, config.dim)
-    assert s1[2].shape == (2, 3, config.dim)
+    assert s1[2].shape == (2, 4, config.dim)
 
 
 def test_mtp_greedy_drafting_gives_the_w1_greedy_tokens(model):
@@ -121,21 +121,21 @@ def test_chained_drafts_leave_no_trace_in_the_mtp_state(model):
 
 
 def test_mtp_step_pairs_match_one_at_a_time(model):
-    # Feeding the prompt's pairs at once or one by one: the same drafts (argmax), and the layer's
-    # cache holds one row per pair.
+    # Feeding the prompt's pairs at once or one by one: the same logits up to rounding, one
+    # cache row per pair. (The shapes of the generation tests: their programs are reused.)
     config, params, mtp = model
     engine = _engine(model)
-    tokens, lengths = gen.pad_prompts([PROMPTS[0][:8]] * 2)
+    tokens, lengths = gen.pad_prompts(PROMPTS)
     _, hidden = engine.prefill(tokens, lengths, hidden=True)
     from fo_jax.model.mtp import create_state
 
     nxt = jnp.asarray(np.roll(tokens, -1, axis=1), jnp.int32)
-    state = create_state(config, batch=2, capacity=16)
-    whole, _, state = mtp_step(params, mtp, state, hidden, nxt, jnp.full((2,), 8, jnp.int32),
-                               config=config)
-    assert np.asarray(state.lengths).tolist() == [8, 8]
-    state = create_state(config, batch=2, capacity=16)
-    for i in range(8):
+    state = create_state(config, batch=2, capacity=CAPACITY)
+    whole, _, state = mtp_step(params, mtp, state, hidden, nxt, jnp.asarray(lengths),
+                               config=config, query_block=resident.QUERY_BLOCK)
+    assert np.asarray(state.lengths).tolist() == lengths.tolist()
+    state = create_state(config, batch=2, capacity=CAPACITY)
+    for i in range(int(lengths.min())):
         one, _, state = mtp_step(params, mtp, state, hidden[:, i:i + 1], nxt[:, i:i + 1],
                                  jnp.ones((2,), jnp.int32), config=config)
         np.testing.assert_allclose(np.asarray(one[:, 0]), np.asarray(whole[:, i]),

@@ -23,16 +23,24 @@ MOE = get_config("tiny").replace(
 PARITY = os.path.join(os.path.dirname(__file__), "..", "fixtures", "parity", "deepseek_v32")
 
 
-def _save(path, own: bool):
-    params = init_params(MOE, jax.random.key(0))
-    mtp = init_mtp_params(MOE, jax.random.key(1), own_embed=own, own_head=own)
+@pytest.fixture(scope="module")
+def random_params():
+    """Random parameters of MOE and its MTP layer (with its own embed / head), made once."""
+    return (init_params(MOE, jax.random.key(0)),
+            init_mtp_params(MOE, jax.random.key(1), own_embed=True, own_head=True))
+
+
+def _save(path, random_params, own: bool):
+    params, mtp = random_params
+    if not own:
+        mtp = {k: v for k, v in mtp.items() if k not in ("embed", "head")}
     save_checkpoint(path, params, MOE, mtp=mtp, max_shard_bytes=60_000, progress=False)
     return params, mtp
 
 
 @pytest.mark.parametrize("own", [True, False], ids=["own-embed-head", "shared-embed-head"])
-def test_mtp_layers_round_trip_bitwise(tmp_path, own):
-    params, mtp = _save(tmp_path, own)
+def test_mtp_layers_round_trip_bitwise(tmp_path, random_params, own):
+    params, mtp = _save(tmp_path, random_params, own)
     weight_map = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
     # The names of a DeepSeek-V3 checkpoint's MTP layer (layer L = 3 here).
     for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
@@ -64,8 +72,8 @@ def _edit(path, fn):
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
-def test_missing_or_misshaped_mtp_tensors_are_refused_naming_them(tmp_path):
-    _save(tmp_path, own=False)
+def test_missing_or_misshaped_mtp_tensors_are_refused_naming_them(tmp_path, random_params):
+    _save(tmp_path, random_params, own=False)
     _edit(tmp_path, lambda t: t.pop("model.layers.3.eh_proj.weight"))
     with pytest.raises(ValueError, match=r"the multi-token-prediction layer tensors \(layers "
                        r"3\.\.3\) do not match config 'tiny': missing "
@@ -90,9 +98,9 @@ def test_the_parity_fixture_mtp_layer_loads_sharing_embed_and_head():
     assert mtp["moe"]["w1"].shape[:2] == (1, config.n_routed_experts)
 
 
-def test_mtp_needs_an_mtp_layer(tmp_path):
+def test_mtp_needs_an_mtp_layer(tmp_path, random_params):
     config = MOE.replace(num_nextn_predict_layers=0)
-    save_checkpoint(tmp_path, init_params(config, jax.random.key(0)), config, progress=False)
+    save_checkpoint(tmp_path, random_params[0], config, progress=False)
     with pytest.raises(ValueError, match=r"mtp=True: config 'tiny' has "
                        r"num_nextn_predict_layers=0"):
         load_checkpoint(tmp_path, config, progress=False, mtp=True)
