@@ -8,9 +8,9 @@
 An engine prefills a ragged batch of prompts (in chunks of `prefill_chunk` tokens, default
 `PREFILL_CHUNK`: a long prompt never runs as one program) and then takes decode steps of one
 token per request; `generate` samples (greedy at temperature 0, else temperature + top-p with a
-PRNG key). With a drafter (`draft="ngram"`, `fo_jax.drafting`) a greedy generation verifies
-W - 1 drafted tokens per step and rolls the rejected ones back (`engine.rollback`): the same
-tokens in fewer steps. With `decode_steps_per_call=N > 1` it runs N steps per compiled call
+PRNG key). With a drafter (`draft="ngram"` or `"mtp"`, `fo_jax.drafting`) a greedy generation
+verifies W - 1 drafted tokens per step and rolls the rejected ones back (`engine.rollback`):
+the same tokens in fewer steps. With `decode_steps_per_call=N > 1` it runs N steps per compiled call
 instead (`fo_jax.engine.decode_loop`: sampling on the device, the same tokens).
 Offload statistics are summed on the device step by step (no host sync per step). Engines keep
 each request's length on the host and refuse a step past capacity before it runs; with
@@ -614,10 +614,10 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
         drafts.
       progress: show a progress bar.
       draft: "none", "ngram" (prompt lookup), "mtp" (the model's MTP layer: a ResidentEngine
-        built with `mtp=`; `fo_jax.drafting.MTPDrafter`) or a `fo_jax.drafting.Drafter`. With a drafter (greedy only), each step feeds
-        [last token, num_drafts drafts] as W ways, keeps the longest prefix of drafts equal
-        to the greedy tokens plus the next greedy token, and rolls the rest back
-        (`engine.rollback`): the tokens are those of W = 1 greedy decoding (each way's logits
+        built with `mtp=`; `fo_jax.drafting.MTPDrafter`) or a `fo_jax.drafting.Drafter`.
+        With a drafter (greedy only), each step feeds [last token, num_drafts drafts] as W
+        ways, keeps the longest prefix of drafts equal to the greedy tokens plus the next
+        greedy token, and rolls the rest back (`engine.rollback`): the tokens are those of W = 1 greedy decoding (each way's logits
         equal a W = 1 step's up to float rounding, so only a near-tie of the two largest logits
         could tell them apart), in fewer steps when drafts are accepted.
       num_drafts: drafts per step, default config.max_ways - 1.
