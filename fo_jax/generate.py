@@ -617,9 +617,10 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
         built with `mtp=`; `fo_jax.drafting.MTPDrafter`) or a `fo_jax.drafting.Drafter`.
         With a drafter (greedy only), each step feeds [last token, num_drafts drafts] as W
         ways, keeps the longest prefix of drafts equal to the greedy tokens plus the next
-        greedy token, and rolls the rest back (`engine.rollback`): the tokens are those of W = 1 greedy decoding (each way's logits
-        equal a W = 1 step's up to float rounding, so only a near-tie of the two largest logits
-        could tell them apart), in fewer steps when drafts are accepted.
+        greedy token, and rolls the rest back (`engine.rollback`): the tokens are those of
+        W = 1 greedy decoding (each way's logits equal a W = 1 step's up to float rounding,
+        so only a near-tie of the two largest logits could tell them apart), in fewer steps
+        when drafts are accepted.
       num_drafts: drafts per step, default config.max_ways - 1.
       on_rollback: with a drafter, called as on_rollback(step, keep [B]) after each step's
         rollback (keep[b]: tokens fed to request b that were kept).
