@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from fo_jax.config import ModelConfig
-from fo_jax.model.dsa import init_params, param_dtype, param_shapes
+from fo_jax.model.dsa import init_params, param_shapes
 from fo_jax.model.forward import forward_layers
 from fo_jax.model.layers import matmul_f32, rms_norm
 
