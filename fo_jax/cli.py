@@ -77,8 +77,9 @@ def _build_parser() -> argparse.ArgumentParser:
                           "fo_jax.generate.PREFILL_CHUNK)")
     gen.add_argument("--draft", default="none", choices=("none", "ngram", "mtp"),
                      help="speculative decoding (greedy only): drafts from prompt lookup "
-                          "(ngram) or the model's MTP layer (mtp; not available yet), verified "
-                          "by W-way decode steps; the tokens are those of --draft none")
+                          "(ngram) or the model's MTP layer (mtp: a --model-dir HF checkpoint "
+                          "with MTP layers, resident path only), verified by W-way decode "
+                          "steps; the tokens are those of --draft none")
     gen.add_argument("--num-drafts", type=int, default=None,
                      help="with --draft: drafts per step (default: the model's max_ways - 1)")
     gen.add_argument("--decode-steps-per-call", type=int, default=1,
@@ -308,6 +309,16 @@ def _cmd_generate(args) -> int:
     if args.draft == "none" and args.num_drafts is not None:
         raise ValueError("--num-drafts applies with --draft ngram or mtp only")
     _, num_drafts = gen.check_draft(args.draft, args.num_drafts, args.temperature, config)
+    if args.draft == "mtp":
+        from fo_jax.checkpoints import load_checkpoint
+
+        if args.offload:
+            raise ValueError("--draft mtp runs on the resident path only (the offloaded step "
+                             "does not return the hidden states the MTP layer reads): drop "
+                             "--offload, or use --draft ngram")
+        if load is not None and getattr(load, "func", None) is not load_checkpoint:
+            raise ValueError("--draft mtp needs the MTP layers of a Hugging Face checkpoint "
+                             "(--model-dir of one with num_nextn_predict_layers >= 1)")
     gen.check_decode_steps_per_call(args.decode_steps_per_call)
     if args.draft != "none" and args.decode_steps_per_call > 1:
         raise ValueError(f"--draft {args.draft} verifies drafts step by step from the host: use "
@@ -359,11 +370,18 @@ def _cmd_generate(args) -> int:
                                 policy=policy, host_access=args.host_access or "gather",
                                 host_memory_kind="device" if args.interpret else "pinned_host")
         offload.validate_for(config)
-    if load is not None:
+    mtp = None
+    if load is not None and args.draft == "mtp":
+        _, params, mtp = load(mtp=True)
+    elif load is not None:
         params = load()[1]
     else:
         params = (load_params(args.weights, config) if args.weights
                   else dsa.init_params(config, jax.random.key(args.seed)))
+        if args.draft == "mtp":  # a preset's random weights: a random MTP layer too
+            from fo_jax.model.mtp import init_mtp_params
+
+            mtp = init_mtp_params(config, jax.random.key(args.seed + 1))
     if args.offload:
         engine = gen.OffloadEngine(params, config, offload=offload, batch=args.batch,
                                    implementation=args.implementation, interpret=args.interpret,
@@ -371,7 +389,7 @@ def _cmd_generate(args) -> int:
     else:
         engine = gen.ResidentEngine(params, config, batch=args.batch, capacity=capacity,
                                     implementation=args.implementation, interpret=args.interpret,
-                                    prefill_chunk=prefill_chunk)
+                                    prefill_chunk=prefill_chunk, mtp=mtp)
 
     on_step = on_rollback = None
     if args.check:

@@ -12,12 +12,13 @@ many tokens a step yields, never which tokens.
   * `NGramDrafter` (prompt lookup): finds the most recent earlier occurrence of the history's
     last n tokens (n from `max_ngram` down to `min_ngram`) and proposes what followed it. Needs
     no model: it pays off when the output repeats its input (code, quotes, summaries).
-  * The MTP drafter (DeepSeek-V3.2 / GLM-5 `num_nextn_predict_layers`) is not available yet:
-    `make_drafter("mtp", ...)` raises NotImplementedError naming what is missing. Besides the
-    layer's weights it needs the main model's final hidden state at each request's last kept
-    position (which `fo_jax.model.forward` does not return yet): it will be a Drafter whose
-    state the generation loop updates after each verification step, proposing with its own
-    small decode step, with the same `propose` contract.
+  * `MTPDrafter` (DeepSeek-V3.2 / GLM-5 `num_nextn_predict_layers`): the model's own
+    multi-token-prediction layer (`fo_jax.model.mtp`), fed the main model's last hidden states
+    (before the final norm) and the tokens that follow them. Besides `propose` it has the hooks
+    the generation loop calls: `start` after the prefill and `observe` after each
+    verification step (with the step's hidden states and what was kept). It needs an engine
+    that returns hidden states: the resident engine (`ResidentEngine(..., mtp=mtp_params)`);
+    the offloaded step does not return them yet (refused with NotImplementedError).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 DRAFTS = ("none", "ngram", "mtp")
@@ -105,12 +108,124 @@ def check_num_drafts(num_drafts) -> None:
         raise ValueError(f"num_drafts={num_drafts!r} must be an int >= 0")
 
 
-def make_drafter(draft: str, config) -> Drafter | None:
+class MTPDrafter:
+    """Drafts from the model's multi-token-prediction layer, greedy.
+
+    MTP layer 0 maps (h_i, t_{i+1}) -- the main model's last hidden state at position i and the
+    token after it -- to logits of t_{i+2} (`fo_jax.model.mtp.mtp_step`). Its KV state (one
+    layer, one indexer group: resident on the device) holds one pair per position the main
+    model stores: `start` feeds the prompt's pairs (the last one pairs h_{T-1} with the first
+    generated token), `observe` the pairs of the tokens a verification step kept. The first
+    draft is the argmax at the last pair; draft k >= 2 chains, as DeepSeek does with one
+    layer: the layer's own output h' and draft k - 1 are fed back as the next pair (always
+    through MTP layer 0: a checkpoint's further MTP layers, if any, are loaded but unused).
+    Chained pairs are speculative: `observe` rolls them back (`fo_jax.resident.rollback`)
+    before feeding the kept pairs, so the state equals that of a run that never chained.
+    Per step: one MTP call of W pairs (`observe`) plus W - 2 calls of one pair (`propose`),
+    each one decoder layer against the layer's own cache; host reads of the drafts only.
+
+    Attributes:
+      params: the main model's parameters (embed / head when the MTP layer shares them).
+      mtp: the MTP parameters (`fo_jax.checkpoints.hf.load_checkpoint(..., mtp=True)`).
+      batch, capacity: those of the engine.
+      prefill_chunk: pairs per `start` call (None: the whole prompt at once).
+    """
+
+    name = "mtp"
+    needs_hidden = True
+
+    def __init__(self, params, mtp, config, *, batch: int, capacity: int,
+                 prefill_chunk: int | None = None):
+        from fo_jax.model.mtp import check_mtp_params
+
+        check_mtp_params(mtp, config)
+        self.params, self.mtp, self.config = params, mtp, config
+        self.batch, self.capacity, self.prefill_chunk = batch, capacity, prefill_chunk
+        self.state = None
+        self._draft = self._hidden = self._real = None
+
+    def _run(self, hidden, tokens, num_new, query_block=None):
+        from fo_jax.model.mtp import mtp_step
+
+        logits, out, self.state = mtp_step(
+            self.params, self.mtp, self.state, hidden, jnp.asarray(tokens, jnp.int32),
+            jnp.asarray(num_new, jnp.int32), config=self.config, query_block=query_block)
+        return logits, out
+
+    def _take(self, logits, out, last) -> None:
+        """The first draft and h' at each request's last real pair (index `last` [B])."""
+        rows = jnp.arange(self.batch)
+        last = jnp.asarray(np.clip(last, 0, logits.shape[1] - 1))
+        self._draft = jnp.argmax(logits[rows, last], axis=-1).astype(jnp.int32)
+        self._hidden = out[rows, last]
+        self._real = jnp.copy(self.state.lengths)  # the state is donated to the next call
+
+    def start(self, hidden, tokens: np.ndarray, lengths: np.ndarray, first) -> None:
+        """After the prefill: hidden [B, T, E] of the padded prompts tokens [B, T] (lengths [B]
+        real), first [B] the first generated tokens. Starts a new MTP state."""
+        from fo_jax.model.mtp import create_state
+        from fo_jax.resident import QUERY_BLOCK
+
+        tokens = np.asarray(tokens)
+        lengths = np.asarray(lengths, np.int32)
+        nxt = np.zeros(tokens.shape, np.int64)
+        nxt[:, :-1] = tokens[:, 1:]
+        nxt[np.arange(self.batch), lengths - 1] = np.asarray(first)
+        self.state = create_state(self.config, batch=self.batch, capacity=self.capacity)
+        num_t = tokens.shape[1]
+        chunk = num_t if self.prefill_chunk is None else int(self.prefill_chunk)
+        draft = hid = None
+        for lo in range(0, num_t, chunk):
+            hi = min(lo + chunk, num_t)
+            logits, out = self._run(hidden[:, lo:hi], nxt[:, lo:hi],
+                                    np.clip(lengths - lo, 0, hi - lo), QUERY_BLOCK)
+            end = lengths - 1 - lo
+            here = jnp.asarray((end >= 0) & (end < hi - lo))
+            self._take(logits, out, end)
+            draft = self._draft if draft is None else jnp.where(here, self._draft, draft)
+            hid = self._hidden if hid is None else jnp.where(here[:, None], self._hidden, hid)
+        self._draft, self._hidden = draft, hid
+
+    def observe(self, hidden, greedy, keep) -> None:
+        """After a verification step: hidden [B, W, E] of the W fed tokens, greedy [B, W] the
+        model's tokens after each, keep [B] how many fed tokens were kept (0: none)."""
+        if self.state is None:
+            raise ValueError("MTPDrafter.observe before start: the generation loop calls "
+                             "start after the prefill")
+        from fo_jax.resident import rollback
+
+        self.state = rollback(self.state, self.state.lengths - self._real)
+        keep = np.asarray(keep, np.int32)
+        logits, out = self._run(hidden, greedy, keep)
+        self._take(logits, out, keep - 1)
+
+    def propose(self, histories: Sequence[Sequence[int]], num_drafts: int) -> np.ndarray:
+        """[B, num_drafts] drafts (the histories are not read: the state holds them)."""
+        check_num_drafts(num_drafts)
+        if self.state is None:
+            raise ValueError("MTPDrafter.propose before start: the generation loop calls "
+                             "start after the prefill")
+        if len(histories) != self.batch:
+            raise ValueError(f"{len(histories)} histories for an MTP drafter of batch "
+                             f"{self.batch}")
+        drafts = [self._draft]
+        draft, hidden = self._draft, self._hidden
+        ones = np.ones(self.batch, np.int32)
+        for _ in range(1, num_drafts):
+            logits, out = self._run(hidden[:, None], draft[:, None], ones)
+            draft = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+            hidden = out[:, 0]
+            drafts.append(draft)
+        out = np.asarray(jax.device_get(jnp.stack(drafts, axis=1))).astype(np.int32)
+        return out[:, :num_drafts]
+
+
+def make_drafter(draft: str, config, *, engine=None) -> Drafter | None:
     """The drafter named `draft` for a model of `config`: None for "none".
 
-    "mtp" needs the model's multi-token-prediction layer (`num_nextn_predict_layers` of a
-    DeepSeek-V3.2 / GLM-5 checkpoint), which fo_jax does not load or run yet: refused with
-    NotImplementedError until it does.
+    "mtp" needs `engine`: a `fo_jax.generate.ResidentEngine` built with the model's MTP
+    parameters (`mtp=`, from `load_checkpoint(..., mtp=True)`); an offloaded engine is refused
+    with NotImplementedError (its step does not return the hidden states the layer reads).
     """
     if draft not in DRAFTS:
         raise ValueError(f"draft={draft!r} is not one of {', '.join(DRAFTS)} (the drafter "
@@ -119,8 +234,18 @@ def make_drafter(draft: str, config) -> Drafter | None:
         return None
     if draft == "ngram":
         return NGramDrafter()
-    raise NotImplementedError(
-        f"draft='mtp' needs the multi-token-prediction layer of the model "
-        f"(num_nextn_predict_layers of a DeepSeek-V3.2 / GLM-5 checkpoint); model "
-        f"{getattr(config, 'name', config)!r} has no MTP layer loaded: fo_jax does not load or "
-        "run MTP layers yet. Use draft='ngram' (prompt lookup) or 'none'")
+    name = getattr(config, "name", config)
+    if engine is not None and not getattr(engine, "returns_hidden", False):
+        raise NotImplementedError(
+            f"draft='mtp' reads the main model's last hidden states, which the "
+            f"{getattr(engine, 'name', type(engine).__name__)!r} engine's step does not return "
+            "yet: use the resident engine (ResidentEngine(..., mtp=...)) or draft='ngram'")
+    mtp = getattr(engine, "mtp", None)
+    if mtp is None or config.num_nextn_predict_layers < 1:
+        raise ValueError(
+            f"draft='mtp' needs the multi-token-prediction layer of the model "
+            f"(num_nextn_predict_layers of a DeepSeek-V3.2 / GLM-5 checkpoint); model "
+            f"{name!r} has no MTP layer loaded: load it with load_checkpoint(..., mtp=True) "
+            "and pass it as ResidentEngine(..., mtp=...), or use draft='ngram' or 'none'")
+    return MTPDrafter(engine.params, mtp, config, batch=engine.state.batch,
+                      capacity=engine.capacity, prefill_chunk=engine.prefill_chunk)

@@ -8,9 +8,9 @@
 An engine prefills a ragged batch of prompts (in chunks of `prefill_chunk` tokens, default
 `PREFILL_CHUNK`: a long prompt never runs as one program) and then takes decode steps of one
 token per request; `generate` samples (greedy at temperature 0, else temperature + top-p with a
-PRNG key). With a drafter (`draft="ngram"`, `fo_jax.drafting`) a greedy generation verifies
-W - 1 drafted tokens per step and rolls the rejected ones back (`engine.rollback`): the same
-tokens in fewer steps. With `decode_steps_per_call=N > 1` it runs N steps per compiled call
+PRNG key). With a drafter (`draft="ngram"` or `"mtp"`, `fo_jax.drafting`) a greedy generation
+verifies W - 1 drafted tokens per step and rolls the rejected ones back (`engine.rollback`):
+the same tokens in fewer steps. With `decode_steps_per_call=N > 1` it runs N steps per compiled call
 instead (`fo_jax.engine.decode_loop`: sampling on the device, the same tokens).
 Offload statistics are summed on the device step by step (no host sync per step). Engines keep
 each request's length on the host and refuse a step past capacity before it runs; with
@@ -291,14 +291,24 @@ class ResidentEngine(_Lengths):
 
     check: debug mode: after the prefill and every step, read the state back and raise
       StateCheckError on a non-finite stored KV row, indexer key or logit.
+    mtp: the model's multi-token-prediction parameters (`load_checkpoint(..., mtp=True)`), for
+      `generate(..., draft="mtp")`; None: none.
+    prefill / step return the last hidden states too with `hidden=True` (what the MTP drafter
+    reads; the logits are the same bit for bit).
     """
 
     name = "resident"
+    returns_hidden = True
 
     def __init__(self, params, config: ModelConfig, *, batch: int, capacity: int,
                  implementation: str | None = None, interpret=False, check: bool = False,
-                 prefill_chunk: int | None = PREFILL_CHUNK):
+                 prefill_chunk: int | None = PREFILL_CHUNK, mtp: dict | None = None):
         check_prefill_chunk(prefill_chunk)
+        if mtp is not None:
+            from fo_jax.model.mtp import check_mtp_params
+
+            check_mtp_params(mtp, config)
+        self.mtp = mtp
         self.params, self.config = params, config
         self.prefill_chunk = prefill_chunk
         self.implementation = resolve_implementation(implementation, interpret)
@@ -317,40 +327,47 @@ class ResidentEngine(_Lengths):
     def capacity(self) -> int:
         return self.state.capacity
 
-    def prefill(self, tokens: np.ndarray, lengths: np.ndarray) -> jax.Array:
-        """Prefill padded prompts [B, T] with `lengths` real tokens; logits of each last token.
+    def prefill(self, tokens: np.ndarray, lengths: np.ndarray, *, hidden: bool = False):
+        """Prefill padded prompts [B, T] with `lengths` real tokens; logits of each last token
+        (with `hidden`: and the last hidden states [B, T, E] of every prompt position).
 
         Starts a new batch: whatever an earlier generation left is dropped.
         """
         self.state = resident.ResidentState.create(self.config, batch=self.state.batch,
                                                    capacity=self.state.capacity)
+        hiddens = []
 
         def run(chunk, num_new):
-            logits, self.state = resident.prefill(self.params, self.state, chunk, num_new,
-                                                  config=self.config)
+            logits, self.state, *h = resident.prefill(self.params, self.state, chunk, num_new,
+                                                      config=self.config, return_hidden=hidden)
+            hiddens.extend(h)
             return logits
 
         last = chunked_prefill(run, tokens, lengths, self.prefill_chunk)
         self._start(lengths)
         if self.check:
             self._check_state("prefill", last)
+        if hidden:
+            return last, jnp.concatenate(hiddens, axis=1)
         return last
 
-    def step(self, tokens, *, drop_past_capacity: bool = False) -> jax.Array:
-        """Append tokens [B, W] to every request; logits [B, W, V].
+    def step(self, tokens, *, drop_past_capacity: bool = False, hidden: bool = False):
+        """Append tokens [B, W] to every request; logits [B, W, V] (with `hidden`: logits and
+        the last hidden states [B, W, E]).
 
         A step past capacity is refused before it runs, unless `drop_past_capacity`: then the
         tokens beyond capacity are dropped (their logits unspecified), as a verification step
         does with drafts it will roll back anyway.
         """
         ways = self._check_room(tokens, drop_past_capacity)
-        logits, self.state = resident.decode_step(
+        logits, self.state, *h = resident.decode_step(
             self.params, self.state, tokens, config=self.config, check=False,
-            implementation=self.implementation, interpret=self.interpret)
+            implementation=self.implementation, interpret=self.interpret,
+            return_hidden=hidden)
         self._stepped(ways)
         if self.check:
             self._check_state(f"decode step {self.steps}", logits)
-        return logits
+        return (logits, h[0]) if hidden else logits
 
     def _check_state(self, where: str, logits) -> None:
         _check_finite(where, self.lengths, [("KV of layer", "holds", self.state.kv),
@@ -534,14 +551,24 @@ def pad_prompts(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     return tokens, lengths
 
 
-def check_draft(draft, num_drafts, temperature, config):
+def check_draft(draft, num_drafts, temperature, config, engine=None):
     """The drafter and W - 1 drafts per step a generation runs with: (drafter or None, n).
 
-    draft: "none", "ngram", "mtp" (`fo_jax.drafting.make_drafter`) or a Drafter object;
-    num_drafts: None for config.max_ways - 1. Drafts are verified greedily, so a drafter
-    needs temperature 0 (speculative sampling is not implemented).
+    draft: "none", "ngram", "mtp" (`fo_jax.drafting.make_drafter`; "mtp" needs the `engine`
+    it drafts for) or a Drafter object; num_drafts: None for config.max_ways - 1. Drafts are
+    verified greedily, so a drafter needs temperature 0 (speculative sampling is not
+    implemented).
     """
-    drafter = make_drafter(draft, config) if isinstance(draft, str) else draft
+    if draft == "mtp" and engine is None and config.num_nextn_predict_layers >= 1:
+        drafter = "mtp"  # checked without an engine (the CLI, before loading): built later
+    else:
+        drafter = (make_drafter(draft, config, engine=engine) if isinstance(draft, str)
+                   else draft)
+    if (getattr(drafter, "needs_hidden", False) and engine is not None
+            and not getattr(engine, "returns_hidden", False)):
+        raise NotImplementedError(
+            f"drafter {drafter.name!r} reads the main model's last hidden states, which the "
+            f"{engine.name!r} engine's step does not return yet: use the resident engine")
     if drafter is None:
         if num_drafts is not None:
             raise ValueError(f"num_drafts={num_drafts!r} needs a drafter: pass draft='ngram' "
@@ -584,13 +611,14 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
         (the side-by-side check uses it; needs decode_steps_per_call=1); W = 1 without
         drafts.
       progress: show a progress bar.
-      draft: "none", "ngram" (prompt lookup), "mtp" (refused until fo_jax runs MTP layers) or
-        a `fo_jax.drafting.Drafter`. With a drafter (greedy only), each step feeds
-        [last token, num_drafts drafts] as W ways, keeps the longest prefix of drafts equal
-        to the greedy tokens plus the next greedy token, and rolls the rest back
-        (`engine.rollback`): the tokens are those of W = 1 greedy decoding (each way's logits
-        equal a W = 1 step's up to float rounding, so only a near-tie of the two largest logits
-        could tell them apart), in fewer steps when drafts are accepted.
+      draft: "none", "ngram" (prompt lookup), "mtp" (the model's MTP layer: a ResidentEngine
+        built with `mtp=`; `fo_jax.drafting.MTPDrafter`) or a `fo_jax.drafting.Drafter`.
+        With a drafter (greedy only), each step feeds [last token, num_drafts drafts] as W
+        ways, keeps the longest prefix of drafts equal to the greedy tokens plus the next
+        greedy token, and rolls the rest back (`engine.rollback`): the tokens are those of
+        W = 1 greedy decoding (each way's logits equal a W = 1 step's up to float rounding,
+        so only a near-tie of the two largest logits could tell them apart), in fewer steps
+        when drafts are accepted.
       num_drafts: drafts per step, default config.max_ways - 1.
       on_rollback: with a drafter, called as on_rollback(step, keep [B]) after each step's
         rollback (keep[b]: tokens fed to request b that were kept).
@@ -610,7 +638,7 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
     if max_new_tokens < 1:
         raise ValueError(f"{max_new_tokens=} must be >= 1")
     check_sampling(temperature, top_p)
-    drafter, num_drafts = check_draft(draft, num_drafts, temperature, config)
+    drafter, num_drafts = check_draft(draft, num_drafts, temperature, config, engine)
     check_decode_steps_per_call(decode_steps_per_call)
     if decode_steps_per_call > 1 and on_step is not None:
         raise ValueError("on_step sees the logits of every step; a decode loop of "
@@ -636,9 +664,15 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
                          f"tokens needs {need} positions; the engine holds {engine.capacity}")
     key = jax.random.key(0) if key is None else key
     start = time.perf_counter()
-    logits = engine.prefill(tokens, lengths)
+    needs_hidden = getattr(drafter, "needs_hidden", False)
+    if needs_hidden:
+        logits, hidden = engine.prefill(tokens, lengths, hidden=True)
+    else:
+        logits = engine.prefill(tokens, lengths)
     key, sub = jax.random.split(key)
     next_tokens = sample(logits, sub, temperature=temperature, top_p=top_p)
+    if needs_hidden:
+        drafter.start(hidden, tokens, lengths, next_tokens)
     next_tokens.block_until_ready()
     prefill_seconds = time.perf_counter() - start
     out, calls = [next_tokens], []
@@ -710,6 +744,7 @@ def _speculate(engine, drafter, num_drafts: int, prompts, first: np.ndarray,
     past that column are those never generated: zeros).
     """
     config = engine.config
+    needs_hidden = getattr(drafter, "needs_hidden", False)
     batch = len(prompts)
     generated = np.zeros((batch, max_new_tokens), np.int32)
     generated[:, 0] = first
@@ -731,13 +766,19 @@ def _speculate(engine, drafter, num_drafts: int, prompts, first: np.ndarray,
                              f"{drafts.shape}, expected ({batch}, {num_drafts})")
         fed = np.concatenate([generated[rows, count - 1][:, None], drafts], axis=1)
         resident.check_token_values(fed, config)
-        logits = engine.step(fed, drop_past_capacity=True)
+        if needs_hidden:
+            logits, hidden = engine.step(fed, drop_past_capacity=True, hidden=True)
+        else:
+            logits = engine.step(fed, drop_past_capacity=True)
         if on_step is not None:
             on_step(step, fed, logits)
         greedy = np.asarray(jnp.argmax(logits, axis=-1)).astype(np.int32)  # [B, W]
         accepted = np.cumprod(drafts == greedy[:, :-1], axis=1).sum(axis=1)
         keep = np.minimum(accepted + 1, remaining)
         engine.rollback(keep)
+        if needs_hidden:
+            # The MTP layer's pairs (h_i, t_{i+1}) of the kept positions: t_{i+1} = greedy.
+            drafter.observe(hidden, greedy, keep)
         if on_rollback is not None:
             on_rollback(step, keep)
         for b in range(batch):

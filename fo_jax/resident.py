@@ -147,10 +147,11 @@ class ResidentBackend:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "dense", "implementation", "interpret",
-                                             "query_block"),
+                                             "query_block", "return_hidden"),
                    donate_argnames=("state",))
 def _forward_jit(params, state: ResidentState, tokens, num_new, *, config, dense,
-                 implementation="xla", interpret=False, query_block=None):
+                 implementation="xla", interpret=False, query_block=None,
+                 return_hidden=False):
     num_t = tokens.shape[1]
     # Never past capacity, checked or not: tokens beyond the room left are padding (their KV is
     # dropped, their logits unspecified) and lengths stop at capacity.
@@ -159,16 +160,20 @@ def _forward_jit(params, state: ResidentState, tokens, num_new, *, config, dense
     positions = state.lengths[:, None] + offsets[None, :]
     write_pos = jnp.where(offsets[None, :] < num_new[:, None], positions, state.capacity)
     backend = ResidentBackend(config, dense, implementation, interpret, query_block)
-    logits, (kv, ik) = forward(params, tokens, positions, write_pos, backend,
-                               (state.kv, state.index_keys), config=config, dense=dense,
-                               query_block=query_block)
+    logits, (kv, ik), *hidden = forward(params, tokens, positions, write_pos, backend,
+                                        (state.kv, state.index_keys), config=config,
+                                        dense=dense, query_block=query_block,
+                                        return_hidden=return_hidden)
     new_state = ResidentState(kv=kv, index_keys=ik, lengths=state.lengths + num_new)
-    return logits, new_state
+    return (logits, new_state, *hidden)
 
 
 def prefill(params, state: ResidentState, tokens, num_new=None, *, config: ModelConfig,
-            dense: bool = False, check: bool = True, query_block: int | None = QUERY_BLOCK):
-    """Append a chunk of T tokens per request; return logits [B, T, V] and the new state.
+            dense: bool = False, check: bool = True, query_block: int | None = QUERY_BLOCK,
+            return_hidden: bool = False):
+    """Append a chunk of T tokens per request; return logits [B, T, V] and the new state
+    (with `return_hidden`: logits, state, and the last hidden state [B, T, E] before the final
+    norm, `fo_jax.model.forward`; the logits are the same bit for bit).
 
     Args:
       tokens: [B, T] int token ids (row b's first num_new[b] entries are real, the rest padding).
@@ -187,7 +192,7 @@ def prefill(params, state: ResidentState, tokens, num_new=None, *, config: Model
     """
     args, static = _prefill_arguments(params, state, tokens, num_new, config=config,
                                       dense=dense, check=check, query_block=query_block)
-    return _forward_jit(*args, **static)
+    return _forward_jit(*args, **static, return_hidden=bool(return_hidden))
 
 
 def lower_prefill(params, state: ResidentState, tokens, num_new=None, *, config: ModelConfig,
@@ -220,8 +225,9 @@ def _prefill_arguments(params, state, tokens, num_new, *, config, dense, check, 
 
 def decode_step(params, state: ResidentState, tokens, *, config: ModelConfig,
                 dense: bool = False, check: bool = True, implementation: str | None = None,
-                interpret=False, active=None):
-    """One decode step of W query tokens per request: logits [B, W, V] and the new state.
+                interpret=False, active=None, return_hidden: bool = False):
+    """One decode step of W query tokens per request: logits [B, W, V] and the new state
+    (with `return_hidden`: logits, state, last hidden state [B, W, E], as `prefill`).
 
     tokens: [B, W], W <= config.max_ways (the current token and W - 1 draft tokens); all W are
     appended. Jitted with the state donated; one trace per (B, W).
@@ -251,7 +257,8 @@ def decode_step(params, state: ResidentState, tokens, *, config: ModelConfig,
                          "Pallas kernels to run; use implementation='xla'")
     return _forward_jit(params, state, tokens, num_new, config=config,
                         dense=dense, implementation=implementation,
-                        interpret=interpret_params(interpret))
+                        interpret=interpret_params(interpret),
+                        return_hidden=bool(return_hidden))
 
 
 def rollback(state: ResidentState, num_drop) -> ResidentState:

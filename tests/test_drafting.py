@@ -69,9 +69,10 @@ def test_ngram_settings_are_checked(kwargs, message):
 def test_make_drafter():
     assert make_drafter("none", CONFIG) is None
     assert isinstance(make_drafter("ngram", CONFIG), NGramDrafter)
-    with pytest.raises(NotImplementedError, match=r"draft='mtp' needs the multi-token-prediction "
-                                                  r"layer of the model .*model 'tiny' has no MTP "
-                                                  r"layer loaded"):
+    with pytest.raises(ValueError, match=r"draft='mtp' needs the multi-token-prediction "
+                                         r"layer of the model .*model 'tiny' has no MTP "
+                                         r"layer loaded: load it with "
+                                         r"load_checkpoint\(\.\.\., mtp=True\)"):
         make_drafter("mtp", CONFIG)
     with pytest.raises(ValueError, match=r"draft='eagle' is not one of none, ngram, mtp"):
         make_drafter("eagle", CONFIG)
@@ -202,7 +203,7 @@ def test_drafts_are_refused_with_sampling_and_bad_counts(params):
         gen.generate(engine, [[1, 2]], max_new_tokens=4, draft="ngram", num_drafts=4)
     with pytest.raises(ValueError, match=r"num_drafts=2 needs a drafter: pass draft='ngram'"):
         gen.generate(engine, [[1, 2]], max_new_tokens=4, num_drafts=2)
-    with pytest.raises(NotImplementedError, match=r"draft='mtp'"):
+    with pytest.raises(ValueError, match=r"draft='mtp' needs the multi-token-prediction"):
         gen.generate(engine, [[1, 2]], max_new_tokens=4, draft="mtp")
     assert engine.lengths is None  # refused before anything ran
 

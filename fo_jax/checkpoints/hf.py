@@ -18,10 +18,14 @@ FP8: a weight stored float8 e4m3 with `{name}_scale_inv` [ceil(out / 128), ceil(
 float32 (the block size of `quantization_config.weight_block_size`) is dequantised on load:
 w[i, j] = float32(q[i, j]) * scale_inv[i // 128, j // 128], then cast to `config.dtype` (the
 reference's `weight_dequant`). Tensors of multi-token-prediction layers (layer numbers
-L .. L + num_nextn_predict_layers - 1) are skipped.
+L .. L + num_nextn_predict_layers - 1) are skipped, unless `load_checkpoint(..., mtp=True)`
+asks for them: then it returns their parameters too (`fo_jax.model.mtp`; stacked over the MTP
+layers like the main layers) and refuses a checkpoint whose MTP tensors are missing or
+mis-shaped, naming the tensor.
 
-`save_checkpoint` writes the same layout (unquantised, in the parameters' dtypes), so
-`load_checkpoint(save_checkpoint(params))` returns `params` bit for bit.
+`save_checkpoint` writes the same layout (unquantised, in the parameters' dtypes; the MTP
+layers too when given), so `load_checkpoint(save_checkpoint(params))` returns `params` bit for
+bit.
 """
 
 from __future__ import annotations
@@ -35,10 +39,11 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from fo_jax.checkpoints.hf_config import config_from_hf, hf_quantization, read_hf_config
-from fo_jax.checkpoints.names import Slot, mtp_layer, tensor_names
+from fo_jax.checkpoints.names import MTP_SHARED, Slot, mtp_layer, mtp_tensor_names, tensor_names
 from fo_jax.checkpoints.safetensors_io import SafetensorsFile, write_safetensors
 from fo_jax.config import ModelConfig
 from fo_jax.model.dsa import check_params, param_dtype, param_shapes
+from fo_jax.model.mtp import check_mtp_params, mtp_param_shapes
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -102,11 +107,30 @@ def dequantize_fp8(q: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int])
     return q.astype(np.float32) * full[:rows, :cols]
 
 
-def inspect_checkpoint(directory: str | os.PathLike, config: ModelConfig) -> dict:
+def _mtp_own(config: ModelConfig, found) -> dict[str, bool]:
+    """Whether the checkpoint stores the MTP layers' own embed / head (judged on layer L)."""
+    pre = f"model.layers.{config.num_layers}."
+    return {f"own_{key}": pre + hf in found for key, (hf, _) in MTP_SHARED.items()}
+
+
+def _expected_mtp(config: ModelConfig, found) -> dict:
+    """`_expected` of the MTP layers' tensors: Slots into {"mtp": mtp params}."""
+    if config.num_nextn_predict_layers < 1:
+        raise ValueError(f"mtp=True: config {config.name!r} has num_nextn_predict_layers=0 "
+                         "(no multi-token-prediction layer to load); load with mtp=False")
+    own = _mtp_own(config, found)
+    shapes = {"mtp": mtp_param_shapes(config, **own)}
+    return {name: (_expected_shape(shapes, slot), [(slot, None)])
+            for name, slot in mtp_tensor_names(config, **own).items()}
+
+
+def inspect_checkpoint(directory: str | os.PathLike, config: ModelConfig, *,
+                       mtp: bool = False) -> dict:
     """Check a checkpoint directory against `config` without reading tensor data.
 
     Returns {name: (SafetensorsFile, [(Slot, rows or None)], the SafetensorsFile of its FP8
-    scale or None)} of the tensors to load (see `_expected`).
+    scale or None)} of the tensors to load (see `_expected`); with `mtp`, the MTP layers'
+    tensors too (Slots into {"mtp": ...}).
     """
     directory = os.fspath(directory)
     block = hf_quantization(directory)
@@ -124,7 +148,20 @@ def inspect_checkpoint(directory: str | os.PathLike, config: ModelConfig) -> dic
             found[name] = (path, file)
     expected = _expected(config, found)
     scales = {n for n in found if n.endswith(SCALE)}
-    tensors = {n for n in found if n not in scales and not mtp_layer(n, config)}
+    if mtp:
+        wanted = _expected_mtp(config, found)
+        held = {n for n in found if n not in scales and mtp_layer(n, config)}
+        missing = sorted(set(wanted) - held)
+        extra = sorted(held - set(wanted))
+        if missing or extra:
+            raise ValueError(
+                f"{directory}: the multi-token-prediction layer tensors (layers "
+                f"{config.num_layers}..{config.num_layers + config.num_nextn_predict_layers - 1}"
+                f") do not match config {config.name!r}: missing {missing[:8]}"
+                f"{' ...' if len(missing) > 8 else ''}, unexpected {extra[:8]}"
+                f"{' ...' if len(extra) > 8 else ''}; load with mtp=False to skip them")
+        expected.update(wanted)
+    tensors = {n for n in found if n not in scales and (mtp or not mtp_layer(n, config))}
     missing = sorted(set(expected) - tensors)
     extra = sorted(tensors - set(expected))
     if missing or extra:
@@ -168,24 +205,33 @@ def inspect_checkpoint(directory: str | os.PathLike, config: ModelConfig) -> dic
 
 
 def load_checkpoint(directory: str | os.PathLike, config: ModelConfig | None = None, *,
-                    progress: bool = True, **settings) -> tuple[ModelConfig, dict]:
-    """(config, params) of a Hugging Face checkpoint directory.
+                    progress: bool = True, mtp: bool = False, **settings):
+    """(config, params) of a Hugging Face checkpoint directory; (config, params, mtp_params)
+    with `mtp`.
 
     Args:
       directory: holds config.json, the index and the shards.
       config: the ModelConfig to load into (default: `ModelConfig.from_hf(directory,
         **settings)`).
       progress: show a tqdm bar over the tensors.
+      mtp: also load the num_nextn_predict_layers multi-token-prediction layers
+        (`fo_jax.model.mtp.mtp_param_shapes`: stacked over the MTP layers; "embed" / "head"
+        only where the checkpoint stores the layer's own copy); without it they are skipped.
     """
     directory = os.fspath(directory)
     if config is None:
         config = config_from_hf(directory, **settings)
     block = hf_quantization(directory)
-    plan = inspect_checkpoint(directory, config)
+    plan = inspect_checkpoint(directory, config, mtp=mtp)
+    shapes = param_shapes(config)
+    if mtp:
+        own = {f"own_{key}": any(slot.path == ("mtp", key) for _, pieces, _ in plan.values()
+                                 for slot, _ in pieces) for key in MTP_SHARED}
+        shapes["mtp"] = mtp_param_shapes(config, **own)
     host = jax.tree_util.tree_map_with_path(
         lambda path, shape: np.empty(shape, jnp.dtype(param_dtype(
             tuple(k.key for k in path), config))),
-        param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
+        shapes, is_leaf=lambda x: isinstance(x, tuple))
     by_shard: dict[str, list[str]] = {}
     for name, (file, _, _) in plan.items():
         by_shard.setdefault(file.path, []).append(name)
@@ -206,6 +252,11 @@ def load_checkpoint(directory: str | os.PathLike, config: ModelConfig | None = N
             bar.update(1)
     bar.close()
     params = _to_device(host)
+    if mtp:
+        mtp_params = params.pop("mtp")
+        check_params(params, config)
+        check_mtp_params(mtp_params, config)
+        return config, params, mtp_params
     check_params(params, config)
     return config, params
 
@@ -253,13 +304,21 @@ def to_hf_config(config: ModelConfig,
 
 def save_checkpoint(directory: str | os.PathLike, params: dict, config: ModelConfig, *,
                     architecture: str = "DeepseekV32ForCausalLM",
-                    max_shard_bytes: int = 4 << 30, progress: bool = True) -> None:
+                    max_shard_bytes: int = 4 << 30, progress: bool = True,
+                    mtp: dict | None = None) -> None:
     """Write `params` as a Hugging Face checkpoint directory (config.json, the index, shards
-    of at most `max_shard_bytes` unless one tensor is larger), tensors in the params' dtypes."""
+    of at most `max_shard_bytes` unless one tensor is larger), tensors in the params' dtypes.
+    mtp: the multi-token-prediction layers' parameters (`fo_jax.model.mtp`), written as layers
+    L .. L + num_nextn_predict_layers - 1 (their own embed / head only if they hold one)."""
     check_params(params, config)
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     names = tensor_names(config, "hf")
+    if mtp is not None:
+        check_mtp_params(mtp, config)
+        names.update(mtp_tensor_names(config, own_embed="embed" in mtp,
+                                      own_head="head" in mtp))
+        params = {**params, "mtp": mtp}
     shards: list[list[str]] = [[]]
     size = 0
     for name, slot in names.items():

@@ -103,3 +103,50 @@ def mtp_layer(name: str, config: ModelConfig, fmt: str = "hf") -> bool:
     number = name[len(prefix):].split(".", 1)[0]
     return number.isdigit() and (
         config.num_layers <= int(number) < config.num_layers + config.num_nextn_predict_layers)
+
+
+# fo_jax MTP parameter name -> hf name under the MTP layer's prefix, transpose.
+_MTP_EXTRA = {
+    "enorm": ("enorm.weight", False),
+    "hnorm": ("hnorm.weight", False),
+    "eh_proj": ("eh_proj.weight", True),
+    "head_norm": ("shared_head.norm.weight", False),
+}
+# The MTP layer's own copies of the embedding and the head (optional in a checkpoint).
+MTP_SHARED = {
+    "embed": ("embed_tokens.weight", False),
+    "head": ("shared_head.head.weight", True),
+}
+
+
+def mtp_tensor_names(config: ModelConfig, *, own_embed: bool = False,
+                     own_head: bool = False) -> dict[str, Slot]:
+    """{HF name: Slot} of the multi-token-prediction layers' tensors (layers L .. L + n - 1).
+
+    Slots point into `{"mtp": mtp_params}` (`fo_jax.model.mtp.mtp_param_shapes`): MTP layer k
+    is index k of every stack. A decoder layer's tensors keep their main-layer names under
+    `model.layers.{L + k}.`; the rest are `enorm`, `hnorm`, `eh_proj`, `shared_head.norm` and,
+    where the checkpoint stores them, `embed_tokens` and `shared_head.head`.
+    """
+    from fo_jax.model.mtp import stack_config
+
+    sc = stack_config(config)
+    base = config.num_layers
+    out = {}
+    top = {h for h, _, _ in _TOP.values()}
+    for name, slot in tensor_names(sc, "hf").items():
+        if name in top:
+            continue
+        rest = name[len("model.layers."):]
+        number, tail = rest.split(".", 1)
+        out[f"model.layers.{base + int(number)}.{tail}"] = Slot(("mtp",) + slot.path,
+                                                                 slot.index, slot.transpose)
+    extra = dict(_MTP_EXTRA)
+    if own_embed:
+        extra["embed"] = MTP_SHARED["embed"]
+    if own_head:
+        extra["head"] = MTP_SHARED["head"]
+    for k in range(sc.num_layers):
+        for key, (h, t) in extra.items():
+            out[f"model.layers.{base + k}.{h}"] = Slot(("mtp", key), (k,), t)
+    return out

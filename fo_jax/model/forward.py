@@ -54,7 +54,7 @@ class Backend(Protocol):
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, write_pos: jax.Array,
             backend: Backend, carry, *, config, dense: bool = False,
-            query_block: int | None = None):
+            query_block: int | None = None, return_hidden: bool = False):
     """Logits of T new tokens per request, and the backend's updated carry.
 
     Args:
@@ -67,10 +67,27 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, write_pos: ja
         indexer keys are still computed and stored.
       query_block: run the selection over blocks of this many queries (None: all T at once);
         the backend blocks its attention with its own setting (the same one, in fo_jax).
+      return_hidden: also return the last hidden state [B, T, E] (the residual stream after
+        the last layer, before the final norm: what a multi-token-prediction layer reads).
+        The logits are the same either way (the same operations run).
     Returns:
-      logits [B, T, V] float32, carry.
+      logits [B, T, V] float32, carry; with return_hidden: logits, carry, hidden [B, T, E].
     """
-    x = params["embed"][tokens]
+    x, carry = forward_layers(params, params["embed"][tokens], positions, write_pos, backend,
+                              carry, config=config, dense=dense, query_block=query_block)
+    logits = matmul_f32(rms_norm(x, params["norm"], config.norm_eps),
+                        params["head"])  # float32 head, as the reference
+    if return_hidden:
+        return logits, carry, x
+    return logits, carry
+
+
+def forward_layers(params: dict, x: jax.Array, positions: jax.Array, write_pos: jax.Array,
+                   backend: Backend, carry, *, config, dense: bool = False,
+                   query_block: int | None = None):
+    """The layer loop of `forward` on input activations x [B, T, E]: (x after the last layer
+    [B, T, E], carry). `params` needs the stacks ("layers", "indexer", "moe" / "dense_mlp"),
+    not embed / norm / head; the MTP block (`fo_jax.model.mtp`) runs its one layer with it."""
     layers = params["layers"]
     for g, (lo, hi) in enumerate(config.group_bounds):
         first = layer_slice(layers, lo)
@@ -106,9 +123,7 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, write_pos: ja
         for start, end, is_moe in config.mlp_ranges(lo, hi):
             x, carry = jax.lax.fori_loop(start, end, functools.partial(body, is_moe=is_moe),
                                          (x, carry))
-    x = rms_norm(x, params["norm"], config.norm_eps)
-    logits = matmul_f32(x, params["head"])  # float32 head, as the reference
-    return logits, carry
+    return x, carry
 
 
 def feed_forward(params: dict, l, h: jax.Array, *, config, is_moe: bool) -> jax.Array:
