@@ -312,10 +312,6 @@ def _cmd_generate(args) -> int:
     if args.draft == "mtp":
         from fo_jax.checkpoints import load_checkpoint
 
-        if args.offload:
-            raise ValueError("--draft mtp runs on the resident path only (the offloaded step "
-                             "does not return the hidden states the MTP layer reads): drop "
-                             "--offload, or use --draft ngram")
         if load is not None and getattr(load, "func", None) is not load_checkpoint:
             raise ValueError("--draft mtp needs the MTP layers of a Hugging Face checkpoint "
                              "(--model-dir of one with num_nextn_predict_layers >= 1)")
@@ -385,7 +381,7 @@ def _cmd_generate(args) -> int:
     if args.offload:
         engine = gen.OffloadEngine(params, config, offload=offload, batch=args.batch,
                                    implementation=args.implementation, interpret=args.interpret,
-                                   check=args.check, prefill_chunk=prefill_chunk)
+                                   check=args.check, prefill_chunk=prefill_chunk, mtp=mtp)
     else:
         engine = gen.ResidentEngine(params, config, batch=args.batch, capacity=capacity,
                                     implementation=args.implementation, interpret=args.interpret,

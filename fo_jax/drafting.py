@@ -17,8 +17,8 @@ many tokens a step yields, never which tokens.
     (before the final norm) and the tokens that follow them. Besides `propose` it has the hooks
     the generation loop calls: `start` after the prefill and `observe` after each
     verification step (with the step's hidden states and what was kept). It needs an engine
-    that returns hidden states: the resident engine (`ResidentEngine(..., mtp=mtp_params)`);
-    the offloaded step does not return them yet (refused with NotImplementedError).
+    that returns hidden states: `ResidentEngine(..., mtp=mtp_params)` or
+    `OffloadEngine(..., mtp=mtp_params)`.
 """
 
 from __future__ import annotations
@@ -223,9 +223,9 @@ class MTPDrafter:
 def make_drafter(draft: str, config, *, engine=None) -> Drafter | None:
     """The drafter named `draft` for a model of `config`: None for "none".
 
-    "mtp" needs `engine`: a `fo_jax.generate.ResidentEngine` built with the model's MTP
-    parameters (`mtp=`, from `load_checkpoint(..., mtp=True)`); an offloaded engine is refused
-    with NotImplementedError (its step does not return the hidden states the layer reads).
+    "mtp" needs `engine`: a `fo_jax.generate.ResidentEngine` or `OffloadEngine` built with the
+    model's MTP parameters (`mtp=`, from `load_checkpoint(..., mtp=True)`); an engine whose step
+    does not return the hidden states the layer reads is refused with NotImplementedError.
     """
     if draft not in DRAFTS:
         raise ValueError(f"draft={draft!r} is not one of {', '.join(DRAFTS)} (the drafter "
@@ -247,5 +247,6 @@ def make_drafter(draft: str, config, *, engine=None) -> Drafter | None:
             f"(num_nextn_predict_layers of a DeepSeek-V3.2 / GLM-5 checkpoint); model "
             f"{name!r} has no MTP layer loaded: load it with load_checkpoint(..., mtp=True) "
             "and pass it as ResidentEngine(..., mtp=...), or use draft='ngram' or 'none'")
-    return MTPDrafter(engine.params, mtp, config, batch=engine.state.batch,
+    batch = getattr(engine, "batch", None) or engine.state.batch
+    return MTPDrafter(engine.params, mtp, config, batch=batch,
                       capacity=engine.capacity, prefill_chunk=engine.prefill_chunk)

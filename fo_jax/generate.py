@@ -390,17 +390,25 @@ class OffloadEngine(_Lengths):
     check: debug mode: after the prefill and every step, read the whole state back and raise
       StateCheckError on a non-finite stored host row, indexer key or logit, or a broken
       invariant (`fo_jax.offload.invariants.check_invariants`, with the step's selection).
+    mtp: the model's multi-token-prediction parameters, for `generate(..., draft="mtp")`
+      (as ResidentEngine); prefill / step return the last hidden states too with `hidden=True`.
     Every setting is checked on construction, before anything runs.
     """
 
     name = "offload"
+    returns_hidden = True
 
     def __init__(self, params, config: ModelConfig, *, offload: OffloadConfig, batch: int,
                  implementation: str | None = None, interpret=False,
                  num_buffers: int | None = None, check: bool = False,
-                 prefill_chunk: int | None = PREFILL_CHUNK):
+                 prefill_chunk: int | None = PREFILL_CHUNK, mtp: dict | None = None):
         offload.validate_for(config)
         check_prefill_chunk(prefill_chunk)
+        if mtp is not None:
+            from fo_jax.model.mtp import check_mtp_params
+
+            check_mtp_params(mtp, config)
+        self.mtp = mtp
         self.prefill_chunk = prefill_chunk
         self.num_buffers = check_num_buffers(
             min(4, config.num_layers) if num_buffers is None else num_buffers, config.num_layers)
@@ -425,18 +433,20 @@ class OffloadEngine(_Lengths):
     def capacity(self) -> int:
         return self.offload.capacity
 
-    def prefill(self, tokens: np.ndarray, lengths: np.ndarray) -> jax.Array:
+    def prefill(self, tokens: np.ndarray, lengths: np.ndarray, *, hidden: bool = False):
+        """As ResidentEngine.prefill, offloaded (with `hidden`: and the last hidden states)."""
         oc = self.offload
         state = offload_prefill.PrefillState.create(
             self.config, batch=self.batch, capacity=oc.capacity, page_size=oc.page_size,
             memory_kind=oc.host_memory_kind)
+        hiddens = []
 
         def run(chunk, num_new):
             nonlocal state
-            logits, state = offload_prefill.prefill(self.params, state, chunk, num_new,
-                                                    config=self.config,
-                                                    num_buffers=self.num_buffers,
-                                                    host_access=oc.host_access)
+            logits, state, *h = offload_prefill.prefill(
+                self.params, state, chunk, num_new, config=self.config,
+                num_buffers=self.num_buffers, host_access=oc.host_access, return_hidden=hidden)
+            hiddens.extend(h)
             return logits
 
         last = chunked_prefill(run, tokens, lengths, self.prefill_chunk)
@@ -445,14 +455,18 @@ class OffloadEngine(_Lengths):
         self._start(lengths)
         if self.check:
             self._check_state("prefill", last)
+        if hidden:
+            return last, jnp.concatenate(hiddens, axis=1)
         return last
 
-    def step(self, tokens, *, drop_past_capacity: bool = False) -> jax.Array:
-        """Append tokens [B, W] to every request; logits [B, W, V] (as ResidentEngine.step)."""
+    def step(self, tokens, *, drop_past_capacity: bool = False, hidden: bool = False):
+        """Append tokens [B, W] to every request; logits [B, W, V] (as ResidentEngine.step;
+        with `hidden`: logits and the last hidden states [B, W, E])."""
         ways = self._check_room(tokens, drop_past_capacity)
-        logits, self.state, stats = offload_decode.decode_step(
+        logits, self.state, stats, *h = offload_decode.decode_step(
             self.params, self.state, tokens, config=self.config, offload=self.offload,
-            check=False, implementation=self.implementation, interpret=self.interpret)
+            check=False, implementation=self.implementation, interpret=self.interpret,
+            return_hidden=hidden)
         self._stepped(ways)
         self._add_stats(stats)
         if self.check:
@@ -460,7 +474,7 @@ class OffloadEngine(_Lengths):
             whole = bool(np.all(self.lengths - self._before == ways))
             self._check_state(f"decode step {self.steps}", logits,
                               stats.selected if whole else None)
-        return logits
+        return (logits, h[0]) if hidden else logits
 
     def _add_stats(self, stats) -> None:
         """Add a step's DecodeStats (or a loop's LoopStats) to the totals, on the device."""

@@ -66,14 +66,21 @@ def test_mtp_greedy_drafting_gives_the_w1_greedy_tokens(model):
     assert config.num_nextn_predict_layers == 1
 
 
-def test_the_offloaded_engine_and_models_without_mtp_are_refused(model):
-    config, params, _ = model
+def test_offloaded_mtp_drafting_gives_the_w1_greedy_tokens(model):
+    """The offloaded engine returns the hidden states too (decode step and prefill): MTP
+    drafts verified offloaded give the resident W = 1 greedy tokens."""
+    config, params, mtp = model
     offload = OffloadConfig(hot_slots=config.index_topk * config.max_ways, page_size=8,
-                            capacity=64)
-    engine = gen.OffloadEngine(params, config, offload=offload, batch=2)
-    with pytest.raises(NotImplementedError, match=r"draft='mtp' reads the main model's last "
-                       r"hidden states, which the 'offload' engine's step does not return yet"):
-        gen.generate(engine, PROMPTS, max_new_tokens=4, draft="mtp")
+                            capacity=48)
+    want = gen.generate(_engine(model), PROMPTS, max_new_tokens=NEW)
+    engine = gen.OffloadEngine(params, config, offload=offload, batch=2, mtp=mtp)
+    got = gen.generate(engine, PROMPTS, max_new_tokens=NEW, draft="mtp", num_drafts=2)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    assert got.extra["draft"] == "mtp"
+
+
+def test_models_without_mtp_are_refused(model):
+    config, params, _ = model
     plain = gen.ResidentEngine(params, config, batch=2, capacity=CAPACITY)
     with pytest.raises(ValueError, match=r"draft='mtp' needs the multi-token-prediction layer "
                        r"of the model .* has no MTP layer loaded: load it with "

@@ -204,11 +204,11 @@ class OffloadBackend:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "offload", "implementation", "interpret",
-                                             "debug", "scores"),
+                                             "debug", "scores", "return_hidden"),
                    donate_argnames=("state",))
 def _decode_jit(params, state: DecodeState, tokens, active=None, *, config: ModelConfig,
                 offload: OffloadConfig, implementation: str = "xla", interpret=False,
-                debug: bool = False, scores: bool = False):
+                debug: bool = False, scores: bool = False, return_hidden: bool = False):
     """The step, pure. With `debug`, the invariants of fo_jax.offload.checks are checkified
     after the step (O(G B (S + C)) more work): trace it under `checkify.checkify`. With
     `scores`, stats.scores holds every group's indexer scores [G, B, W, S].
@@ -235,7 +235,8 @@ def _decode_jit(params, state: DecodeState, tokens, active=None, *, config: Mode
         "slots": (state.slots.token_to_slot, state.slots.slot_to_token),
         "policy": (p.stamp, p.hand, p.last_used, p.ref, p.key),
     }
-    logits, carry = forward(params, tokens, positions, write_pos, backend, carry, config=config)
+    logits, carry, *hidden = forward(params, tokens, positions, write_pos, backend, carry,
+                                     config=config, return_hidden=return_hidden)
     # Write the step's new rows through to host pages (only them).
     z = offload.page_size
     tail_row = offload.hot_slots + ((positions // z) % 2) * z + positions % z
@@ -270,18 +271,19 @@ def _decode_jit(params, state: DecodeState, tokens, active=None, *, config: Mode
     )
     if debug:
         checks.check_step(state, new_state, stats, logits, config=config, offload=offload)
-    return logits, new_state, stats
+    return (logits, new_state, stats, *hidden)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "offload", "implementation", "interpret",
-                                             "scores"),
+                                             "scores", "return_hidden"),
                    donate_argnames=("state",))
 def _decode_checked(params, state: DecodeState, tokens, active=None, *, config: ModelConfig,
-                    offload: OffloadConfig, implementation: str, interpret, scores=False):
+                    offload: OffloadConfig, implementation: str, interpret, scores=False,
+                    return_hidden=False):
     """`_decode_jit` with debug checks, functionalised: (checkify.Error, step outputs)."""
     step = functools.partial(_decode_jit, config=config, offload=offload,
                              implementation=implementation, interpret=interpret, debug=True,
-                             scores=scores)
+                             scores=scores, return_hidden=return_hidden)
     return checkify.checkify(step, errors=checkify.user_checks)(params, state, tokens, active)
 
 
@@ -340,8 +342,11 @@ def check_implementation(implementation: str | None, interpret, offload: Offload
 
 def decode_step(params, state: DecodeState, tokens, *, config: ModelConfig,
                 offload: OffloadConfig, check: bool = True, implementation: str | None = None,
-                interpret=False, debug: bool = False, active=None, scores: bool = False):
-    """One offloaded decode step: (logits [B, W, V], new state, DecodeStats).
+                interpret=False, debug: bool = False, active=None, scores: bool = False,
+                return_hidden: bool = False):
+    """One offloaded decode step: (logits [B, W, V], new state, DecodeStats); with
+    `return_hidden` also the last hidden states [B, W, E] before the final norm (what the MTP
+    drafter reads; the logits are the same bit for bit).
 
     tokens: [B, W] with W <= config.max_ways. The state is donated: use the returned one.
     implementation: "xla", "pallas" (LIM + CopySFA; off TPU only with `interpret`, and then the
@@ -387,9 +392,10 @@ def decode_step(params, state: DecodeState, tokens, *, config: ModelConfig,
     if debug and is_concrete(state.lengths):
         err, out = _decode_checked(params, state, tokens, active, config=config, offload=offload,
                                    implementation=implementation,
-                                   interpret=interpret_params(interpret), scores=scores)
+                                   interpret=interpret_params(interpret), scores=scores,
+                                   return_hidden=bool(return_hidden))
         checks.raise_on_error(err)
         return out
     return _decode_jit(params, state, tokens, active, config=config, offload=offload, debug=debug,
                        implementation=implementation, interpret=interpret_params(interpret),
-                       scores=scores)
+                       scores=scores, return_hidden=bool(return_hidden))

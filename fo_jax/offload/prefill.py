@@ -373,11 +373,12 @@ class OffloadPrefillBackend:
 
 @functools.partial(
     jax.jit, static_argnames=("config", "dense", "schedule", "history_pages", "poison", "on_host",
-                              "host_access", "query_block"),
+                              "host_access", "query_block", "return_hidden"),
     donate_argnames=("state",))
 def _prefill_jit(params, state: PrefillState, tokens, num_new, *, config: ModelConfig,
                  dense: bool, schedule: PrefillSchedule, history_pages: int, poison: bool,
-                 on_host: bool, host_access: str = "gather", query_block: int | None = None):
+                 on_host: bool, host_access: str = "gather", query_block: int | None = None,
+                 return_hidden: bool = False):
     batch, num_t = tokens.shape
     cap = state.capacity
     # Never past capacity, checked or not: tokens beyond it are padding (dropped).
@@ -397,11 +398,12 @@ def _prefill_jit(params, state: PrefillState, tokens, num_new, *, config: ModelC
         "index_keys": state.index_keys,
     }
     carry = backend.load(carry, 0, 0)  # buffer 0: layer 0, for the whole prefill
-    logits, carry = forward(params, tokens, positions, write_pos, backend, carry,
-                            config=config, dense=dense, query_block=query_block)
+    logits, carry, *hidden = forward(params, tokens, positions, write_pos, backend, carry,
+                                     config=config, dense=dense, query_block=query_block,
+                                     return_hidden=return_hidden)
     new_state = PrefillState(host=HostPages(kv=carry["host"]), table=state.table,
                              index_keys=carry["index_keys"], lengths=state.lengths + num_new)
-    return logits, new_state
+    return (logits, new_state, *hidden)
 
 
 def history_pages_for(lengths, page_size: int, num_pages: int) -> int:
@@ -414,8 +416,10 @@ def prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelC
             num_buffers: int | None = None, distance: int | None = None, onload_layer_map=None,
             dense: bool = False, history_pages: int | None = None, poison: bool = False,
             check: bool = True, host_access: str = "gather",
-            query_block: int | None = QUERY_BLOCK):
-    """Append a chunk of T tokens per request with offloaded KV; (logits [B, T, V], new state).
+            query_block: int | None = QUERY_BLOCK, return_hidden: bool = False):
+    """Append a chunk of T tokens per request with offloaded KV; (logits [B, T, V], new state)
+    (with `return_hidden`: and the last hidden states [B, T, E] before the final norm, as
+    `fo_jax.resident.prefill`; the logits are the same bit for bit).
 
     Args:
       state: PrefillState (donated: use the returned one).
@@ -448,7 +452,7 @@ def prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelC
         distance=distance, onload_layer_map=onload_layer_map, dense=dense,
         history_pages=history_pages, poison=poison, check=check, host_access=host_access,
         query_block=query_block)
-    return _prefill_jit(*args, **static)
+    return _prefill_jit(*args, **static, return_hidden=bool(return_hidden))
 
 
 def lower_prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelConfig,

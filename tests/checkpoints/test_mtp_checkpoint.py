@@ -108,7 +108,7 @@ def test_mtp_needs_an_mtp_layer(tmp_path, random_params):
 
 def test_cli_draft_mtp_from_a_model_dir(tmp_path, capsys):
     # A tiny HF checkpoint with an MTP layer and a tokenizer: --draft mtp prints the text of
-    # --draft none and its drafting figures; the offloaded path is refused.
+    # --draft none and its drafting figures, resident and offloaded (checked bitwise).
     from fo_jax.cli import main
     from tests.checkpoints.hf_tiny import tiny_hf_config, write_tokenizer
 
@@ -126,5 +126,7 @@ def test_cli_draft_mtp_from_a_model_dir(tmp_path, capsys):
     assert out.split("--- summary ---")[0] == plain.split("--- summary ---")[0]
     assert re.search(r"drafts: mtp, 3 per step: [0-9.]+ tokens per step over \d+ steps "
                      r"\(accepted \d+ of \d+ drafts\)", out), out
-    assert main(common + ["--draft", "mtp", "--offload"]) == 2
-    assert "--draft mtp runs on the resident path only" in capsys.readouterr().err
+    assert main(common + ["--draft", "mtp", "--offload", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert out.split("--- summary ---")[0] == plain.split("--- summary ---")[0]
+    assert "offloaded logits bitwise equal to the resident model's" in out
