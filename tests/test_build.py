@@ -39,3 +39,14 @@ def test_every_module_and_test_is_declared():
     listed = libraries | tests
     gone = {f for f in listed if not (ROOT / f).exists()}
     assert not gone, f"BUILD lists files that do not exist: {sorted(gone)}"
+
+
+def test_test_files_have_distinct_names():
+    """pytest imports test modules by basename (the test folders are not packages): two files
+    of one name in different folders stop the whole run with "import file mismatch"."""
+    import collections
+    import pathlib
+
+    root = pathlib.Path(__file__).parent
+    names = collections.Counter(p.name for p in root.rglob("test_*.py"))
+    assert not [n for n, c in names.items() if c > 1], names.most_common(3)
