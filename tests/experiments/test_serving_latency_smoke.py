@@ -14,3 +14,6 @@ def test_smoke(load_experiment, tmp_path, capsys):
     assert line["output_tokens"] == 3 * 6
     assert 0 < line["ttft_p50"] <= line["ttft_p99"]
     assert 0 <= line["itl_p50"] <= line["itl_p99"] and line["tokens_per_second"] > 0
+    png = tmp_path / "serving.png"
+    load_experiment("plot_serving_latency").main([str(out), "--out", str(png)])
+    assert png.stat().st_size > 0
