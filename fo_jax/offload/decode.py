@@ -387,7 +387,8 @@ def decode_step(params, state: DecodeState, tokens, *, config: ModelConfig,
         check_capacity(state.lengths, taken, state.capacity, config, what="the host pages'")
         if is_concrete(state.table):
             check_table(state.table, batch=state.batch, num_pages=offload.num_pages,
-                        num_frames=state.num_frames)
+                        num_frames=state.num_frames, lengths=np.asarray(state.lengths),
+                        page_size=offload.page_size)
             check_table_covers(state.table, np.asarray(state.lengths) + taken, offload.page_size)
     if debug and is_concrete(state.lengths):
         err, out = _decode_checked(params, state, tokens, active, config=config, offload=offload,

@@ -10,7 +10,7 @@ import numpy as np
 
 from fo_jax.config import ModelConfig
 from fo_jax.offload.config import OffloadConfig
-from fo_jax.offload.state import DecodeState, read_back
+from fo_jax.offload.state import DecodeState, read_back, shared_page_conflict
 
 
 def check_invariants(state: DecodeState, *, config: ModelConfig, offload: OffloadConfig,
@@ -53,8 +53,9 @@ def check_invariants(state: DecodeState, *, config: ModelConfig, offload: Offloa
         assert bad.size == 0, (
             f"request {b}: page {bad[:1]} holds stored tokens (length {lengths[b]}) but its "
             f"page table entry is {table[b, bad[:1]]}, not a pool page in [0, {num_frames})")
-    held = table[table >= 0]
-    assert np.unique(held).size == held.size, "a pool page is held by two page table entries"
+    clash = shared_page_conflict(table, lengths, z)
+    assert clash is None, (f"pool page {clash} is held by two page table entries and one of "
+                           "them may write it (a page is shared only as a full prefix page)")
     # Every request's host rows, read through the table: [L, B, S, D+R].
     host_tok = host[:, np.maximum(table, 0)].reshape(host.shape[0], batch, pages * z,
                                                      host.shape[-1])

@@ -490,7 +490,9 @@ def _prefill_arguments(params, state: PrefillState, tokens, num_new, *, config: 
                          "(one count per request)")
     num_pages = state.table.shape[1]
     check_table(state.table, batch=state.batch, num_pages=num_pages,
-                num_frames=state.num_frames, values=check)
+                num_frames=state.num_frames, values=check and is_concrete(state.lengths),
+                lengths=np.asarray(state.lengths) if is_concrete(state.lengths) else None,
+                page_size=state.page_size)
     if tuple(state.index_keys.shape) != (config.num_groups, state.num_frames, state.page_size,
                                          config.index_head_dim):
         raise ValueError(f"state.index_keys has shape {tuple(state.index_keys.shape)}, expected "

@@ -111,12 +111,15 @@ def identity_table(batch: int, num_pages: int) -> np.ndarray:
 
 
 def check_table(table, *, batch: int, num_pages: int, num_frames: int,
-                values: bool = True) -> None:
+                values: bool = True, lengths=None, page_size: int | None = None) -> None:
     """Raise ValueError unless `table` is a valid page table for a pool of `num_frames` pages.
 
     Static: shape [B, P] and dtype int32. With `values` (and a concrete table; O(B P), one
     read of the table): every entry in [-1, F), and no pool page named twice (two seats, or two
-    pages of one seat, writing the same pool page would collide).
+    pages of one seat, writing the same pool page would collide), except, given the requests'
+    `lengths` and `page_size`, a page that every entry naming it holds full (all Z tokens
+    below its request's length): a shared prefix, which no step writes (writes go to
+    positions >= length).
     """
     shape = tuple(getattr(table, "shape", ()))
     if shape != (batch, num_pages):
@@ -134,13 +137,29 @@ def check_table(table, *, batch: int, num_pages: int, num_frames: int,
         raise ValueError(f"page table entry [{b}, {p}] = {ids[b, p]} is outside [-1, "
                          f"{num_frames}): ids name pages of a pool of F={num_frames} pages "
                          "(-1 for a page not held)")
-    held = ids[ids >= 0]
-    unique, counts = np.unique(held, return_counts=True)
-    if np.any(counts > 1):
-        page = int(unique[np.argmax(counts > 1)])
+    page = shared_page_conflict(ids, lengths, page_size)
+    if page is not None:
         where = np.argwhere(ids == page).tolist()
         raise ValueError(f"pool page {page} is named by page table entries {where}: writes "
-                         "would collide; give every held page to one seat and page only")
+                         "would collide; give every held page to one seat and page only (a "
+                         "page may be shared only where every request naming it holds it full:"
+                         " a shared prefix)")
+
+
+def shared_page_conflict(ids: np.ndarray, lengths=None, page_size: int | None = None):
+    """The first pool page named by two page-table entries [B, P] where a write could land
+    (without `lengths`: any page named twice), or None. O(B P)."""
+    held = ids[ids >= 0]
+    unique, counts = np.unique(held, return_counts=True)
+    shared = unique[counts > 1]
+    if shared.size == 0:
+        return None
+    if lengths is None or page_size is None:
+        return int(shared[0])
+    full = (np.arange(ids.shape[1])[None, :] + 1) * page_size <= np.asarray(lengths)[:, None]
+    writable = ids[(ids >= 0) & ~full]  # pages some step may write
+    clash = np.intersect1d(shared, writable)
+    return int(clash[0]) if clash.size else None
 
 
 def check_table_covers(table, lengths, page_size: int) -> None:

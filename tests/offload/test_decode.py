@@ -74,7 +74,7 @@ def scenarios(draw):
                 shared=draw(st.booleans()))
 
 
-@settings(max_examples=6)
+@settings(max_examples=4)
 @given(scenarios())
 def test_offloaded_decode_is_bitwise_resident(scenario):
     steps = 50

@@ -181,3 +181,38 @@ def test_a_table_broken_after_construction_is_refused_before_the_step_runs():
         prefill(params, broken, jnp.ones((BATCH, 4), jnp.int32), config=config, num_buffers=2)
     for s in (state, shared, unheld, broken):
         assert not s.host.kv.is_deleted()  # refused before anything ran or was donated
+
+
+def test_a_full_prefix_page_may_be_shared_a_page_being_written_may_not():
+    """Two requests may name the same pool page where both hold it full (a shared prefix:
+    steps write at positions >= length only); a shared page one of them still writes into is
+    refused, by the checked step and by the invariants."""
+    from fo_jax.offload.invariants import check_invariants
+    from fo_jax.offload.state import check_table
+
+    table = np.asarray([[0, 1, -1, -1], [0, 2, -1, -1]], np.int32)  # page 0 shared
+    check_table(table, batch=2, num_pages=4, num_frames=3, lengths=[5, 4], page_size=PAGE)
+    with pytest.raises(ValueError, match=r"pool page 0 is named by page table entries "
+                                         r"\[\[0, 0\], \[1, 0\]\]: writes would collide"):
+        check_table(table, batch=2, num_pages=4, num_frames=3, lengths=[5, 3], page_size=PAGE)
+    with pytest.raises(ValueError, match="pool page 0 is named"):
+        check_table(table, batch=2, num_pages=4, num_frames=3)  # no lengths: strict
+    # A decode state whose two requests share their first (full) page steps and checks out.
+    config = _config(1)
+    offload = OffloadConfig(hot_slots=HOT, page_size=PAGE, capacity=16)
+    params = init_params(config, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    kv = jnp.asarray(rng.standard_normal((config.num_layers, 1, PAGE, config.kv_width)),
+                     config.jnp_kv_dtype)
+    kv = jnp.concatenate([kv, kv], axis=1)  # the same first page in both requests
+    keys = jnp.asarray(rng.standard_normal((config.num_groups, 1, PAGE, config.index_head_dim)),
+                       config.jnp_kv_dtype)
+    keys = jnp.concatenate([keys, keys], axis=1)
+    state = DecodeState.from_resident(kv, keys, [PAGE, PAGE], config=config, offload=offload,
+                                      num_frames=5, table=np.asarray([[0, 1, -1, -1],
+                                                                      [2, 3, -1, -1]], np.int32))
+    state = assign_pages(state, 1, jnp.asarray([0, 3, -1, -1], jnp.int32))  # share page 0
+    logits, state, _ = offload_decode.decode_step(params, state, jnp.ones((2, 1), jnp.int32),
+                                                  config=config, offload=offload)
+    check_invariants(state, config=config, offload=offload)
+    np.testing.assert_array_equal(np.asarray(logits[0]), np.asarray(logits[1]))

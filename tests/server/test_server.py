@@ -240,7 +240,10 @@ def test_shutdown_ends_in_flight_requests():
         for t in threads:
             t.start()
         deadline = time.monotonic() + 20
-        while srv.served.driver.snapshot.running < SEATS and time.monotonic() < deadline:
+        # All three submitted (two in seats, one waiting) before shutdown begins: a request
+        # arriving after it would be refused (503), not ended.
+        while ((srv.served.driver.snapshot.running < SEATS
+                or srv.served.driver.in_flight() < 3) and time.monotonic() < deadline):
             time.sleep(0.01)
         srv.served.driver.stop_accepting()  # what SIGTERM does first
         assert httpx.get(srv.url + "/health").status_code == 503
