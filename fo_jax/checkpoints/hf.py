@@ -124,6 +124,15 @@ def _expected_mtp(config: ModelConfig, found) -> dict:
             for name, slot in mtp_tensor_names(config, **own).items()}
 
 
+
+def _mismatch(expected, found) -> str:
+    """'' when the two name sets agree, else "missing [...], unexpected [...]" (8 of each)."""
+    missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if not (missing or extra):
+        return ""
+    return (f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, unexpected "
+            f"{extra[:8]}{' ...' if len(extra) > 8 else ''}")
+
 def inspect_checkpoint(directory: str | os.PathLike, config: ModelConfig, *,
                        mtp: bool = False) -> dict:
     """Check a checkpoint directory against `config` without reading tensor data.
@@ -151,25 +160,21 @@ def inspect_checkpoint(directory: str | os.PathLike, config: ModelConfig, *,
     if mtp:
         wanted = _expected_mtp(config, found)
         held = {n for n in found if n not in scales and mtp_layer(n, config)}
-        missing = sorted(set(wanted) - held)
-        extra = sorted(held - set(wanted))
-        if missing or extra:
+        mismatch = _mismatch(wanted, held)
+        if mismatch:
             raise ValueError(
                 f"{directory}: the multi-token-prediction layer tensors (layers "
                 f"{config.num_layers}..{config.num_layers + config.num_nextn_predict_layers - 1}"
-                f") do not match config {config.name!r}: missing {missing[:8]}"
-                f"{' ...' if len(missing) > 8 else ''}, unexpected {extra[:8]}"
-                f"{' ...' if len(extra) > 8 else ''}; load with mtp=False to skip them")
+                f") do not match config {config.name!r}: {mismatch}; load with mtp=False to "
+                "skip them")
         expected.update(wanted)
     tensors = {n for n in found if n not in scales and (mtp or not mtp_layer(n, config))}
-    missing = sorted(set(expected) - tensors)
-    extra = sorted(tensors - set(expected))
-    if missing or extra:
+    mismatch = _mismatch(expected, tensors)
+    if mismatch:
         raise ValueError(
             f"{directory}: checkpoint tensors do not match config {config.name!r} "
             f"({config.num_layers} layers, {config.n_routed_experts} experts, indexers at "
-            f"{config.indexer_layers}): missing {missing[:8]}{' ...' if len(missing) > 8 else ''}"
-            f", unexpected {extra[:8]}{' ...' if len(extra) > 8 else ''}")
+            f"{config.indexer_layers}): {mismatch}")
     plan = {}
     for name in sorted(expected):
         path, file = found[name]
