@@ -221,6 +221,7 @@ class Engine:
         self.tokenizer, self.max_stop_ids = tokenizer, int(max_stop_ids)
         self.query_block, self.num_buffers = query_block, num_buffers
         self.pool = self.prefix = None
+        self.max_pages = 1  # P, page-table row width (offloaded; unused on the resident path)
         if offload is None and (num_pages is not None or host_pool_bytes is not None
                                 or prefix_cache):
             raise ValueError("num_pages, host_pool_bytes and prefix_cache need the offloaded "
@@ -460,7 +461,7 @@ class Engine:
         """Set seat b's length (and page-table row, offloaded) to seats[b] = (length, row)."""
         mask = np.zeros((self.seats,), bool)
         lengths = np.zeros((self.seats,), np.int32)
-        rows = np.full((self.seats, getattr(self, "max_pages", 1)), NO_PAGE, np.int32)
+        rows = np.full((self.seats, self.max_pages), NO_PAGE, np.int32)
         for b, (length, row) in seats.items():
             mask[b], lengths[b] = True, length
             if row is not None:
