@@ -283,9 +283,10 @@ def load_history(host_kv, table, layer, *, history_pages: int, on_host: bool,
     Returns:
       [B, history_pages * Z, D+R] device rows (the caller writes them into its layer buffer);
       pages not held read pool page 0 (they hold no stored token).
-    Whole pages move: B x history_pages pages of [Z, D+R]. "gather": one gather of those pages
-    on the host pool with host-side indices, then one move to the device; "slices": one dynamic
-    slice of one page per trip (B history_pages trips), each moved to the device.
+    Whole pages move: B x history_pages pages of [Z, D+R]. "gather": one gather of their
+    B history_pages Z rows on the host pool with host-side indices, then one move to the
+    device; "slices": one dynamic slice of one page per trip (B history_pages trips), each
+    moved to the device.
     """
     check_host_access(access)
     _, _, page, width = host_kv.shape
@@ -303,9 +304,21 @@ def load_history(host_kv, table, layer, *, history_pages: int, on_host: bool,
         out = jnp.zeros((batch, history_pages, page, width), host_kv.dtype)
         out = jax.lax.fori_loop(0, batch * history_pages, body, out)
         return out.reshape(batch, history_pages * page, width)
-    layers = jnp.broadcast_to(layer, frames.shape)
-    pages = host_kv[to_host(layers, on_host), to_host(frames, on_host)]  # [B, hp, Z, D+R]
-    return to_device(pages, on_host).reshape(batch, history_pages * page, width)
+    # One gather of rows of the pool seen as [L, F Z, D+R], giving [B, hp Z, D+R] as it is
+    # (the decode miss gather's pattern). A gather of whole pages ([B, hp, Z, D+R]) reshaped
+    # after its move to the device did not compile on an H200 (jax 0.11.2): XLA folded the
+    # reshape into a bitcast from host to device memory ("Bitcast cannot have different memory
+    # spaces"). Rows run at 0.41x a bulk device_put there (experiments/load_history_variants.py).
+    num_l, num_f = host_kv.shape[:2]
+    rows_kv = host_kv.reshape(num_l, num_f * page, width)
+    offsets = jnp.arange(history_pages * page, dtype=jnp.int32)
+    rows = frames[:, offsets // page] * page + offsets % page  # [B, hp Z] pool rows
+    index = jnp.stack([jnp.broadcast_to(layer, rows.shape), rows], axis=-1)
+    got = jax.lax.gather(rows_kv, to_host(index, on_host), _ROWS, slice_sizes=(1, 1, width),
+                         mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    # The barrier keeps the caller's reshapes and selects of these rows (the prefill's
+    # `rows[None]`) from being folded into the move, as the same bitcast across memory spaces.
+    return jax.lax.optimization_barrier(to_device(got, on_host))
 
 
 def write_back_rows(host_kv, table, layer, rows, write_pos, *, on_host: bool,

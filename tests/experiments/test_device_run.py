@@ -15,7 +15,8 @@ def test_script_parses():
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True, timeout=30)
 
 
-@pytest.mark.parametrize("name", ["accelerator_check", "decode_bench", "decode_loop_bench"])
+@pytest.mark.parametrize("name", ["accelerator_check", "decode_bench", "decode_loop_bench",
+                                  "prefill_diagnosis", "engine_check", "serving_bench"])
 def test_flags_exist(name):
     text = SCRIPT.read_text()
     source = (SCRIPT.parent / f"{name}.py").read_text()
