@@ -21,8 +21,9 @@ from fo_jax.offload.config import OffloadConfig
 # Two layers, one indexer group each, top-4: two groups whose counters differ. Seats of 32.
 CONFIG = get_config("tiny").replace(num_layers=2, indexer_layers=(0, 1), max_ways=1,
                                     index_topk=4)
-CAPACITY, EVERY = 32, 3
-REQUESTS = [(3, 6), (9, 5), (14, 7)]  # (prompt tokens, max_tokens): 3 requests, 2 seats
+CAPACITY, EVERY = 32, 2
+REQUESTS = [(3, 6), (8, 5), (5, 7)]  # (prompt tokens, max_tokens): 3 requests, 2 seats,
+# every prompt one prefill chunk (one prefill program to compile)
 
 
 @functools.cache
