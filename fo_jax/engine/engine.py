@@ -206,7 +206,8 @@ class Engine:
                  prefix_cache: bool = False, metrics_path: str | None = None,
                  metrics_every: int = 16):
         for name, value in (("seats", seats), ("decode_steps_per_call", decode_steps_per_call),
-                            ("prefill_chunk", prefill_chunk), ("max_stop_ids", max_stop_ids)):
+                            ("prefill_chunk", prefill_chunk), ("max_stop_ids", max_stop_ids),
+                            ("metrics_every", metrics_every)):
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
         if offload is not None:

@@ -185,3 +185,6 @@ def test_bad_metrics_every():
     with pytest.raises(ValueError, match=r"metrics_every=0 must be an int >= 1 \(engine steps "
                                          r"between reads of the device counters\)"):
         MetricsLog(None, every=0)
+    with pytest.raises(ValueError, match=r"^metrics_every=0 must be an int >= 1$"):
+        Engine(_params(), CONFIG, seats=1, capacity=CAPACITY, metrics_path="unused.jsonl",
+               metrics_every=0)  # refused before anything is allocated
