@@ -6,6 +6,7 @@
                 [--hot-slots 16384]
     fo-jax serve [--model-dir DIR] [--port 8000] [--seats N --offload ...]   (fo_jax.server)
     fo-jax bench-serve [--offload --prefix-cache ...] [--requests 16 --rate 4 ...]
+                       [--metrics-jsonl PATH --metrics-every 16]
 
 `generate` runs the trained model that ships with the package by default (`trained-small`: a
 4.4 M-parameter DSA model trained on the Python standard library's sources, with its BPE
@@ -115,6 +116,11 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="fraction of prompts that start with the same system prompt")
     bench.add_argument("--prefix-len", type=int, default=256)
     bench.add_argument("--out", default=None, help="append the figures as a JSON line here")
+    bench.add_argument("--metrics-jsonl", default=None, metavar="PATH",
+                       help="append the engine's counters (per indexer group, bytes moved, "
+                            "pool, queue, per-request TTFT / TPOT) as JSON lines here")
+    bench.add_argument("--metrics-every", type=int, default=16,
+                       help="engine steps between reads of the device counters")
 
     plan = sub.add_parser("plan", help="capacity planner for a model preset or directory")
     plan.add_argument("--model", default=None, help="a preset (default glm52)")
@@ -484,6 +490,9 @@ def _cmd_bench_serve(args) -> int:
                     output_len=tuple(args.output_len), shared_fraction=args.shared_prefix,
                     prefix_len=args.prefix_len if args.shared_prefix else 0)
     poisson_workload(args.requests, vocab=1, **workload)  # bad flags: refused before loading
+    if args.metrics_every < 1:
+        raise ValueError(f"--metrics-every {args.metrics_every} must be >= 1 (engine steps "
+                         "between reads of the device counters)")
     engine, config, _, offload = build_engine(args)
     requests = poisson_workload(args.requests, vocab=config.vocab_size, **workload)
     longest = max(len(p) for _, p, _ in requests)
@@ -491,12 +500,16 @@ def _cmd_bench_serve(args) -> int:
         raise ValueError(f"prompts of up to {longest} tokens do not fit seats of "
                          f"{engine.capacity} tokens: raise --capacity or lower --prompt-len / "
                          "--prefix-len")
-    figures = run_workload(engine, requests)
+    figures = run_workload(engine, requests, metrics_path=args.metrics_jsonl,
+                           metrics_every=args.metrics_every)
     print(f"bench-serve: {config.name}, {'offloaded' if offload else 'resident'}, "
           f"{engine.seats} seats of {engine.capacity} tokens, {engine.n_steps} decode steps "
           "per call")
     for line in summary_lines(figures):
         print("  " + line)
+    if args.metrics_jsonl:
+        print(f"  metrics: {engine.metrics.records} records (JSON lines) in "
+              f"{args.metrics_jsonl}")
     if args.out:
         with open(args.out, "a") as f:
             f.write(json.dumps({"model": config.name, "offload": offload is not None,

@@ -8,6 +8,8 @@ on-device sampling, stop checks and summed statistics in one program.
 row (`RequestPages`).
 `fo_jax.engine.admission`: admission by memory with the planner's bytes (`MemoryCosts`,
 `Admission`): admit / wait / refuse, the waiting queue, the preemption victim.
+`fo_jax.engine.metrics`: counters summed on the device, read every N steps into JSON lines
+(`MetricsLog`), and their Prometheus families.
 """
 
 from fo_jax.engine.admission import (
@@ -29,9 +31,10 @@ from fo_jax.engine.loop import (
     decode_loop,
     sample_tokens,
 )
+from fo_jax.engine.metrics import MetricsLog
 from fo_jax.engine.pages import NO_PAGE, PagePool, PoolExhausted, PrefixCache, RequestPages
 
 __all__ = ["NO_PAGE", "Admission", "Decision", "Engine", "LoopOutput", "LoopStats",
-           "MemoryCosts", "OffloadedStep", "PagePool", "PoolExhausted", "PrefixCache", "Request",
-           "RequestOutput", "RequestPages", "RequestRefused", "ResidentStep", "Sampling", "Seats",
-           "Verdict", "decode_loop", "sample_tokens"]
+           "MemoryCosts", "MetricsLog", "OffloadedStep", "PagePool", "PoolExhausted",
+           "PrefixCache", "Request", "RequestOutput", "RequestPages", "RequestRefused",
+           "ResidentStep", "Sampling", "Seats", "Verdict", "decode_loop", "sample_tokens"]

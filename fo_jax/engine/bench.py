@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from fo_jax.engine.engine import Engine
+from fo_jax.engine.metrics import MetricsLog, group_totals
 
 
 def poisson_workload(num_requests: int, *, rate: float, prompt_len: tuple[int, int],
@@ -50,23 +51,34 @@ def _reset(engine: Engine) -> None:
     engine.timings = dict.fromkeys(engine.timings, 0.0)
     engine.counters = dict.fromkeys(engine.counters, 0)
     engine.stats = None
+    if getattr(engine, "metrics", None) is not None:  # a fresh log: the warm-up not counted
+        log = engine.metrics
+        engine.metrics = MetricsLog(engine, path=log.path, every=log.every,
+                                    on_record=log.on_record)
 
 
-def run_workload(engine: Engine, requests, *, warm: bool = True) -> dict:
+def run_workload(engine: Engine, requests, *, warm: bool = True,
+                 metrics_path: str | None = None, metrics_every: int = 16) -> dict:
     """Feed `requests` by their arrival times and step until all finish; the run's figures.
 
     Figures: wall seconds, output tokens and tokens/s, mean / peak running requests per step,
     TTFT and time per output token (p50 / p99), compiled programs per output token (host
     round trips), the engine's host work as a share of its step time, prompt tokens prefilled
-    and served from the prefix cache, and, offloaded, the hit rate and bytes moved per token
-    and the pool's pages at the end.
+    and served from the prefix cache, and, offloaded, the hit rate (in total and per indexer
+    group), the bytes moved (in total and H2D per token) and the pool's pages at the end.
+    With `metrics_path`, the timed run's counters go there as JSON lines every
+    `metrics_every` steps (`fo_jax.engine.metrics.MetricsLog`, attached after the warm-up).
     """
+    if metrics_path is not None:
+        MetricsLog(engine, every=metrics_every)  # a bad setting is refused before any work
     if warm:  # compile every program (each prefill bucket up to the longest prompt), untimed;
         # reversed: the same length without filling a prefix cache with a workload prompt
         longest = max((r[1] for r in requests), key=len)
         engine.add_request(longest[::-1], max_tokens=2)
         engine.run()
         _reset(engine)
+    if metrics_path is not None:
+        engine.metrics = MetricsLog(engine, path=metrics_path, every=metrics_every)
     start = time.perf_counter()
     pending = list(enumerate(requests))
     ids, running = {}, []
@@ -82,6 +94,8 @@ def run_workload(engine: Engine, requests, *, warm: bool = True) -> dict:
         running.append(engine.num_running())
     wall = time.perf_counter() - start
     outputs = engine.run()
+    if getattr(engine, "metrics", None) is not None:
+        engine.metrics.flush()  # the steps since the last read
     outs = [outputs[ids[i]] for i in range(len(requests))]
     for i in range(len(requests)):
         engine.release(ids[i])
@@ -110,9 +124,22 @@ def run_workload(engine: Engine, requests, *, warm: bool = True) -> dict:
         misses = float(np.sum(s.misses))
         figures["hit_rate"] = hits / max(hits + misses, 1.0)
         figures["h2d_bytes_per_token"] = float(np.sum(s.h2d_bytes)) / max(tokens, 1)
+        figures["h2d_bytes"] = float(np.sum(s.h2d_bytes))
+        figures["d2h_bytes"] = float(np.sum(s.d2h_bytes))
+        groups = group_totals(s)
+        figures["group_hit_rate"] = [
+            (h + t) / max(h + t + m, 1.0)
+            for h, t, m in zip(groups["hits"], groups["tail_hits"], groups["misses"])]
     if engine.pool_occupancy() is not None:
         figures["pool_pages"] = engine.pool_occupancy()
     return figures
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
 
 
 def summary_lines(figures: dict) -> list[str]:
@@ -133,6 +160,10 @@ def summary_lines(figures: dict) -> list[str]:
     if "hit_rate" in f:
         lines.append(f"offload: hit rate {f['hit_rate']:.3f}, H2D "
                      f"{f['h2d_bytes_per_token'] / 1e3:.2f} kB per output token")
+    if "group_hit_rate" in f:
+        rates = " / ".join(f"{r:.3f}" for r in f["group_hit_rate"])
+        lines.append(f"offload per indexer group: hit rate {rates}; bytes moved H2D "
+                     f"{_fmt_bytes(f['h2d_bytes'])}, D2H {_fmt_bytes(f['d2h_bytes'])}")
     if "pool_pages" in f:
         p = f["pool_pages"]
         lines.append(f"pool pages at the end: {p['free']} free, {p['held']} held, "

@@ -73,6 +73,7 @@ from fo_jax.engine.loop import (
 from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.engine.admission import MemoryCosts
+from fo_jax.engine.metrics import MetricsLog
 from fo_jax.engine.pages import NO_PAGE, PagePool, PoolExhausted, PrefixCache, RequestPages
 from fo_jax.offload.state import DecodeState, committed
 
@@ -189,6 +190,9 @@ class Engine:
       prefix_cache: offloaded: map cached pages of earlier prompts (needs prefill_chunk a
         multiple of page_size: a reused prefix ends where a chunk ends, so the rest of the
         prompt is computed exactly as from scratch: the tokens do not change).
+      metrics_path: append a JSON line of counters here every `metrics_every` steps
+        (`fo_jax.engine.metrics.MetricsLog`, kept as `self.metrics`; counters are summed on
+        the device between reads). A caller may set `self.metrics` to its own log instead.
     Raises:
       ValueError: bad settings, before anything is allocated.
     """
@@ -199,9 +203,11 @@ class Engine:
                  query_block: int | None = resident.QUERY_BLOCK, num_buffers: int | None = None,
                  implementation: str | None = None, interpret: Any = False,
                  num_pages: int | None = None, host_pool_bytes: int | None = None,
-                 prefix_cache: bool = False):
+                 prefix_cache: bool = False, metrics_path: str | None = None,
+                 metrics_every: int = 16):
         for name, value in (("seats", seats), ("decode_steps_per_call", decode_steps_per_call),
-                            ("prefill_chunk", prefill_chunk), ("max_stop_ids", max_stop_ids)):
+                            ("prefill_chunk", prefill_chunk), ("max_stop_ids", max_stop_ids),
+                            ("metrics_every", metrics_every)):
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
         if offload is not None:
@@ -282,6 +288,8 @@ class Engine:
         # Wall seconds of `step`: in the prefill / decode programs (until their results are
         # ready) and in total; the rest is the engine's own host work.
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "step_s": 0.0}
+        self.metrics = None if metrics_path is None else MetricsLog(
+            self, path=metrics_path, every=metrics_every)
 
     # Requests ------------------------------------------------------------------------------
 
@@ -416,7 +424,10 @@ class Engine:
         self._decode(moved)
         self.counters["steps"] += 1
         self.timings["step_s"] += time.perf_counter() - start
-        return [self._requests[rid].output(new) for rid, new in moved.items()]
+        outputs = [self._requests[rid].output(new) for rid, new in moved.items()]
+        if self.metrics is not None:  # host figures; device counters read every N steps
+            self.metrics.on_step(outputs)
+        return outputs
 
     def _reserved_tokens(self, prompt_len: int, max_tokens: int) -> int:
         """Tokens a request's pages are reserved for at admission: prompt + output, at most a
@@ -573,6 +584,8 @@ class Engine:
         if out.stats is not None:
             self.stats = out.stats if self.stats is None else jax.tree_util.tree_map(
                 jnp.add, self.stats, out.stats)
+        if self.metrics is not None:
+            self.metrics.add_stats(out.stats)  # on the device: no host sync
         lengths = np.asarray(self.state.lengths)
         done = np.asarray(self._seats.done)
         stopped = []

@@ -7,8 +7,10 @@
     GET  /v1/models             the served model
     GET  /health                200 while accepting requests, 503 when shutting down / failed
     GET  /metrics               Prometheus text: requests received / completed / cancelled /
-                                rejected, running / waiting, engine counters, offload statistics,
-                                TTFT and inter-token latency histograms
+                                rejected, running / waiting (the queue), engine counters,
+                                preemptions, offload statistics (in total and per indexer
+                                group), pool pages and bytes, TTFT and inter-token latency
+                                histograms (fo_jax.engine.metrics)
 
 Status codes: 400 a request the engine refuses (its `add_request` message: prompt too long for
 a seat, ids outside the vocabulary ...) or malformed JSON; 422 a bad field (named, as
@@ -155,6 +157,14 @@ class _SnapshotCollector:
             moved.add_metric(["h2d"], snap.offload["h2d_bytes"])
             moved.add_metric(["d2h"], snap.offload["d2h_bytes"])
             yield moved
+        from fo_jax.engine import metrics as engine_metrics
+
+        if snap.groups:
+            yield engine_metrics.group_family(snap.groups)
+        held = engine_metrics.pool_bytes(snap.pool, snap.page_bytes)
+        if held:
+            yield engine_metrics.pool_bytes_family(held)
+        yield engine_metrics.preemptions_family(snap.counters)
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param=None,

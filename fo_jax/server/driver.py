@@ -21,8 +21,9 @@ engine's own waiting list); `submit` refuses the next one with `QueueFull` at on
 caller's thread, so that the server answers 429 without waiting for the engine thread.
 
 Costs: per step O(requests that moved) callbacks onto the event loop; the engine's counters and
-offload statistics (`engine.stats`: one device-to-host read) are copied into `snapshot` every
-`stats_every` steps and whenever the engine goes idle, not per token.
+offload statistics (`engine.stats`: one device-to-host read, summed in total and per indexer
+group) are copied into `snapshot` every `stats_every` steps and whenever the engine goes idle,
+not per token.
 """
 
 from __future__ import annotations
@@ -95,6 +96,8 @@ class Snapshot:
     counters: dict = dataclasses.field(default_factory=dict)
     offload: dict = dataclasses.field(default_factory=dict)
     pool: dict = dataclasses.field(default_factory=dict)  # pages: free, held, cached, total
+    groups: dict = dataclasses.field(default_factory=dict)  # fo_jax.engine.metrics.group_totals
+    page_bytes: dict = dataclasses.field(default_factory=dict)  # per pool: bytes of one page
 
 
 def offload_totals(stats) -> dict:
@@ -139,6 +142,9 @@ class EngineDriver:
         self._thread: threading.Thread | None = None
         self._drain_timer: threading.Timer | None = None
         self._handles: dict[str, RequestHandle] = {}  # engine thread only
+        from fo_jax.engine.metrics import page_bytes
+
+        self._page_bytes = page_bytes(engine)
 
     # Any thread --------------------------------------------------------------------------
 
@@ -305,10 +311,19 @@ class EngineDriver:
         occupancy = getattr(engine, "pool_occupancy", None)
         snap = Snapshot(running=engine.num_running(), waiting=engine.num_waiting(),
                         counters=self.snapshot.counters, offload=self.snapshot.offload,
-                        pool=(occupancy() or {}) if occupancy is not None else {})
+                        pool=(occupancy() or {}) if occupancy is not None else {},
+                        groups=self.snapshot.groups, page_bytes=self._page_bytes)
         if stats:
             snap.counters = dict(engine.counters)
-            snap.offload = offload_totals(getattr(engine, "stats", None))
+            loop_stats = getattr(engine, "stats", None)
+            if loop_stats is not None:
+                import jax
+
+                from fo_jax.engine.metrics import group_totals
+
+                loop_stats = jax.device_get(loop_stats)  # the one device-to-host read
+                snap.groups = group_totals(loop_stats)
+            snap.offload = offload_totals(loop_stats)
         self.snapshot = snap
 
     def _stop_remaining(self) -> None:

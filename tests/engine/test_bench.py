@@ -40,7 +40,8 @@ def test_bench_serve_offloaded_with_prefix_cache(tmp_path, capsys):
                    "--hot-slots", "512", "--prefill-chunk", "32", "--requests", "4",
                    "--rate", "50", "--prompt-len", "4", "12", "--output-len", "3", "6",
                    "--shared-prefix", "1", "--prefix-len", "64", "--prefix-cache",
-                   "--decode-steps-per-call", "2", "--out", str(out)])
+                   "--decode-steps-per-call", "2", "--out", str(out),
+                   "--metrics-jsonl", str(tmp_path / "metrics.jsonl"), "--metrics-every", "2"])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     fig = json.loads(out.read_text())
@@ -49,6 +50,13 @@ def test_bench_serve_offloaded_with_prefix_cache(tmp_path, capsys):
     assert fig["pool_pages"]["held"] == 0  # every page back once all requests ended
     assert 0 <= fig["hit_rate"] <= 1
     assert "time to first token" in printed and "pool pages at the end" in printed
+    assert "offload per indexer group: hit rate" in printed and "bytes moved H2D" in printed
+    assert len(fig["group_hit_rate"]) == 2 and fig["d2h_bytes"] > 0  # no misses: C = capacity
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] % 2 for r in records[:-1]] == [0] * (len(records) - 1)  # every 2 steps
+    assert sum(len(r["requests"]) for r in records) == 4  # the timed run only: no warm-up
+    assert records[-1]["totals"]["d2h_bytes"] == fig["d2h_bytes"]
+    assert f"metrics: {len(records)} records" in printed
 
 
 def test_bench_serve_refuses_bad_flags_first(capsys):
@@ -56,3 +64,6 @@ def test_bench_serve_refuses_bad_flags_first(capsys):
     assert "rate=0.0 > 0" in capsys.readouterr().err
     assert cli.main(["bench-serve", "--prefix-cache"]) == 2
     assert "--host-pool-gb and --prefix-cache need --offload" in capsys.readouterr().err
+    assert cli.main(["bench-serve", "--metrics-every", "0"]) == 2
+    assert ("--metrics-every 0 must be >= 1 (engine steps between reads of the device "
+            "counters)") in capsys.readouterr().err
