@@ -41,12 +41,11 @@ def test_least_load_is_greedy_largest_first():
     assert ranks == [1, 2]
 
 
-def test_least_load_beats_round_robin_on_the_max():
-    """On random loads and costs, greedy placement never leaves a higher maximum load than the
-    best single choice for one request, and its maximum is never above round robin's by more
-    than the largest cost (the LPT bound)."""
+def test_least_load_is_within_the_greedy_bound():
+    """On random loads and costs, greedy placement of one request leaves the least maximum load
+    any choice could, and of several a maximum at most the optimum plus the largest cost."""
     rng = random.Random(0)
-    for _ in range(200):
+    for _ in range(60):
         r = rng.randint(1, 6)
         load = [rng.uniform(0, 50) for _ in range(r)]
         costs = [rng.uniform(0, 30) for _ in range(rng.randint(1, 8))]
@@ -58,10 +57,11 @@ def test_least_load_beats_round_robin_on_the_max():
         if len(costs) == 1:
             assert max(after) == min(max(load[:q] + [load[q] + costs[0]] + load[q + 1:])
                                      for q in range(r))
+        # The best of the first 500 assignments (at least the optimum).
         best = min(max(load[q] + sum(c for c, x in zip(costs, pick) if x == q)
                        for q in range(r))
                    for pick in itertools.islice(itertools.product(range(r),
-                                                                  repeat=len(costs)), 2000))
+                                                                  repeat=len(costs)), 500))
         assert max(after) <= best + max(costs) + 1e-9
 
 
