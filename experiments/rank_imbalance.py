@@ -30,6 +30,8 @@ every running request been free to move to any rank at every step (free moves: w
 placement of whole requests can beat by much), queueing and occupancy.
 
     python experiments/rank_imbalance.py                  # 8 ranks x 4 seats, 3 seeds
+    python experiments/rank_imbalance.py --seats 16       # more requests per rank
+    python experiments/rank_imbalance.py --table results/rank_imbalance/rank_imbalance.jsonl
     python experiments/rank_imbalance.py --smoke          # seconds; run by the tests
 """
 
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import sys
 import time
@@ -263,6 +266,27 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def pivot(rows) -> str:
+    """A markdown table with one line per (mix, load): max / mean per rule, the free-moves
+    spread, and p99 of max - mean under round robin and least_misses."""
+    rules = [r for r in ("round_robin", "least_requests", "least_context", "least_misses", FILL,
+                         ORACLE) if any(x["rule"] == r for x in rows)]
+    cells = {(r["mix"], r["load"], r["rule"]): r for r in rows}
+    lines = ["| mix | load | misses / rank / step | max / mean: " + " | ".join(rules) +
+             " | free moves | p99 (max - mean): round robin, least_misses |",
+             "|---|---|---|" + "---|" * (len(rules) + 2)]
+    for mix, load in dict.fromkeys((r["mix"], r["load"]) for r in rows):
+        got = [cells.get((mix, load, rule)) for rule in rules]
+        first = next(g for g in got if g)
+        p99 = ", ".join(f"{cells[mix, load, q]['excess_p99']:.0f}"
+                        if (mix, load, q) in cells else "-"
+                        for q in ("round_robin", "least_misses"))
+        lines.append(f"| {mix} | {load:.2f} | {first['misses_per_rank_step']:.1f} | " +
+                     " | ".join(f"{g['spread']:.2f}" if g else "-" for g in got) +
+                     f" | {first['free_moves_spread']:.2f} | {p99} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=8)
@@ -293,8 +317,15 @@ def main(argv=None):
     parser.add_argument("--weight", type=float, default=0.05,
                         help="least_misses: the EMA weight of a request's newest step")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--table", default=None,
+                        help="print the tables of these JSON lines (a finished run) and stop")
     parser.add_argument("--out", default=DEFAULT_OUT, help="append JSON lines here")
     args = parser.parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        print(table(rows) + "\n\n" + pivot(rows))
+        return rows
     if args.smoke:
         args.ranks, args.seats, args.steps, args.warmup, args.seeds = 4, 2, 120, 20, [0]
         args.loads, args.kinds, args.contexts = [0.8], ["topics", "uniform"], [256, 1024]
@@ -350,7 +381,7 @@ def main(argv=None):
                              "weight": args.weight, "lookahead": args.lookahead,
                              "patience": args.patience, **row})
     write_jsonl(args.out, rows)
-    print(table(rows))
+    print(table(rows) + "\n\n" + pivot(rows))
     return rows
 
 

@@ -8,7 +8,8 @@ from fo_jax import placement
 
 def test_smoke(load_experiment, tmp_path, capsys):
     out = tmp_path / "rank_imbalance.jsonl"
-    rows = load_experiment("rank_imbalance").main(["--smoke", "--out", str(out)])
+    study = load_experiment("rank_imbalance")
+    rows = study.main(["--smoke", "--out", str(out)])
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     # 3 mixes x 1 load x (every rule, the lookahead rule and the oracle).
     rules = placement.RULES + ("least_misses_lookahead", "oracle_mean")
@@ -28,6 +29,9 @@ def test_smoke(load_experiment, tmp_path, capsys):
                     r["rule"] != "least_misses_lookahead"}) == 1
     printed = capsys.readouterr().out
     assert "| contexts | 0.80 | least_misses |" in printed
+    # The tables again from the JSON lines: the same text (past the run's "library: ..." line).
+    assert study.main(["--table", str(out)]) == lines
+    assert capsys.readouterr().out == printed.split("\n", 1)[1]
 
 
 def test_fill_with_no_more_requests_than_seats_is_least_misses(load_experiment):
