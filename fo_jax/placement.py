@@ -20,11 +20,17 @@ The three `least_*` rules place the n requests in decreasing cost, each on the r
 load (then most free seats, then lowest index) that still has a seat, and add its cost to that
 load: greedy longest-processing-time-first. Everything here is host-side Python on [R] loads
 and [n] costs: O(n log n + n R) per call, O(R) for one request; nothing touches device memory.
+
+Measured (experiments/rank_imbalance.py; the README's "Rank imbalance"): least_misses cuts the
+excess of the busiest rank over the mean by 12-49% where requests differ in locality and seats
+are free; no rule helps when every seat is taken or when the spread comes from bursts within
+requests rather than from which requests share a rank.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Sequence
 
 RULES = ("round_robin", "least_requests", "least_context", "least_misses")
@@ -36,12 +42,13 @@ def expected_misses(context: int, *, hot_slots: int, topk: int, ways: int = 1) -
     The rows a request with S = `context` tokens copies per step (per indexer group) if each
     way's K selections were spread uniformly over its context and its C = `hot_slots` slots
     held C of them: a hit rate of C / S. Locality lowers the real count (a working set that
-    fits C hits far more often), so this is an upper bound to be replaced by what the request
-    reports once it runs; what it keeps is the order: a longer context, more misses. O(1).
+    fits C hits far more often), so this is usually above the real count, to be scaled or
+    replaced by what the request reports once it runs; what it keeps is the order: a longer
+    context, more misses. O(1).
     """
     for name, value, low in (("context", context, 0), ("hot_slots", hot_slots, 1),
                              ("topk", topk, 1), ("ways", ways, 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
             raise ValueError(f"expected_misses: {name}={value!r} must be an int >= {low} "
                              f"(context tokens, C hot slots, top-k K, ways W)")
     if context <= hot_slots:
@@ -91,7 +98,7 @@ def assign(rule: str, costs: Sequence[float], *, load: Sequence[float], free: Se
     if rule not in RULES:
         raise ValueError(f"unknown placement rule {rule!r}; choose one of {RULES}")
     ranks = _check(costs, load, free)
-    if not isinstance(turn, int) or not 0 <= turn < ranks:
+    if not isinstance(turn, numbers.Integral) or not 0 <= turn < ranks:
         raise ValueError(f"{turn=} must be an int in [0, R = {ranks}): pass the turn the "
                          "previous call returned (0 at the start)")
     free = list(free)
@@ -125,7 +132,7 @@ def _check(costs, load, free) -> int:
         raise ValueError(f"load and free must both be [R] with R >= 1 (one entry per "
                          f"data-parallel rank), got {len(load)} loads and {len(free)} free "
                          "seat counts")
-    bad = [r for r in range(ranks) if not isinstance(free[r], int) or free[r] < 0]
+    bad = [r for r in range(ranks) if not isinstance(free[r], numbers.Integral) or free[r] < 0]
     if bad:
         raise ValueError(f"free[{bad[0]}] = {free[bad[0]]!r}: free seats must be ints >= 0")
     bad = [r for r in range(ranks) if not math.isfinite(load[r]) or load[r] < 0]

@@ -3,6 +3,7 @@
 import itertools
 import random
 
+import numpy as np
 import pytest
 
 from fo_jax import placement
@@ -39,6 +40,14 @@ def test_least_load_is_greedy_largest_first():
     ranks, _ = placement.assign("least_requests", [100.0, 1.0], load=[2, 1, 1],
                                 free=[2, 3, 3])
     assert ranks == [1, 2]
+
+
+def test_numpy_inputs():
+    ranks, turn = placement.assign("least_misses", np.array([2.0, 1.0]),
+                                   load=np.array([3.0, 0.0, 1.0]), free=np.array([1, 1, 1]),
+                                   turn=np.int64(2))
+    assert ranks == [1, 2] and turn == 2
+    assert placement.expected_misses(np.int32(2048), hot_slots=1024, topk=64) == 32.0
 
 
 def test_least_load_is_within_the_greedy_bound():
