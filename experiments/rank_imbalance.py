@@ -319,13 +319,17 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--table", default=None,
                         help="print the tables of these JSON lines (a finished run) and stop")
-    parser.add_argument("--out", default=DEFAULT_OUT, help="append JSON lines here")
+    parser.add_argument("--out", default=None,
+                        help="append JSON lines here (default: results/rank_imbalance/"
+                             "rank_imbalance.jsonl; none with --smoke)")
     args = parser.parse_args(argv)
     if args.table:
         with open(args.table) as f:
             rows = [json.loads(line) for line in f if line.strip()]
         print(table(rows) + "\n\n" + pivot(rows))
         return rows
+    if args.out is None and not args.smoke:
+        args.out = DEFAULT_OUT
     if args.smoke:
         args.ranks, args.seats, args.steps, args.warmup, args.seeds = 4, 2, 120, 20, [0]
         args.loads, args.kinds, args.contexts = [0.8], ["topics", "uniform"], [256, 1024]
