@@ -240,7 +240,8 @@ def test_loads_only_pages_before_the_chunk(params):
     assert {shape for kind, shape in new if kind == "Device"} == set()
     assert {shape for kind, shape in new if kind == "Host"} == {(2, 5), (2, 5, width)}
     chunked = moves(3)
-    assert {shape for kind, shape in chunked if kind == "Device"} == {(2, 3, 4, width)}
+    # 3 pages of 4 rows per request, moved as the rows they hold
+    assert {shape for kind, shape in chunked if kind == "Device"} == {(2, 3 * 4, width)}
 
 
 # Schedules and errors ----------------------------------------------------------------------------
