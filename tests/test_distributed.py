@@ -1,0 +1,125 @@
+"""fo_jax.distributed without a second process: argument errors, the launcher's kill and time
+limit (children that never import jax), rows in and out of a one-process mesh."""
+
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from fo_jax import distributed
+
+# A child that reports its settings, then fails (process 1) or waits to be killed.
+CHILD = ("import os, sys, time; e = os.environ; "
+         "print(e['FO_JAX_PROCESS_ID'], e['FO_JAX_NUM_PROCESSES'], e['FO_JAX_COORDINATOR'], "
+         "e.get('FO_JAX_LOCAL_DEVICE_COUNT'), e.get('JAX_PLATFORMS'), flush=True); "
+         "sys.exit(3) if e['FO_JAX_PROCESS_ID'] == '{fail}' else time.sleep(60)")
+
+
+def test_first_failure_kills_the_others():
+    start = time.monotonic()
+    results = distributed.launch(["-c", CHILD.replace("{fail}", "1")], processes=3,
+                                 devices_per_process=2, timeout_s=50)
+    assert time.monotonic() - start < 40  # not the children's 60 s
+    assert [(r.process_id, r.killed) for r in results] == [(0, True), (1, False), (2, True)]
+    assert results[1].returncode == 3
+    assert results[0].returncode < 0 and results[2].returncode < 0  # by a signal
+    fields = [r.stdout.split() for r in results]
+    assert [f[:2] for f in fields] == [["0", "3"], ["1", "3"], ["2", "3"]]
+    assert len({f[2] for f in fields}) == 1 and fields[0][2].startswith("127.0.0.1:")
+    assert [f[3:] for f in fields] == [["2", "cpu"]] * 3
+    report = distributed.report(results)
+    assert "[1] 1 3 127.0.0.1:" in report
+    assert report.splitlines()[-1] == (
+        "process 0: killed (exit -15); process 1: exit 3; process 2: killed (exit -15)")
+
+
+def test_time_limit_kills_every_process():
+    start = time.monotonic()
+    results = distributed.launch(["-c", CHILD.replace("{fail}", "none")], processes=2,
+                                 timeout_s=1)
+    assert time.monotonic() - start < 30
+    assert [r.killed for r in results] == [True, True]
+    assert all(r.returncode < 0 for r in results)
+
+
+def test_command_line_reports_each_process(capsys):
+    code = distributed.main(["launch", "--processes", "2", "--timeout", "50", "--",
+                             "-c", "import os; print('hi', os.environ['FO_JAX_PROCESS_ID'])"])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0
+    assert out == ["[0] hi 0", "[1] hi 1", "process 0: exit 0; process 1: exit 0"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(args=[], processes=2), "launch needs the program to run"),
+    (dict(args=["x.py"], processes=0), "processes=0 must be >= 1"),
+    (dict(args=["x.py"], processes=2, devices_per_process=0), "devices_per_process=0 must be"),
+    (dict(args=["x.py"], processes=2, timeout_s=0), "timeout_s=0 must be > 0"),
+], ids=["no_program", "no_process", "no_device", "no_time"])
+def test_launch_rejects_bad_arguments(kwargs, message):
+    args = kwargs.pop("args")
+    with pytest.raises(ValueError, match=message):
+        distributed.launch(args, **kwargs)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("localhost", 2, 0), "coordinator='localhost' must read 'host:port' (the address of "
+                          "process 0"),
+    (("127.0.0.1:0", 2, 0), "coordinator='127.0.0.1:0' must read 'host:port'"),
+    (("127.0.0.1:1234", 0, 0), "num_processes=0 must be >= 1"),
+    (("127.0.0.1:1234", 2, 2), "process_id=2 must be in [0, 2)"),
+    (("127.0.0.1:1234", 2, -1), "process_id=-1 must be in [0, 2)"),
+    (("127.0.0.1:1234", 2, True), "process_id=True must be an int"),
+], ids=["no_port", "port_0", "no_process", "id_too_big", "id_negative", "id_bool"])
+def test_initialize_rejects_bad_arguments(args, message):
+    with pytest.raises(ValueError) as e:
+        distributed.initialize(*args, cpu_collectives=False)
+    assert message in str(e.value)
+
+
+def test_initialize_after_the_backend_started_says_so():
+    jax.devices()  # this process's backend is up (as in every test)
+    with pytest.raises(RuntimeError, match="the number of CPU devices must be set before JAX "
+                                           "starts its backend"):
+        distributed.initialize("127.0.0.1:1234", 1, 0, local_device_count=2,
+                               cpu_collectives=False)
+    with pytest.raises(RuntimeError, match="jax.distributed.initialize must be set before JAX "
+                                           "starts its backend"):
+        distributed.initialize("127.0.0.1:1234", 1, 0, cpu_collectives=False, timeout_s=5)
+    assert jax.process_count() == 1
+
+
+def test_initialize_from_env():
+    assert distributed.initialize_from_env({}) is None  # no launcher: nothing to join
+    with pytest.raises(ValueError, match="FO_JAX_COORDINATOR is set, so FO_JAX_PROCESS_ID "
+                                         "must hold an int >= 0, got 'one'"):
+        distributed.initialize_from_env({"FO_JAX_COORDINATOR": "127.0.0.1:1234",
+                                         "FO_JAX_NUM_PROCESSES": "2",
+                                         "FO_JAX_PROCESS_ID": "one"})
+    with pytest.raises(ValueError, match="FO_JAX_LOCAL_DEVICE_COUNT must hold an int >= 1, "
+                                         "got 'x'"):
+        distributed.initialize_from_env({"FO_JAX_COORDINATOR": "127.0.0.1:1234",
+                                         "FO_JAX_NUM_PROCESSES": "2", "FO_JAX_PROCESS_ID": "0",
+                                         "FO_JAX_LOCAL_DEVICE_COUNT": "x"})
+
+
+def test_rows_in_and_out_of_a_one_process_mesh():
+    mesh = distributed.data_mesh()
+    local = np.arange(24, dtype=np.float32).reshape(3, 4, 2)
+    for dim in (0, 1):
+        array = distributed.global_batch(local, mesh, dim=dim)
+        assert array.shape == local.shape
+        assert array.sharding.spec[dim] == "data"
+        np.testing.assert_array_equal(distributed.local_rows(array, dim=dim), local)
+    replicated = distributed.replicate({"w": local}, mesh)["w"]
+    assert replicated.sharding.is_fully_replicated
+    np.testing.assert_array_equal(distributed.local_rows(replicated), local)
+    with pytest.raises(ValueError, match=r"dim=3 is not a dimension of the local array of "
+                                         r"shape \(3, 4, 2\)"):
+        distributed.global_batch(local, mesh, dim=3)
+    with pytest.raises(ValueError, match=r"mesh axis 'model' is not one of the mesh's axes "
+                                         r"\('data',\)"):
+        distributed.global_batch(local, mesh, "model")
+    with pytest.raises(ValueError, match="local_rows takes a jax.Array, got ndarray"):
+        distributed.local_rows(local)
