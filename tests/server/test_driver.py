@@ -4,6 +4,7 @@ the request's queue, stop cancels what is left."""
 
 import asyncio
 import collections
+import threading
 import time
 
 import numpy as np
@@ -26,12 +27,14 @@ from fo_jax.server.driver import (
 class FakeEngine:
     """One token per step per running request; `seats` seats; `fail_at` raises in step()."""
 
-    def __init__(self, seats=1, fail_at=None):
-        self.seats, self.fail_at = seats, fail_at
+    def __init__(self, seats=1, fail_at=None, gate=None):
+        self.seats, self.fail_at, self.gate = seats, fail_at, gate
         self.requests, self.waiting, self.running = {}, [], []
         self.steps, self.counters, self.stats = 0, {"steps": 0}, None
 
     def add_request(self, prompt, *, request_id, max_tokens, **_):
+        if self.gate is not None:  # hold the engine thread in its first add
+            assert self.gate.wait(5)
         if not prompt:
             raise ValueError("prompt must be a non-empty list of token ids")
         self.requests[request_id] = dict(max=max_tokens, tokens=[], reason=None, n=len(prompt))
@@ -122,13 +125,58 @@ async def _submit(driver, **kwargs):
     return driver.submit([1], loop=asyncio.get_running_loop(), max_tokens=50, **kwargs)
 
 
+def test_queue_bound_counts_free_seats():
+    """Requests that a free seat will take do not wait: with 2 free seats and max_queue=1 a
+    burst of 3 is accepted and the 4th refused at once, in the caller (the engine thread is
+    held in its first add, so all four are still pending); max_queue=0 still serves."""
+    gate = threading.Event()
+    driver = EngineDriver(FakeEngine(seats=2, gate=gate), max_queue=1)
+    driver.start()
+
+    async def burst():
+        loop = asyncio.get_running_loop()
+        handles = [driver.submit([1], loop=loop, max_tokens=2) for _ in range(3)]
+        with pytest.raises(QueueFull, match=r"^1 requests already wait for a seat "
+                                            r"\(--max-queue 1\): retry later$"):
+            driver.submit([1], loop=loop, max_tokens=2)
+        gate.set()
+        return await asyncio.gather(*(_drain(h) for h in handles))
+
+    try:
+        assert [items[-1].finish_reason for items in asyncio.run(burst())] == ["length"] * 3
+    finally:
+        gate.set()
+        assert driver.stop(timeout=5)
+    driver = EngineDriver(FakeEngine(seats=1), max_queue=0)  # nothing waits: one seat serves
+
+    async def alone():
+        return await _drain(await _submit(driver))
+
+    driver.start()
+    try:
+        assert asyncio.run(alone())[-1].finish_reason == "length"
+    finally:
+        assert driver.stop(timeout=5)
+
+
 def test_queue_bound_cancel_and_stop():
     engine = FakeEngine(seats=1)
-    driver = EngineDriver(engine, max_queue=0)  # nothing may wait: refused in the caller
+    driver = EngineDriver(engine, max_queue=1)
     driver.start()
-    with pytest.raises(QueueFull, match="--max-queue 0"):
-        asyncio.run(_submit(driver))
+
+    async def full():
+        loop = asyncio.get_running_loop()
+        h = driver.submit([1], loop=loop, max_tokens=10**6)
+        assert isinstance(await h.queue.get(), Accepted)
+        await h.queue.get()  # it runs: the seat is taken
+        driver.submit([1], loop=loop, max_tokens=1)  # it waits
+        with pytest.raises(QueueFull, match="--max-queue 1"):
+            driver.submit([1], loop=loop, max_tokens=1)
+        driver.cancel(h.request_id)
+
+    asyncio.run(full())
     assert driver.stop(timeout=5)
+    engine = FakeEngine(seats=1)
     driver = EngineDriver(engine, max_queue=2)
     driver.start()
 
