@@ -172,9 +172,11 @@ class EngineDriver:
                 raise QueueFull(f"{self.max_queue} requests already wait for a seat "
                                 f"(--max-queue {self.max_queue}): retry later")
             self._pending_adds += 1
-        handle = RequestHandle(f"cmpl-{uuid.uuid4().hex}", asyncio.Queue(), loop,
-                               time.perf_counter(), kwargs, list(prompt))
-        self._commands.put(("add", handle))
+            handle = RequestHandle(f"cmpl-{uuid.uuid4().hex}", asyncio.Queue(), loop,
+                                   time.perf_counter(), kwargs, list(prompt))
+            # Under the lock: an accepted add is queued before `stop_accepting` returns, so
+            # before the cancel-all of `begin_shutdown` (which would miss it).
+            self._commands.put(("add", handle))
         return handle
 
     def cancel(self, request_id: str) -> None:

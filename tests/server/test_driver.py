@@ -25,10 +25,11 @@ from fo_jax.server.driver import (
 
 
 class FakeEngine:
-    """One token per step per running request; `seats` seats; `fail_at` raises in step()."""
+    """One token per step per running request (a step takes `step_s`); `seats` seats;
+    `fail_at` raises in step(); `gate` holds the first add_request until set."""
 
-    def __init__(self, seats=1, fail_at=None, gate=None):
-        self.seats, self.fail_at, self.gate = seats, fail_at, gate
+    def __init__(self, seats=1, fail_at=None, gate=None, step_s=0.0):
+        self.seats, self.fail_at, self.gate, self.step_s = seats, fail_at, gate, step_s
         self.requests, self.waiting, self.running = {}, [], []
         self.steps, self.counters, self.stats = 0, {"steps": 0}, None
 
@@ -46,6 +47,7 @@ class FakeEngine:
                              r["reason"], r["n"], None)
 
     def step(self):
+        time.sleep(self.step_s)
         self.steps += 1
         self.counters["steps"] += 1
         if self.fail_at is not None and self.steps >= self.fail_at:
@@ -250,3 +252,32 @@ def test_offload_statistics_reach_metrics():
     assert "fojax_requests_running 0.0" in text
     assert 'fojax_pool_pages{state="cached"} 1.0' in text
     assert 'fojax_pool_pages{state="total"} 8.0' in text
+
+
+def test_a_request_submitted_as_shutdown_begins_is_cancelled_with_the_rest():
+    """A submit that passed the accepting check while `begin_shutdown(0)` ran reaches the
+    engine before the drain's cancel-all, so it is cancelled with the rest instead of running
+    to its end (the patched put lets shutdown begin between the check and the put)."""
+    driver = EngineDriver(FakeEngine(seats=1, step_s=0.001), max_queue=4)
+    put = driver._commands.put
+
+    def late_put(item, *args, **kwargs):
+        if item[0] == "add":
+            shutdown = threading.Thread(target=driver.begin_shutdown, args=(0.0,))
+            shutdown.start()
+            shutdown.join(0.3)  # returns at once unless the submit holds the driver's lock
+            time.sleep(0.1)     # the drain timer (0 s) has put its cancel-all by now
+        put(item, *args, **kwargs)
+
+    driver._commands.put = late_put
+    driver.start()
+
+    async def main():
+        h = driver.submit([1], loop=asyncio.get_running_loop(), max_tokens=2000)
+        return await asyncio.wait_for(_drain(h), 20)  # "length" after 2000 steps of 1 ms
+
+    try:
+        items = asyncio.run(main())
+    finally:
+        driver.stop(timeout=5)
+    assert isinstance(items[0], Accepted) and items[-1].finish_reason == "cancelled"
