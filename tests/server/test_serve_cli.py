@@ -213,16 +213,23 @@ def test_load_with_clients_leaving_mid_stream(server):
 
 
 def test_sigterm_under_many_streams(server):
-    """SIGTERM while every seat decodes and requests wait: the listening socket closes, every
-    stream ends with [DONE] (finish_reason "cancelled" after the 1 s drain, or "length"), the
+    """SIGTERM while every seat decodes and requests wait (15 streaming clients, 5 waiting for
+    a whole response): the listening socket closes, every stream ends with [DONE], every other
+    client gets its JSON body (finish_reason "cancelled" after the 1 s drain, or "length"), the
     process exits 0, and its final line counts every request and no held page."""
     url = server.url
-    streams = 16
+    streams = 20
     results, errors, started = [], [], threading.Event()
 
     async def one(client, i):
-        body = {"prompt": [10 + i, 11, 12], "max_tokens": CAPACITY - 3, "stream": True,
+        body = {"prompt": [10 + i, 11, 12], "max_tokens": CAPACITY - 3, "stream": i % 4 != 3,
                 "ignore_eos": True}
+        if not body["stream"]:  # a whole-response client: a complete body all the same
+            resp = await client.post(url + "/v1/completions", json=body)
+            if resp.status_code in (429, 503):
+                return resp.status_code
+            assert resp.status_code == 200
+            return resp.json()["choices"][0]["finish_reason"]
         async with client.stream("POST", url + "/v1/completions", json=body) as resp:
             if resp.status_code in (429, 503):
                 return resp.status_code
