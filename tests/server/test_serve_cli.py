@@ -122,11 +122,12 @@ CLIENTS = 64  # concurrent streaming clients of the load test
 
 
 async def _client(client, url, i, rng):
-    """One streaming client, arriving in the first 2 s: a prompt of 1-40 tokens, 1-24
+    """One streaming client, arriving at once (the first 24: more than seats + queue, so some
+    get 429 however fast the engine) or in the first 2 s: a prompt of 1-40 tokens, 1-24
     tokens out; every sixth asks for the rest of its seat and leaves after its first chunk,
     another sixth sends its request and closes the connection without reading a byte.
     ("completed", body, token ids), ("rejected",), ("left",) or ("vanished",)."""
-    arrival, linger = rng.uniform(0, 2.0), rng.uniform(0, 0.2)
+    arrival, linger = (0.0 if i < 24 else rng.uniform(0, 2.0)), rng.uniform(0, 0.2)
     prompt = [rng.randrange(10, 250) for _ in range(rng.randint(1, 40))]
     leaves = i % 6 == 1
     max_tokens = CAPACITY - len(prompt) if i % 6 in (1, 4) else rng.randint(1, 24)
