@@ -17,8 +17,11 @@ request's `asyncio.Queue` with `loop.call_soon_threadsafe`; a finished request i
 the engine at once (its id can be used again).
 
 Backpressure: at most `max_queue` requests wait for a seat (commands not yet applied plus the
-engine's own waiting list); `submit` refuses the next one with `QueueFull` at once, in the
-caller's thread, so that the server answers 429 without waiting for the engine thread.
+engine's own waiting list, less the seats free after the last step: a burst that free seats
+will take does not wait); `submit` refuses the next one with `QueueFull` at once, in the
+caller's thread, so that the server answers 429 without waiting for the engine thread. (A
+request that a free seat cannot take yet because the page pool is short waits too, uncounted:
+the bound is then max_queue plus those.)
 
 Costs: per step O(requests that moved) callbacks onto the event loop; the engine's counters and
 offload statistics (`engine.stats`: one device-to-host read, summed in total and per indexer
@@ -138,6 +141,7 @@ class EngineDriver:
         self._lock = threading.Lock()
         self._pending_adds = 0      # submitted, not yet applied by the engine thread
         self._engine_waiting = 0    # engine.num_waiting() after the last command / step
+        self._free_seats = int(engine.seats)  # seats - engine.num_running(), likewise
         self._accepting = True
         self._thread: threading.Thread | None = None
         self._drain_timer: threading.Timer | None = None
@@ -165,17 +169,20 @@ class EngineDriver:
     def submit(self, prompt: list[int], *, loop: asyncio.AbstractEventLoop,
                **kwargs) -> RequestHandle:
         """Queue a request for the engine (kwargs: `Engine.add_request`'s). Raises
-        `NotAccepting` (shutting down) or `QueueFull` (`max_queue` already waiting) at once."""
+        `NotAccepting` (shutting down) or `QueueFull` (`max_queue` already waiting, beyond
+        the free seats) at once."""
         with self._lock:
             if not self.accepting:
                 raise NotAccepting(self.failure or "the server is shutting down")
-            if self._pending_adds + self._engine_waiting >= self.max_queue:
+            if self._pending_adds + self._engine_waiting - self._free_seats >= self.max_queue:
                 raise QueueFull(f"{self.max_queue} requests already wait for a seat "
                                 f"(--max-queue {self.max_queue}): retry later")
             self._pending_adds += 1
-        handle = RequestHandle(f"cmpl-{uuid.uuid4().hex}", asyncio.Queue(), loop,
-                               time.perf_counter(), kwargs, list(prompt))
-        self._commands.put(("add", handle))
+            handle = RequestHandle(f"cmpl-{uuid.uuid4().hex}", asyncio.Queue(), loop,
+                                   time.perf_counter(), kwargs, list(prompt))
+            # Under the lock: an accepted add is queued before `stop_accepting` returns, so
+            # before the cancel-all of `begin_shutdown` (which would miss it).
+            self._commands.put(("add", handle))
         return handle
 
     def cancel(self, request_id: str) -> None:
@@ -234,6 +241,7 @@ class EngineDriver:
                     continue
                 outputs = engine.step()
                 steps += 1
+                self._count()  # before the outputs reach a handler that may submit again
                 now = time.perf_counter()
                 for out in outputs:
                     self._deliver(out, now)
@@ -277,13 +285,14 @@ class EngineDriver:
         finally:
             with self._lock:
                 self._pending_adds -= 1
-                self._engine_waiting = self.engine.num_waiting()
+            self._count()
 
     def _cancel(self, request_id: str) -> None:
         if request_id not in self._handles:
             return  # finished, refused, or never known
         self.engine.cancel(request_id)
         self._deliver(self.engine.release(request_id), time.perf_counter(), released=True)
+        self._count()
 
     def _deliver(self, out, now: float, *, released: bool = False) -> None:
         handle = self._handles.get(out.request_id)
@@ -304,10 +313,16 @@ class EngineDriver:
             handle.last_token_at = now
         handle.put(out)
 
+    def _count(self) -> None:
+        """The engine's waiting requests and free seats, for `submit`'s bound."""
+        engine = self.engine
+        waiting, free = engine.num_waiting(), engine.seats - engine.num_running()
+        with self._lock:
+            self._engine_waiting, self._free_seats = waiting, free
+
     def _publish(self, stats: bool = True) -> None:
         engine = self.engine
-        with self._lock:
-            self._engine_waiting = engine.num_waiting()
+        self._count()
         occupancy = getattr(engine, "pool_occupancy", None)
         snap = Snapshot(running=engine.num_running(), waiting=engine.num_waiting(),
                         counters=self.snapshot.counters, offload=self.snapshot.offload,

@@ -6,7 +6,7 @@
 
 Shutdown (SIGTERM, SIGINT, or `ServerThread.stop`): new requests get 503, in-flight ones get
 `--shutdown-timeout` seconds to finish and are then cancelled, the engine thread stops, the
-process exits 0.
+process prints one line of request counts and pool pages (`final_report`) and exits 0.
 
 `ServerThread` runs the same server in a background thread (tests, benchmarks).
 """
@@ -268,8 +268,33 @@ def run(args) -> int:
     print(f"fo-jax serve: {name} ({'offloaded' if offload else 'resident'}, {args.seats} seats "
           f"of {capacity} tokens) on http://{args.host}:{args.port}/v1", flush=True)
     server.run()
+    print(final_report(served), flush=True)
     return 0 if served.driver.failure is None else 1
 
 
+def final_report(served: Served) -> str:
+    """One line for the log once the server has stopped: the request counts of /metrics and
+    the pool's pages from the driver's last snapshot (published after the engine thread
+    cancelled what was left), e.g. "fo-jax serve: stopped: requests received 40, completed 22,
+    cancelled 8, rejected 10, failed 0; pool pages held 0, cached 0, free 16, total 16"."""
+    registry = served.app.state.metrics.registry
+    counts = {}
+    for family in registry.collect():
+        name = family.name.removeprefix("fojax_requests_")
+        if family.type == "counter" and name in ("received", "completed", "cancelled",
+                                                 "rejected", "failed"):
+            counts[name] = int(sum(s.value for s in family.samples if s.name.endswith("_total")))
+    line = "fo-jax serve: stopped: requests " + ", ".join(
+        f"{name} {counts.get(name, 0)}"
+        for name in ("received", "completed", "cancelled", "rejected", "failed"))
+    pool = served.driver.snapshot.pool
+    if pool:
+        line += "; pool pages " + ", ".join(f"{k} {pool[k]}" for k in ("held", "cached", "free",
+                                                                        "total"))
+    else:
+        line += "; no page pool (resident)"
+    return line
+
+
 __all__ = ["Served", "ServerThread", "add_arguments", "add_engine_arguments", "build_engine",
-           "build_served", "make_server", "run", "warm_up"]
+           "build_served", "final_report", "make_server", "run", "warm_up"]

@@ -4,6 +4,7 @@ the request's queue, stop cancels what is left."""
 
 import asyncio
 import collections
+import threading
 import time
 
 import numpy as np
@@ -24,14 +25,17 @@ from fo_jax.server.driver import (
 
 
 class FakeEngine:
-    """One token per step per running request; `seats` seats; `fail_at` raises in step()."""
+    """One token per step per running request (a step takes `step_s`); `seats` seats;
+    `fail_at` raises in step(); `gate` holds the first add_request until set."""
 
-    def __init__(self, seats=1, fail_at=None):
-        self.seats, self.fail_at = seats, fail_at
+    def __init__(self, seats=1, fail_at=None, gate=None, step_s=0.0):
+        self.seats, self.fail_at, self.gate, self.step_s = seats, fail_at, gate, step_s
         self.requests, self.waiting, self.running = {}, [], []
         self.steps, self.counters, self.stats = 0, {"steps": 0}, None
 
     def add_request(self, prompt, *, request_id, max_tokens, **_):
+        if self.gate is not None:  # hold the engine thread in its first add
+            assert self.gate.wait(5)
         if not prompt:
             raise ValueError("prompt must be a non-empty list of token ids")
         self.requests[request_id] = dict(max=max_tokens, tokens=[], reason=None, n=len(prompt))
@@ -43,6 +47,7 @@ class FakeEngine:
                              r["reason"], r["n"], None)
 
     def step(self):
+        time.sleep(self.step_s)
         self.steps += 1
         self.counters["steps"] += 1
         if self.fail_at is not None and self.steps >= self.fail_at:
@@ -122,13 +127,58 @@ async def _submit(driver, **kwargs):
     return driver.submit([1], loop=asyncio.get_running_loop(), max_tokens=50, **kwargs)
 
 
+def test_queue_bound_counts_free_seats():
+    """Requests that a free seat will take do not wait: with 2 free seats and max_queue=1 a
+    burst of 3 is accepted and the 4th refused at once, in the caller (the engine thread is
+    held in its first add, so all four are still pending); max_queue=0 still serves."""
+    gate = threading.Event()
+    driver = EngineDriver(FakeEngine(seats=2, gate=gate), max_queue=1)
+    driver.start()
+
+    async def burst():
+        loop = asyncio.get_running_loop()
+        handles = [driver.submit([1], loop=loop, max_tokens=2) for _ in range(3)]
+        with pytest.raises(QueueFull, match=r"^1 requests already wait for a seat "
+                                            r"\(--max-queue 1\): retry later$"):
+            driver.submit([1], loop=loop, max_tokens=2)
+        gate.set()
+        return await asyncio.gather(*(_drain(h) for h in handles))
+
+    try:
+        assert [items[-1].finish_reason for items in asyncio.run(burst())] == ["length"] * 3
+    finally:
+        gate.set()
+        assert driver.stop(timeout=5)
+    driver = EngineDriver(FakeEngine(seats=1), max_queue=0)  # nothing waits: one seat serves
+
+    async def alone():
+        return await _drain(await _submit(driver))
+
+    driver.start()
+    try:
+        assert asyncio.run(alone())[-1].finish_reason == "length"
+    finally:
+        assert driver.stop(timeout=5)
+
+
 def test_queue_bound_cancel_and_stop():
     engine = FakeEngine(seats=1)
-    driver = EngineDriver(engine, max_queue=0)  # nothing may wait: refused in the caller
+    driver = EngineDriver(engine, max_queue=1)
     driver.start()
-    with pytest.raises(QueueFull, match="--max-queue 0"):
-        asyncio.run(_submit(driver))
+
+    async def full():
+        loop = asyncio.get_running_loop()
+        h = driver.submit([1], loop=loop, max_tokens=10**6)
+        assert isinstance(await h.queue.get(), Accepted)
+        await h.queue.get()  # it runs: the seat is taken
+        driver.submit([1], loop=loop, max_tokens=1)  # it waits
+        with pytest.raises(QueueFull, match="--max-queue 1"):
+            driver.submit([1], loop=loop, max_tokens=1)
+        driver.cancel(h.request_id)
+
+    asyncio.run(full())
     assert driver.stop(timeout=5)
+    engine = FakeEngine(seats=1)
     driver = EngineDriver(engine, max_queue=2)
     driver.start()
 
@@ -202,3 +252,32 @@ def test_offload_statistics_reach_metrics():
     assert "fojax_requests_running 0.0" in text
     assert 'fojax_pool_pages{state="cached"} 1.0' in text
     assert 'fojax_pool_pages{state="total"} 8.0' in text
+
+
+def test_a_request_submitted_as_shutdown_begins_is_cancelled_with_the_rest():
+    """A submit that passed the accepting check while `begin_shutdown(0)` ran reaches the
+    engine before the drain's cancel-all, so it is cancelled with the rest instead of running
+    to its end (the patched put lets shutdown begin between the check and the put)."""
+    driver = EngineDriver(FakeEngine(seats=1, step_s=0.001), max_queue=4)
+    put = driver._commands.put
+
+    def late_put(item, *args, **kwargs):
+        if item[0] == "add":
+            shutdown = threading.Thread(target=driver.begin_shutdown, args=(0.0,))
+            shutdown.start()
+            shutdown.join(0.3)  # returns at once unless the submit holds the driver's lock
+            time.sleep(0.1)     # the drain timer (0 s) has put its cancel-all by now
+        put(item, *args, **kwargs)
+
+    driver._commands.put = late_put
+    driver.start()
+
+    async def main():
+        h = driver.submit([1], loop=asyncio.get_running_loop(), max_tokens=2000)
+        return await asyncio.wait_for(_drain(h), 20)  # "length" after 2000 steps of 1 ms
+
+    try:
+        items = asyncio.run(main())
+    finally:
+        driver.stop(timeout=5)
+    assert isinstance(items[0], Accepted) and items[-1].finish_reason == "cancelled"

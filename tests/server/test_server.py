@@ -14,7 +14,7 @@ import pytest
 
 from fo_jax.embedded import load_embedded
 from fo_jax.engine import Engine
-from fo_jax.server.serve import ServerThread, build_served, warm_up
+from fo_jax.server.serve import ServerThread, build_served, final_report, warm_up
 
 # The embedded model (read from the package in 0.3 s; random tiny weights take longer to make),
 # two seats of 64 tokens, resident: small programs.
@@ -262,6 +262,10 @@ def test_shutdown_ends_in_flight_requests():
     assert "cancelled" in reasons, reasons
     snap = srv.served.driver.snapshot
     assert snap.running == 0 and snap.waiting == 0
+    completed = reasons.count("length")
+    assert final_report(srv.served) == (
+        f"fo-jax serve: stopped: requests received 4, completed {completed}, cancelled "
+        f"{3 - completed}, rejected 1, failed 0; no page pool (resident)")
 
 
 class _TemplatedTokenizer:
