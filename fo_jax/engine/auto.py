@@ -18,8 +18,9 @@ the host pool, on the device only hot caches and indexer-key pages). Each `step(
      [G, S_r, N], its last token, PRNG key and count) and takes an offloaded seat
      (`Engine._import_seat`: pages reserved, its `length` rows written into them once,
      O(L length) rows, its hot cache and maps built from them by `join_seats`, O(L (C + 2Z))).
-     With no offloaded seat or pages free, it waits parked (its rows stay on the device, one
-     resident seat's worth) and goes before any new request;
+     With no offloaded seat or pages free, it waits parked (its rows stay on the device: a
+     parked request still counts as a resident seat taken, so the device holds at most
+     `resident_seats` seats' rows) and goes before any new request;
   2. places waiting requests, in order: on a free resident seat when its prompt leaves room
      for the first decode call (prompt + decode_steps_per_call < resident_capacity) or its
      whole output fits (prompt + max_tokens - 1 <= resident_capacity); else on a free
@@ -88,7 +89,7 @@ class AutoEngine:
         self.n_steps = self.resident.n_steps
         self._waiting: list[_Request] = []
         self._parked: list[SeatExport] = []
-        self._tier: dict[str, str] = {}  # id -> "waiting", "resident", "offloaded", "parked", "done"
+        self._tier: dict[str, str] = {}  # id -> its place (see `tier_of`)
         self._finished: dict[str, _Request] = {}  # cancelled before reaching an engine
         self._ids = itertools.count()
         self.counters = {"placed_resident": 0, "placed_offloaded": 0, "migrations": 0,
@@ -244,7 +245,7 @@ class AutoEngine:
         """Waiting requests in order: a free resident seat if it fits there, else a free
         offloaded seat; one that can go nowhere yet stays (later ones may still go)."""
         free_resident = (self.resident.seats - self.resident.num_running()
-                         - self.resident.num_waiting())
+                         - self.resident.num_waiting() - len(self._parked))
         free_offloaded = 0 if self._parked else self._free_offloaded()
         for req in list(self._waiting):
             if free_resident > 0 and self._fits_resident(req):
