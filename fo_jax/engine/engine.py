@@ -50,6 +50,7 @@ pool are sized up front instead), prefix reuse on the resident path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import numbers
 import time
@@ -75,7 +76,8 @@ from fo_jax.offload.config import OffloadConfig
 from fo_jax.engine.admission import MemoryCosts
 from fo_jax.engine.metrics import MetricsLog
 from fo_jax.engine.pages import NO_PAGE, PagePool, PoolExhausted, PrefixCache, RequestPages
-from fo_jax.offload.state import DecodeState, committed
+from fo_jax.offload.host import in_host_memory, write_back_rows
+from fo_jax.offload.state import DecodeState, committed, write_pool_keys
 
 FINISH_REASONS = ("stop", "length", "cancelled")
 
@@ -669,5 +671,161 @@ class Engine:
                 max_new_tokens=jnp.asarray([min(r[3], 2**31 - 1) for r in rows], jnp.int32)))
         return self._sampling
 
+    # Moving a request between engines (fo_jax.engine.auto) --------------------------------
+    # Kept apart from admission and decoding: these only read and set one seat.
 
-__all__ = ["Engine", "FINISH_REASONS", "RequestOutput"]
+    def _withdraw(self, request_id: str) -> _Request:
+        """Take a waiting request (checked by `add_request`) out of the queue and forget it,
+        counted nowhere: another engine will serve it (`_enqueue`). O(queue)."""
+        req = self._requests.get(request_id)
+        if req is None or req not in self._waiting:
+            raise KeyError(f"no waiting request {request_id!r}")
+        self._waiting.remove(req)
+        del self._requests[request_id]
+        return req
+
+    def _enqueue(self, req: _Request) -> None:
+        """Queue a request another engine's `add_request` checked (same model, tokenizer and
+        max_stop_ids); it must fit this engine's seats."""
+        if req.request_id in self._requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        if len(req.prompt) > self.capacity:
+            raise ValueError(f"prompt of {len(req.prompt)} tokens does not fit a seat of "
+                             f"{self.capacity} tokens")
+        self._requests[req.request_id] = req
+        self._waiting.append(req)
+
+    def _export_seat(self, request_id: str) -> SeatExport:
+        """Take a decoding request out of this resident engine, with what its decode needs:
+        the seat's KV rows [L, S, D+R] and indexer keys [G, S, N] (the first `length` are its
+        tokens), its last token, PRNG key and tokens generated. The seat is freed at once (the
+        request counts as neither finished nor cancelled here) and the id forgotten.
+        O(L S (D+R) + G S N) device copy of one seat, S this engine's capacity."""
+        if self.pool is not None:
+            raise ValueError("_export_seat moves a request off the resident path; this engine "
+                             "is offloaded")
+        req = self._requests.get(request_id)
+        if req is None:
+            raise KeyError(f"no request {request_id!r}")
+        if req.seat is None or req.prefilled < len(req.prompt) or req.finish_reason is not None:
+            raise ValueError(f"request {request_id!r} is not decoding (queued, prefilling or "
+                             "finished): only a request past its prompt moves")
+        b = req.seat
+        kv, keys, length = _seat_rows(self.state.kv, self.state.index_keys, self.state.lengths,
+                                      jnp.asarray(b, jnp.int32))
+        out = SeatExport(request=req, kv=kv, index_keys=keys, length=int(length),
+                         token=int(self._seats.tokens[b]),
+                         key_data=np.asarray(jax.random.key_data(self._seats.keys)[b]),
+                         generated=int(self._seats.generated[b]))
+        self._occupant[b] = None
+        self._sampling_rows[b] = self._sampling_row(None)
+        self._sampling = None
+        done = np.array(self._seats.done)
+        done[b] = True
+        self._seats = committed(dataclasses.replace(self._seats, done=jnp.asarray(done)))
+        self._set_seats({b: (0, None)})
+        del self._requests[request_id]
+        req.seat = None
+        return out
+
+    def _import_seat(self, moved: SeatExport) -> bool:
+        """Seat a request `_export_seat` took from a resident engine on this offloaded one:
+        reserve its pages (prompt + max_tokens, as admission does), write its first `length`
+        KV rows and indexer keys into them through its page-table row (O(L length) rows, once),
+        set its length and row, build its hot rows, maps and policy state from the host rows
+        (`join_seats`: O(L seats (C + 2Z))), and its sampling row. False (nothing changed)
+        when no seat is free or the pool cannot reserve the pages yet."""
+        if self.pool is None:
+            raise ValueError("_import_seat seats a request on the offloaded path; this engine "
+                             "is resident")
+        req = moved.request
+        if req.request_id in self._requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        free = [b for b, r in enumerate(self._occupant) if r is None]
+        if not free:
+            return False
+        pages = RequestPages(self.pool, self.max_pages)
+        try:
+            pages.grow(self._reserved_tokens(len(req.prompt), req.max_tokens))
+        except PoolExhausted:
+            pages.release()
+            return False
+        b = free[0]
+        row = pages.table_row()
+        host, index_keys = _write_seat_rows(
+            self.state.host.kv, self.state.index_keys, moved.kv, moved.index_keys,
+            jnp.asarray(row), jnp.asarray(moved.length, jnp.int32))
+        self.state = dataclasses.replace(self.state, host=dataclasses.replace(self.state.host,
+                                                                              kv=host),
+                                         index_keys=index_keys)
+        self._set_seats({b: (moved.length, row)})
+        mask = np.zeros((self.seats,), bool)
+        mask[b] = True
+        self.state = offload_prefill.join_seats(self.state, mask, config=self.config,
+                                                offload=self.offload)
+        tokens = np.array(self._seats.tokens)
+        generated = np.array(self._seats.generated)
+        done = np.array(self._seats.done)
+        data = np.array(jax.random.key_data(self._seats.keys))
+        tokens[b], generated[b], done[b], data[b] = moved.token, moved.generated, False, \
+            moved.key_data
+        keys = jax.random.wrap_key_data(jnp.asarray(data),
+                                        impl=jax.random.key_impl(self._seats.keys))
+        self._seats = committed(Seats(tokens=jnp.asarray(tokens), keys=keys,
+                                      generated=jnp.asarray(generated), done=jnp.asarray(done)))
+        self._sampling_rows[b] = self._sampling_row(req)
+        self._sampling = None
+        req.seat, req.pages = b, pages
+        self._occupant[b] = req
+        self._requests[req.request_id] = req
+        return True
+
+
+@dataclasses.dataclass(frozen=True)
+class SeatExport:
+    """A decoding request leaving a resident engine (`Engine._export_seat`).
+
+    Attributes:
+      request: its bookkeeping (prompt, tokens so far, sampling settings, times).
+      kv: [L, S, D+R] its seat's KV rows (S the resident capacity; rows >= length unused).
+      index_keys: [G, S, N] its indexer keys.
+      length: tokens stored (prompt + tokens sampled - 1: the last one is not fed yet).
+      token: its last sampled token; key_data: its PRNG key's data; generated: tokens sampled.
+    """
+
+    request: _Request
+    kv: jax.Array
+    index_keys: jax.Array
+    length: int
+    token: int
+    key_data: np.ndarray
+    generated: int
+
+
+@jax.jit
+def _seat_rows(kv, index_keys, lengths, seat):
+    """Seat `seat`'s rows: kv [L, B, S, D+R] -> [L, S, D+R], index_keys [G, B, S, N] ->
+    [G, S, N], and its length. O(L S) rows copied."""
+    return (jax.lax.dynamic_index_in_dim(kv, seat, 1, keepdims=False),
+            jax.lax.dynamic_index_in_dim(index_keys, seat, 1, keepdims=False), lengths[seat])
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _write_seat_rows(host_kv, key_pool, kv, keys, row, length):
+    """Write one request's first `length` rows into the pools through its page-table row
+    [P]: kv [L, S, D+R] into host_kv [L, F, Z, D+R], keys [G, S, N] into key_pool [G, F, Z, N]
+    (positions >= length, or in pages not held, are dropped). O(L S) rows written; the pools
+    are donated (updated in place)."""
+    on_host = in_host_memory(host_kv)
+    positions = jnp.arange(kv.shape[1], dtype=jnp.int32)
+    write_pos = jnp.where(positions < length, positions, -1)[None]  # [1, S]; -1: dropped
+    table = row[None]
+    for layer in range(kv.shape[0]):
+        host_kv = write_back_rows(host_kv, table, layer, kv[layer][None], write_pos,
+                                  on_host=on_host)
+    for g in range(keys.shape[0]):
+        key_pool = write_pool_keys(key_pool, table, g, keys[g][None], write_pos)
+    return host_kv, key_pool
+
+
+__all__ = ["Engine", "FINISH_REASONS", "RequestOutput", "SeatExport"]

@@ -1,0 +1,263 @@
+"""Automatic offload: requests run resident while their KV fits a short seat, and move to
+offloaded decoding only when memory requires it.
+
+    engine = AutoEngine(params, config, resident_seats=4, resident_capacity=512,
+                        offload=OffloadConfig(hot_slots=64, page_size=16, capacity=8192),
+                        offload_seats=16)
+    rid = engine.add_request(prompt_ids, max_tokens=64)      # the `Engine` request API
+    outputs = engine.run()
+
+Two tiers, each an `fo_jax.engine.Engine`: a resident engine of `resident_seats` seats of
+`resident_capacity` tokens (what the device budget allows for their whole KV and indexer
+keys), and an offloaded engine of `offload_seats` seats of `offload.capacity` tokens (the KV in
+the host pool, on the device only hot caches and indexer-key pages). Each `step()`:
+
+  1. migrates: a resident request whose next decode call could fill its seat (length +
+     `decode_steps_per_call` >= resident_capacity) while it may still sample more leaves the
+     resident engine (`Engine._export_seat`: its seat's rows [L, S_r, D+R] and indexer keys
+     [G, S_r, N], its last token, PRNG key and count) and takes an offloaded seat
+     (`Engine._import_seat`: pages reserved, its `length` rows written into them once,
+     O(L length) rows, its hot cache and maps built from them by `join_seats`, O(L (C + 2Z))).
+     With no offloaded seat or pages free, it waits parked (its rows stay on the device: a
+     parked request still counts as a resident seat taken, so the device holds at most
+     `resident_seats` seats' rows) and goes before any new request;
+  2. places waiting requests, in order: on a free resident seat when its prompt leaves room
+     for the first decode call (prompt + decode_steps_per_call < resident_capacity) or its
+     whole output fits (prompt + max_tokens - 1 <= resident_capacity); else on a free
+     offloaded seat (a prompt longer than a resident seat goes there directly);
+  3. steps both engines.
+
+A batch that fits the resident tier runs there alone: no host traffic, no misses, the
+resident engine's own programs (the offloaded engine holds no request and runs no program).
+The switch is lossless: the offloaded decode equals the resident one bit for bit, and the
+moved request keeps its PRNG key and count, so its tokens equal its solo resident run's
+(tests/engine/test_auto.py). Costs: placement and the migration check O(seats) on the host per
+step; a migration copies one seat's rows once (O(L S_r) device rows out, O(L length) into the
+pool) and is done at most once per request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import numbers
+from typing import Any, Sequence
+
+from fo_jax.config import ModelConfig
+from fo_jax.engine.engine import Engine, RequestOutput, SeatExport, _Request
+from fo_jax.offload.config import OffloadConfig
+
+
+class AutoEngine:
+    """A resident tier of short seats and an offloaded tier of long ones (see the module doc).
+
+    Args:
+      params, config: the model.
+      resident_seats: seats of the resident tier (their whole KV on the device).
+      resident_capacity: tokens per resident seat (prompt + output held there).
+      offload: OffloadConfig of the offloaded tier; its `capacity` (tokens per seat) bounds a
+        request (prompt + output) and must be >= resident_capacity.
+      offload_seats: seats of the offloaded tier.
+      num_pages, host_pool_bytes: the offloaded tier's pool (see `Engine`).
+      Every other keyword (decode_steps_per_call, prefill_chunk, tokenizer, max_stop_ids,
+      query_block, implementation, ...) goes to both engines.
+    Raises:
+      ValueError: bad settings, before anything is allocated.
+    """
+
+    def __init__(self, params, config: ModelConfig, *, resident_seats: int,
+                 resident_capacity: int, offload: OffloadConfig, offload_seats: int,
+                 num_pages: int | None = None, host_pool_bytes: int | None = None,
+                 **engine_kwargs: Any):
+        if not isinstance(offload, OffloadConfig):
+            raise ValueError(f"offload must be an OffloadConfig (the long tier), got "
+                             f"{type(offload).__name__}")
+        if (not isinstance(resident_capacity, numbers.Integral)
+                or not 1 <= resident_capacity <= offload.capacity):
+            raise ValueError(f"resident_capacity={resident_capacity!r} must be an int in "
+                             f"[1, offload.capacity={offload.capacity}]: a request outgrowing "
+                             "its resident seat moves to a longer offloaded one")
+        for name in ("prefix_cache", "capacity", "seats", "offload"):
+            if name in engine_kwargs:
+                raise ValueError(f"{name} is not an AutoEngine setting (give resident_seats, "
+                                 "resident_capacity, offload and offload_seats)")
+        self.config = config
+        self.resident = Engine(params, config, seats=resident_seats, capacity=resident_capacity,
+                               **engine_kwargs)
+        self.offloaded = Engine(params, config, seats=offload_seats, offload=offload,
+                                num_pages=num_pages, host_pool_bytes=host_pool_bytes,
+                                **engine_kwargs)
+        self.n_steps = self.resident.n_steps
+        self._waiting: list[_Request] = []
+        self._parked: list[SeatExport] = []
+        self._tier: dict[str, str] = {}  # id -> its place (see `tier_of`)
+        self._finished: dict[str, _Request] = {}  # cancelled before reaching an engine
+        self._ids = itertools.count()
+        self.counters = {"placed_resident": 0, "placed_offloaded": 0, "migrations": 0,
+                         "parked": 0, "requests_cancelled": 0}
+
+    # Requests ------------------------------------------------------------------------------
+
+    def add_request(self, prompt: Sequence[int], *, request_id: str | None = None,
+                    **sampling: Any) -> str:
+        """Queue a request (the arguments of `Engine.add_request`); returns its id. It is
+        checked against the offloaded tier (a seat of offload.capacity tokens, the pool), so a
+        refused request leaves the engine as it was."""
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+            while request_id in self._tier:
+                request_id = f"req-{next(self._ids)}"
+        elif isinstance(request_id, str) and request_id in self._tier:
+            raise ValueError(f"request_id {request_id!r} is already in use (queued, running or "
+                             "finished and not yet collected)")
+        rid = self.offloaded.add_request(prompt, request_id=request_id, **sampling)
+        self._waiting.append(self.offloaded._withdraw(rid))
+        self._tier[rid] = "waiting"
+        return rid
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request now and free its seat (either tier); False if it had finished."""
+        tier = self._where(request_id)
+        if tier in ("resident", "offloaded"):
+            return getattr(self, tier).cancel(request_id)
+        if tier == "done":
+            return False
+        if tier == "waiting":
+            req = next(r for r in self._waiting if r.request_id == request_id)
+            self._waiting.remove(req)
+        else:  # parked: its rows are dropped with it
+            moved = next(m for m in self._parked if m.request.request_id == request_id)
+            self._parked.remove(moved)
+            req = moved.request
+        req.finish_reason = "cancelled"
+        self._finished[request_id] = req
+        self._tier[request_id] = "done"
+        self.counters["requests_cancelled"] += 1
+        return True
+
+    def release(self, request_id: str) -> RequestOutput:
+        """Forget a finished request (its id can be used again); returns its final output."""
+        tier = self._where(request_id)
+        if tier == "done":
+            out = self._finished.pop(request_id).output([])
+        elif tier in ("resident", "offloaded"):
+            out = getattr(self, tier).release(request_id)
+        else:
+            raise ValueError(f"request {request_id!r} has not finished: cancel it first")
+        del self._tier[request_id]
+        return out
+
+    def _where(self, request_id: str) -> str:
+        tier = self._tier.get(request_id)
+        if tier is None:
+            raise KeyError(f"no request {request_id!r}")
+        return tier
+
+    def tier_of(self, request_id: str) -> str:
+        """Where a request is: "waiting", "resident", "offloaded", "parked" (moving to the
+        offloaded tier) or "done" (cancelled before it reached a tier)."""
+        return self._where(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._parked or self.resident.has_unfinished()
+                    or self.offloaded.has_unfinished())
+
+    def num_waiting(self) -> int:
+        return (len(self._waiting) + len(self._parked) + self.resident.num_waiting()
+                + self.offloaded.num_waiting())
+
+    def num_running(self) -> int:
+        return self.resident.num_running() + self.offloaded.num_running()
+
+    def pool_occupancy(self) -> dict:
+        """The offloaded tier's pool pages (`Engine.pool_occupancy`)."""
+        return self.offloaded.pool_occupancy()
+
+    def all_counters(self) -> dict:
+        """The tiers' counters summed, with this engine's own (placements, migrations)."""
+        out = dict(self.counters)
+        for name, value in self.resident.counters.items():
+            out[name] = out.get(name, 0) + value + self.offloaded.counters.get(name, 0)
+        return out
+
+    def run(self) -> dict[str, RequestOutput]:
+        """Step until every request has finished; the final output of each request."""
+        while self.has_unfinished():
+            self.step()
+        out = {rid: r.output([]) for rid, r in self._finished.items()}
+        for engine in (self.resident, self.offloaded):
+            out.update({rid: r.output([]) for rid, r in engine._requests.items()})
+        return out
+
+    # The step ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Migrate, place, step both tiers (see the module doc); the outputs of the requests
+        that moved."""
+        self._migrate()
+        self._unpark()
+        self._place()
+        outputs = []
+        for name in ("resident", "offloaded"):
+            engine = getattr(self, name)
+            if engine.has_unfinished():
+                outputs += engine.step()
+        return outputs
+
+    def _fits_resident(self, req: _Request) -> bool:
+        """The request's prompt leaves room for its first decode call on a resident seat, or
+        its whole output fits there (it never has to move)."""
+        cap, n = self.resident.capacity, len(req.prompt)
+        return n + self.n_steps < cap or n + req.max_tokens - 1 <= cap
+
+    def _must_move(self, req: _Request) -> bool:
+        """A resident request whose next decode call could fill its seat before it is done.
+        Its length is prompt + tokens sampled - 1 (the last token is not fed yet). O(1)."""
+        cap, n = self.resident.capacity, len(req.prompt)
+        if n + req.max_tokens - 1 <= cap:
+            return False  # its whole output fits: it never fills the seat early
+        length = n + len(req.tokens) - 1
+        return length + self.n_steps >= cap
+
+    def _migrate(self) -> None:
+        """Resident requests about to outgrow their seat leave it (parked until seated)."""
+        for req in list(self.resident._occupant):
+            if (req is None or req.finish_reason is not None or not req.tokens
+                    or not self._must_move(req)):
+                continue
+            self._parked.append(self.resident._export_seat(req.request_id))
+            self._tier[req.request_id] = "parked"
+            self.counters["parked"] += 1
+
+    def _unpark(self) -> None:
+        """Seat parked requests on the offloaded tier, in order, while seats and pages last."""
+        while self._parked and self._free_offloaded() > 0:
+            moved = self._parked[0]
+            if not self.offloaded._import_seat(moved):
+                break
+            self._parked.pop(0)
+            self._tier[moved.request.request_id] = "offloaded"
+            self.counters["migrations"] += 1
+
+    def _free_offloaded(self) -> int:
+        return self.offloaded.seats - self.offloaded.num_running() - self.offloaded.num_waiting()
+
+    def _place(self) -> None:
+        """Waiting requests in order: a free resident seat if it fits there, else a free
+        offloaded seat; one that can go nowhere yet stays (later ones may still go)."""
+        free_resident = (self.resident.seats - self.resident.num_running()
+                         - self.resident.num_waiting() - len(self._parked))
+        free_offloaded = 0 if self._parked else self._free_offloaded()
+        for req in list(self._waiting):
+            if free_resident > 0 and self._fits_resident(req):
+                tier, free_resident = "resident", free_resident - 1
+            elif free_offloaded > 0:
+                tier, free_offloaded = "offloaded", free_offloaded - 1
+            else:
+                continue
+            self._waiting.remove(req)
+            getattr(self, tier)._enqueue(req)
+            self._tier[req.request_id] = tier
+            self.counters[f"placed_{tier}"] += 1
+
+
+__all__ = ["AutoEngine"]
