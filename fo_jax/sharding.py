@@ -50,7 +50,7 @@ from fo_jax.config import ModelConfig
 from fo_jax.offload import decode as offload_decode
 from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload.config import OffloadConfig
-from fo_jax.offload.state import DecodeState, check_table, check_table_covers
+from fo_jax.offload.state import DecodeState, check_table, check_table_covers, read_back
 
 DATA, MODEL, EXPERT = "data", "model", "expert"
 MESH_AXES = (DATA, MODEL, EXPERT)
@@ -196,10 +196,14 @@ def specs(tree, mesh: Mesh, rules=None):
 
 def shardings(tree, mesh: Mesh, rules=None):
     """NamedShardings of every array of a state (see `specs`); host pages keep their memory
-    kind (`pinned_host`), everything else is in device memory."""
+    kind (`pinned_host`), everything else is in device memory. An empty array (the policy
+    fields a policy does not use, [G, B, 0]) is replicated: jit returns it so whatever it is
+    given, and a step's output must be placed as its input to reuse the compiled program."""
     kind = type(tree).__name__
 
     def one(path, x, spec):
+        if 0 in np.shape(x):
+            spec = P()
         memory = None
         if (kind, _names(path)) in HOST_ARRAYS:
             memory = getattr(getattr(x, "sharding", None), "memory_kind", None) or "pinned_host"
@@ -276,24 +280,17 @@ def global_table(table, *, num_frames: int, ranks: int) -> np.ndarray:
 def shard_state(state, mesh: Mesh, rules=None):
     """A single-device DecodeState, PrefillState or ResidentState placed on `mesh`: every array
     with its NamedSharding (`shardings`), the page table converted to rank-local frame ids
-    (`local_table`; O(B P) host work). The input state is left as it was (the result holds
-    copies). Raises ValueError when B or F is not a multiple of the
+    (`local_table`; O(B P) host work). The arrays are copied through host memory (a one-off
+    O(state) copy; the input state is left as it was). Raises ValueError when B or F is not a multiple of the
     data axis size, or when a seat names a frame of another rank's pool shard."""
     ranks = _check_divides(state, mesh)
     if type(state).__name__ in TABLES:
         state = dataclasses.replace(state, table=jnp.asarray(
             local_table(state.table, num_frames=state.host.kv.shape[1], ranks=ranks)))
-    return jax.tree.map(_copy_to, state, shardings(state, mesh, rules))
-
-
-def _copy_to(x, sharding: NamedSharding):
-    """`x` placed with `sharding` in buffers of its own: stepping (donating) the source later
-    must not delete it. A replicated placement may reuse the source's buffer on its device
-    (seen with jax 0.12 even with may_alias=False), so replicated leaves (the step counter,
-    the random key: a few bytes) are copied first."""
-    if all(axis is None for axis in sharding.spec):
-        x = jnp.array(x, copy=True)
-    return jax.device_put(x, sharding, may_alias=False)
+    # Through numpy: the sharded state owns its buffers (stepping, hence donating, the input
+    # later deletes nothing of it), and no slicing program is compiled per array shape.
+    return jax.tree.map(lambda x, s: jax.device_put(read_back(x), s), state,
+                        shardings(state, mesh, rules))
 
 
 def unshard_state(state, mesh: Mesh):
@@ -398,8 +395,16 @@ def _offload_prefill(params, state, tokens, num_new, **statics):
 
 
 def _place(x, axes, mesh: Mesh, rules):
+    """`x` ([B, ...] tokens, counts or flags: numpy or a jax array) split over the batch."""
     return None if x is None else jax.device_put(
         x, NamedSharding(mesh, logical_spec(axes, mesh, rules)))
+
+
+def _host_tokens(given, tokens):
+    """Token ids as given on the host (numpy int32, already range-checked by
+    `prepare_tokens`) when they came from the host: numpy is split over the devices without a
+    slicing program; device arrays stay on the device."""
+    return tokens if isinstance(given, jax.Array) else np.asarray(given).astype(np.int32)
 
 
 def _rules_key(rules):
@@ -410,6 +415,7 @@ def _decode_arguments(params, state: DecodeState, tokens, *, mesh: Mesh, config:
                       offload: OffloadConfig, active, check: bool, implementation: str,
                       scores: bool, rules):
     """Validate `sharded_decode_step`'s arguments: (program, positional args)."""
+    given = tokens
     tokens, ways = resident.prepare_tokens(tokens, state.batch, config, check=check)
     if ways > config.max_ways:
         raise ValueError(f"sharded_decode_step got W={ways} query tokens per request; config "
@@ -429,7 +435,8 @@ def _decode_arguments(params, state: DecodeState, tokens, *, mesh: Mesh, config:
     statics = (("config", config), ("offload", offload), ("implementation", implementation),
                ("scores", bool(scores)))
     program = _program(mesh, _offload_decode, statics, active is not None, _rules_key(rules))
-    return program, (params, state, _place(tokens, LAYOUTS["tokens"], mesh, rules),
+    return program, (params, state,
+                     _place(_host_tokens(given, tokens), LAYOUTS["tokens"], mesh, rules),
                      _place(active, LAYOUTS["per_request"], mesh, rules))
 
 
@@ -469,6 +476,7 @@ def sharded_resident_decode_step(params, state: resident.ResidentState, tokens, 
     """The resident decode step (`fo_jax.resident.decode_step`, XLA), data-parallel over
     `data`: (logits [B, W, V], new state). state: a ResidentState placed by `shard_state`
     (donated); each rank holds the KV [L, B/D, S, D+R] of its requests."""
+    given = tokens
     tokens, ways = resident.prepare_tokens(tokens, state.batch, config, check=check)
     if ways > config.max_ways:
         raise ValueError(f"sharded_resident_decode_step got W={ways} query tokens per request,"
@@ -484,7 +492,8 @@ def sharded_resident_decode_step(params, state: resident.ResidentState, tokens, 
         resident.check_capacity(state.lengths, num_new, state.capacity, config)
     statics = (("config", config), ("implementation", "xla"))
     program = _program(mesh, _resident_decode, statics, True, _rules_key(rules))
-    return program(params, state, _place(tokens, LAYOUTS["tokens"], mesh, rules),
+    return program(params, state,
+                   _place(_host_tokens(given, tokens), LAYOUTS["tokens"], mesh, rules),
                    _place(num_new, LAYOUTS["per_request"], mesh, rules))
 
 
@@ -499,6 +508,7 @@ def sharded_prefill(params, state, tokens, num_new=None, *, mesh: Mesh, config: 
     longest history of the whole batch) is one static size for all ranks: one program."""
     resident.check_live(state, "sharded_prefill")
     _check_divides(state, mesh)
+    given = tokens
     args, static = offload_prefill._prefill_arguments(
         params, state, tokens, num_new, config=config, num_buffers=num_buffers,
         distance=distance, onload_layer_map=None, dense=False, history_pages=history_pages,
@@ -514,5 +524,6 @@ def sharded_prefill(params, state, tokens, num_new=None, *, mesh: Mesh, config: 
             check_sharded_tables(state, mesh, np.asarray(num_new))
     program = _program(mesh, _offload_prefill, tuple(sorted(static.items())), True,
                        _rules_key(rules))
-    return program(params, state, _place(tokens, LAYOUTS["tokens"], mesh, rules),
-                   _place(num_new, LAYOUTS["per_request"], mesh, rules))
+    return program(params, state,
+                   _place(_host_tokens(given, tokens), LAYOUTS["tokens"], mesh, rules),
+                   _place(np.asarray(num_new), LAYOUTS["per_request"], mesh, rules))
