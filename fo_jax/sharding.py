@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from fo_jax import resident
+from fo_jax import generate, resident
 from fo_jax.config import ModelConfig
 from fo_jax.offload import decode as offload_decode
 from fo_jax.offload import prefill as offload_prefill
@@ -527,3 +527,104 @@ def sharded_prefill(params, state, tokens, num_new=None, *, mesh: Mesh, config: 
     return program(params, state,
                    _place(_host_tokens(given, tokens), LAYOUTS["tokens"], mesh, rules),
                    _place(np.asarray(num_new), LAYOUTS["per_request"], mesh, rules))
+
+
+@functools.lru_cache(maxsize=16)
+def _handoff_program(mesh: Mesh, chunk: int, on_host: bool, access: str):
+    """jit(shard_map) of the prefill -> decode handoff's two passes, per rank: the key pool's
+    unstored rows cleared, the hot and tail rows gathered from the rank's own host pages."""
+    batch, frames = P(DATA), P(None, DATA)
+
+    def body(host_kv, index_keys, table, lengths, row_tok, fill):
+        keys = offload_prefill._clear_unstored(index_keys, table, lengths,
+                                               fill.astype(index_keys.dtype))
+        hot = offload_prefill._gather_hot(host_kv, table, row_tok, fill, chunk=chunk,
+                                          on_host=on_host, access=access)
+        return keys, hot
+
+    return jax.jit(_data_parallel(body, mesh, (frames, frames, batch, batch, batch, P()),
+                                  (frames, P(None, DATA))))
+
+
+def sharded_to_decode_state(state, *, mesh: Mesh, config: ModelConfig,
+                            offload: OffloadConfig, fill: float = 0.0,
+                            rules=None) -> DecodeState:
+    """`fo_jax.offload.prefill.to_decode_state` of a sharded PrefillState: the same DecodeState,
+    sharded (rank-local page ids kept), each rank gathering the hot and tail rows
+    [L, B/D, C + 2Z, D+R] of its requests from its own host pages. The host pages are handed
+    over as they are (the first decode step donates them)."""
+    offload.validate_for(config)
+    resident.check_live(state, "sharded_to_decode_state")
+    if (offload.page_size, offload.capacity) != (state.page_size, state.capacity):
+        raise ValueError(
+            f"offload page_size={offload.page_size}, capacity={offload.capacity} must equal the "
+            f"prefill state's page_size={state.page_size}, capacity={state.capacity}: the host "
+            "pages are handed over as they are")
+    _check_divides(state, mesh)
+    lengths = np.asarray(state.lengths).astype(np.int32)
+    check_sharded_tables(state, mesh, np.zeros_like(lengths))
+    row_tok, slots, policy = offload_prefill.initial_layout(config, offload, lengths)
+    program = _handoff_program(mesh, offload.miss_chunk,
+                               state.host.kv.sharding.memory_kind not in (None, "device"),
+                               offload.host_access)
+    place = lambda x: _place(x, LAYOUTS["per_request"] + (None,), mesh, rules)  # noqa: E731
+    keys, hot = program(state.host.kv, state.index_keys, state.table, state.lengths,
+                        place(row_tok), jnp.asarray(fill, jnp.float32))
+    out = DecodeState(host=state.host, table=state.table, hot=hot, index_keys=keys,
+                      slots=slots, policy=policy, lengths=state.lengths,
+                      step=jnp.asarray(1, jnp.int32))
+    placed = shardings(out, mesh, rules)
+    return jax.tree.map(lambda x, s: x if getattr(x, "sharding", None) == s
+                        else jax.device_put(read_back(x), s), out, placed)
+
+
+class DataParallelOffloadEngine(generate.OffloadEngine):
+    """`fo_jax.generate.OffloadEngine` data-parallel over a mesh's `data` axis: the prefill,
+    the handoff and every decode step run on each rank's B/D requests and pool shard
+    (`sharded_prefill`, `sharded_to_decode_state`, `sharded_decode_step`). XLA
+    implementation; single steps only (no drafts, no multi-step loop, no debug checks)."""
+
+    def __init__(self, params, config: ModelConfig, *, mesh: Mesh, offload: OffloadConfig,
+                 batch: int, num_buffers: int | None = None,
+                 prefill_chunk: int | None = generate.PREFILL_CHUNK):
+        super().__init__(params, config, offload=offload, batch=batch, implementation="xla",
+                         num_buffers=num_buffers, prefill_chunk=prefill_chunk)
+        if batch % data_size(mesh):
+            raise ValueError(f"batch={batch} must be a multiple of the data axis size "
+                             f"{data_size(mesh)} (every device runs batch / devices requests)")
+        self.mesh = mesh
+
+    def prefill(self, tokens, lengths, *, hidden: bool = False):
+        if hidden:
+            raise NotImplementedError("the data-parallel engine returns no hidden states "
+                                      "(MTP drafts run on one device)")
+        oc = self.offload
+        state = shard_state(offload_prefill.PrefillState.create(
+            self.config, batch=self.batch, capacity=oc.capacity, page_size=oc.page_size,
+            memory_kind=oc.host_memory_kind), self.mesh)
+
+        def run(chunk, num_new):
+            nonlocal state
+            logits, state = sharded_prefill(self.params, state, chunk, num_new, mesh=self.mesh,
+                                            config=self.config, num_buffers=self.num_buffers,
+                                            host_access=oc.host_access,
+                                            query_block=offload_prefill.QUERY_BLOCK)
+            return logits
+
+        last = generate.chunked_prefill(run, tokens, lengths, self.prefill_chunk)
+        self.state = sharded_to_decode_state(state, mesh=self.mesh, config=self.config,
+                                             offload=oc)
+        self.totals = None
+        self._start(lengths)
+        return last
+
+    def step(self, tokens, *, drop_past_capacity: bool = False, hidden: bool = False):
+        if hidden:
+            raise NotImplementedError("the data-parallel engine returns no hidden states")
+        ways = self._check_room(tokens, drop_past_capacity)
+        logits, self.state, stats = sharded_decode_step(
+            self.params, self.state, tokens, mesh=self.mesh, config=self.config,
+            offload=self.offload, check=False)
+        self._stepped(ways)
+        self._add_stats(stats)
+        return logits

@@ -13,8 +13,10 @@ state) must match bit for bit; the compiled program's shardings and memory kinds
 and its HLO must hold no collective (the cache never crosses devices).
 """
 
+import contextlib
 import dataclasses
 import functools
+import io
 import os
 import sys
 import time
@@ -42,11 +44,12 @@ CONFIG = get_config("tiny").replace(num_layers=2, indexer_layers=(0,), index_top
                                     max_ways=1, max_seq_len=64)
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute",
                "reduce-scatter")
+PROMPT = 16  # the longest prompt of a decode case
 T0 = time.time()
 
 
 def log(msg):
-    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+    print(f"[{time.time() - T0:6.1f}s wall, {time.process_time():5.1f}s cpu] {msg}", flush=True)
 
 
 def to_numpy(x):
@@ -166,8 +169,10 @@ def random_decode_state(rng, config, *, batch, offload, lengths, permute):
 def decode_case(params, rng, *, ranks, batch, ways, policy, page, hot, steps, permute=False,
                 hlo=False):
     config = CONFIG.replace(max_ways=ways)
-    lengths = rng.integers(1, 6 * page, batch).tolist()
-    capacity = -(-(max(lengths) + steps * ways) // page) * page
+    # One capacity and prompt size for every case: the handoff's eager ops compile once.
+    lengths = [PROMPT] + rng.integers(1, PROMPT, batch - 1).tolist()
+    capacity = 32
+    assert PROMPT + steps * ways <= capacity
     offload = OffloadConfig(hot_slots=hot, page_size=page, capacity=capacity, policy=policy)
     state = random_decode_state(rng, config, batch=batch, offload=offload, lengths=lengths,
                                 permute=ranks if permute else False)
@@ -265,6 +270,26 @@ def prefill_case(params, rng, *, ranks, batch, page, chunks, width):
     log(f"offloaded prefill ranks={ranks} B={batch} Z={page}: {chunks} chunks bitwise ok")
 
 
+def cli_case():
+    """`fo-jax generate --offload --devices 4` on the simulated devices (in this process)."""
+    from fo_jax import cli
+
+    out = io.StringIO()
+    argv = ["generate", "--model", "tiny", "--offload", "--devices", "4", "--batch", "4",
+            "--max-new-tokens", "3", "--prompt", "abc", "--page-size", "4", "--no-progress"]
+    with contextlib.redirect_stdout(out):
+        code = cli.main(argv)
+    text = out.getvalue()
+    assert code == 0, text
+    assert "path: offload   batch: 4" in text and "generated: 12 tokens" in text, text
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = cli.main(argv + ["--batch", "6"])
+    assert code == 2 and ("fo-jax: error: --batch 6 must be a multiple of --devices 4 (each "
+                          "device runs batch / devices requests)") in err.getvalue(), err.getvalue()
+    log("fo-jax generate --offload --devices 4 ok")
+
+
 def raises(fn, message):
     try:
         fn()
@@ -309,15 +334,16 @@ def main(argv):
     rng = np.random.default_rng(int(argv[1]) if len(argv) > 1 else 0)
     params = random_params(CONFIG, rng)
     error_cases(rng)
-    decode_case(params, rng, ranks=4, batch=4, ways=1, policy="ring", page=4, hot=8, steps=3,
+    decode_case(params, rng, ranks=4, batch=8, ways=1, policy="ring", page=4, hot=16, steps=3,
                 hlo=True)
-    decode_case(params, rng, ranks=2, batch=4, ways=2, policy="clock", page=4, hot=8, steps=3,
+    decode_case(params, rng, ranks=2, batch=8, ways=2, policy="clock", page=4, hot=16, steps=3,
                 permute=True)
-    decode_case(params, rng, ranks=8, batch=8, ways=4, policy="lru", page=4, hot=16, steps=2)
-    decode_case(params, rng, ranks=2, batch=2, ways=3, policy="random", page=4, hot=12,
-                steps=2)
+    decode_case(params, rng, ranks=8, batch=8, ways=4, policy="lru", page=4, hot=16, steps=3)
+    decode_case(params, rng, ranks=2, batch=8, ways=3, policy="random", page=4, hot=16,
+                steps=3)
     resident_case(params, rng, ranks=4, batch=4, ways=2, steps=2)
     prefill_case(params, rng, ranks=2, batch=4, page=4, chunks=2, width=6)
+    cli_case()
     log("ALL OK")
 
 
