@@ -1,7 +1,7 @@
 """Many devices: mesh axes, the logical -> mesh sharding rules, and data-parallel steps.
 
     mesh = make_mesh(8)                                  # axes (data, model, expert) = (8, 1, 1)
-    state = shard_state(state, mesh)                     # a DecodeState / PrefillState / ResidentState
+    state = shard_state(state, mesh)             # DecodeState, PrefillState or ResidentState
     params = shard_params(params, mesh)                  # replicated unless model / expert > 1
     logits, state, stats = sharded_decode_step(params, state, tokens, mesh=mesh,
                                                config=config, offload=offload)
@@ -28,11 +28,19 @@ refuses a table whose seat names a frame of another rank's shard); `unshard_stat
 The data-parallel steps wrap the single-device steps' pure programs in `shard_map` over `data`:
 every rank runs the same step on its B/D requests and F/D frames, in one compiled program for
 all ranks, with no collective on the cache (no all-gather, no all-reduce: the KV, the maps and
-the pools stay where they are). Logits are bit for bit those of the single-device step (the
-math per request is the same; tests/sharding/). The random policy draws from the same key on
-every rank, so its victims (hence hits and misses, never logits) differ from a one-device run.
+the pools stay where they are). Logits, stats and states are bit for bit those of the
+single-device step run on each rank's requests and pool shard (tests/sharding/; the random
+policy included: every rank draws from the same key, as a one-device run of its requests
+would). Against one device running all B requests they agree to rounding only: XLA's CPU
+matmuls are not batch-invariant (a request's logits differ in the last bits between batches of
+4 and 2 on one device), and the random policy's victims differ.
 Weights sharded over `model` / `expert` are stored sharded and gathered at the step's entry
 (the step replicates them inside the `shard_map`; a tensor-parallel step is future work).
+
+    make_mesh, logical_spec, specs, shardings, param_specs, shard_params   placement
+    shard_state, unshard_state, local_table, global_table                 states
+    sharded_decode_step (+ lower_sharded_decode_step), sharded_resident_decode_step,
+    sharded_prefill, sharded_to_decode_state, DataParallelOffloadEngine   steps
 """
 
 from __future__ import annotations
@@ -281,8 +289,9 @@ def shard_state(state, mesh: Mesh, rules=None):
     """A single-device DecodeState, PrefillState or ResidentState placed on `mesh`: every array
     with its NamedSharding (`shardings`), the page table converted to rank-local frame ids
     (`local_table`; O(B P) host work). The arrays are copied through host memory (a one-off
-    O(state) copy; the input state is left as it was). Raises ValueError when B or F is not a multiple of the
-    data axis size, or when a seat names a frame of another rank's pool shard."""
+    O(state) copy; the input state is left as it was). Raises ValueError when B or F is not a
+    multiple of the data axis size, or when a seat names a frame of another rank's pool
+    shard."""
     ranks = _check_divides(state, mesh)
     if type(state).__name__ in TABLES:
         state = dataclasses.replace(state, table=jnp.asarray(
