@@ -627,6 +627,14 @@ class DataParallelOffloadEngine(generate.OffloadEngine):
         self._start(lengths)
         return last
 
+    def rollback(self, keep) -> None:
+        raise NotImplementedError("the data-parallel engine does not verify drafts (no "
+                                  "rollback): generate with draft='none'")
+
+    def decode(self, seats, n_steps: int, sampling):
+        raise NotImplementedError("the data-parallel engine takes single steps: generate with "
+                                  "decode_steps_per_call=1")
+
     def step(self, tokens, *, drop_past_capacity: bool = False, hidden: bool = False):
         if hidden:
             raise NotImplementedError("the data-parallel engine returns no hidden states")

@@ -167,7 +167,7 @@ def random_decode_state(rng, config, *, batch, offload, lengths, permute):
 
 
 def decode_case(params, rng, *, ranks, batch, ways, policy, page, hot, steps, permute=False,
-                hlo=False):
+                hlo=False, inactive=False):
     config = CONFIG.replace(max_ways=ways)
     # One capacity and prompt size for every case: the handoff's eager ops compile once.
     lengths = [PROMPT] + rng.integers(1, PROMPT, batch - 1).tolist()
@@ -193,19 +193,27 @@ def decode_case(params, rng, *, ranks, batch, ways, policy, page, hot, steps, pe
         step = lambda p, s, t: compiled(p, s, jax.device_put(t, token_sharding), None)  # noqa
     for _ in range(steps):
         tokens = rng.integers(0, config.vocab_size, (batch, ways), dtype=np.int32)
-        logits, sharded, stats = step(params, sharded, tokens)
+        active = rng.random(batch) < 0.7 if inactive else None  # finished seats step too
+        if inactive:
+            logits, sharded, stats = step(params, sharded, tokens, active=active)
+        else:
+            logits, sharded, stats = step(params, sharded, tokens)
         for r in range(ranks):
             seats = slice(r * per, (r + 1) * per)
             want, refs[r], want_stats = offload_decode.decode_step(
-                params, refs[r], tokens[seats], config=config, offload=offload)
-            chex.assert_trees_all_equal(np.asarray(logits)[seats], np.asarray(want))
+                params, refs[r], tokens[seats], config=config, offload=offload,
+                active=None if active is None else active[seats])
+            # An inactive seat's logits are unspecified.
+            live = slice(None) if active is None else active[seats]
+            chex.assert_trees_all_equal(np.asarray(logits)[seats][live],
+                                        np.asarray(want)[live])
             got_stats = jax.tree.map(lambda x: np.take(np.asarray(x), np.arange(
                 seats.start, seats.stop), axis=0 if x.ndim == 1 else 1), stats)
             chex.assert_trees_all_equal(got_stats, jax.tree.map(np.asarray, want_stats))
     check_decode_shardings(sharded, ranks)
     assert_state_equal(sharded, mesh, refs, ranks)
     log(f"decode ranks={ranks} B={batch} W={ways} policy={policy} Z={page} C={hot} "
-        f"permuted={permute}: {steps} steps bitwise ok (misses "
+        f"permuted={permute} inactive seats={inactive}: {steps} steps bitwise ok (misses "
         f"{int(np.asarray(stats.misses).sum())} in the last step)")
 
 
@@ -337,7 +345,7 @@ def main(argv):
     decode_case(params, rng, ranks=4, batch=8, ways=1, policy="ring", page=4, hot=16, steps=3,
                 hlo=True)
     decode_case(params, rng, ranks=2, batch=8, ways=2, policy="clock", page=4, hot=16, steps=3,
-                permute=True)
+                permute=True, inactive=True)
     decode_case(params, rng, ranks=8, batch=8, ways=4, policy="lru", page=4, hot=16, steps=3)
     decode_case(params, rng, ranks=2, batch=8, ways=3, policy="random", page=4, hot=16,
                 steps=3)
