@@ -58,6 +58,7 @@ from fo_jax.config import ModelConfig
 from fo_jax.offload import decode as offload_decode
 from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload.config import OffloadConfig
+from fo_jax.offload.host import memory_kind
 from fo_jax.offload.state import DecodeState, check_table, check_table_covers, read_back
 
 DATA, MODEL, EXPERT = "data", "model", "expert"
@@ -166,10 +167,14 @@ def data_size(mesh: Mesh) -> int:
 
 def logical_spec(axes, mesh: Mesh, rules=None) -> P:
     """The PartitionSpec of an array with logical axes `axes` (one name or None per axis) on
-    `mesh`: each axis goes to its rule's mesh axis, if `mesh` has that axis."""
+    `mesh`: each axis goes to its rule's mesh axis, if `mesh` has that axis; trailing
+    unsharded axes are left out."""
     rules = RULES if rules is None else rules
-    return P(*[rules.get(a) if a is not None and rules.get(a) in mesh.axis_names else None
-               for a in axes])
+    names = [rules.get(a) if a is not None and rules.get(a) in mesh.axis_names else None
+             for a in axes]
+    while names and names[-1] is None:  # the form jit gives its outputs: P(None, 'data')
+        names.pop()  # (P(None, 'data', None) would be another jit cache entry: a recompile)
+    return P(*names)
 
 
 def _names(path) -> str:
@@ -214,7 +219,7 @@ def shardings(tree, mesh: Mesh, rules=None):
             spec = P()
         memory = None
         if (kind, _names(path)) in HOST_ARRAYS:
-            memory = getattr(getattr(x, "sharding", None), "memory_kind", None) or "pinned_host"
+            memory = memory_kind(x) or "pinned_host"  # arrays and tracers alike
         return NamedSharding(mesh, spec, memory_kind=memory)
 
     return jax.tree_util.tree_map_with_path(one, tree, specs(tree, mesh, rules))
