@@ -465,7 +465,8 @@ def sharded_decode_step(params, state: DecodeState, tokens, *, mesh: Mesh, confi
     per-rank work and host traffic of the single-device step at batch B/D, and no
     cross-device traffic for the cache. Static checks as `decode_step`; with `check`, token
     ids, capacity and each rank's page table are validated against concrete values (reads of
-    the tokens, lengths and table). active: [B] bool, as `decode_step`.
+    the tokens, lengths and table). active: [B] bool, as `decode_step`. implementation: as
+    `decode_step` (None: by backend); only "xla" is tested under the mesh (tests/sharding/).
     """
     program, args = _decode_arguments(params, state, tokens, mesh=mesh, config=config,
                                       offload=offload, active=active, check=check,
