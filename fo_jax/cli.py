@@ -1,6 +1,7 @@
 """The `fo-jax` command.
 
-    fo-jax generate [--offload --hot-slots C [--policy ring] [--check]] [--prompt TEXT]
+    fo-jax generate [--offload --hot-slots C [--policy ring] [--check] [--devices N]]
+                    [--prompt TEXT]
                     [--model-dir DIR [--chat]] [--draft none|ngram|mtp] ...
     fo-jax plan (--model glm52 | --model-dir DIR) --context 128000 [--budget-gb 29]
                 [--hot-slots 16384]
@@ -97,6 +98,11 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="decode kernels (default: pallas on TPU, xla elsewhere)")
     gen.add_argument("--interpret", action="store_true",
                      help="run the Pallas kernels in TPU interpret mode (slow; off TPU)")
+    gen.add_argument("--devices", type=int, default=None,
+                     help="with --offload: run data-parallel over this many devices (requests "
+                          "split over them, one host pool per device; fo_jax.sharding). On a "
+                          "CPU, simulated devices need XLA_FLAGS=--xla_force_host_platform_"
+                          "device_count=N")
     gen.add_argument("--no-progress", action="store_true")
 
     from fo_jax.server.serve import add_arguments as add_serve_arguments
@@ -285,6 +291,26 @@ def _resolve_model(args):
     return config, None, None
 
 
+def _check_devices(args) -> None:
+    """--devices N: the data-parallel offloaded engine's limits, before anything runs."""
+    import jax
+
+    if not args.offload:
+        raise ValueError("--devices runs the offloaded path data-parallel: add --offload")
+    if args.devices < 1 or args.devices > len(jax.devices()):
+        raise ValueError(f"--devices {args.devices}: jax sees {len(jax.devices())} device(s); "
+                         "on a CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N "
+                         "before the command to simulate N")
+    if args.batch % args.devices:
+        raise ValueError(f"--batch {args.batch} must be a multiple of --devices {args.devices} "
+                         "(each device runs batch / devices requests)")
+    for flag, off in (("check", False), ("draft", "none"), ("decode_steps_per_call", 1),
+                      ("implementation", None), ("interpret", False)):
+        if getattr(args, flag) != off:
+            raise ValueError(f"--{flag.replace('_', '-')} does not run with --devices (the "
+                             "data-parallel engine takes single XLA steps)")
+
+
 def _cmd_generate(args) -> int:
     import jax
     import numpy as np
@@ -328,6 +354,8 @@ def _cmd_generate(args) -> int:
     if args.check and args.decode_steps_per_call > 1:
         raise ValueError("--check compares the logits of every step with the resident model's: "
                          "use --decode-steps-per-call 1")
+    if args.devices is not None:
+        _check_devices(args)
     if not args.offload:
         for flag in ("policy", "hot_slots", "host_access", "check"):
             if getattr(args, flag) not in (None, False):
@@ -384,7 +412,14 @@ def _cmd_generate(args) -> int:
             from fo_jax.model.mtp import init_mtp_params
 
             mtp = init_mtp_params(config, jax.random.key(args.seed + 1))
-    if args.offload:
+    if args.devices is not None:
+        from fo_jax import sharding
+
+        mesh = sharding.make_mesh(args.devices)
+        engine = sharding.DataParallelOffloadEngine(
+            sharding.shard_params(params, mesh), config, mesh=mesh, offload=offload,
+            batch=args.batch, prefill_chunk=prefill_chunk)
+    elif args.offload:
         engine = gen.OffloadEngine(params, config, offload=offload, batch=args.batch,
                                    implementation=args.implementation, interpret=args.interpret,
                                    check=args.check, prefill_chunk=prefill_chunk, mtp=mtp)

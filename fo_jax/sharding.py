@@ -1,0 +1,653 @@
+"""Many devices: mesh axes, the logical -> mesh sharding rules, and data-parallel steps.
+
+    mesh = make_mesh(8)                                  # axes (data, model, expert) = (8, 1, 1)
+    state = shard_state(state, mesh)             # DecodeState, PrefillState or ResidentState
+    params = shard_params(params, mesh)                  # replicated unless model / expert > 1
+    logits, state, stats = sharded_decode_step(params, state, tokens, mesh=mesh,
+                                               config=config, offload=offload)
+
+Mesh axes: `data` splits requests (the batch B) and the page pools (the frame axis F); `model`
+and `expert` split weights (attention heads and the vocabulary over `model`, MoE experts over
+`expert`); both have size 1 unless asked for, so weights are replicated by default.
+
+`LAYOUTS` names the logical axes of every array of every state (decode, prefill, resident, the
+decode stats) and of the weights; `RULES` maps logical axes to mesh axes. These two tables are
+the only place that knows where the batch axis of an array is (axis 1 of the per-request caches
+and maps, axis 0 of `lengths` and of the page table; none for `step` and the random policy's
+key, which every rank holds and advances alike) and which arrays live in host memory (the host
+pages, `HOST_ARRAYS`: sharded like the rest, with the state's memory kind, `pinned_host`).
+
+One host pool per data-parallel rank (as vLLM's HiSparse keeps one per replica): rank r holds
+frames [r F/D, (r + 1) F/D) of the host KV [L, F, Z, D+R] and of the indexer-key pool
+[G, F, Z, N], and seats [r B/D, (r + 1) B/D). A sharded state's page table holds rank-local
+frame ids (frame f of rank r is global frame r F/D + f): inside the step each rank sees only its
+own pool shard and table rows, so its misses, host reads, write-through and page management
+never leave it. `shard_state` converts a single-device state's global ids into local ones (and
+refuses a table whose seat names a frame of another rank's shard); `unshard_state` converts back.
+
+The data-parallel steps wrap the single-device steps' pure programs in `shard_map` over `data`:
+every rank runs the same step on its B/D requests and F/D frames, in one compiled program for
+all ranks, with no collective on the cache (no all-gather, no all-reduce: the KV, the maps and
+the pools stay where they are). Logits, stats and states are bit for bit those of the
+single-device step run on each rank's requests and pool shard (tests/sharding/; the random
+policy included: every rank draws from the same key, as a one-device run of its requests
+would). Against one device running all B requests they agree to rounding only: XLA's CPU
+matmuls are not batch-invariant (a request's logits differ in the last bits between batches of
+4 and 2 on one device), and the random policy's victims differ.
+Weights sharded over `model` / `expert` are stored sharded and gathered at the step's entry
+(the step replicates them inside the `shard_map`; a tensor-parallel step is future work).
+
+    make_mesh, logical_spec, specs, shardings, param_specs, shard_params   placement
+    shard_state, unshard_state, local_table, global_table                 states
+    sharded_decode_step (+ lower_sharded_decode_step), sharded_resident_decode_step,
+    sharded_prefill, sharded_to_decode_state, DataParallelOffloadEngine   steps
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from fo_jax import generate, resident
+from fo_jax.config import ModelConfig
+from fo_jax.offload import decode as offload_decode
+from fo_jax.offload import prefill as offload_prefill
+from fo_jax.offload.config import OffloadConfig
+from fo_jax.offload.host import memory_kind
+from fo_jax.offload.state import DecodeState, check_table, check_table_covers, read_back
+
+DATA, MODEL, EXPERT = "data", "model", "expert"
+MESH_AXES = (DATA, MODEL, EXPERT)
+
+# Logical axis -> mesh axis (absent or None: replicated).
+RULES = {
+    "batch": DATA,     # requests: seats of caches, maps, tables, lengths, tokens, logits
+    "frames": DATA,    # pages of the host KV pool and of the indexer-key pool
+    "heads": MODEL,    # attention heads (weights)
+    "vocab": MODEL,    # embedding and output head rows / columns
+    "experts": EXPERT,  # MoE routed experts
+}
+
+# Logical axes of every array, by pytree type and field path (None: an axis no rule shards).
+LAYOUTS = {
+    "DecodeState": {
+        "host.kv": (None, "frames", None, None),             # [L, F, Z, D+R] host memory
+        "table": ("batch", None),                             # [B, P]
+        "hot": (None, "batch", None, None),                   # [L, B, C+2Z, D+R]
+        "index_keys": (None, "frames", None, None),           # [G, F, Z, N]
+        "slots.token_to_slot": (None, "batch", None),         # [G, B, S]
+        "slots.slot_to_token": (None, "batch", None),         # [G, B, C]
+        "policy.stamp": (None, "batch", None),                # [G, B, C]
+        "policy.hand": (None, "batch"),                       # [G, B]
+        "policy.last_used": (None, "batch", None),            # [G, B, C] or [G, B, 0]
+        "policy.ref": (None, "batch", None),                  # [G, B, C] or [G, B, 0]
+        "policy.key": (None,),                                # [2] uint32, every rank alike
+        "lengths": ("batch",),                                # [B]
+        "step": (),                                           # []
+    },
+    "PrefillState": {
+        "host.kv": (None, "frames", None, None),              # [L, F, Z, D+R] host memory
+        "table": ("batch", None),                             # [B, P]
+        "index_keys": (None, "frames", None, None),           # [G, F, Z, N]
+        "lengths": ("batch",),                                # [B]
+    },
+    "ResidentState": {
+        "kv": (None, "batch", None, None),                    # [L, B, S, D+R]
+        "index_keys": (None, "batch", None, None),            # [G, B, S, N]
+        "lengths": ("batch",),                                # [B]
+    },
+    "DecodeStats": {
+        "hits": (None, "batch", None),                        # [G, B, W]
+        "tail_hits": (None, "batch", None),
+        "misses": (None, "batch", None),
+        "union": (None, "batch"),                             # [G, B]
+        "h2d_bytes": ("batch",),                              # [B]
+        "d2h_bytes": ("batch",),
+        "selected": (None, "batch", None, None),              # [G, B, W, K]
+        "scores": (None, "batch", None, None),                # [G, B, W, S]
+    },
+    "tokens": ("batch", None),                                # [B, T]
+    "per_request": ("batch",),                                # [B]: num_new, active
+    "logits": ("batch", None, None),                          # [B, T, V] (V whole per rank)
+    "hidden": ("batch", None, None),                          # [B, T, E]
+    # Weights (fo_jax.model.dsa.init_params names); every other weight is replicated.
+    "params": {
+        "embed": ("vocab", None),                             # [V, E]
+        "head": (None, "vocab"),                              # [E, V]
+        "layers.wq_b": (None, None, "heads"),                 # [L, q_lora, H (dn + dr)]
+        "layers.wkv_b": (None, None, "heads"),                # [L, kv_lora, H (dn + dv)]
+        "layers.wo": (None, "heads", None),                   # [L, H dv, E]
+        "moe.gate": (None, None, "experts"),                  # [L', E, X]
+        "moe.gate_bias": (None, "experts"),                   # [L', X]
+        "moe.w1": (None, "experts", None, None),              # [L', X, E, F']
+        "moe.w2": (None, "experts", None, None),              # [L', X, F', E]
+        "moe.w3": (None, "experts", None, None),              # [L', X, E, F']
+    },
+}
+
+# Arrays in host memory (they keep the state's memory kind, `pinned_host` for real offload).
+HOST_ARRAYS = {("DecodeState", "host.kv"), ("PrefillState", "host.kv")}
+# Arrays indexed by rank-local frame ids in a sharded state.
+TABLES = {"DecodeState", "PrefillState"}
+
+
+# Meshes -----------------------------------------------------------------------------------------
+
+
+def make_mesh(num_devices: int | None = None, *, model: int = 1, expert: int = 1,
+              devices=None) -> Mesh:
+    """A mesh of `num_devices` devices (default all) with axes (data, model, expert) of sizes
+    (num_devices / (model expert), model, expert).
+
+    On a CPU, `XLA_FLAGS=--xla_force_host_platform_device_count=8` (set before jax starts)
+    simulates 8 devices.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    num_devices = len(devices) if num_devices is None else num_devices
+    if not isinstance(num_devices, int) or not 1 <= num_devices <= len(devices):
+        raise ValueError(f"num_devices={num_devices!r} must be in [1, {len(devices)}] (the "
+                         "devices jax sees; on a CPU set XLA_FLAGS=--xla_force_host_platform_"
+                         "device_count=N before jax starts to simulate N)")
+    if model < 1 or expert < 1 or num_devices % (model * expert):
+        raise ValueError(f"{model=} x {expert=} must divide {num_devices=} (the data axis gets "
+                         "the rest)")
+    shape = (num_devices // (model * expert), model, expert)
+    return Mesh(np.asarray(devices[:num_devices], dtype=object).reshape(shape), MESH_AXES)
+
+
+def data_size(mesh: Mesh) -> int:
+    """Data-parallel ranks D of `mesh`."""
+    return int(mesh.shape[DATA])
+
+
+def logical_spec(axes, mesh: Mesh, rules=None) -> P:
+    """The PartitionSpec of an array with logical axes `axes` (one name or None per axis) on
+    `mesh`: each axis goes to its rule's mesh axis, if `mesh` has that axis; trailing
+    unsharded axes are left out."""
+    rules = RULES if rules is None else rules
+    names = [rules.get(a) if a is not None and rules.get(a) in mesh.axis_names else None
+             for a in axes]
+    while names and names[-1] is None:  # the form jit gives its outputs: P(None, 'data')
+        names.pop()  # (P(None, 'data', None) would be another jit cache entry: a recompile)
+    return P(*names)
+
+
+def _names(path) -> str:
+    """'host.kv' for the pytree path of state.host.kv, 'layers.wo' for params['layers']['wo']."""
+    parts = []
+    for key in path:
+        for attr in ("name", "key", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+    return ".".join(parts)
+
+
+def _layout(kind: str, name: str):
+    table = LAYOUTS[kind]
+    if name not in table:
+        raise ValueError(f"{kind}.{name} has no entry in fo_jax.sharding.LAYOUTS: add its "
+                         "logical axes there")
+    return table[name]
+
+
+def specs(tree, mesh: Mesh, rules=None):
+    """PartitionSpecs of every array of a DecodeState, PrefillState, ResidentState or
+    DecodeStats (the same pytree with a PartitionSpec per leaf), from LAYOUTS and RULES."""
+    kind = type(tree).__name__
+    if kind not in LAYOUTS:
+        raise ValueError(f"no layout for {kind}: expected one of DecodeState, PrefillState, "
+                         "ResidentState, DecodeStats")
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: logical_spec(_layout(kind, _names(path)), mesh, rules), tree)
+
+
+def shardings(tree, mesh: Mesh, rules=None):
+    """NamedShardings of every array of a state (see `specs`); host pages keep their memory
+    kind (`pinned_host`), everything else is in device memory. An empty array (the policy
+    fields a policy does not use, [G, B, 0]) is replicated: jit returns it so whatever it is
+    given, and a step's output must be placed as its input to reuse the compiled program."""
+    kind = type(tree).__name__
+
+    def one(path, x, spec):
+        if 0 in np.shape(x):
+            spec = P()
+        memory = None
+        if (kind, _names(path)) in HOST_ARRAYS:
+            memory = memory_kind(x) or "pinned_host"  # arrays and tracers alike
+        return NamedSharding(mesh, spec, memory_kind=memory)
+
+    return jax.tree_util.tree_map_with_path(one, tree, specs(tree, mesh, rules))
+
+
+def param_specs(params, mesh: Mesh, rules=None):
+    """PartitionSpecs of the weights: LAYOUTS["params"] by name, the rest replicated."""
+    table = LAYOUTS["params"]
+
+    def one(path, x):
+        axes = table.get(_names(path), (None,) * np.ndim(x))
+        spec = logical_spec(axes, mesh, rules)
+        for size, axis in zip(np.shape(x), spec):
+            if axis is not None and size % mesh.shape[axis]:
+                raise ValueError(f"weight {_names(path)} {np.shape(x)} cannot be split over "
+                                 f"mesh axis {axis!r} of size {mesh.shape[axis]}: use a mesh "
+                                 "whose axis size divides it, or map its logical axis to None "
+                                 "in the rules")
+        return spec
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def shard_params(params, mesh: Mesh, rules=None):
+    """The weights placed on `mesh` by the rules (replicated where the mesh's model / expert
+    axes have size 1)."""
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params,
+                        param_specs(params, mesh, rules))
+
+
+# States ----------------------------------------------------------------------------------------
+
+
+def _check_divides(state, mesh: Mesh) -> int:
+    ranks = data_size(mesh)
+    batch = state.lengths.shape[0]
+    if batch % ranks:
+        raise ValueError(f"batch B={batch} must be a multiple of the data axis size {ranks} "
+                         "(every rank holds B / D seats): pad the batch with inactive seats")
+    if type(state).__name__ in TABLES and state.host.kv.shape[1] % ranks:
+        raise ValueError(f"the pool has F={state.host.kv.shape[1]} pages, not a multiple of the "
+                         f"data axis size {ranks} (every rank holds F / D pages)")
+    return ranks
+
+
+def local_table(table, *, num_frames: int, ranks: int) -> np.ndarray:
+    """[B, P] rank-local frame ids of a global page table (ids of the whole pool of F pages):
+    seat b of rank r = b // (B / D) must name only frames [r F/D, (r + 1) F/D)."""
+    ids = np.asarray(table)
+    per_rank, frames = ids.shape[0] // ranks, num_frames // ranks
+    rank = (np.arange(ids.shape[0]) // per_rank)[:, None]
+    own = (ids < 0) | (ids // frames == rank)
+    if not own.all():
+        b, p = np.argwhere(~own)[0]
+        raise ValueError(f"page table entry [{b}, {p}] = {ids[b, p]} names a frame of rank "
+                         f"{ids[b, p] // frames}'s pool shard, but seat {b} belongs to rank "
+                         f"{b // per_rank} (frames [{rank[b, 0] * frames}, "
+                         f"{(rank[b, 0] + 1) * frames})): give each seat pages of its own "
+                         "rank's shard")
+    return np.where(ids >= 0, ids - rank * frames, -1).astype(np.int32)
+
+
+def global_table(table, *, num_frames: int, ranks: int) -> np.ndarray:
+    """[B, P] global frame ids of a sharded state's rank-local table (`local_table` undone)."""
+    ids = np.asarray(table)
+    per_rank, frames = ids.shape[0] // ranks, num_frames // ranks
+    rank = (np.arange(ids.shape[0]) // per_rank)[:, None]
+    return np.where(ids >= 0, ids + rank * frames, -1).astype(np.int32)
+
+
+def shard_state(state, mesh: Mesh, rules=None):
+    """A single-device DecodeState, PrefillState or ResidentState placed on `mesh`: every array
+    with its NamedSharding (`shardings`), the page table converted to rank-local frame ids
+    (`local_table`; O(B P) host work). The arrays are copied through host memory (a one-off
+    O(state) copy; the input state is left as it was). Raises ValueError when B or F is not a
+    multiple of the data axis size, or when a seat names a frame of another rank's pool
+    shard."""
+    ranks = _check_divides(state, mesh)
+    if type(state).__name__ in TABLES:
+        state = dataclasses.replace(state, table=jnp.asarray(
+            local_table(state.table, num_frames=state.host.kv.shape[1], ranks=ranks)))
+    # Through numpy: the sharded state owns its buffers (stepping, hence donating, the input
+    # later deletes nothing of it), and no slicing program is compiled per array shape.
+    return jax.tree.map(lambda x, s: jax.device_put(read_back(x), s), state,
+                        shardings(state, mesh, rules))
+
+
+def unshard_state(state, mesh: Mesh):
+    """A sharded state back on one device (the first), with global frame ids: for debug
+    reads, invariants and comparisons. O(every array): debug only."""
+    device = jax.devices()[0]
+
+    def one(x):
+        kind = getattr(x.sharding, "memory_kind", None)
+        if kind not in (None, "device"):  # host arrays move through device memory (read_back)
+            x = jax.device_put(x, x.sharding.with_memory_kind("device"))
+            return jax.device_put(jax.device_put(x, device),
+                                  jax.sharding.SingleDeviceSharding(device, memory_kind=kind))
+        return jax.device_put(x, device)
+
+    out = jax.tree.map(one, state)
+    if type(state).__name__ in TABLES:
+        table = global_table(out.table, num_frames=out.host.kv.shape[1],
+                             ranks=data_size(mesh))
+        out = dataclasses.replace(out, table=jax.device_put(jnp.asarray(table), device))
+    return out
+
+
+def check_sharded_tables(state, mesh: Mesh, num_new) -> None:
+    """Value checks of a sharded state's rank-local page tables (a read of the [B, P] table and
+    the lengths): each rank's rows are a valid table of its own pool shard that holds the pages
+    the next `num_new` [B] tokens need (`fo_jax.offload.state.check_table`)."""
+    ranks = data_size(mesh)
+    ids, lengths = np.asarray(state.table), np.asarray(state.lengths)
+    per_rank, frames = ids.shape[0] // ranks, state.host.kv.shape[1] // ranks
+    for r in range(ranks):
+        rows = slice(r * per_rank, (r + 1) * per_rank)
+        try:
+            check_table(ids[rows], batch=per_rank, num_pages=ids.shape[1], num_frames=frames,
+                        lengths=lengths[rows], page_size=state.host.page_size)
+            check_table_covers(ids[rows], lengths[rows] + np.asarray(num_new)[rows],
+                               state.host.page_size)
+        except ValueError as err:
+            raise ValueError(f"data-parallel rank {r} (seats {rows.start}..{rows.stop - 1}, "
+                             f"rank-local frame ids): {err}") from None
+
+
+# Data-parallel steps ---------------------------------------------------------------------------
+
+
+def _data_parallel(body, mesh: Mesh, in_specs, out_specs):
+    """`body` run by every data-parallel rank on its shard: shard_map over all mesh axes (the
+    model / expert axes see replicated operands: weights sharded over them are gathered at the
+    entry).
+
+    check_vma=False: the single-device steps' loops carry values that become rank-varying
+    (jax's varying-axis check would ask for `pcast`s inside them); the only outputs declared
+    replicated (the step counter, the random policy's key) are computed from replicated inputs
+    alone, so they are equal on every rank."""
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+
+
+def _out_specs(out, mesh: Mesh, rules):
+    """Specs of a step's outputs (logits, state, stats, hidden...): states and stats by
+    LAYOUTS, [B, T, X] arrays (logits, hidden states) split over the batch."""
+    return tuple(specs(x, mesh, rules) if type(x).__name__ in LAYOUTS
+                 else logical_spec(LAYOUTS["logits"], mesh, rules) for x in out)
+
+
+@functools.lru_cache(maxsize=64)
+def _program(mesh: Mesh, step, statics: tuple, has_extra: bool, rules_key):
+    """jit(shard_map(step)) for (params, state, tokens [B, T], extra [B] or None): every rank
+    runs `step(params, state, tokens, extra, **statics)` on its shard; the state is donated and
+    keeps its shardings and memory kinds. One compiled program per (mesh, step, statics) and
+    shapes, as the single-device steps."""
+    rules = dict(rules_key) if rules_key is not None else None
+    kwargs = dict(statics)
+
+    def body(params, state, tokens, extra):
+        return step(params, state, tokens, extra, **kwargs)
+
+    def run(params, state, tokens, extra):
+        in_specs = (jax.tree.map(lambda _: P(), params), specs(state, mesh, rules),
+                    logical_spec(LAYOUTS["tokens"], mesh, rules),
+                    logical_spec(LAYOUTS["per_request"], mesh, rules) if has_extra else None)
+        out_specs = _out_specs(jax.eval_shape(body, params, state, tokens, extra), mesh, rules)
+        out = _data_parallel(body, mesh, in_specs, out_specs)(params, state, tokens, extra)
+        # The new state keeps the input's shardings: host pages stay in host memory.
+        new_state = jax.tree.map(jax.lax.with_sharding_constraint, out[1],
+                                 shardings(state, mesh, rules))
+        return (out[0], new_state, *out[2:])
+
+    return jax.jit(run, donate_argnums=(1,))
+
+
+def _offload_decode(params, state, tokens, active, **statics):
+    return offload_decode._decode_jit(params, state, tokens, active, **statics)
+
+
+def _resident_decode(params, state, tokens, num_new, **statics):
+    return resident._forward_jit(params, state, tokens, num_new, dense=False, **statics)
+
+
+def _offload_prefill(params, state, tokens, num_new, **statics):
+    return offload_prefill._prefill_jit(params, state, tokens, num_new, **statics)
+
+
+def _place(x, axes, mesh: Mesh, rules):
+    """`x` ([B, ...] tokens, counts or flags: numpy or a jax array) split over the batch."""
+    return None if x is None else jax.device_put(
+        x, NamedSharding(mesh, logical_spec(axes, mesh, rules)))
+
+
+def _host_tokens(given, tokens):
+    """Token ids as given on the host (numpy int32, already range-checked by
+    `prepare_tokens`) when they came from the host: numpy is split over the devices without a
+    slicing program; device arrays stay on the device."""
+    return tokens if isinstance(given, jax.Array) else np.asarray(given).astype(np.int32)
+
+
+def _rules_key(rules):
+    return None if rules is None else tuple(sorted(rules.items()))
+
+
+def _decode_arguments(params, state: DecodeState, tokens, *, mesh: Mesh, config: ModelConfig,
+                      offload: OffloadConfig, active, check: bool, implementation: str,
+                      scores: bool, rules):
+    """Validate `sharded_decode_step`'s arguments: (program, positional args)."""
+    given = tokens
+    tokens, ways = resident.prepare_tokens(tokens, state.batch, config, check=check)
+    if ways > config.max_ways:
+        raise ValueError(f"sharded_decode_step got W={ways} query tokens per request; config "
+                         f"{config.name!r} allows 1 to max_ways={config.max_ways}")
+    resident.check_live(state, "sharded_decode_step")
+    implementation = offload_decode.check_implementation(implementation, False, offload)
+    offload_decode.check_state(state, config=config, offload=offload)
+    _check_divides(state, mesh)
+    active = resident.check_active(active, state.batch)
+    if check and resident.is_concrete(state.lengths):
+        taken = np.full(state.batch, ways)
+        if active is not None:
+            taken = np.where(np.asarray(active), taken, 0)
+        resident.check_capacity(state.lengths, taken, state.capacity, config,
+                                what="the host pages'")
+        check_sharded_tables(state, mesh, taken)
+    statics = (("config", config), ("offload", offload), ("implementation", implementation),
+               ("scores", bool(scores)))
+    program = _program(mesh, _offload_decode, statics, active is not None, _rules_key(rules))
+    return program, (params, state,
+                     _place(_host_tokens(given, tokens), LAYOUTS["tokens"], mesh, rules),
+                     _place(active, LAYOUTS["per_request"], mesh, rules))
+
+
+def sharded_decode_step(params, state: DecodeState, tokens, *, mesh: Mesh, config: ModelConfig,
+                        offload: OffloadConfig, active=None, check: bool = True,
+                        implementation: str | None = None, scores: bool = False, rules=None):
+    """The offloaded decode step (`fo_jax.offload.decode.decode_step`), data-parallel over the
+    mesh's `data` axis: (logits [B, W, V], new state, DecodeStats), all split over `data`.
+
+    state: a DecodeState placed by `shard_state` (rank-local page ids; donated: use the
+    returned one). Each rank steps its B/D requests over its own pool shard of F/D pages: the
+    per-rank work and host traffic of the single-device step at batch B/D, and no
+    cross-device traffic for the cache. Static checks as `decode_step`; with `check`, token
+    ids, capacity and each rank's page table are validated against concrete values (reads of
+    the tokens, lengths and table). active: [B] bool, as `decode_step`. implementation: as
+    `decode_step` (None: by backend); only "xla" is tested under the mesh (tests/sharding/).
+    """
+    program, args = _decode_arguments(params, state, tokens, mesh=mesh, config=config,
+                                      offload=offload, active=active, check=check,
+                                      implementation=implementation, scores=scores, rules=rules)
+    return program(*args)
+
+
+def lower_sharded_decode_step(params, state: DecodeState, tokens, *, mesh: Mesh,
+                              config: ModelConfig, offload: OffloadConfig, active=None,
+                              implementation: str | None = None, rules=None):
+    """The program `sharded_decode_step` runs, lowered (nothing runs, nothing is donated): for
+    checks of its shardings, memory kinds and HLO."""
+    program, args = _decode_arguments(params, state, tokens, mesh=mesh, config=config,
+                                      offload=offload, active=active, check=False,
+                                      implementation=implementation, scores=False, rules=rules)
+    return program.lower(*args)
+
+
+def sharded_resident_decode_step(params, state: resident.ResidentState, tokens, *, mesh: Mesh,
+                                 config: ModelConfig, active=None, check: bool = True,
+                                 rules=None):
+    """The resident decode step (`fo_jax.resident.decode_step`, XLA), data-parallel over
+    `data`: (logits [B, W, V], new state). state: a ResidentState placed by `shard_state`
+    (donated); each rank holds the KV [L, B/D, S, D+R] of its requests."""
+    given = tokens
+    tokens, ways = resident.prepare_tokens(tokens, state.batch, config, check=check)
+    if ways > config.max_ways:
+        raise ValueError(f"sharded_resident_decode_step got W={ways} query tokens per request,"
+                         f" but config {config.name!r} allows at most "
+                         f"max_ways={config.max_ways}")
+    resident.check_live(state, "sharded_resident_decode_step")
+    _check_divides(state, mesh)
+    active = resident.check_active(active, state.batch)
+    num_new = np.full(state.batch, ways, np.int32)
+    if active is not None:
+        num_new = np.where(np.asarray(active), num_new, 0).astype(np.int32)
+    if check and resident.is_concrete(state.lengths):
+        resident.check_capacity(state.lengths, num_new, state.capacity, config)
+    statics = (("config", config), ("implementation", "xla"))
+    program = _program(mesh, _resident_decode, statics, True, _rules_key(rules))
+    return program(params, state,
+                   _place(_host_tokens(given, tokens), LAYOUTS["tokens"], mesh, rules),
+                   _place(num_new, LAYOUTS["per_request"], mesh, rules))
+
+
+def sharded_prefill(params, state, tokens, num_new=None, *, mesh: Mesh, config: ModelConfig,
+                    num_buffers: int | None = None, distance: int | None = None,
+                    history_pages: int | None = None, check: bool = True,
+                    host_access: str = "gather", query_block: int | None = None, rules=None):
+    """The offloaded prefill (`fo_jax.offload.prefill.prefill`), data-parallel over `data`:
+    (logits [B, T, V], new PrefillState). state: a PrefillState placed by `shard_state`
+    (rank-local page ids; donated). Each rank runs the layer buffers [n, B/D, S, D+R] of its
+    requests and reads and writes only its own pool shard; `history_pages` (default from the
+    longest history of the whole batch) is one static size for all ranks: one program."""
+    resident.check_live(state, "sharded_prefill")
+    _check_divides(state, mesh)
+    given = tokens
+    args, static = offload_prefill._prefill_arguments(
+        params, state, tokens, num_new, config=config, num_buffers=num_buffers,
+        distance=distance, onload_layer_map=None, dense=False, history_pages=history_pages,
+        poison=False, check=False, host_access=host_access, query_block=query_block)
+    _, _, tokens, num_new = args
+    if check:
+        resident.check_token_values(tokens, config)
+        if resident.is_concrete(state.lengths):
+            if np.any(np.asarray(num_new) > tokens.shape[1]):
+                raise ValueError(f"num_new={np.asarray(num_new).tolist()} exceeds the chunk "
+                                 f"width {tokens.shape[1]}")
+            resident.check_capacity(state.lengths, num_new, state.capacity, config)
+            check_sharded_tables(state, mesh, np.asarray(num_new))
+    program = _program(mesh, _offload_prefill, tuple(sorted(static.items())), True,
+                       _rules_key(rules))
+    return program(params, state,
+                   _place(_host_tokens(given, tokens), LAYOUTS["tokens"], mesh, rules),
+                   _place(np.asarray(num_new), LAYOUTS["per_request"], mesh, rules))
+
+
+@functools.lru_cache(maxsize=16)
+def _handoff_program(mesh: Mesh, chunk: int, on_host: bool, access: str):
+    """jit(shard_map) of the prefill -> decode handoff's two passes, per rank: the key pool's
+    unstored rows cleared, the hot and tail rows gathered from the rank's own host pages."""
+    batch, frames = P(DATA), P(None, DATA)
+
+    def body(host_kv, index_keys, table, lengths, row_tok, fill):
+        keys = offload_prefill._clear_unstored(index_keys, table, lengths,
+                                               fill.astype(index_keys.dtype))
+        hot = offload_prefill._gather_hot(host_kv, table, row_tok, fill, chunk=chunk,
+                                          on_host=on_host, access=access)
+        return keys, hot
+
+    return jax.jit(_data_parallel(body, mesh, (frames, frames, batch, batch, batch, P()),
+                                  (frames, P(None, DATA))))
+
+
+def sharded_to_decode_state(state, *, mesh: Mesh, config: ModelConfig,
+                            offload: OffloadConfig, fill: float = 0.0,
+                            rules=None) -> DecodeState:
+    """`fo_jax.offload.prefill.to_decode_state` of a sharded PrefillState: the same DecodeState,
+    sharded (rank-local page ids kept), each rank gathering the hot and tail rows
+    [L, B/D, C + 2Z, D+R] of its requests from its own host pages. The host pages are handed
+    over as they are (the first decode step donates them)."""
+    offload.validate_for(config)
+    resident.check_live(state, "sharded_to_decode_state")
+    if (offload.page_size, offload.capacity) != (state.page_size, state.capacity):
+        raise ValueError(
+            f"offload page_size={offload.page_size}, capacity={offload.capacity} must equal the "
+            f"prefill state's page_size={state.page_size}, capacity={state.capacity}: the host "
+            "pages are handed over as they are")
+    _check_divides(state, mesh)
+    lengths = np.asarray(state.lengths).astype(np.int32)
+    check_sharded_tables(state, mesh, np.zeros_like(lengths))
+    row_tok, slots, policy = offload_prefill.initial_layout(config, offload, lengths)
+    program = _handoff_program(mesh, offload.miss_chunk,
+                               state.host.kv.sharding.memory_kind not in (None, "device"),
+                               offload.host_access)
+    place = lambda x: _place(x, LAYOUTS["per_request"] + (None,), mesh, rules)  # noqa: E731
+    keys, hot = program(state.host.kv, state.index_keys, state.table, state.lengths,
+                        place(row_tok), jnp.asarray(fill, jnp.float32))
+    out = DecodeState(host=state.host, table=state.table, hot=hot, index_keys=keys,
+                      slots=slots, policy=policy, lengths=state.lengths,
+                      step=jnp.asarray(1, jnp.int32))
+    placed = shardings(out, mesh, rules)
+    return jax.tree.map(lambda x, s: x if getattr(x, "sharding", None) == s
+                        else jax.device_put(read_back(x), s), out, placed)
+
+
+class DataParallelOffloadEngine(generate.OffloadEngine):
+    """`fo_jax.generate.OffloadEngine` data-parallel over a mesh's `data` axis: the prefill,
+    the handoff and every decode step run on each rank's B/D requests and pool shard
+    (`sharded_prefill`, `sharded_to_decode_state`, `sharded_decode_step`). XLA
+    implementation; single steps only (no drafts, no multi-step loop, no debug checks)."""
+
+    def __init__(self, params, config: ModelConfig, *, mesh: Mesh, offload: OffloadConfig,
+                 batch: int, num_buffers: int | None = None,
+                 prefill_chunk: int | None = generate.PREFILL_CHUNK):
+        super().__init__(params, config, offload=offload, batch=batch, implementation="xla",
+                         num_buffers=num_buffers, prefill_chunk=prefill_chunk)
+        if batch % data_size(mesh):
+            raise ValueError(f"batch={batch} must be a multiple of the data axis size "
+                             f"{data_size(mesh)} (every device runs batch / devices requests)")
+        self.mesh = mesh
+
+    def prefill(self, tokens, lengths, *, hidden: bool = False):
+        if hidden:
+            raise NotImplementedError("the data-parallel engine returns no hidden states "
+                                      "(MTP drafts run on one device)")
+        oc = self.offload
+        state = shard_state(offload_prefill.PrefillState.create(
+            self.config, batch=self.batch, capacity=oc.capacity, page_size=oc.page_size,
+            memory_kind=oc.host_memory_kind), self.mesh)
+
+        def run(chunk, num_new):
+            nonlocal state
+            logits, state = sharded_prefill(self.params, state, chunk, num_new, mesh=self.mesh,
+                                            config=self.config, num_buffers=self.num_buffers,
+                                            host_access=oc.host_access,
+                                            query_block=offload_prefill.QUERY_BLOCK)
+            return logits
+
+        last = generate.chunked_prefill(run, tokens, lengths, self.prefill_chunk)
+        self.state = sharded_to_decode_state(state, mesh=self.mesh, config=self.config,
+                                             offload=oc)
+        self.totals = None
+        self._start(lengths)
+        return last
+
+    def rollback(self, keep) -> None:
+        raise NotImplementedError("the data-parallel engine does not verify drafts (no "
+                                  "rollback): generate with draft='none'")
+
+    def decode(self, seats, n_steps: int, sampling):
+        raise NotImplementedError("the data-parallel engine takes single steps: generate with "
+                                  "decode_steps_per_call=1")
+
+    def step(self, tokens, *, drop_past_capacity: bool = False, hidden: bool = False):
+        if hidden:
+            raise NotImplementedError("the data-parallel engine returns no hidden states")
+        ways = self._check_room(tokens, drop_past_capacity)
+        logits, self.state, stats = sharded_decode_step(
+            self.params, self.state, tokens, mesh=self.mesh, config=self.config,
+            offload=self.offload, check=False)
+        self._stepped(ways)
+        self._add_stats(stats)
+        return logits

@@ -1,0 +1,364 @@
+"""Data-parallel steps on 8 simulated CPU devices against single-device runs, bit for bit.
+
+Run by tests/sharding/test_data_parallel.py in a subprocess (the rest of the suite keeps one
+device); runs alone too: `XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=.
+python tests/sharding/data_parallel_cases.py`. Prints one line per case and "ALL OK".
+
+The reference of a rank is the single-device step run on that rank's requests and pool shard
+(sliced here by hand, with global page ids turned into the shard's own): XLA's CPU matmuls are
+not batch-invariant (a request's logits in a batch of 4 and of 2 differ in the last bits even on
+one device), so the sharded step is compared with the programs each rank is meant to run.
+Logits, stats and the whole state after every case (host pages, tables, hot rows, maps, policy
+state) must match bit for bit; the compiled program's shardings and memory kinds are checked,
+and its HLO must hold no collective (the cache never crosses devices).
+"""
+
+import contextlib
+import dataclasses
+import functools
+import io
+import os
+import sys
+import time
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8")
+
+import chex  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from fo_jax import resident, sharding  # noqa: E402
+from fo_jax.config import get_config  # noqa: E402
+from fo_jax.model.dsa import init_params  # noqa: E402
+from fo_jax.offload import decode as offload_decode  # noqa: E402
+from fo_jax.offload import prefill as offload_prefill  # noqa: E402
+from fo_jax.offload.config import OffloadConfig  # noqa: E402
+from fo_jax.offload.state import DecodeState  # noqa: E402
+
+NAN = float("nan")
+# Two layers, one indexer group: the smallest programs that still run every part of a step.
+CONFIG = get_config("tiny").replace(num_layers=2, indexer_layers=(0,), index_topk=4,
+                                    max_ways=1, max_seq_len=64)
+COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute",
+               "reduce-scatter")
+PROMPT = 16  # the longest prompt of a decode case
+T0 = time.time()
+
+
+def log(msg):
+    print(f"[{time.time() - T0:6.1f}s wall, {time.process_time():5.1f}s cpu] {msg}", flush=True)
+
+
+def to_numpy(x):
+    """numpy copy of any array, host-memory ones through device memory."""
+    kind = getattr(x.sharding, "memory_kind", None)
+    if kind not in (None, "device"):
+        x = jax.device_put(x, x.sharding.with_memory_kind("device"))
+    return np.array(x, copy=True)
+
+
+def rank_state(state, rank: int, ranks: int):
+    """Rank `rank`'s requests and pool shard of a single-device state with global page ids, as
+    a single-device state with the shard's own ids (written here, not with fo_jax.sharding)."""
+    kind = type(state).__name__
+    arrays = jax.tree.map(to_numpy, state)
+    batch = arrays.lengths.shape[0] // ranks
+    seats = slice(rank * batch, (rank + 1) * batch)
+    frames = None
+    if kind != "ResidentState":
+        per = arrays.host.kv.shape[1] // ranks
+        frames = slice(rank * per, (rank + 1) * per)
+    batch_axis = {"DecodeState": {"table": 0, "lengths": 0, "policy.key": None, "step": None,
+                                  "host.kv": None, "index_keys": None},
+                  "PrefillState": {"table": 0, "lengths": 0, "host.kv": None,
+                                   "index_keys": None},
+                  "ResidentState": {"lengths": 0}}[kind]
+
+    def one(path, x):
+        name = sharding._names(path)
+        if name in ("host.kv", "index_keys") and frames is not None:
+            return x[:, frames]
+        axis = batch_axis.get(name, 1)
+        return x if axis is None else np.take(x, np.arange(seats.start, seats.stop), axis=axis)
+
+    out = jax.tree_util.tree_map_with_path(one, arrays)
+    if frames is not None:
+        out = dataclasses.replace(out, table=np.where(out.table >= 0, out.table - frames.start,
+                                                      -1).astype(np.int32))
+    device = jax.devices()[0]
+    out = jax.tree.map(lambda x: jax.device_put(jnp.asarray(x), device), out)
+    if frames is not None:
+        host = jax.device_put(out.host.kv, jax.sharding.SingleDeviceSharding(
+            device, memory_kind="pinned_host"))
+        out = dataclasses.replace(out, host=dataclasses.replace(out.host, kv=host))
+    return out
+
+
+def assert_state_equal(sharded, mesh, refs, ranks):
+    whole = sharding.unshard_state(sharded, mesh)
+    for r in range(ranks):
+        chex.assert_trees_all_equal(jax.tree.map(to_numpy, rank_state(whole, r, ranks)),
+                                    jax.tree.map(to_numpy, refs[r]))
+
+
+def assert_split(x, axis: int, ranks: int, memory_kind: str = "device"):
+    """x is split over its axis `axis` in `ranks` shards (no replication), in memory_kind."""
+    shard = x.sharding.shard_shape(x.shape)
+    want = tuple(n // ranks if i == axis else n for i, n in enumerate(x.shape))
+    assert shard == want, (x.shape, shard, want)
+    assert x.sharding.memory_kind == memory_kind, (x.sharding.memory_kind, memory_kind)
+
+
+def check_decode_shardings(state, ranks):
+    assert_split(state.host.kv, 1, ranks, "pinned_host")
+    assert_split(state.index_keys, 1, ranks)
+    assert_split(state.hot, 1, ranks)
+    assert_split(state.table, 0, ranks)
+    assert_split(state.slots.token_to_slot, 1, ranks)
+    assert_split(state.slots.slot_to_token, 1, ranks)
+    assert_split(state.policy.stamp, 1, ranks)
+    assert_split(state.lengths, 0, ranks)
+
+
+def check_compiled(compiled, state, ranks):
+    """The compiled sharded decode step: state in and out split over `data` (host pages in
+    pinned_host memory), no collective in its HLO."""
+    text = compiled.as_text()
+    found = [c for c in COLLECTIVES if c in text]
+    assert not found, f"collectives in the sharded decode step: {found}"
+    _, state_in, _, _ = compiled.input_shardings[0]
+    _, state_out, _ = compiled.output_shardings
+    for where in (state_in, state_out):
+        for name, axis in (("host.kv", 1), ("hot", 1), ("index_keys", 1), ("table", 0),
+                           ("lengths", 0), ("slots.token_to_slot", 1)):
+            array, got = state, where
+            for part in name.split("."):
+                array, got = getattr(array, part), getattr(got, part)
+            assert got.shard_shape(array.shape)[axis] == array.shape[axis] // ranks, (name, got)
+            kind = "pinned_host" if name == "host.kv" else "device"
+            assert got.memory_kind == kind, (name, got)
+    log("  compiled program: state split over data, host pages pinned_host, no collectives")
+
+
+def random_params(config, rng):
+    """Weights of init_params' shapes drawn in numpy (no program compiled to make them)."""
+    shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    return jax.tree.map(lambda x: jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype),
+                        shapes)
+
+
+def random_decode_state(rng, config, *, batch, offload, lengths, permute):
+    """A DecodeState of random KV and indexer keys (no prefill: the step only reads rows)."""
+    s_in = max(lengths)
+    kv = rng.standard_normal((config.num_layers, batch, s_in, config.kv_width))
+    keys = rng.standard_normal((config.num_groups, batch, s_in, config.index_head_dim))
+    table = None
+    if permute:  # pages shuffled within each rank's shard (`permute` ranks): local != global
+        per = batch * offload.num_pages // permute
+        frames = np.concatenate([r * per + rng.permutation(per) for r in range(permute)])
+        table = frames.reshape(batch, offload.num_pages).astype(np.int32)
+    return DecodeState.from_resident(jnp.asarray(kv, config.jnp_kv_dtype),
+                                     jnp.asarray(keys, config.jnp_kv_dtype),
+                                     np.asarray(lengths, np.int32), config=config,
+                                     offload=offload, fill=NAN, table=table)
+
+
+def decode_case(params, rng, *, ranks, batch, ways, policy, page, hot, steps, permute=False,
+                hlo=False, inactive=False):
+    config = CONFIG.replace(max_ways=ways)
+    # One capacity and prompt size for every case: the handoff's eager ops compile once.
+    lengths = [PROMPT] + rng.integers(1, PROMPT, batch - 1).tolist()
+    capacity = 32
+    assert PROMPT + steps * ways <= capacity
+    offload = OffloadConfig(hot_slots=hot, page_size=page, capacity=capacity, policy=policy)
+    state = random_decode_state(rng, config, batch=batch, offload=offload, lengths=lengths,
+                                permute=ranks if permute else False)
+    mesh = sharding.make_mesh(ranks)
+    sharded = sharding.shard_state(state, mesh)
+    refs = [rank_state(state, r, ranks) for r in range(ranks)]
+    check_decode_shardings(sharded, ranks)
+    per = batch // ranks
+    step = functools.partial(sharding.sharded_decode_step, mesh=mesh, config=config,
+                             offload=offload)
+    if hlo:
+        # The program the step runs, compiled once here and stepped below (one compile).
+        tokens = rng.integers(0, config.vocab_size, (batch, ways), dtype=np.int32)
+        compiled = sharding.lower_sharded_decode_step(params, sharded, tokens, mesh=mesh,
+                                                      config=config, offload=offload).compile()
+        check_compiled(compiled, sharded, ranks)
+        token_sharding = compiled.input_shardings[0][2]
+        step = lambda p, s, t: compiled(p, s, jax.device_put(t, token_sharding), None)  # noqa
+    for _ in range(steps):
+        tokens = rng.integers(0, config.vocab_size, (batch, ways), dtype=np.int32)
+        active = rng.random(batch) < 0.7 if inactive else None  # finished seats step too
+        if inactive:
+            logits, sharded, stats = step(params, sharded, tokens, active=active)
+        else:
+            logits, sharded, stats = step(params, sharded, tokens)
+        for r in range(ranks):
+            seats = slice(r * per, (r + 1) * per)
+            want, refs[r], want_stats = offload_decode.decode_step(
+                params, refs[r], tokens[seats], config=config, offload=offload,
+                active=None if active is None else active[seats])
+            # An inactive seat's logits are unspecified.
+            live = slice(None) if active is None else active[seats]
+            chex.assert_trees_all_equal(np.asarray(logits)[seats][live],
+                                        np.asarray(want)[live])
+            got_stats = jax.tree.map(lambda x: np.take(np.asarray(x), np.arange(
+                seats.start, seats.stop), axis=0 if x.ndim == 1 else 1), stats)
+            chex.assert_trees_all_equal(got_stats, jax.tree.map(np.asarray, want_stats))
+    check_decode_shardings(sharded, ranks)
+    if not hlo:  # one compiled program served every step (outputs placed as the inputs)
+        statics = (("config", config), ("offload", offload), ("implementation", "xla"),
+                   ("scores", False))
+        program = sharding._program(mesh, sharding._offload_decode, statics, inactive, None)
+        assert program._cache_size() == 1, program._cache_size()
+    assert_state_equal(sharded, mesh, refs, ranks)
+    log(f"decode ranks={ranks} B={batch} W={ways} policy={policy} Z={page} C={hot} "
+        f"permuted={permute} inactive seats={inactive}: {steps} steps bitwise ok (misses "
+        f"{int(np.asarray(stats.misses).sum())} in the last step)")
+
+
+def resident_case(params, rng, *, ranks, batch, ways, steps):
+    config = CONFIG.replace(max_ways=ways)
+    capacity = 32
+    state = resident.ResidentState.create(config, batch=batch, capacity=capacity, fill=NAN)
+    lengths = rng.integers(1, 16, batch)
+    state = dataclasses.replace(
+        state,
+        kv=jnp.asarray(rng.standard_normal(state.kv.shape), state.kv.dtype),
+        index_keys=jnp.asarray(rng.standard_normal(state.index_keys.shape),
+                               state.index_keys.dtype),
+        lengths=jnp.asarray(lengths, jnp.int32))
+    mesh = sharding.make_mesh(ranks)
+    sharded = sharding.shard_state(state, mesh)
+    assert_split(sharded.kv, 1, ranks)
+    refs = [rank_state(state, r, ranks) for r in range(ranks)]
+    per = batch // ranks
+    for _ in range(steps):
+        tokens = rng.integers(0, config.vocab_size, (batch, ways), dtype=np.int32)
+        logits, sharded = sharding.sharded_resident_decode_step(params, sharded, tokens,
+                                                                mesh=mesh, config=config)
+        for r in range(ranks):
+            seats = slice(r * per, (r + 1) * per)
+            want, refs[r] = resident.decode_step(params, refs[r], tokens[seats], config=config)
+            chex.assert_trees_all_equal(np.asarray(logits)[seats], np.asarray(want))
+    assert_split(sharded.kv, 1, ranks)
+    assert_state_equal(sharded, mesh, refs, ranks)
+    log(f"resident decode ranks={ranks} B={batch} W={ways}: {steps} steps bitwise ok")
+
+
+def prefill_case(params, rng, *, ranks, batch, page, chunks, width):
+    capacity = 4 * page
+    state = offload_prefill.PrefillState.create(CONFIG, batch=batch, capacity=capacity,
+                                                page_size=page, fill=NAN)
+    mesh = sharding.make_mesh(ranks)
+    sharded = sharding.shard_state(state, mesh)
+    assert_split(sharded.host.kv, 1, ranks, "pinned_host")
+    refs = [rank_state(state, r, ranks) for r in range(ranks)]
+    per = batch // ranks
+    for _ in range(chunks):
+        tokens = rng.integers(0, CONFIG.vocab_size, (batch, width), dtype=np.int32)
+        num_new = rng.integers(1, width + 1, batch).astype(np.int32)
+        # Every page loaded each chunk: one program for both chunks.
+        history = capacity // page
+        logits, sharded = sharding.sharded_prefill(params, sharded, tokens, num_new, mesh=mesh,
+                                                   config=CONFIG, num_buffers=2,
+                                                   history_pages=history)
+        for r in range(ranks):
+            seats = slice(r * per, (r + 1) * per)
+            want, refs[r] = offload_prefill.prefill(params, refs[r], tokens[seats],
+                                                    num_new[seats], config=CONFIG,
+                                                    num_buffers=2, history_pages=history,
+                                                    query_block=None)
+            for b in range(per):  # padding logits are unspecified
+                n = int(num_new[seats][b])
+                chex.assert_trees_all_equal(np.asarray(logits)[seats][b, :n],
+                                            np.asarray(want)[b, :n])
+    assert_split(sharded.host.kv, 1, ranks, "pinned_host")
+    assert_state_equal(sharded, mesh, refs, ranks)
+    log(f"offloaded prefill ranks={ranks} B={batch} Z={page}: {chunks} chunks bitwise ok")
+
+
+def cli_case():
+    """`fo-jax generate --offload --devices 4` on the simulated devices (in this process)."""
+    from fo_jax import cli
+
+    out = io.StringIO()
+    argv = ["generate", "--model", "tiny", "--offload", "--devices", "4", "--batch", "4",
+            "--max-new-tokens", "3", "--prompt", "abc", "--page-size", "4", "--no-progress"]
+    with contextlib.redirect_stdout(out):
+        code = cli.main(argv)
+    text = out.getvalue()
+    assert code == 0, text
+    assert "path: offload   batch: 4" in text and "generated: 12 tokens" in text, text
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = cli.main(argv + ["--batch", "6"])
+    assert code == 2 and ("fo-jax: error: --batch 6 must be a multiple of --devices 4 (each "
+                          "device runs batch / devices requests)") in err.getvalue(), err.getvalue()
+    log("fo-jax generate --offload --devices 4 ok")
+
+
+def raises(fn, message):
+    try:
+        fn()
+    except ValueError as err:
+        assert message in str(err), f"{message!r} not in {str(err)!r}"
+    else:
+        raise AssertionError(f"no ValueError ({message!r})")
+
+
+def error_cases(rng):
+    """The refusals of fo_jax.sharding, messages pinned (no program compiled)."""
+    offload = OffloadConfig(hot_slots=4, page_size=4, capacity=8)
+    # Seat 0 (rank 0) holds frame 2, which is rank 1's (F = 4, two frames per rank).
+    table = np.array([[2, 1], [0, 3]], np.int32)
+    state = random_decode_state(rng, CONFIG, batch=2, offload=offload, lengths=[5, 6],
+                                permute=False)
+    raises(lambda: sharding.shard_state(dataclasses.replace(state, table=jnp.asarray(table)),
+                                        sharding.make_mesh(2)),
+           "page table entry [0, 0] = 2 names a frame of rank 1's pool shard, but seat 0 "
+           "belongs to rank 0 (frames [0, 2)): give each seat pages of its own rank's shard")
+    raises(lambda: sharding.shard_state(state, sharding.make_mesh(4)),
+           "batch B=2 must be a multiple of the data axis size 4 (every rank holds B / D "
+           "seats): pad the batch with inactive seats")
+    raises(lambda: sharding.make_mesh(16),
+           "num_devices=16 must be in [1, 8] (the devices jax sees; on a CPU set XLA_FLAGS="
+           "--xla_force_host_platform_device_count=N before jax starts to simulate N)")
+    raises(lambda: sharding.make_mesh(8, model=3),
+           "model=3 x expert=1 must divide num_devices=8 (the data axis gets the rest)")
+    mesh = sharding.make_mesh(8, model=2, expert=2)
+    assert dict(mesh.shape) == {"data": 2, "model": 2, "expert": 2}
+    moe = CONFIG.replace(n_routed_experts=4, num_experts_per_tok=2, moe_hidden=8,
+                         n_group=1, topk_group=1, first_k_dense_replace=1)
+    specs = sharding.param_specs(random_params(moe, rng), mesh)
+    assert specs["moe"]["w1"] == jax.sharding.PartitionSpec(None, "expert")
+    assert specs["layers"]["wo"] == jax.sharding.PartitionSpec(None, "model")
+    assert specs["layers"]["attn_norm"] == jax.sharding.PartitionSpec()
+    log("refusals and weight rules ok")
+
+
+def main(argv):
+    assert len(jax.devices()) == 8, jax.devices()
+    rng = np.random.default_rng(int(argv[1]) if len(argv) > 1 else 0)
+    params = random_params(CONFIG, rng)
+    error_cases(rng)
+    decode_case(params, rng, ranks=4, batch=8, ways=1, policy="ring", page=4, hot=16, steps=3,
+                hlo=True)
+    decode_case(params, rng, ranks=2, batch=8, ways=2, policy="clock", page=4, hot=16, steps=3,
+                permute=True, inactive=True)
+    decode_case(params, rng, ranks=8, batch=8, ways=4, policy="lru", page=4, hot=16, steps=3)
+    decode_case(params, rng, ranks=2, batch=8, ways=3, policy="random", page=4, hot=16,
+                steps=3)
+    resident_case(params, rng, ranks=4, batch=4, ways=2, steps=2)
+    prefill_case(params, rng, ranks=2, batch=4, page=4, chunks=2, width=6)
+    cli_case()
+    log("ALL OK")
+
+
+if __name__ == "__main__":
+    main(sys.argv)
