@@ -72,7 +72,7 @@ from fo_jax.engine.loop import (
 )
 from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload.config import OffloadConfig
-from fo_jax.engine.admission import MemoryCosts
+from fo_jax.engine.admission import ORDERS, RESERVES, MemoryCosts, RequestRefused
 from fo_jax.engine.pages import NO_PAGE, PagePool, PoolExhausted, PrefixCache, RequestPages
 from fo_jax.offload.state import DecodeState, committed
 
@@ -129,6 +129,10 @@ class _Request:
     last_token_at: float | None = None
     pages: Any = None  # RequestPages (offloaded path): the pool pages the request maps
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (not prefilled)
+    order: int = 0  # arrival number: the queue's tie-break
+    admitted: int = -1  # admission (or resume) number: the youngest is preempted first
+    preempted: bool = False  # waiting to resume (its tokens kept, its pages dropped)
+    key_data: Any = None  # its PRNG key data when preempted after sampling (restored on resume)
 
     def output(self, new: list[int]) -> RequestOutput:
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
@@ -150,6 +154,14 @@ def _set_lengths(lengths, mask, values):
 def _set_rows(table, mask, rows):
     """The page table [B, P] with the rows of the seats of `mask` set to `rows`."""
     return jnp.where(mask[:, None], rows, table)
+
+
+@jax.jit
+def _set_keys(keys, mask, data):
+    """Per-seat keys [B] with the seats of `mask` set to the key data `data` [B, ...]."""
+    new = jnp.where(mask.reshape((-1,) + (1,) * (data.ndim - 1)), data,
+                    jax.random.key_data(keys))
+    return jax.random.wrap_key_data(new, impl=jax.random.key_impl(keys))
 
 
 @jax.jit
@@ -189,6 +201,20 @@ class Engine:
       prefix_cache: offloaded: map cached pages of earlier prompts (needs prefill_chunk a
         multiple of page_size: a reused prefix ends where a chunk ends, so the rest of the
         prompt is computed exactly as from scratch: the tokens do not change).
+      device_bytes: offloaded: the device budget of request state, the planner's arithmetic
+        (`MemoryCosts`): hot cache and tails per running seat + indexer keys per page held +
+        prefill layer buffers per prompt page while prefilling (weights and activations not
+        counted). A request that can never fit it is refused by `add_request`; one that does
+        not fit now waits. None: no device limit beyond the seats and the pool.
+      order: the waiting queue: "fifo" (arrival order) or "shortest" (by prompt + max_tokens,
+        ties by arrival). Either way admission stops at the first request that does not fit
+        (no overtaking) and preempted requests come first. With "shortest", a long request
+        can wait for ever under a steady stream of shorter ones (no aging).
+      reserve: offloaded: "full" reserves pages for prompt + max_tokens at admission (a running
+        request never needs a page: no preemption); "prompt" reserves the prompt and the next
+        decode call, and grows each running request's pages before every decode call,
+        preempting the youngest running request when the pool (or device_bytes) cannot supply
+        them (see the module doc).
     Raises:
       ValueError: bad settings, before anything is allocated.
     """
@@ -199,7 +225,8 @@ class Engine:
                  query_block: int | None = resident.QUERY_BLOCK, num_buffers: int | None = None,
                  implementation: str | None = None, interpret: Any = False,
                  num_pages: int | None = None, host_pool_bytes: int | None = None,
-                 prefix_cache: bool = False):
+                 prefix_cache: bool = False, device_bytes: int | None = None,
+                 order: str = "fifo", reserve: str = "full"):
         for name, value in (("seats", seats), ("decode_steps_per_call", decode_steps_per_call),
                             ("prefill_chunk", prefill_chunk), ("max_stop_ids", max_stop_ids)):
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
@@ -223,19 +250,32 @@ class Engine:
         self.pool = self.prefix = None
         self.max_pages = 1  # P, page-table row width (offloaded; unused on the resident path)
         if offload is None and (num_pages is not None or host_pool_bytes is not None
-                                or prefix_cache):
-            raise ValueError("num_pages, host_pool_bytes and prefix_cache need the offloaded "
-                             "path (an OffloadConfig): the resident state keeps each seat's KV "
-                             "apart")
+                                or prefix_cache or device_bytes is not None
+                                or reserve != "full"):
+            raise ValueError("num_pages, host_pool_bytes, prefix_cache, device_bytes and "
+                             "reserve='prompt' need the offloaded path (an OffloadConfig): the "
+                             "resident state keeps each seat's KV apart")
+        if order not in ORDERS:
+            raise ValueError(f"order={order!r} must be one of {ORDERS}")
+        if reserve not in RESERVES:
+            raise ValueError(f"reserve={reserve!r} must be one of {RESERVES}")
+        if device_bytes is not None and (not isinstance(device_bytes, numbers.Integral)
+                                         or isinstance(device_bytes, bool) or device_bytes < 1):
+            raise ValueError(f"device_bytes={device_bytes!r} must be an int >= 1 (bytes of "
+                             "device memory for request state), or None")
+        self.order, self.reserve = order, reserve
+        self.device_bytes = None if device_bytes is None else int(device_bytes)
+        self.costs = None  # MemoryCosts (offloaded): the planner's bytes per seat and page
         if num_pages is not None and host_pool_bytes is not None:
             raise ValueError("give num_pages or host_pool_bytes, not both (both size the pool)")
         if offload is not None:
             z = offload.page_size
             self.max_pages = self.capacity // z
+            self.costs = MemoryCosts.from_config(
+                config, page_size=z, hot_slots=offload.hot_slots,
+                num_buffers=min(4, config.num_layers) if num_buffers is None else num_buffers)
             if host_pool_bytes is not None:  # the planner's bytes of one page (every layer)
-                page_bytes = MemoryCosts.from_config(
-                    config, page_size=z, hot_slots=offload.hot_slots,
-                    num_buffers=min(4, config.num_layers)).page_host_bytes
+                page_bytes = self.costs.page_host_bytes
                 num_pages = int(host_pool_bytes) // page_bytes
                 if num_pages < 1:
                     raise ValueError(f"host_pool_bytes={host_pool_bytes} holds no page of {z} "
@@ -275,10 +315,13 @@ class Engine:
         self._waiting: list[_Request] = []
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._admissions = itertools.count()
         self.stats = None  # offload statistics summed over decode calls, on the device
         self.counters = {"steps": 0, "prefill_calls": 0, "decode_calls": 0,
                          "prefill_tokens": 0, "decode_tokens": 0, "prefix_hit_tokens": 0,
-                         "requests_finished": 0, "requests_cancelled": 0}
+                         "requests_finished": 0, "requests_cancelled": 0,
+                         "preemptions": 0, "replayed_tokens": 0}
         # Wall seconds of `step`: in the prefill / decode programs (until their results are
         # ready) and in total; the rest is the engine's own host work.
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "step_s": 0.0}
@@ -312,6 +355,16 @@ class Engine:
                     f"prompt of {prompt_np.size} tokens + max_tokens={max_tokens} needs {need} "
                     f"pages of {self.pool.page_size} tokens, but the pool holds "
                     f"{self.pool.num_pages}: lower max_tokens or raise num_pages")
+            if self.device_bytes is not None:
+                seat, prefill, pages = self._device_need(prompt_np.size, need)
+                if seat + prefill + pages > self.device_bytes:
+                    raise RequestRefused(
+                        f"prompt of {prompt_np.size} tokens + max_tokens={max_tokens} can never "
+                        f"fit device_bytes={self.device_bytes:,}: alone it needs "
+                        f"{seat + prefill + pages:,} bytes of device memory (seat hot cache "
+                        f"{seat:,} + prefill buffers {prefill:,} + indexer-key pages "
+                        f"{pages:,} for {need} pages of {self.pool.page_size} tokens); "
+                        "shorten the prompt or max_tokens, or raise device_bytes")
         _check_sampling_values(np.asarray([temperature]), np.asarray([top_p]))
         if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
             raise ValueError(f"seed={seed!r} must be an int")
@@ -338,7 +391,8 @@ class Engine:
                              "finished and not yet collected)")
         req = _Request(request_id, prompt_np.astype(np.int32), int(max_tokens),
                        float(temperature), float(top_p), int(seed), stop_ids, stop,
-                       time.perf_counter(), text="" if self.tokenizer is not None else None)
+                       time.perf_counter(), text="" if self.tokenizer is not None else None,
+                       order=next(self._arrivals))
         self._requests[request_id] = req
         self._waiting.append(req)
         return request_id
@@ -413,25 +467,74 @@ class Engine:
         moved: dict[str, list[int]] = {}
         self._admit()
         self._prefill(moved)
+        self._grow_pages()
         self._decode(moved)
         self.counters["steps"] += 1
         self.timings["step_s"] += time.perf_counter() - start
         return [self._requests[rid].output(new) for rid, new in moved.items()]
 
     def _reserved_tokens(self, prompt_len: int, max_tokens: int) -> int:
-        """Tokens a request's pages are reserved for at admission: prompt + output, at most a
-        seat (all at once: a running request never waits for a page)."""
+        """The most tokens a request's pages ever hold: prompt + output, at most a seat
+        (reserve="full" reserves them all at admission: a running request never waits for a
+        page)."""
         return min(prompt_len + max_tokens, self.capacity)
 
+    def _tokens_needed(self, req: _Request) -> int:
+        """Tokens the request's pages must hold before its next decode call (or, admitted,
+        through its prefill, its replay and its first decode call): with reserve="prompt",
+        the tokens stored (prompt + fed tokens: every sampled token but the last) + one
+        call's steps; with reserve="full", all it may ever hold."""
+        full = self._reserved_tokens(len(req.prompt), req.max_tokens)
+        if self.reserve == "full":
+            return full
+        return min(len(req.prompt) + max(len(req.tokens) - 1, 0) + self.n_steps, full)
+
+    def _device_need(self, prompt_len: int, pages: int) -> tuple[int, int, int]:
+        """(seat, prefill buffers, indexer-key pages): device bytes of a request of
+        `prompt_len` prompt tokens holding `pages` pages, while prefilling (the planner's
+        arithmetic, `MemoryCosts`). O(1)."""
+        c = self.costs
+        return (c.seat_device_bytes, c.pages(prompt_len) * c.page_prefill_bytes,
+                pages * c.page_device_bytes)
+
+    def device_bytes_used(self) -> int | None:
+        """Device bytes of request state by the planner's arithmetic: hot cache of every
+        occupied seat + prefill buffers of the prefilling ones + indexer keys of every page
+        held (a shared page once; cached pages mapped by none are evictable: not counted).
+        None on the resident path. O(seats)."""
+        if self.costs is None:
+            return None
+        c = self.costs
+        used = self.pool.num_held * c.page_device_bytes
+        for req in self._occupant:
+            if req is not None:
+                used += c.seat_device_bytes
+                if req.prefilled < len(req.prompt):
+                    used += c.pages(len(req.prompt)) * c.page_prefill_bytes
+        return used
+
+    def _queue(self) -> list[_Request]:
+        """The waiting requests in admission order: preempted ones first (in the order they
+        were first admitted: the oldest resumes first), then new ones by `order`.
+        O(Q log Q)."""
+        if self.order == "fifo":
+            return sorted(self._waiting, key=lambda r: (not r.preempted, r.order))
+        return sorted(self._waiting, key=lambda r: (
+            not r.preempted, 0 if r.preempted else len(r.prompt) + r.max_tokens, r.order))
+
     def _admit(self) -> None:
-        """FIFO: the first waiting request takes a free seat once the pool can reserve its
-        pages (a request that does not fit yet blocks the ones behind it: no starvation).
-        With the prefix cache, its longest cached prefix of whole prefill chunks is mapped and
-        not prefilled. O(seats + prompt + pages) per admitted request."""
+        """The first request of the queue (`_queue`) takes a free seat once the pool can
+        reserve its pages (`_tokens_needed`) and its device bytes fit `device_bytes`; a
+        request that does not fit yet blocks the ones behind it. With the prefix cache, its
+        longest cached prefix of whole prefill chunks is mapped and not prefilled. A resumed
+        request prefills its prompt again (cached chunks mapped) and replays its tokens at its
+        join. O(seats + prompt + pages) per admitted request, O(Q log Q) for the queue."""
         free = [b for b, r in enumerate(self._occupant) if r is None]
         started = {}
-        while free and self._waiting:
-            req = self._waiting[0]
+        queue = self._queue() if free else []
+        for req in queue:
+            if not free:
+                break
             if self.pool is not None:
                 matched, cached = np.zeros((0,), np.int32), 0
                 if self.prefix is not None:
@@ -442,21 +545,81 @@ class Engine:
                 pages = RequestPages(self.pool, self.max_pages, prefix_pages=matched.tolist(),
                                      prefix_tokens=cached)
                 try:
-                    pages.grow(self._reserved_tokens(len(req.prompt), req.max_tokens))
+                    pages.grow(self._tokens_needed(req))
                 except PoolExhausted:
                     pages.release()
                     break
+                if self.device_bytes is not None:
+                    seat, prefill, _ = self._device_need(len(req.prompt), 0)
+                    if self.device_bytes_used() + seat + prefill > self.device_bytes:
+                        pages.release()  # its pages are counted in the pool's held pages
+                        break
                 req.pages, req.cached_tokens = pages, cached
                 self.counters["prefix_hit_tokens"] += cached
-            self._waiting.pop(0)
+            self._waiting.remove(req)
             b = free.pop(0)
             req.seat, req.prefilled = b, req.cached_tokens
+            req.admitted = next(self._admissions)
             self._occupant[b] = req
             started[b] = req
         if started:
             self._set_seats({b: (r.cached_tokens, None if r.pages is None else r.pages.table_row())
                              for b, r in started.items()})
 
+    def _grow_pages(self) -> None:
+        """reserve="prompt": before the decode call, give every decoding request the pages
+        the call may write (`_tokens_needed`), oldest request first. When the pool, after
+        evicting unreferenced prefix-cache pages (least recently released first, as any
+        allocation does), cannot supply them, or they would pass `device_bytes`, preempt the
+        youngest running request (`_preempt`) and try again; a request that is itself the
+        youngest is preempted. The oldest request always gets its pages (`add_request`
+        refused any request that cannot fit alone). O(seats + pages allocated)."""
+        if self.pool is None or self.reserve == "full":
+            return
+        rows = {}
+        decoding = sorted((r for r in self._occupant
+                           if r is not None and r.prefilled == len(r.prompt)),
+                          key=lambda r: r.admitted)
+        for req in decoding:
+            while req.seat is not None:
+                need = req.pages.pages_needed(self._tokens_needed(req))
+                if need == 0:
+                    break
+                fits = (self.device_bytes is None or self.device_bytes_used()
+                        + need * self.costs.page_device_bytes <= self.device_bytes)
+                if fits and need <= self.pool.num_available:
+                    req.pages.grow(self._tokens_needed(req))
+                    rows[req.seat] = req.pages.table_row()
+                    break
+                victim = max((r for r in self._occupant if r is not None),
+                             key=lambda r: r.admitted)
+                rows.pop(victim.seat, None)
+                self._preempt(victim)
+        if rows:
+            self._set_rows(rows)
+
+    def _set_rows(self, rows: dict) -> None:
+        """Set seat b's page-table row to rows[b] (pages appended; lengths unchanged)."""
+        mask = np.zeros((self.seats,), bool)
+        table = np.full((self.seats, self.max_pages), NO_PAGE, np.int32)
+        for b, row in rows.items():
+            mask[b], table[b] = True, row
+        self.state = dataclasses.replace(
+            self.state, table=_set_rows(self.state.table, jnp.asarray(mask), jnp.asarray(table)))
+
+    def _preempt(self, req: _Request) -> None:
+        """Take a running request's seat and drop its pages; it waits at the head of the
+        queue (`_queue`) with its sampled tokens (and, once it sampled, its PRNG key) kept.
+        Its full prompt pages the prefix cache registered stay cached (mapped again on resume
+        unless evicted meanwhile); the others go back to the pool. O(pages + seats)."""
+        if req.prefilled == len(req.prompt):  # joined: its seat holds its key (a request
+            # resumed but not joined yet keeps the key it saved)
+            req.key_data = np.asarray(jax.random.key_data(self._seats.keys[req.seat]))
+        self._free(req, finished=False)
+        req.prefilled = req.cached_tokens = 0
+        req.preempted = True
+        self._waiting.append(req)
+        self.counters["preemptions"] += 1
     def _set_seats(self, seats: dict) -> None:
         """Set seat b's length (and page-table row, offloaded) to seats[b] = (length, row)."""
         mask = np.zeros((self.seats,), bool)
@@ -523,7 +686,9 @@ class Engine:
             self._join(done, logits, num_new, moved)
 
     def _join(self, joined: list[_Request], logits, num_new, moved) -> None:
-        """Sample the first token of each request whose prompt is complete and start it."""
+        """Start each request whose prompt is complete: a new one samples its first token
+        from the chunk's logits; a resumed one (preempted after sampling) takes back its PRNG
+        key and its last token and replays its other tokens (`_replay`)."""
         batch = self.seats
         mask = np.zeros((batch,), bool)
         for req in joined:
@@ -533,29 +698,67 @@ class Engine:
         if self.offload is not None:
             self.state = offload_prefill.join_seats(self.state, mask, config=self.config,
                                                     offload=self.offload)
-        fresh = np.zeros((batch,) + self._key_shape, np.uint32)
-        for req in joined:
-            fresh[req.seat] = np.asarray(jax.random.key_data(jax.random.key(req.seed)))
-        first, keys = _first_tokens(logits, jnp.asarray(np.maximum(num_new - 1, 0)),
-                                    self._seats.keys, jnp.asarray(fresh), jnp.asarray(mask),
-                                    self._sampling_now())
-        first_np = np.asarray(first)
+        new = [r for r in joined if not r.tokens]
+        resumed = [r for r in joined if r.tokens]
+        keys, first_np = self._seats.keys, None
+        if new:
+            new_mask = np.zeros((batch,), bool)
+            fresh = np.zeros((batch,) + self._key_shape, np.uint32)
+            for req in new:
+                new_mask[req.seat] = True
+                fresh[req.seat] = np.asarray(jax.random.key_data(jax.random.key(req.seed)))
+            first, keys = _first_tokens(logits, jnp.asarray(np.maximum(num_new - 1, 0)),
+                                        keys, jnp.asarray(fresh), jnp.asarray(new_mask),
+                                        self._sampling_now())
+            first_np = np.asarray(first)
+        if resumed:
+            old_mask = np.zeros((batch,), bool)
+            saved = np.zeros((batch,) + self._key_shape, np.uint32)
+            for req in resumed:
+                old_mask[req.seat], saved[req.seat] = True, req.key_data
+            keys = _set_keys(keys, jnp.asarray(old_mask), jnp.asarray(saved))
         now = time.perf_counter()
         generated = np.array(self._seats.generated)
         tokens_np = np.array(self._seats.tokens)
         done = np.array(self._seats.done)
-        for req in joined:
+        for req in new:
             b = req.seat
             t = int(first_np[b])
             req.first_token_at = now
             tokens_np[b], generated[b] = t, 1
             finished = self._record(req, [t], moved, length=len(req.prompt))
             done[b] = finished
+        for req in resumed:
+            tokens_np[req.seat], generated[req.seat] = req.tokens[-1], len(req.tokens)
+            done[req.seat] = False
+            req.preempted, req.key_data = False, None
         self._seats = committed(Seats(tokens=jnp.asarray(tokens_np), keys=keys,
                                       generated=jnp.asarray(generated), done=jnp.asarray(done)))
-        for req in joined:
+        if resumed:
+            self._replay(resumed)
+        for req in new:
             if req.finish_reason is not None:
                 self._free(req)
+
+    def _replay(self, resumed: list[_Request]) -> None:
+        """Feed each resumed request's sampled tokens but the last (their KV was dropped with
+        its pages) through the decode step, the program that computed them before, one token
+        per step, the other seats inactive (unchanged); the logits are not used. Prefilling
+        them instead would not be bitwise: on CPU, XLA rounds a [chunk]-row matmul
+        differently from a 1-row one (the KV and logits of a token differ in the last bits),
+        so a resumed request could sample other tokens than its solo run. Costs: one decode
+        step of the batch per replayed token of the longest replay."""
+        batch = self.seats
+        for i in range(max(len(r.tokens) - 1 for r in resumed)):
+            tokens = np.zeros((batch, 1), np.int32)
+            active = np.zeros((batch,), bool)
+            for req in resumed:
+                if i < len(req.tokens) - 1:
+                    tokens[req.seat, 0], active[req.seat] = req.tokens[i], True
+            _, self.state, _ = self.step_fn(self.params, self.state,
+                                            committed(jnp.asarray(tokens)),
+                                            committed(jnp.asarray(active)))
+            self.counters["replayed_tokens"] += int(active.sum())
 
     def _decode(self, moved) -> None:
         running = [r for r in self._occupant
@@ -621,7 +824,8 @@ class Engine:
             req.finish_reason = "length"
         return req.finish_reason is not None
 
-    def _free(self, req: _Request) -> None:
+    def _free(self, req: _Request, *, finished: bool = True) -> None:
+        """Free the request's seat and drop its pages (finished, cancelled or preempted)."""
         if req.seat is not None and self._occupant[req.seat] is req:
             b = req.seat
             self._occupant[b] = None
@@ -635,7 +839,7 @@ class Engine:
             req.pages.release()
             req.pages = None
         req.seat = None
-        if req.finish_reason != "cancelled":
+        if finished and req.finish_reason != "cancelled":
             self.counters["requests_finished"] += 1
 
     def _sampling_row(self, req: _Request | None):
