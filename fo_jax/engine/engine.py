@@ -430,6 +430,11 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def waiting_ids(self) -> list[str]:
+        """Ids of the waiting requests in the order admission considers them (preempted
+        ones first, then by `order`). O(Q log Q)."""
+        return [r.request_id for r in self._queue()]
+
     def pool_occupancy(self) -> dict | None:
         """Pages of the shared pools: free, held (mapped by requests), cached (kept by the
         prefix cache, mapped by none) and total; None on the resident path. O(1)."""
