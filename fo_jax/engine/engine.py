@@ -10,11 +10,18 @@ The engine owns one batch state of `seats` requests (the offloaded `DecodeState`
 resident `ResidentState` with `offload=None`), sized once: requests come and go without
 recompiling. Each `step()`:
 
-  1. admits waiting requests (FIFO) into free seats. Offloaded, the seats share one pool of
+  1. admits waiting requests into free seats, in queue order (`order`: "fifo", or
+     "shortest" prompt + max_tokens first; preempted requests before either), stopping at the
+     first that does not fit (no overtaking). Offloaded, the seats share one pool of
      `num_pages` pages (host KV and indexer keys, `fo_jax.offload` page tables): a request is
-     admitted once the pool can reserve pages for its prompt and `max_tokens` (so a running
-     request never waits for a page; one that does not fit yet waits at the head of the
-     queue); with `prefix_cache`, the longest cached prefix of whole prefill chunks of its
+     admitted once the pool can reserve its pages (`reserve`, below) and, with `device_bytes`,
+     once its device bytes fit the budget (the planner's arithmetic,
+     `fo_jax.engine.admission.MemoryCosts`: hot cache and tails per occupied seat + indexer
+     keys per page held + prefill layer buffers per prompt page while prefilling; counted
+     from the pool's held pages, so a shared prefix page counts once, where the
+     `fo_jax.engine.admission.Admission` ledger, not used here, charges it per request); a request
+     that could not fit even alone (pool or device bytes) is refused by `add_request` with the
+     figures. With `prefix_cache`, the longest cached prefix of whole prefill chunks of its
      prompt is mapped from earlier requests' pages (`fo_jax.engine.pages.PrefixCache`) and not
      prefilled again. The seat's length starts at the cached tokens (what the previous
      occupant left in the seat is never read: reads stop at the length);
@@ -22,7 +29,9 @@ recompiling. Each `step()`:
      `prefill_chunk` tokens per seat; the others take 0 tokens and are not written); a seat
      whose prompt is complete samples its first token from the chunk's logits and joins the
      decode batch (`fo_jax.offload.prefill.join_seats`: its hot rows, maps and policy state);
-  3. runs `decode_steps_per_call` decode steps of the running seats in one program
+  3. (reserve="prompt") grows the decoding requests' pages for the call, preempting the
+     youngest request when they cannot be had (below);
+  4. runs `decode_steps_per_call` decode steps of the running seats in one program
      (`fo_jax.engine.loop.decode_loop`: sampling, stop tokens, max_tokens and capacity on the
      device), then reads the new tokens once, applies text stop strings, and frees the seats
      of finished requests.
@@ -33,18 +42,45 @@ offsets of each prompt, [seats, 1] decode steps), every row is computed from its
 alone, inactive seats are never written, and each request samples with its own PRNG key
 (`seed`). So a request's greedy tokens equal those of the same engine serving it alone, and,
 offloaded, those of the resident engine (tests/engine/test_engine.py checks both, bit for
-bit, over random arrival and cancel schedules).
+bit, over random arrival, cancel, prefix-sharing and preemption schedules).
 
 Costs per step: admission and bookkeeping O(seats) on the host; a prefill chunk is one
 [seats, prefill_chunk] program over every seat (the offloaded one loads
 `history_pages` pages per seat and layer: the longest history among the prefilling seats,
 rounded up to a power of two so that a prompt of n chunks compiles O(log n) programs); a
-join is O(L seats (C + 2Z)) device work; the decode loop reads its outputs once per call.
+join is O(L seats (C + 2Z)) device work (a resumed request adds one decode step per token
+it replays); the decode loop reads its outputs once per call; the queue is sorted once per
+step with free seats (O(Q log Q)); `device_bytes_used()` is O(seats).
 A finished or cancelled request's pages return to the pool at once (the ones the prefix cache
 registered stay cached, mapped by none, until an allocation needs them: least recently
-released first). Not here yet: preemption (a request keeps its seat and pages to the end),
-admission by the planner's device-byte budget (`fo_jax.engine.admission`: the seats and the
-pool are sized up front instead), prefix reuse on the resident path.
+released first).
+
+Reservation and preemption (offloaded). reserve="full" (default) reserves pages for prompt +
+max_tokens at admission: a running request never needs a page, nothing is preempted, and a
+request that does not fit waits. reserve="prompt" reserves the prompt and one decode call
+(`decode_steps_per_call` tokens) and, before every decode call, grows each decoding request's
+pages for that call, oldest first. When the pool cannot give a page even after evicting
+unreferenced prefix-cache pages (least recently released first: what every allocation does),
+or the pages would pass `device_bytes`, the youngest running request (admitted or resumed
+last, as in vLLM) is preempted: its seat is freed and its pages dropped (keeping them would
+not help: pages are what is short), its sampled tokens and PRNG key are kept (no token is
+lost or changed), and it waits at the head of the queue. Resumed, it prefills its prompt again
+(with the prefix cache, its prompt's whole chunks are mapped again unless evicted meanwhile)
+and then replays its sampled tokens but the last through the decode step, one per step, with
+its own tokens forced: the KV it rebuilds is the one it had, bit for bit. Prefilling prompt +
+sampled tokens in chunks would be cheaper (one program per chunk instead of one step per
+token) but is not bitwise on CPU: XLA rounds a [chunk]-row matmul differently from a 1-row one,
+so a token's KV and logits computed by a prefill chunk differ in their last bits from the
+decode step's (measured on the tiny model: the logits of the last position always differ, the
+KV of some positions too; the greedy tokens happened to agree), and the resumed request could
+then sample other tokens than its solo run. The oldest request always gets its pages (a request
+that cannot fit alone is refused), so the engine always progresses; a request can be preempted
+again after it resumes. `counters["preemptions"]` and `counters["replayed_tokens"]` count them.
+
+Not here yet: keeping a preempted request's pages on host (resume without recompute; useful
+when seats, not pages, are short), device_bytes, reserve="prompt" and preemption on the resident path, prefix
+reuse on the resident path, aging in the "shortest" order (a long request can wait for ever
+under a stream of shorter ones).
 """
 
 from __future__ import annotations
