@@ -23,6 +23,9 @@ CONFIG = get_config("tiny").replace(num_layers=2, indexer_layers=(0,), max_ways=
                                     index_topk=4)
 CAPACITY = 32
 SEATS = 3
+# Pages in the offloaded engines' pool: one seat's worth. The pool size is a shape of the
+# state (another size compiles every program again), so every test shares this one.
+PAGES = 8
 
 
 @functools.cache
@@ -36,6 +39,8 @@ def _offload(policy="ring"):
 
 def _engine(path="ring", *, n=2, seats=SEATS, tokenizer=None, **kwargs):
     offload = None if path == "resident" else _offload(path)
+    if offload is not None and "host_pool_bytes" not in kwargs:
+        kwargs.setdefault("num_pages", PAGES)
     return Engine(_params(), CONFIG, seats=seats, capacity=CAPACITY, offload=offload,
                   decode_steps_per_call=n, prefill_chunk=8, query_block=None,
                   tokenizer=tokenizer, **kwargs)
@@ -66,24 +71,26 @@ REQUEST = st.tuples(st.booleans(), st.integers(0, 10**6), st.integers(1, 9), st.
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 # Preemption for sure: three requests growing in an 8-page pool (one at temperature 0.9).
 @example(requests=[(True, 1, 9, 8, 0.0, 0), (True, 2, 3, 8, 0.9, 1), (False, 3, 5, 8, 0.0, 0)],
-         arrivals=[0, 0, 1, 0, 0, 0], cancels=[], path="ring", pool=(8, True, "prompt"))
+         arrivals=[0, 0, 1, 0, 0, 0], cancels=[], path="ring",
+         pool=(True, "prompt", None))
 @given(requests=st.lists(REQUEST, min_size=2, max_size=6),
        arrivals=st.lists(st.integers(0, 4), min_size=6, max_size=6),
        cancels=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 5)), max_size=2),
        path=st.sampled_from(["ring", "clock"]),
-       # (num_pages, prefix_cache, reserve): 8 pages hold one request of a whole seat
-       pool=st.tuples(st.sampled_from([8, 12, None]), st.booleans(),
-                      st.sampled_from(["full", "prompt"])))
+       # (prefix_cache, reserve, device_bytes): the pool's 8 pages hold one request of a
+       # whole seat; 9,000 device bytes one request of a whole seat (8,224 B), not two
+       pool=st.tuples(st.booleans(),
+                      st.sampled_from(["full", "prompt"]), st.sampled_from([None, 9000])))
 def test_random_schedules(requests, arrivals, cancels, path, pool):
     """Random arrival, cancel, prefix-sharing and preemption schedules over a shared pool
     (small enough that requests wait for pages and, with reserve="prompt", running ones are
-    preempted and resumed): every request's tokens equal its solo resident run's bit for bit
+    preempted and resumed) and a device budget: every request's tokens equal its solo resident run's bit for bit
     (a cancelled one's are a prefix of them); seats are reused; the offloaded state keeps its
     invariants after every step; when all have ended no page is held (the pool and the
     prefix cache agree; cached pages are mapped by none)."""
-    num_pages, prefix_cache, reserve = pool
-    engine = _engine(path, n=2, num_pages=num_pages, prefix_cache=prefix_cache,
-                     reserve=reserve)
+    prefix_cache, reserve, device_bytes = pool
+    engine = _engine(path, n=2, prefix_cache=prefix_cache,
+                     reserve=reserve, device_bytes=device_bytes)
     prompts = [(SYSTEM if shared else []) + _prompt(seed, length)
                for shared, seed, length, *_ in requests]
     pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
@@ -101,6 +108,7 @@ def test_random_schedules(requests, arrivals, cancels, path, pool):
         check_invariants(engine.state, config=CONFIG, offload=_offload(path),
                          seats=engine.decoding_seats())
         engine.pool.check()
+        assert engine.device_bytes_used() <= (device_bytes or float("inf"))
         step += 1
         assert step < 200
     assert engine.num_running() == 0 and engine.num_waiting() == 0
@@ -124,13 +132,16 @@ def test_random_schedules(requests, arrivals, cancels, path, pool):
 
 
 def test_more_requests_than_seats_wait_and_reuse_seats():
-    engine = _engine("ring", seats=2)
-    ids = [engine.add_request(_prompt(i, 5 + i), max_tokens=6) for i in range(5)]
+    # Five requests of 2 pages for three seats (the 8-page pool could hold a fourth; the
+    # same shapes as the other tests: another seat count would compile every program again).
+    engine = _engine("ring")
+    prompts = [_prompt(i, 1 + i % 3) for i in range(5)]
+    ids = [engine.add_request(p, max_tokens=5) for p in prompts]
     engine.step()
-    assert engine.num_running() == 2 and engine.num_waiting() == 3
+    assert engine.num_running() == 3 and engine.num_waiting() == 2
     outputs = engine.run()
-    for i, rid in enumerate(ids):
-        assert outputs[rid].token_ids == list(_solo(tuple(_prompt(i, 5 + i)), 6, 0.0, 0)[0])
+    for prompt, rid in zip(prompts, ids):
+        assert outputs[rid].token_ids == list(_solo(tuple(prompt), 5, 0.0, 0)[0])
         assert outputs[rid].finish_reason == "length"
         assert outputs[rid].time_to_first_token > 0
 
@@ -270,16 +281,17 @@ def test_pool_settings_and_sizes_are_checked():
 
 def test_a_prefix_is_shared_while_it_is_still_being_prefilled():
     """Pages register as soon as their chunk is prefilled: a request admitted while another
-    is still prefilling the same system prompt maps the chunks done so far."""
+    is still prefilling the same system prompt maps the chunks done so far (5 pages each,
+    2 of them shared, in the 8-page pool)."""
     engine = _engine("ring", prefix_cache=True)
-    first = engine.add_request(SYSTEM + _prompt(1, 5), max_tokens=3)
+    first = engine.add_request(SYSTEM + _prompt(1, 1), max_tokens=1)
     engine.step()  # first chunk of `first` prefilled
-    prompt = SYSTEM + _prompt(2, 7)
-    second = engine.add_request(prompt, max_tokens=4)
+    prompt = SYSTEM + _prompt(2, 2)
+    second = engine.add_request(prompt, max_tokens=1)
     out = engine.run()
     assert engine.counters["prefix_hit_tokens"] == 8
-    assert tuple(out[second].token_ids) == _solo(tuple(prompt), 4, 0.0, 0)[0]
-    assert tuple(out[first].token_ids) == _solo(tuple(SYSTEM + _prompt(1, 5)), 3, 0.0, 0)[0]
+    assert tuple(out[second].token_ids) == _solo(tuple(prompt), 1, 0.0, 0)[0]
+    assert tuple(out[first].token_ids) == _solo(tuple(SYSTEM + _prompt(1, 1)), 1, 0.0, 0)[0]
 
 
 def test_device_bytes_refuse_what_never_fits_and_queue_what_fits_later():
@@ -310,10 +322,10 @@ def test_device_bytes_refuse_what_never_fits_and_queue_what_fits_later():
 
 @pytest.mark.parametrize("order", ["fifo", "shortest"])
 def test_queue_order(order):
-    """A 4-page pool: the long request (15 tokens, 4 pages) first blocks the two short ones
+    """An 8-page pool: the long request (32 tokens, 8 pages) first blocks the two short ones
     (2 pages each) with "fifo"; with "shortest" they go first, together."""
-    engine = _engine("ring", num_pages=4, order=order)
-    long = engine.add_request(_prompt(1, 9), max_tokens=6)
+    engine = _engine("ring", order=order)
+    long = engine.add_request(_prompt(1, 17), max_tokens=15)
     short = [engine.add_request(_prompt(2, 3), max_tokens=2),
              engine.add_request(_prompt(3, 5), max_tokens=3)]
     if order == "fifo":
@@ -330,7 +342,7 @@ def test_preemption_takes_the_youngest_and_keeps_its_tokens():
     """reserve="prompt" in an 8-page pool: both requests start (4 + 3 pages), then the older
     one's growth preempts the younger one (temperature 0.9: its key is kept too), which
     resumes once there is room, prefills its prompt again and replays its tokens."""
-    engine = _engine("ring", num_pages=8, reserve="prompt")
+    engine = _engine("ring", reserve="prompt")
     old = engine.add_request(_prompt(1, 13), max_tokens=12)
     young = engine.add_request(_prompt(2, 9), max_tokens=12, temperature=0.9, seed=3)
     while engine.counters["preemptions"] == 0:
