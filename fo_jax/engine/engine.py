@@ -556,8 +556,8 @@ class Engine:
         return used
 
     def _queue(self) -> list[_Request]:
-        """The waiting requests in admission order: preempted ones first (in the order they
-        were first admitted: the oldest resumes first), then new ones by `order`.
+        """The waiting requests in admission order: preempted ones first (in arrival order:
+        the oldest resumes first), then new ones by `order`.
         O(Q log Q)."""
         if self.order == "fifo":
             return sorted(self._waiting, key=lambda r: (not r.preempted, r.order))
