@@ -10,11 +10,18 @@ The engine owns one batch state of `seats` requests (the offloaded `DecodeState`
 resident `ResidentState` with `offload=None`), sized once: requests come and go without
 recompiling. Each `step()`:
 
-  1. admits waiting requests (FIFO) into free seats. Offloaded, the seats share one pool of
+  1. admits waiting requests into free seats, in queue order (`order`: "fifo", or
+     "shortest" prompt + max_tokens first; preempted requests before either), stopping at the
+     first that does not fit (no overtaking). Offloaded, the seats share one pool of
      `num_pages` pages (host KV and indexer keys, `fo_jax.offload` page tables): a request is
-     admitted once the pool can reserve pages for its prompt and `max_tokens` (so a running
-     request never waits for a page; one that does not fit yet waits at the head of the
-     queue); with `prefix_cache`, the longest cached prefix of whole prefill chunks of its
+     admitted once the pool can reserve its pages (`reserve`, below) and, with `device_bytes`,
+     once its device bytes fit the budget (the planner's arithmetic,
+     `fo_jax.engine.admission.MemoryCosts`: hot cache and tails per occupied seat + indexer
+     keys per page held + prefill layer buffers per prompt page while prefilling; counted
+     from the pool's held pages, so a shared prefix page counts once, where the
+     `fo_jax.engine.admission.Admission` ledger, not used here, charges it per request); a request
+     that could not fit even alone (pool or device bytes) is refused by `add_request` with the
+     figures. With `prefix_cache`, the longest cached prefix of whole prefill chunks of its
      prompt is mapped from earlier requests' pages (`fo_jax.engine.pages.PrefixCache`) and not
      prefilled again. The seat's length starts at the cached tokens (what the previous
      occupant left in the seat is never read: reads stop at the length);
@@ -22,7 +29,9 @@ recompiling. Each `step()`:
      `prefill_chunk` tokens per seat; the others take 0 tokens and are not written); a seat
      whose prompt is complete samples its first token from the chunk's logits and joins the
      decode batch (`fo_jax.offload.prefill.join_seats`: its hot rows, maps and policy state);
-  3. runs `decode_steps_per_call` decode steps of the running seats in one program
+  3. (reserve="prompt") grows the decoding requests' pages for the call, preempting the
+     youngest request when they cannot be had (below);
+  4. runs `decode_steps_per_call` decode steps of the running seats in one program
      (`fo_jax.engine.loop.decode_loop`: sampling, stop tokens, max_tokens and capacity on the
      device), then reads the new tokens once, applies text stop strings, and frees the seats
      of finished requests.
@@ -33,18 +42,46 @@ offsets of each prompt, [seats, 1] decode steps), every row is computed from its
 alone, inactive seats are never written, and each request samples with its own PRNG key
 (`seed`). So a request's greedy tokens equal those of the same engine serving it alone, and,
 offloaded, those of the resident engine (tests/engine/test_engine.py checks both, bit for
-bit, over random arrival and cancel schedules).
+bit, over random arrival, cancel, prefix-sharing and preemption schedules).
 
 Costs per step: admission and bookkeeping O(seats) on the host; a prefill chunk is one
 [seats, prefill_chunk] program over every seat (the offloaded one loads
 `history_pages` pages per seat and layer: the longest history among the prefilling seats,
 rounded up to a power of two so that a prompt of n chunks compiles O(log n) programs); a
-join is O(L seats (C + 2Z)) device work; the decode loop reads its outputs once per call.
+join is O(L seats (C + 2Z)) device work (a resumed request adds one decode step per token
+it replays); the decode loop reads its outputs once per call; the queue is sorted once per
+step with free seats (O(Q log Q)); `device_bytes_used()` is O(seats).
 A finished or cancelled request's pages return to the pool at once (the ones the prefix cache
 registered stay cached, mapped by none, until an allocation needs them: least recently
-released first). Not here yet: preemption (a request keeps its seat and pages to the end),
-admission by the planner's device-byte budget (`fo_jax.engine.admission`: the seats and the
-pool are sized up front instead), prefix reuse on the resident path.
+released first).
+
+Reservation and preemption (offloaded). reserve="full" (default) reserves pages for prompt +
+max_tokens at admission: a running request never needs a page, nothing is preempted, and a
+request that does not fit waits. reserve="prompt" reserves the prompt and one decode call
+(`decode_steps_per_call` tokens) and, before every decode call, grows each decoding request's
+pages for that call, oldest first. When the pool cannot give a page even after evicting
+unreferenced prefix-cache pages (least recently released first: what every allocation does),
+or the pages would pass `device_bytes`, the youngest running request (admitted or resumed
+last, as in vLLM) is preempted: its seat is freed and its pages dropped (keeping them would
+not help: pages are what is short), its sampled tokens and PRNG key are kept (no token is
+lost or changed), and it waits at the head of the queue. Resumed, it prefills its prompt again
+(with the prefix cache, its prompt's whole chunks are mapped again unless evicted meanwhile)
+and then replays its sampled tokens but the last through the decode step, one per step, with
+its own tokens forced: the KV it rebuilds is the one it had, bit for bit. Prefilling prompt +
+sampled tokens in chunks would be cheaper (one program per chunk instead of one step per
+token) but is not bitwise on CPU: XLA rounds a [chunk]-row matmul differently from a 1-row one,
+so a token's KV and logits computed by a prefill chunk differ in their last bits from the
+decode step's (measured on the tiny model, 3 prompts x 3 resume points: the last position's
+logits differed in 9 of 9, the KV in 1 of 9; a bare jitted x @ w of 8 rows against each row
+alone differs too, e.g. float32 [8, 256] @ [256, 512] by 4e-5; the greedy tokens happened to
+agree), and the resumed request could then sample other tokens than its solo run. The oldest request always gets its pages (a request
+that cannot fit alone is refused), so the engine always progresses; a request can be preempted
+again after it resumes. `counters["preemptions"]` and `counters["replayed_tokens"]` count them.
+
+Not here yet: keeping a preempted request's pages on host (resume without recompute; useful
+when seats, not pages, are short), device_bytes, reserve="prompt" and preemption on the resident path, prefix
+reuse on the resident path, aging in the "shortest" order (a long request can wait for ever
+under a stream of shorter ones).
 """
 
 from __future__ import annotations
@@ -73,7 +110,7 @@ from fo_jax.engine.loop import (
 )
 from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload.config import OffloadConfig
-from fo_jax.engine.admission import MemoryCosts
+from fo_jax.engine.admission import ORDERS, RESERVES, MemoryCosts, RequestRefused
 from fo_jax.engine.metrics import MetricsLog
 from fo_jax.engine.pages import NO_PAGE, PagePool, PoolExhausted, PrefixCache, RequestPages
 from fo_jax.offload.host import in_host_memory, write_back_rows
@@ -132,6 +169,10 @@ class _Request:
     last_token_at: float | None = None
     pages: Any = None  # RequestPages (offloaded path): the pool pages the request maps
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (not prefilled)
+    order: int = 0  # arrival number: the queue's tie-break
+    admitted: int = -1  # admission (or resume) number: the youngest is preempted first
+    preempted: bool = False  # waiting to resume (its tokens kept, its pages dropped)
+    key_data: Any = None  # its PRNG key data when preempted after sampling (restored on resume)
 
     def output(self, new: list[int]) -> RequestOutput:
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
@@ -153,6 +194,14 @@ def _set_lengths(lengths, mask, values):
 def _set_rows(table, mask, rows):
     """The page table [B, P] with the rows of the seats of `mask` set to `rows`."""
     return jnp.where(mask[:, None], rows, table)
+
+
+@jax.jit
+def _set_keys(keys, mask, data):
+    """Per-seat keys [B] with the seats of `mask` set to the key data `data` [B, ...]."""
+    new = jnp.where(mask.reshape((-1,) + (1,) * (data.ndim - 1)), data,
+                    jax.random.key_data(keys))
+    return jax.random.wrap_key_data(new, impl=jax.random.key_impl(keys))
 
 
 @jax.jit
@@ -195,6 +244,20 @@ class Engine:
       metrics_path: append a JSON line of counters here every `metrics_every` steps
         (`fo_jax.engine.metrics.MetricsLog`, kept as `self.metrics`; counters are summed on
         the device between reads). A caller may set `self.metrics` to its own log instead.
+      device_bytes: offloaded: the device budget of request state, the planner's arithmetic
+        (`MemoryCosts`): hot cache and tails per running seat + indexer keys per page held +
+        prefill layer buffers per prompt page while prefilling (weights and activations not
+        counted). A request that can never fit it is refused by `add_request`; one that does
+        not fit now waits. None: no device limit beyond the seats and the pool.
+      order: the waiting queue: "fifo" (arrival order) or "shortest" (by prompt + max_tokens,
+        ties by arrival). Either way admission stops at the first request that does not fit
+        (no overtaking) and preempted requests come first. With "shortest", a long request
+        can wait for ever under a steady stream of shorter ones (no aging).
+      reserve: offloaded: "full" reserves pages for prompt + max_tokens at admission (a running
+        request never needs a page: no preemption); "prompt" reserves the prompt and the next
+        decode call, and grows each running request's pages before every decode call,
+        preempting the youngest running request when the pool (or device_bytes) cannot supply
+        them (see the module doc).
     Raises:
       ValueError: bad settings, before anything is allocated.
     """
@@ -205,7 +268,8 @@ class Engine:
                  query_block: int | None = resident.QUERY_BLOCK, num_buffers: int | None = None,
                  implementation: str | None = None, interpret: Any = False,
                  num_pages: int | None = None, host_pool_bytes: int | None = None,
-                 prefix_cache: bool = False, metrics_path: str | None = None,
+                 prefix_cache: bool = False, device_bytes: int | None = None,
+                 order: str = "fifo", reserve: str = "full", metrics_path: str | None = None,
                  metrics_every: int = 16):
         for name, value in (("seats", seats), ("decode_steps_per_call", decode_steps_per_call),
                             ("prefill_chunk", prefill_chunk), ("max_stop_ids", max_stop_ids),
@@ -231,19 +295,32 @@ class Engine:
         self.pool = self.prefix = None
         self.max_pages = 1  # P, page-table row width (offloaded; unused on the resident path)
         if offload is None and (num_pages is not None or host_pool_bytes is not None
-                                or prefix_cache):
-            raise ValueError("num_pages, host_pool_bytes and prefix_cache need the offloaded "
-                             "path (an OffloadConfig): the resident state keeps each seat's KV "
-                             "apart")
+                                or prefix_cache or device_bytes is not None
+                                or reserve != "full"):
+            raise ValueError("num_pages, host_pool_bytes, prefix_cache, device_bytes and "
+                             "reserve='prompt' need the offloaded path (an OffloadConfig): the "
+                             "resident state keeps each seat's KV apart")
+        if order not in ORDERS:
+            raise ValueError(f"order={order!r} must be one of {ORDERS}")
+        if reserve not in RESERVES:
+            raise ValueError(f"reserve={reserve!r} must be one of {RESERVES}")
+        if device_bytes is not None and (not isinstance(device_bytes, numbers.Integral)
+                                         or isinstance(device_bytes, bool) or device_bytes < 1):
+            raise ValueError(f"device_bytes={device_bytes!r} must be an int >= 1 (bytes of "
+                             "device memory for request state), or None")
+        self.order, self.reserve = order, reserve
+        self.device_bytes = None if device_bytes is None else int(device_bytes)
+        self.costs = None  # MemoryCosts (offloaded): the planner's bytes per seat and page
         if num_pages is not None and host_pool_bytes is not None:
             raise ValueError("give num_pages or host_pool_bytes, not both (both size the pool)")
         if offload is not None:
             z = offload.page_size
             self.max_pages = self.capacity // z
+            self.costs = MemoryCosts.from_config(
+                config, page_size=z, hot_slots=offload.hot_slots,
+                num_buffers=min(4, config.num_layers) if num_buffers is None else num_buffers)
             if host_pool_bytes is not None:  # the planner's bytes of one page (every layer)
-                page_bytes = MemoryCosts.from_config(
-                    config, page_size=z, hot_slots=offload.hot_slots,
-                    num_buffers=min(4, config.num_layers)).page_host_bytes
+                page_bytes = self.costs.page_host_bytes
                 num_pages = int(host_pool_bytes) // page_bytes
                 if num_pages < 1:
                     raise ValueError(f"host_pool_bytes={host_pool_bytes} holds no page of {z} "
@@ -283,10 +360,13 @@ class Engine:
         self._waiting: list[_Request] = []
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._admissions = itertools.count()
         self.stats = None  # offload statistics summed over decode calls, on the device
         self.counters = {"steps": 0, "prefill_calls": 0, "decode_calls": 0,
                          "prefill_tokens": 0, "decode_tokens": 0, "prefix_hit_tokens": 0,
-                         "requests_finished": 0, "requests_cancelled": 0}
+                         "requests_finished": 0, "requests_cancelled": 0,
+                         "preemptions": 0, "replayed_tokens": 0}
         # Wall seconds of `step`: in the prefill / decode programs (until their results are
         # ready) and in total; the rest is the engine's own host work.
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "step_s": 0.0}
@@ -322,6 +402,16 @@ class Engine:
                     f"prompt of {prompt_np.size} tokens + max_tokens={max_tokens} needs {need} "
                     f"pages of {self.pool.page_size} tokens, but the pool holds "
                     f"{self.pool.num_pages}: lower max_tokens or raise num_pages")
+            if self.device_bytes is not None:
+                seat, prefill, pages = self._device_need(prompt_np.size, need)
+                if seat + prefill + pages > self.device_bytes:
+                    raise RequestRefused(
+                        f"prompt of {prompt_np.size} tokens + max_tokens={max_tokens} can never "
+                        f"fit device_bytes={self.device_bytes:,}: alone it needs "
+                        f"{seat + prefill + pages:,} bytes of device memory (seat hot cache "
+                        f"{seat:,} + prefill buffers {prefill:,} + indexer-key pages "
+                        f"{pages:,} for {need} pages of {self.pool.page_size} tokens); "
+                        "shorten the prompt or max_tokens, or raise device_bytes")
         _check_sampling_values(np.asarray([temperature]), np.asarray([top_p]))
         if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
             raise ValueError(f"seed={seed!r} must be an int")
@@ -348,7 +438,8 @@ class Engine:
                              "finished and not yet collected)")
         req = _Request(request_id, prompt_np.astype(np.int32), int(max_tokens),
                        float(temperature), float(top_p), int(seed), stop_ids, stop,
-                       time.perf_counter(), text="" if self.tokenizer is not None else None)
+                       time.perf_counter(), text="" if self.tokenizer is not None else None,
+                       order=next(self._arrivals))
         self._requests[request_id] = req
         self._waiting.append(req)
         return request_id
@@ -385,6 +476,11 @@ class Engine:
 
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    def waiting_ids(self) -> list[str]:
+        """Ids of the waiting requests in the order admission considers them (preempted
+        ones first, then by `order`). O(Q log Q)."""
+        return [r.request_id for r in self._queue()]
 
     def pool_occupancy(self) -> dict | None:
         """Pages of the shared pools: free, held (mapped by requests), cached (kept by the
@@ -423,6 +519,7 @@ class Engine:
         moved: dict[str, list[int]] = {}
         self._admit()
         self._prefill(moved)
+        self._grow_pages()
         self._decode(moved)
         self.counters["steps"] += 1
         self.timings["step_s"] += time.perf_counter() - start
@@ -432,19 +529,67 @@ class Engine:
         return outputs
 
     def _reserved_tokens(self, prompt_len: int, max_tokens: int) -> int:
-        """Tokens a request's pages are reserved for at admission: prompt + output, at most a
-        seat (all at once: a running request never waits for a page)."""
+        """The most tokens a request's pages ever hold: prompt + output, at most a seat
+        (reserve="full" reserves them all at admission: a running request never waits for a
+        page)."""
         return min(prompt_len + max_tokens, self.capacity)
 
+    def _tokens_needed(self, req: _Request) -> int:
+        """Tokens the request's pages must hold before its next decode call (or, admitted,
+        through its prefill, its replay and its first decode call): with reserve="prompt",
+        the tokens stored (prompt + fed tokens: every sampled token but the last) + one
+        call's steps; with reserve="full", all it may ever hold."""
+        full = self._reserved_tokens(len(req.prompt), req.max_tokens)
+        if self.reserve == "full":
+            return full
+        return min(len(req.prompt) + max(len(req.tokens) - 1, 0) + self.n_steps, full)
+
+    def _device_need(self, prompt_len: int, pages: int) -> tuple[int, int, int]:
+        """(seat, prefill buffers, indexer-key pages): device bytes of a request of
+        `prompt_len` prompt tokens holding `pages` pages, while prefilling (the planner's
+        arithmetic, `MemoryCosts`). O(1)."""
+        c = self.costs
+        return (c.seat_device_bytes, c.pages(prompt_len) * c.page_prefill_bytes,
+                pages * c.page_device_bytes)
+
+    def device_bytes_used(self) -> int | None:
+        """Device bytes of request state by the planner's arithmetic: hot cache of every
+        occupied seat + prefill buffers of the prefilling ones + indexer keys of every page
+        held (a shared page once; cached pages mapped by none are evictable: not counted).
+        None on the resident path. O(seats)."""
+        if self.costs is None:
+            return None
+        c = self.costs
+        used = self.pool.num_held * c.page_device_bytes
+        for req in self._occupant:
+            if req is not None:
+                used += c.seat_device_bytes
+                if req.prefilled < len(req.prompt):
+                    used += c.pages(len(req.prompt)) * c.page_prefill_bytes
+        return used
+
+    def _queue(self) -> list[_Request]:
+        """The waiting requests in admission order: preempted ones first (in arrival order:
+        the oldest resumes first), then new ones by `order`.
+        O(Q log Q)."""
+        if self.order == "fifo":
+            return sorted(self._waiting, key=lambda r: (not r.preempted, r.order))
+        return sorted(self._waiting, key=lambda r: (
+            not r.preempted, 0 if r.preempted else len(r.prompt) + r.max_tokens, r.order))
+
     def _admit(self) -> None:
-        """FIFO: the first waiting request takes a free seat once the pool can reserve its
-        pages (a request that does not fit yet blocks the ones behind it: no starvation).
-        With the prefix cache, its longest cached prefix of whole prefill chunks is mapped and
-        not prefilled. O(seats + prompt + pages) per admitted request."""
+        """The first request of the queue (`_queue`) takes a free seat once the pool can
+        reserve its pages (`_tokens_needed`) and its device bytes fit `device_bytes`; a
+        request that does not fit yet blocks the ones behind it. With the prefix cache, its
+        longest cached prefix of whole prefill chunks is mapped and not prefilled. A resumed
+        request prefills its prompt again (cached chunks mapped) and replays its tokens at its
+        join. O(seats + prompt + pages) per admitted request, O(Q log Q) for the queue."""
         free = [b for b, r in enumerate(self._occupant) if r is None]
         started = {}
-        while free and self._waiting:
-            req = self._waiting[0]
+        queue = self._queue() if free else []
+        for req in queue:
+            if not free:
+                break
             if self.pool is not None:
                 matched, cached = np.zeros((0,), np.int32), 0
                 if self.prefix is not None:
@@ -455,21 +600,81 @@ class Engine:
                 pages = RequestPages(self.pool, self.max_pages, prefix_pages=matched.tolist(),
                                      prefix_tokens=cached)
                 try:
-                    pages.grow(self._reserved_tokens(len(req.prompt), req.max_tokens))
+                    pages.grow(self._tokens_needed(req))
                 except PoolExhausted:
                     pages.release()
                     break
+                if self.device_bytes is not None:
+                    seat, prefill, _ = self._device_need(len(req.prompt), 0)
+                    if self.device_bytes_used() + seat + prefill > self.device_bytes:
+                        pages.release()  # its pages are counted in the pool's held pages
+                        break
                 req.pages, req.cached_tokens = pages, cached
                 self.counters["prefix_hit_tokens"] += cached
-            self._waiting.pop(0)
+            self._waiting.remove(req)
             b = free.pop(0)
             req.seat, req.prefilled = b, req.cached_tokens
+            req.admitted = next(self._admissions)
             self._occupant[b] = req
             started[b] = req
         if started:
             self._set_seats({b: (r.cached_tokens, None if r.pages is None else r.pages.table_row())
                              for b, r in started.items()})
 
+    def _grow_pages(self) -> None:
+        """reserve="prompt": before the decode call, give every decoding request the pages
+        the call may write (`_tokens_needed`), oldest request first. When the pool, after
+        evicting unreferenced prefix-cache pages (least recently released first, as any
+        allocation does), cannot supply them, or they would pass `device_bytes`, preempt the
+        youngest running request (`_preempt`) and try again; a request that is itself the
+        youngest is preempted. The oldest request always gets its pages (`add_request`
+        refused any request that cannot fit alone). O(seats + pages allocated)."""
+        if self.pool is None or self.reserve == "full":
+            return
+        rows = {}
+        decoding = sorted((r for r in self._occupant
+                           if r is not None and r.prefilled == len(r.prompt)),
+                          key=lambda r: r.admitted)
+        for req in decoding:
+            while req.seat is not None:
+                need = req.pages.pages_needed(self._tokens_needed(req))
+                if need == 0:
+                    break
+                fits = (self.device_bytes is None or self.device_bytes_used()
+                        + need * self.costs.page_device_bytes <= self.device_bytes)
+                if fits and need <= self.pool.num_available:
+                    req.pages.grow(self._tokens_needed(req))
+                    rows[req.seat] = req.pages.table_row()
+                    break
+                victim = max((r for r in self._occupant if r is not None),
+                             key=lambda r: r.admitted)
+                rows.pop(victim.seat, None)
+                self._preempt(victim)
+        if rows:
+            self._set_rows(rows)
+
+    def _set_rows(self, rows: dict) -> None:
+        """Set seat b's page-table row to rows[b] (pages appended; lengths unchanged)."""
+        mask = np.zeros((self.seats,), bool)
+        table = np.full((self.seats, self.max_pages), NO_PAGE, np.int32)
+        for b, row in rows.items():
+            mask[b], table[b] = True, row
+        self.state = dataclasses.replace(
+            self.state, table=_set_rows(self.state.table, jnp.asarray(mask), jnp.asarray(table)))
+
+    def _preempt(self, req: _Request) -> None:
+        """Take a running request's seat and drop its pages; it waits at the head of the
+        queue (`_queue`) with its sampled tokens (and, once it sampled, its PRNG key) kept.
+        Its full prompt pages the prefix cache registered stay cached (mapped again on resume
+        unless evicted meanwhile); the others go back to the pool. O(pages + seats)."""
+        if req.prefilled == len(req.prompt):  # joined: its seat holds its key (a request
+            # resumed but not joined yet keeps the key it saved)
+            req.key_data = np.asarray(jax.random.key_data(self._seats.keys[req.seat]))
+        self._free(req, finished=False)
+        req.prefilled = req.cached_tokens = 0
+        req.preempted = True
+        self._waiting.append(req)
+        self.counters["preemptions"] += 1
     def _set_seats(self, seats: dict) -> None:
         """Set seat b's length (and page-table row, offloaded) to seats[b] = (length, row)."""
         mask = np.zeros((self.seats,), bool)
@@ -536,7 +741,9 @@ class Engine:
             self._join(done, logits, num_new, moved)
 
     def _join(self, joined: list[_Request], logits, num_new, moved) -> None:
-        """Sample the first token of each request whose prompt is complete and start it."""
+        """Start each request whose prompt is complete: a new one samples its first token
+        from the chunk's logits; a resumed one (preempted after sampling) takes back its PRNG
+        key and its last token and replays its other tokens (`_replay`)."""
         batch = self.seats
         mask = np.zeros((batch,), bool)
         for req in joined:
@@ -546,29 +753,67 @@ class Engine:
         if self.offload is not None:
             self.state = offload_prefill.join_seats(self.state, mask, config=self.config,
                                                     offload=self.offload)
-        fresh = np.zeros((batch,) + self._key_shape, np.uint32)
-        for req in joined:
-            fresh[req.seat] = np.asarray(jax.random.key_data(jax.random.key(req.seed)))
-        first, keys = _first_tokens(logits, jnp.asarray(np.maximum(num_new - 1, 0)),
-                                    self._seats.keys, jnp.asarray(fresh), jnp.asarray(mask),
-                                    self._sampling_now())
-        first_np = np.asarray(first)
+        new = [r for r in joined if not r.tokens]
+        resumed = [r for r in joined if r.tokens]
+        keys, first_np = self._seats.keys, None
+        if new:
+            new_mask = np.zeros((batch,), bool)
+            fresh = np.zeros((batch,) + self._key_shape, np.uint32)
+            for req in new:
+                new_mask[req.seat] = True
+                fresh[req.seat] = np.asarray(jax.random.key_data(jax.random.key(req.seed)))
+            first, keys = _first_tokens(logits, jnp.asarray(np.maximum(num_new - 1, 0)),
+                                        keys, jnp.asarray(fresh), jnp.asarray(new_mask),
+                                        self._sampling_now())
+            first_np = np.asarray(first)
+        if resumed:
+            old_mask = np.zeros((batch,), bool)
+            saved = np.zeros((batch,) + self._key_shape, np.uint32)
+            for req in resumed:
+                old_mask[req.seat], saved[req.seat] = True, req.key_data
+            keys = _set_keys(keys, jnp.asarray(old_mask), jnp.asarray(saved))
         now = time.perf_counter()
         generated = np.array(self._seats.generated)
         tokens_np = np.array(self._seats.tokens)
         done = np.array(self._seats.done)
-        for req in joined:
+        for req in new:
             b = req.seat
             t = int(first_np[b])
             req.first_token_at = now
             tokens_np[b], generated[b] = t, 1
             finished = self._record(req, [t], moved, length=len(req.prompt))
             done[b] = finished
+        for req in resumed:
+            tokens_np[req.seat], generated[req.seat] = req.tokens[-1], len(req.tokens)
+            done[req.seat] = False
+            req.preempted, req.key_data = False, None
         self._seats = committed(Seats(tokens=jnp.asarray(tokens_np), keys=keys,
                                       generated=jnp.asarray(generated), done=jnp.asarray(done)))
-        for req in joined:
+        if resumed:
+            self._replay(resumed)
+        for req in new:
             if req.finish_reason is not None:
                 self._free(req)
+
+    def _replay(self, resumed: list[_Request]) -> None:
+        """Feed each resumed request's sampled tokens but the last (their KV was dropped with
+        its pages) through the decode step, the program that computed them before, one token
+        per step, the other seats inactive (unchanged); the logits are not used. Prefilling
+        them instead would not be bitwise: on CPU, XLA rounds a [chunk]-row matmul
+        differently from a 1-row one (the KV and logits of a token differ in the last bits),
+        so a resumed request could sample other tokens than its solo run. Costs: one decode
+        step of the batch per replayed token of the longest replay."""
+        batch = self.seats
+        for i in range(max(len(r.tokens) - 1 for r in resumed)):
+            tokens = np.zeros((batch, 1), np.int32)
+            active = np.zeros((batch,), bool)
+            for req in resumed:
+                if i < len(req.tokens) - 1:
+                    tokens[req.seat, 0], active[req.seat] = req.tokens[i], True
+            _, self.state, _ = self.step_fn(self.params, self.state,
+                                            committed(jnp.asarray(tokens)),
+                                            committed(jnp.asarray(active)))
+            self.counters["replayed_tokens"] += int(active.sum())
 
     def _decode(self, moved) -> None:
         running = [r for r in self._occupant
@@ -636,7 +881,8 @@ class Engine:
             req.finish_reason = "length"
         return req.finish_reason is not None
 
-    def _free(self, req: _Request) -> None:
+    def _free(self, req: _Request, *, finished: bool = True) -> None:
+        """Free the request's seat and drop its pages (finished, cancelled or preempted)."""
         if req.seat is not None and self._occupant[req.seat] is req:
             b = req.seat
             self._occupant[b] = None
@@ -650,7 +896,7 @@ class Engine:
             req.pages.release()
             req.pages = None
         req.seat = None
-        if req.finish_reason != "cancelled":
+        if finished and req.finish_reason != "cancelled":
             self.counters["requests_finished"] += 1
 
     def _sampling_row(self, req: _Request | None):

@@ -3,6 +3,7 @@ get exactly the tokens they get alone, offloaded or resident; bad requests are r
 anything changes; cancel, release, stop tokens and stop strings."""
 
 import functools
+import re
 
 import jax
 import numpy as np
@@ -11,6 +12,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from fo_jax.config import get_config
+from fo_jax.engine.admission import RequestRefused
 from fo_jax.engine.engine import Engine
 from fo_jax.model.dsa import init_params
 from fo_jax.offload.config import OffloadConfig
@@ -21,6 +23,9 @@ CONFIG = get_config("tiny").replace(num_layers=2, indexer_layers=(0,), max_ways=
                                     index_topk=4)
 CAPACITY = 32
 SEATS = 3
+# Pages in the offloaded engines' pool: one seat's worth. The pool size is a shape of the
+# state (another size compiles every program again), so every test shares this one.
+PAGES = 8
 
 
 @functools.cache
@@ -34,6 +39,8 @@ def _offload(policy="ring"):
 
 def _engine(path="ring", *, n=2, seats=SEATS, tokenizer=None, **kwargs):
     offload = None if path == "resident" else _offload(path)
+    if offload is not None and "host_pool_bytes" not in kwargs:
+        kwargs.setdefault("num_pages", PAGES)
     return Engine(_params(), CONFIG, seats=seats, capacity=CAPACITY, offload=offload,
                   decode_steps_per_call=n, prefill_chunk=8, query_block=None,
                   tokenizer=tokenizer, **kwargs)
@@ -53,59 +60,88 @@ def _solo(prompt, max_tokens, temperature, seed, stop_ids=()):
     return tuple(out.token_ids), out.finish_reason
 
 
-REQUEST = st.tuples(st.integers(0, 10**6), st.integers(1, 20), st.integers(1, 8),
+SYSTEM = _prompt(99, 16)  # a shared "system prompt": two prefill chunks, four pages
+
+# (shares the system prompt, prompt seed, length, max_tokens, temperature, sampling seed)
+REQUEST = st.tuples(st.booleans(), st.integers(0, 10**6), st.integers(1, 9), st.integers(1, 8),
                     st.sampled_from([0.0, 0.9]), st.integers(0, 5))
 
 
 @settings(max_examples=4, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# Preemption for sure: three requests growing in an 8-page pool (one at temperature 0.9).
+@example(requests=[(True, 1, 9, 8, 0.0, 0), (True, 2, 3, 8, 0.9, 1), (False, 3, 5, 8, 0.0, 0)],
+         arrivals=[0, 0, 1, 0, 0, 0], cancels=[], path="ring",
+         pool=(True, "prompt", None))
 @given(requests=st.lists(REQUEST, min_size=2, max_size=6),
        arrivals=st.lists(st.integers(0, 4), min_size=6, max_size=6),
-       cancels=st.lists(st.integers(0, 5), max_size=2),
-       path=st.sampled_from(["ring", "clock"]))
-def test_tokens_do_not_depend_on_the_batch(requests, arrivals, cancels, path):
-    """Random arrival and cancel schedules: every request's tokens equal its solo resident
-    run's bit for bit (a cancelled one's are a prefix of them); seats are reused; the
-    offloaded state keeps its invariants after every step."""
-    engine = _engine(path, n=2)
+       cancels=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 5)), max_size=2),
+       path=st.sampled_from(["ring", "clock"]),
+       # (prefix_cache, reserve, device_bytes): the pool's 8 pages hold one request of a
+       # whole seat; 9,000 device bytes one request of a whole seat (8,224 B), not two
+       pool=st.tuples(st.booleans(),
+                      st.sampled_from(["full", "prompt"]), st.sampled_from([None, 9000])))
+def test_random_schedules(requests, arrivals, cancels, path, pool):
+    """Random arrival, cancel, prefix-sharing and preemption schedules over a shared pool
+    (small enough that requests wait for pages and, with reserve="prompt", running ones are
+    preempted and resumed) and a device budget: every request's tokens equal its solo resident run's bit for bit
+    (a cancelled one's are a prefix of them); seats are reused; the offloaded state keeps its
+    invariants after every step; when all have ended no page is held (the pool and the
+    prefix cache agree; cached pages are mapped by none)."""
+    prefix_cache, reserve, device_bytes = pool
+    engine = _engine(path, n=2, prefix_cache=prefix_cache,
+                     reserve=reserve, device_bytes=device_bytes)
+    prompts = [(SYSTEM if shared else []) + _prompt(seed, length)
+               for shared, seed, length, *_ in requests]
     pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
     ids, step = {}, 0
-    cancel_at = {c % len(requests): step_no for step_no, c in enumerate(cancels, start=2)}
     while pending or engine.has_unfinished():
         while pending and arrivals[pending[0]] <= step:
             i = pending.pop(0)
-            seed, length, max_tokens, temperature, sample_seed = requests[i]
-            ids[i] = engine.add_request(_prompt(seed, length), max_tokens=max_tokens,
+            *_, max_tokens, temperature, sample_seed = requests[i]
+            ids[i] = engine.add_request(prompts[i], max_tokens=max_tokens,
                                         temperature=temperature, seed=sample_seed)
-        for i, when in cancel_at.items():
-            if when == step and i in ids:
-                engine.cancel(ids[i])
+        for when, i in cancels:
+            if when == step and i % len(requests) in ids:
+                engine.cancel(ids[i % len(requests)])
         engine.step()
-        if path != "resident":
-            check_invariants(engine.state, config=CONFIG, offload=_offload(path),
-                             seats=engine.decoding_seats())
+        check_invariants(engine.state, config=CONFIG, offload=_offload(path),
+                         seats=engine.decoding_seats())
+        engine.pool.check()
+        assert engine.device_bytes_used() <= (device_bytes or float("inf"))
         step += 1
         assert step < 200
     assert engine.num_running() == 0 and engine.num_waiting() == 0
     outputs = engine.run()
     for i, rid in ids.items():
-        seed, length, max_tokens, temperature, sample_seed = requests[i]
-        want, reason = _solo(tuple(_prompt(seed, length)), max_tokens, temperature, sample_seed)
+        *_, max_tokens, temperature, sample_seed = requests[i]
+        want, reason = _solo(tuple(prompts[i]), max_tokens, temperature, sample_seed)
         got = outputs[rid]
         if got.finish_reason == "cancelled":
             assert tuple(got.token_ids) == want[:len(got.token_ids)]
         else:
             assert (tuple(got.token_ids), got.finish_reason) == (want, reason), rid
+    occupancy = engine.pool_occupancy()
+    assert occupancy["held"] == 0
+    assert occupancy["free"] + occupancy["cached"] == occupancy["total"]
+    assert engine.device_bytes_used() == 0
+    if prefix_cache:
+        engine.prefix.check()
+    else:
+        assert occupancy["cached"] == 0
 
 
 def test_more_requests_than_seats_wait_and_reuse_seats():
-    engine = _engine("ring", seats=2)
-    ids = [engine.add_request(_prompt(i, 5 + i), max_tokens=6) for i in range(5)]
+    # Five requests of 2 pages for three seats (the 8-page pool could hold a fourth; the
+    # same shapes as the other tests: another seat count would compile every program again).
+    engine = _engine("ring")
+    prompts = [_prompt(i, 1 + i % 3) for i in range(5)]
+    ids = [engine.add_request(p, max_tokens=5) for p in prompts]
     engine.step()
-    assert engine.num_running() == 2 and engine.num_waiting() == 3
+    assert engine.num_running() == 3 and engine.num_waiting() == 2
     outputs = engine.run()
-    for i, rid in enumerate(ids):
-        assert outputs[rid].token_ids == list(_solo(tuple(_prompt(i, 5 + i)), 6, 0.0, 0)[0])
+    for prompt, rid in zip(prompts, ids):
+        assert outputs[rid].token_ids == list(_solo(tuple(prompt), 5, 0.0, 0)[0])
         assert outputs[rid].finish_reason == "length"
         assert outputs[rid].time_to_first_token > 0
 
@@ -193,52 +229,16 @@ def test_bad_requests_are_refused_before_anything_changes(kwargs, message):
     (dict(capacity=None, offload=None), "capacity .* is required without an OffloadConfig"),
     (dict(capacity=16), "capacity=16 differs from offload.capacity=32"),
     (dict(decode_steps_per_call=0), "decode_steps_per_call=0 must be an int >= 1"),
+    (dict(order="lifo"), r"order='lifo' must be one of \('fifo', 'shortest'\)"),
+    (dict(reserve="all"), r"reserve='all' must be one of \('full', 'prompt'\)"),
+    (dict(device_bytes=0), "device_bytes=0 must be an int >= 1 .bytes of device memory for "
+                           "request state., or None"),
 ])
 def test_bad_settings(kwargs, message):
     args = dict(seats=2, capacity=CAPACITY, offload=_offload())
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
         Engine(_params(), CONFIG, **args)
-
-
-SYSTEM = _prompt(99, 16)  # a shared "system prompt": two prefill chunks, four pages
-
-
-@settings(max_examples=2, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@example(requests=[(True, 1, 9, 6), (True, 2, 3, 2), (True, 3, 5, 4)], cancel=8)
-@given(requests=st.lists(st.tuples(st.booleans(), st.integers(0, 10**6), st.integers(1, 9),
-                                   st.integers(1, 6)), min_size=3, max_size=6),
-       cancel=st.integers(0, 8))
-def test_shared_pool_and_prefix_reuse(requests, cancel):
-    """A pool smaller than seats x capacity (requests wait for pages) and the prefix cache
-    (requests that share the system prompt map its pages instead of prefilling them): every
-    request's tokens still equal its solo resident run, and when all have ended no page is
-    held (the pool and cache agree; cached pages are mapped by none)."""
-    engine = _engine("ring", num_pages=12, prefix_cache=True)
-    prompts = [(SYSTEM if shared else []) + _prompt(seed, length)
-               for shared, seed, length, _ in requests]
-    ids = [engine.add_request(p, max_tokens=m) for p, (*_, m) in zip(prompts, requests)]
-    step = 0
-    while engine.has_unfinished():
-        if step == cancel:
-            engine.cancel(ids[-1])
-        engine.step()
-        check_invariants(engine.state, config=CONFIG, offload=_offload(),
-                         seats=engine.decoding_seats())
-        engine.pool.check()
-        step += 1
-    outputs = engine.run()
-    for rid, prompt, (*_, max_tokens) in zip(ids, prompts, requests):
-        want, reason = _solo(tuple(prompt), max_tokens, 0.0, 0)
-        got = outputs[rid]
-        if got.finish_reason == "cancelled":
-            assert tuple(got.token_ids) == want[:len(got.token_ids)]
-        else:
-            assert (tuple(got.token_ids), got.finish_reason) == (want, reason), rid
-    occupancy = engine.pool_occupancy()
-    assert occupancy["held"] == 0 and occupancy["free"] + occupancy["cached"] == 12
-    engine.prefix.check()
 
 
 def test_prefix_reuse_skips_the_shared_chunks():
@@ -257,9 +257,11 @@ def test_prefix_reuse_skips_the_shared_chunks():
 
 
 def test_pool_settings_and_sizes_are_checked():
-    with pytest.raises(ValueError, match="num_pages, host_pool_bytes and prefix_cache need the "
-                                         "offloaded path"):
-        _engine("resident", num_pages=8)
+    for kwargs in (dict(num_pages=8), dict(reserve="prompt"), dict(device_bytes=10**6)):
+        with pytest.raises(ValueError, match="num_pages, host_pool_bytes, prefix_cache, "
+                                             "device_bytes and reserve='prompt' need the "
+                                             "offloaded path"):
+            _engine("resident", **kwargs)
     with pytest.raises(ValueError, match="give num_pages or host_pool_bytes, not both"):
         _engine("ring", num_pages=8, host_pool_bytes=10**6)
     # Sized in bytes: a page holds Z tokens of every layer's KV row.
@@ -279,13 +281,75 @@ def test_pool_settings_and_sizes_are_checked():
 
 def test_a_prefix_is_shared_while_it_is_still_being_prefilled():
     """Pages register as soon as their chunk is prefilled: a request admitted while another
-    is still prefilling the same system prompt maps the chunks done so far."""
+    is still prefilling the same system prompt maps the chunks done so far (5 pages each,
+    2 of them shared, in the 8-page pool)."""
     engine = _engine("ring", prefix_cache=True)
-    first = engine.add_request(SYSTEM + _prompt(1, 5), max_tokens=3)
+    first = engine.add_request(SYSTEM + _prompt(1, 1), max_tokens=1)
     engine.step()  # first chunk of `first` prefilled
-    prompt = SYSTEM + _prompt(2, 7)
-    second = engine.add_request(prompt, max_tokens=4)
+    prompt = SYSTEM + _prompt(2, 2)
+    second = engine.add_request(prompt, max_tokens=1)
     out = engine.run()
     assert engine.counters["prefix_hit_tokens"] == 8
-    assert tuple(out[second].token_ids) == _solo(tuple(prompt), 4, 0.0, 0)[0]
-    assert tuple(out[first].token_ids) == _solo(tuple(SYSTEM + _prompt(1, 5)), 3, 0.0, 0)[0]
+    assert tuple(out[second].token_ids) == _solo(tuple(prompt), 1, 0.0, 0)[0]
+    assert tuple(out[first].token_ids) == _solo(tuple(SYSTEM + _prompt(1, 1)), 1, 0.0, 0)[0]
+
+
+def test_device_bytes_refuse_what_never_fits_and_queue_what_fits_later():
+    """The planner's device bytes (tiny model, Z=4, C=8, 2 buffers): seat 2,592 B, indexer
+    keys 144 B per page, prefill buffers 640 B per prompt page."""
+    engine = _engine("ring", device_bytes=5000)
+    with pytest.raises(RequestRefused, match=re.escape(
+            "prompt of 10 tokens + max_tokens=8 can never fit device_bytes=5,000: alone it needs"
+            " 5,232 bytes of device memory (seat hot cache 2,592 + prefill buffers 1,920 + "
+            "indexer-key pages 720 for 5 pages of 4 tokens); shorten the prompt or max_tokens, "
+            "or raise device_bytes")):
+        engine.add_request(_prompt(0, 10), max_tokens=8)
+    assert engine.num_waiting() == 0
+    # 5,088 B each alone (3 prompt pages, 4 pages): the second waits for the first to end.
+    engine = _engine("ring", device_bytes=6000)
+    prompts = [_prompt(1, 9), _prompt(2, 9)]
+    ids = [engine.add_request(p, max_tokens=6) for p in prompts]
+    engine.step()
+    assert engine.num_running() == 1 and engine.waiting_ids() == [ids[1]]
+    assert engine.device_bytes_used() == 2592 + 3 * 640 + 4 * 144
+    while engine.has_unfinished():
+        engine.step()
+        assert engine.device_bytes_used() <= 6000
+    outputs = engine.run()
+    for rid, prompt in zip(ids, prompts):
+        assert tuple(outputs[rid].token_ids) == _solo(tuple(prompt), 6, 0.0, 0)[0]
+
+
+@pytest.mark.parametrize("order", ["fifo", "shortest"])
+def test_queue_order(order):
+    """An 8-page pool: the long request (32 tokens, 8 pages) first blocks the two short ones
+    (2 pages each) with "fifo"; with "shortest" they go first, together."""
+    engine = _engine("ring", order=order)
+    long = engine.add_request(_prompt(1, 17), max_tokens=15)
+    short = [engine.add_request(_prompt(2, 3), max_tokens=2),
+             engine.add_request(_prompt(3, 5), max_tokens=3)]
+    if order == "fifo":
+        assert engine.waiting_ids() == [long] + short
+    else:
+        assert engine.waiting_ids() == short + [long]
+    engine.step()
+    assert engine.waiting_ids() == (short if order == "fifo" else [long])
+    outputs = engine.run()
+    assert all(out.finish_reason == "length" for out in outputs.values())
+
+
+def test_preemption_takes_the_youngest_and_keeps_its_tokens():
+    """reserve="prompt" in an 8-page pool: both requests start (4 + 3 pages), then the older
+    one's growth preempts the younger one (temperature 0.9: its key is kept too), which
+    resumes once there is room, prefills its prompt again and replays its tokens."""
+    engine = _engine("ring", reserve="prompt")
+    old = engine.add_request(_prompt(1, 13), max_tokens=12)
+    young = engine.add_request(_prompt(2, 9), max_tokens=12, temperature=0.9, seed=3)
+    while engine.counters["preemptions"] == 0:
+        engine.step()
+    assert engine.waiting_ids() == [young] and engine.num_running() == 1
+    outputs = engine.run()
+    assert engine.counters["replayed_tokens"] > 0
+    assert tuple(outputs[old].token_ids) == _solo(tuple(_prompt(1, 13)), 12, 0.0, 0)[0]
+    assert tuple(outputs[young].token_ids) == _solo(tuple(_prompt(2, 9)), 12, 0.9, 3)[0]
+    assert engine.pool_occupancy()["free"] == 8
