@@ -38,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-warmup", action="store_true",
                         help="skip the start-up request that compiles the programs")
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--metrics-jsonl", default=None, metavar="PATH",
+                        help="append the engine's counters here as JSON lines (after warm-up)")
+    parser.add_argument("--metrics-every", type=int, default=16,
+                        help="engine steps between two reads of the device counters")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +67,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "every seat full at once)")
     parser.add_argument("--prefix-cache", action="store_true",
                         help="with --offload: reuse the pages of earlier prompts' prefixes")
+    parser.add_argument("--device-gb", type=float, default=None,
+                        help="with --offload: device budget of request state in GB (hot caches, "
+                             "indexer-key pages, prefill buffers: the planner's arithmetic); "
+                             "requests wait for it, one that never fits is refused")
+    parser.add_argument("--reserve", choices=("full", "prompt"), default="full",
+                        help="with --offload: pages reserved at admission: prompt + max_tokens "
+                             "(full), or the prompt and the next decode call, growing as it "
+                             "decodes and preempting the youngest request when short (prompt)")
+    parser.add_argument("--queue-order", choices=("fifo", "shortest"), default="fifo",
+                        help="waiting requests: by arrival, or shortest prompt + max_tokens first")
     parser.add_argument("--decode-steps-per-call", type=int, default=1)
     parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--max-param-gb", type=float, default=None)
@@ -240,26 +254,40 @@ def build_engine(args):
         params = (load_params(args.weights, config) if args.weights
                   else dsa.init_params(config, jax.random.key(args.seed)))
     pool = {}
-    if args.host_pool_gb is not None or args.prefix_cache:
+    device_gb, reserve = getattr(args, "device_gb", None), getattr(args, "reserve", "full")
+    if (args.host_pool_gb is not None or args.prefix_cache or device_gb is not None
+            or reserve != "full"):
         if offload is None:
-            raise ValueError("--host-pool-gb and --prefix-cache need --offload")
+            raise ValueError("--host-pool-gb, --prefix-cache, --device-gb and --reserve prompt "
+                             "need --offload")
         if args.host_pool_gb is not None:
             pool["host_pool_bytes"] = int(args.host_pool_gb * 1e9)
-        pool["prefix_cache"] = args.prefix_cache
+        if device_gb is not None:
+            if device_gb <= 0:
+                raise ValueError(f"--device-gb must be > 0, got {device_gb}")
+            pool["device_bytes"] = max(1, int(device_gb * 1e9))
+        pool["prefix_cache"], pool["reserve"] = args.prefix_cache, reserve
     engine = Engine(params, config, seats=args.seats, capacity=capacity, offload=offload,
                     decode_steps_per_call=args.decode_steps_per_call,
-                    prefill_chunk=args.prefill_chunk, tokenizer=tokenizer, **pool)
+                    prefill_chunk=args.prefill_chunk, tokenizer=tokenizer,
+                    order=getattr(args, "queue_order", "fifo"), **pool)
     return engine, config, tokenizer, offload
 
 
 def run(args) -> int:
     """`fo-jax serve` (flags: `add_arguments`)."""
+    if args.metrics_every < 1:
+        raise ValueError(f"--metrics-every {args.metrics_every} must be >= 1 (engine steps "
+                         "between two reads)")
     engine, config, tokenizer, offload = build_engine(args)
     capacity = engine.capacity
     if not args.no_warmup:
         t0 = time.perf_counter()
         warm_up(engine)
         print(f"fo-jax serve: compiled in {time.perf_counter() - t0:.1f} s", flush=True)
+    if args.metrics_jsonl:  # attached after the warm-up: its request is not counted
+        from fo_jax.engine.metrics import MetricsLog
+        engine.metrics = MetricsLog(engine, path=args.metrics_jsonl, every=args.metrics_every)
     name = args.served_model_name or config.name
     served = build_served(engine, tokenizer, model_name=name, max_queue=args.max_queue,
                           shutdown_timeout=args.shutdown_timeout)
@@ -268,6 +296,8 @@ def run(args) -> int:
     print(f"fo-jax serve: {name} ({'offloaded' if offload else 'resident'}, {args.seats} seats "
           f"of {capacity} tokens) on http://{args.host}:{args.port}/v1", flush=True)
     server.run()
+    if engine.metrics is not None:
+        engine.metrics.flush()
     print(final_report(served), flush=True)
     return 0 if served.driver.failure is None else 1
 

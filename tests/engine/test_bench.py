@@ -1,6 +1,7 @@
 """`fo-jax bench-serve` and fo_jax.engine.bench: a Poisson workload through the engine, the
 figures it reports, and bad workload flags refused before any weights are read."""
 
+import argparse
 import json
 
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 
 from fo_jax import cli
 from fo_jax.engine.bench import poisson_workload
+from fo_jax.server.serve import add_engine_arguments, build_engine
 
 
 def test_poisson_workload_shapes_and_shared_prefix():
@@ -41,6 +43,7 @@ def test_bench_serve_offloaded_with_prefix_cache(tmp_path, capsys):
                    "--rate", "50", "--prompt-len", "4", "12", "--output-len", "3", "6",
                    "--shared-prefix", "1", "--prefix-len", "64", "--prefix-cache",
                    "--decode-steps-per-call", "2", "--out", str(out),
+                   "--reserve", "prompt", "--queue-order", "shortest", "--device-gb", "1",
                    "--metrics-jsonl", str(tmp_path / "metrics.jsonl"), "--metrics-every", "2"])
     printed = capsys.readouterr().out
     assert rc == 0, printed
@@ -63,7 +66,24 @@ def test_bench_serve_refuses_bad_flags_first(capsys):
     assert cli.main(["bench-serve", "--rate", "0"]) == 2
     assert "rate=0.0 > 0" in capsys.readouterr().err
     assert cli.main(["bench-serve", "--prefix-cache"]) == 2
-    assert "--host-pool-gb and --prefix-cache need --offload" in capsys.readouterr().err
+    want = ("--host-pool-gb, --prefix-cache, --device-gb and --reserve prompt need --offload")
+    assert want in capsys.readouterr().err
+    for flags in (["--device-gb", "1"], ["--reserve", "prompt"]):
+        assert cli.main(["bench-serve", "--model", "tiny", *flags]) == 2
+        assert want in capsys.readouterr().err
+    assert cli.main(["bench-serve", "--model", "tiny", "--offload", "--device-gb", "0"]) == 2
+    assert "--device-gb must be > 0, got 0.0" in capsys.readouterr().err
     assert cli.main(["bench-serve", "--metrics-every", "0"]) == 2
     assert ("--metrics-every 0 must be >= 1 (engine steps between reads of the device "
             "counters)") in capsys.readouterr().err
+
+
+def test_engine_flags_reach_the_engine():
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--model", "tiny", "--offload", "--capacity", "64",
+                              "--device-gb", "0.5", "--reserve", "prompt",
+                              "--queue-order", "shortest"])
+    engine = build_engine(args)[0]
+    assert (engine.device_bytes, engine.reserve, engine.order) == (
+        500_000_000, "prompt", "shortest")

@@ -36,8 +36,8 @@ def _free_port() -> int:
 
 
 class _Proc:
-    def __init__(self, proc, url, log):
-        self.proc, self.url, self.log = proc, url, log
+    def __init__(self, proc, url, log, metrics):
+        self.proc, self.url, self.log, self.metrics = proc, url, log, metrics
 
     def output(self) -> str:
         with open(self.log) as f:
@@ -48,17 +48,19 @@ class _Proc:
 def server(tmp_path_factory):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    folder = tmp_path_factory.mktemp("serve")
+    log, metrics = folder / "serve.log", folder / "metrics.jsonl"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     # One prefill chunk per prompt (chunk = capacity): the warm-up compiles every program.
     cmd = [sys.executable, "-m", "fo_jax.cli", "serve", "--port", str(port), "--offload",
            "--seats", str(SEATS), "--capacity", str(CAPACITY), "--page-size", "16",
            "--prefill-chunk", str(CAPACITY), "--decode-steps-per-call", "2",
-           "--max-queue", str(MAX_QUEUE), "--shutdown-timeout", "1", "--log-level", "warning"]
+           "--max-queue", str(MAX_QUEUE), "--shutdown-timeout", "1", "--log-level", "warning",
+           "--metrics-jsonl", str(metrics), "--metrics-every", "4"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 text=True)
-    srv = _Proc(proc, url, log)
+    srv = _Proc(proc, url, log, metrics)
     try:
         deadline = time.monotonic() + 240
         while True:
@@ -298,4 +300,12 @@ def test_sigterm_under_many_streams(server):
         map(int, final.groups())
     assert received == _total(before, "fojax_requests_received_total") + streams + refused
     assert received == completed + cancelled + rejected and failed == 0
+    # --metrics-jsonl: a record every 4 engine steps after the warm-up, and a last one at exit
+    records = [json.loads(line) for line in server.metrics.read_text().splitlines()]
+    assert len(records) >= 2
+    last = records[-1]
+    assert last["gauges"]["pool_pages"]["held"] == 0 and last["gauges"]["running"] == 0
+    assert len(last["totals"]["hits"]) == len(last["totals"]["misses"]) >= 1
+    assert sum(last["totals"]["hits"]) + sum(last["totals"]["misses"]) > 0
+    assert last["totals"]["decode_tokens"] == sum(r["deltas"]["decode_tokens"] for r in records)
     assert held == cached == 0 and free == total
