@@ -358,9 +358,66 @@ def _data_parallel(body, mesh: Mesh, in_specs, out_specs):
     check_vma=False: the single-device steps' loops carry values that become rank-varying
     (jax's varying-axis check would ask for `pcast`s inside them); the only outputs declared
     replicated (the step counter, the random policy's key) are computed from replicated inputs
-    alone, so they are equal on every rank."""
-    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                         check_vma=False)
+    alone, so they are equal on every rank.
+
+    Zero-sized operands and results do not cross the shard_map (see `run`): `body` still sees
+    and returns them, with their per-rank shapes."""
+    def run(*args):
+        leaves, treedef = jax.tree.flatten(args)
+        leaf_specs = _leaf_specs(in_specs, args)
+        full = [i for i, x in enumerate(leaves) if 0 not in np.shape(x)]
+        # Zero-sized operands (the policy fields a policy does not use, [G, B, 0]) stay out of
+        # the shard_map: each rank rebuilds its (empty) shard as a constant, and empty results
+        # are built outside it. jax 0.11.2's Shardy segfaults compiling a shard_map with a
+        # zero-sized operand or result (ManualComputationUnusedInputsPattern, CPU; jax 0.12
+        # compiles it). They hold no values: the step's results are unchanged.
+        empties = {i: (_shard_shape(np.shape(x), leaf_specs[i], mesh), x.dtype)
+                   for i, x in enumerate(leaves) if 0 in np.shape(x)}
+
+        def whole_body(*given):
+            local = dict(zip(full, given))
+            return body(*jax.tree.unflatten(treedef, [
+                local[i] if i in local else jnp.zeros(*empties[i]) for i in range(len(leaves))]))
+
+        in_full = tuple(leaf_specs[i] for i in full)
+        out_shapes = jax.eval_shape(jax.shard_map(  # global shapes; tracing it is safe
+            whole_body, mesh=mesh, in_specs=in_full, out_specs=out_specs, check_vma=False),
+            *(leaves[i] for i in full))
+        out_leaves, out_def = jax.tree.flatten(out_shapes)
+        out_leaf_specs = _leaf_specs(out_specs, out_shapes)
+        kept = [i for i, x in enumerate(out_leaves) if 0 not in x.shape]
+
+        def kept_body(*given):
+            outs = jax.tree.leaves(whole_body(*given))
+            return tuple(outs[i] for i in kept)
+
+        got = jax.shard_map(kept_body, mesh=mesh, in_specs=in_full,
+                            out_specs=tuple(out_leaf_specs[i] for i in kept),
+                            check_vma=False)(*(leaves[i] for i in full))
+        got = dict(zip(kept, got))
+        return jax.tree.unflatten(out_def, [
+            got[i] if i in got else jnp.zeros(x.shape, x.dtype) for i, x in enumerate(out_leaves)])
+
+    return run
+
+
+def _leaf_specs(spec_tree, tree) -> list:
+    """The PartitionSpec of every leaf of `tree`, in flatten order: `spec_tree` is a prefix of
+    `tree` (a spec for a whole subtree, as shard_map takes them)."""
+    per_leaf = jax.tree.map(lambda spec, sub: jax.tree.map(lambda _: spec, sub), spec_tree,
+                            tree, is_leaf=lambda s: isinstance(s, P) or s is None)
+    return jax.tree.leaves(per_leaf, is_leaf=lambda s: isinstance(s, P))
+
+
+def _axes_size(name, mesh: Mesh) -> int:
+    names = () if name is None else (name,) if isinstance(name, str) else tuple(name)
+    return int(np.prod([mesh.shape[n] for n in names], dtype=np.int64))
+
+
+def _shard_shape(shape, spec: P, mesh: Mesh) -> tuple:
+    """The shape of each rank's shard of an array of `shape` split by `spec`."""
+    return tuple(n // _axes_size(spec[i] if i < len(spec) else None, mesh)
+                 for i, n in enumerate(shape))
 
 
 def _out_specs(out, mesh: Mesh, rules):

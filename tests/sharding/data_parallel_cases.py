@@ -342,11 +342,32 @@ def error_cases(rng):
     log("refusals and weight rules ok")
 
 
+def empty_operand_case():
+    """A zero-sized operand and result of a data-parallel body (the policy fields a policy does
+    not use, [G, B, 0]): the body sees its per-rank shape, the result comes back whole. jax
+    0.11.2 segfaulted compiling a shard_map with a zero-sized operand."""
+    spec = jax.sharding.PartitionSpec
+
+    def body(x, empty):
+        assert empty.shape == (1, 2, 0), empty.shape
+        return x * 2, empty + 1
+
+    run = jax.jit(sharding._data_parallel(body, sharding.make_mesh(4),
+                                          (spec("data"), spec(None, "data")),
+                                          (spec("data"), spec(None, "data"))))
+    x = np.arange(24, dtype=np.int32).reshape(8, 3)
+    doubled, empty = run(jnp.asarray(x), jnp.zeros((1, 8, 0), jnp.int32))
+    np.testing.assert_array_equal(np.asarray(doubled), 2 * x)
+    assert empty.shape == (1, 8, 0) and empty.dtype == jnp.int32, empty
+    log("zero-sized operand of a data-parallel body ok")
+
+
 def main(argv):
     assert len(jax.devices()) == 8, jax.devices()
     rng = np.random.default_rng(int(argv[1]) if len(argv) > 1 else 0)
     params = random_params(CONFIG, rng)
     error_cases(rng)
+    empty_operand_case()
     decode_case(params, rng, ranks=4, batch=8, ways=1, policy="ring", page=4, hot=16, steps=3,
                 hlo=True)
     decode_case(params, rng, ranks=2, batch=8, ways=2, policy="clock", page=4, hot=16, steps=3,
