@@ -133,9 +133,15 @@ def test_device_bytes_match_the_formula(policy):
     assert state.host.kv.sharding.memory_kind == "pinned_host"
 
 
+# Scenarios several tests set up (the same shapes: the prefill and steps compile once).
+ONE = dict(batch=1, ways=1, k=4, hot=8, page=4, lengths=[20], policy="ring", shared=True,
+           steps=6)
+TWO = dict(batch=2, ways=2, k=4, hot=8, page=4, lengths=[10, 7], policy="ring", shared=True,
+           steps=1)
+
+
 def test_one_trace_across_steps():
-    config, offload, params, res, dec, rng = _setup(
-        batch=1, ways=1, k=4, hot=8, page=4, lengths=[20], policy="ring", shared=True, steps=6)
+    config, offload, params, res, dec, rng = _setup(**ONE)
     # The step's own pure function, counted: a second trace raises.
     counted = chex.assert_max_traces(offload_decode._decode_jit.__wrapped__, n=1)
     step = jax.jit(counted, static_argnames=("config", "offload"), donate_argnames=("state",))
@@ -148,8 +154,7 @@ def test_one_trace_across_steps():
 def test_handed_over_state_is_placed_like_a_step_output():
     # A step's outputs are committed arrays; a state built from uncommitted ones hit another
     # entry of the jit cache, so the second step compiled the whole program again.
-    config, offload, params, res, dec, rng = _setup(
-        batch=1, ways=1, k=4, hot=8, page=4, lengths=[20], policy="ring", shared=True, steps=1)
+    config, offload, params, res, dec, rng = _setup(**ONE)
     before = [(x.committed, x.sharding) for x in jax.tree.leaves(dec)]
     _, after, _ = offload_decode.decode_step(params, dec, np.zeros((1, 1), np.int32),
                                              config=config, offload=offload)
@@ -177,9 +182,7 @@ def test_page_smaller_than_ways_is_rejected():
 
 
 def test_bad_inputs_raise_before_the_state_changes():
-    config, offload, params, res, dec, rng = _setup(
-        batch=2, ways=2, k=4, hot=8, page=4, lengths=[10, 7], policy="ring", shared=True,
-        steps=1)
+    config, offload, params, res, dec, rng = _setup(**TWO)
     before = jax.tree_util.tree_map(np.asarray, dec)
     with pytest.raises(ValueError, match=r"token id 256 at \[1, 0\] is outside the vocabulary"):
         offload_decode.decode_step(params, dec, np.array([[1, 2], [256, 3]]), config=config,
@@ -203,8 +206,7 @@ def test_bad_inputs_raise_before_the_state_changes():
 
 
 def test_a_state_stepped_with_other_settings_is_refused():
-    config, offload, params, res, dec, rng = _setup(
-        batch=1, ways=1, k=4, hot=8, page=4, lengths=[20], policy="ring", shared=True, steps=1)
+    config, offload, params, res, dec, rng = _setup(**ONE)
     other = OffloadConfig(hot_slots=12, page_size=4, capacity=offload.capacity)
     with pytest.raises(ValueError, match=r"state.hot has shape \(4, 1, 16, 40\), expected "
                                          r"\(4, 1, 20, 40\)"):
@@ -223,11 +225,9 @@ def test_a_state_stepped_with_other_settings_is_refused():
 
 
 def test_handoff_validates_its_inputs():
-    config, offload, params, res, dec, rng = _setup(
-        batch=2, ways=1, k=4, hot=8, page=4, lengths=[20, 9], policy="ring", shared=True,
-        steps=1)
+    config, offload, params, res, dec, rng = _setup(**TWO)
     with pytest.raises(ValueError, match=r"must be 2 counts in \[0, "):
-        DecodeState.from_resident(res.kv, res.index_keys, np.array([20, -1]), config=config,
+        DecodeState.from_resident(res.kv, res.index_keys, np.array([10, -1]), config=config,
                                   offload=offload)
     with pytest.raises(ValueError, match=r"must be the config's kv_dtype bfloat16"):
         DecodeState.from_resident(res.kv.astype(jnp.float32), res.index_keys, res.lengths,

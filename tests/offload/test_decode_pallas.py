@@ -35,10 +35,15 @@ def _no_races(capfd):
     assert "RACE DETECTED" not in text and "non-zero" not in text, text
 
 
-def _setup(*, batch, ways, k, hot, page, lengths, policy, shared, steps, permuted=False):
+# Host pages for this many steps, whatever a test runs: the tests of one scenario then share
+# the compiled prefill and steps.
+ROOM = 4
+
+
+def _setup(*, batch, ways, k, hot, page, lengths, policy, shared, permuted=False):
     config = get_config("tiny").replace(index_topk=k, max_ways=ways,
                                         indexer_layers=(0, 2) if shared else (0, 1, 2, 3))
-    capacity = -(-(max(lengths) + steps * ways) // page) * page
+    capacity = -(-(max(lengths) + ROOM * ways) // page) * page
     offload = OffloadConfig(hot_slots=hot, page_size=page, capacity=capacity, policy=policy,
                             host_memory_kind="device")
     params = init_params(config, jax.random.key(1))
@@ -62,7 +67,8 @@ def _setup(*, batch, ways, k, hot, page, lengths, policy, shared, steps, permute
 
 
 def _compare(scenario, steps):
-    config, offload, params, res, handoff, rng = _setup(steps=steps, **scenario)
+    assert steps <= ROOM
+    config, offload, params, res, handoff, rng = _setup(**scenario)
     pallas_state = handoff()
     for _ in range(steps):
         tokens = rng.integers(0, config.vocab_size, (res.batch, config.max_ways), np.int32)
@@ -86,16 +92,18 @@ def _compare(scenario, steps):
                          selected=stats.selected, poisoned=True)
 
 
+TWO_WAYS = dict(batch=2, ways=2, k=8, hot=16, page=4, lengths=[30, 21], policy="ring",
+                shared=True)
+
+
 def test_pallas_decode_with_misses_and_two_ways():
-    _compare(dict(batch=2, ways=2, k=8, hot=16, page=4, lengths=[30, 21], policy="ring",
-                  shared=True), steps=4)
+    _compare(TWO_WAYS, steps=4)
 
 
 def test_pallas_decode_through_a_permuted_page_table():
     # CopySFA reads the misses through the scalar-prefetched page table; LIM reads the keys
     # through it: still bitwise the resident path, and the XLA step's selection and maps.
-    _compare(dict(batch=2, ways=2, k=8, hot=16, page=4, lengths=[30, 21], policy="ring",
-                  shared=True, permuted=True), steps=3)
+    _compare(dict(TWO_WAYS, permuted=True), steps=3)
 
 
 @settings(max_examples=2)
@@ -113,15 +121,15 @@ def test_pallas_decode_random_configs(draw):
 
 
 def test_explicit_pallas_off_tpu_needs_interpret():
-    config, offload, params, res, handoff, rng = _setup(
-        batch=1, ways=1, k=4, hot=4, page=4, lengths=[6], policy="ring", shared=True, steps=1)
+    # The scenario of the tests above: its prefill is compiled already.
+    config, offload, params, res, handoff, rng = _setup(**TWO_WAYS)
+    tokens = np.zeros((2, 2), np.int32)
     with pytest.raises(NotImplementedError, match=r"pass interpret=True"):
-        offload_decode.decode_step(params, handoff(), np.zeros((1, 1), np.int32), config=config,
-                                   offload=offload, implementation="pallas")
-    pinned = OffloadConfig(hot_slots=4, page_size=4, capacity=offload.capacity)
+        offload_decode.decode_step(params, handoff(), tokens, config=config, offload=offload,
+                                   implementation="pallas")
+    pinned = OffloadConfig(hot_slots=16, page_size=4, capacity=offload.capacity)
     with pytest.raises(NotImplementedError, match=r"host_memory_kind='device'"):
-        offload_decode.decode_step(params, handoff(), np.zeros((1, 1), np.int32), config=config,
-                                   offload=pinned, implementation="pallas", interpret=True)
+        offload_decode.decode_step(params, handoff(), tokens, config=config, offload=pinned,
+                                   implementation="pallas", interpret=True)
     with pytest.raises(ValueError, match=r"implementation='cuda'"):
-        resident.decode_step(params, res, np.zeros((1, 1), np.int32), config=config,
-                             implementation="cuda")
+        resident.decode_step(params, res, tokens, config=config, implementation="cuda")
