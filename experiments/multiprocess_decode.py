@@ -8,15 +8,28 @@ results depend on the batch of a program: a [8, ...] step and two [4, ...] steps
 last bits, so the single-device run takes the rows a device takes, B / D at a time).
 
     python -m fo_jax.distributed launch --processes 2 --devices-per-process 4 -- \\
-        experiments/multiprocess_decode.py --out /tmp/mp --check
+        experiments/multiprocess_decode.py --out /tmp/mp --check --path both
 
-Each process writes rows_<process id>.npz (its rows, the gathered tokens) under --out; with
---check, process 0 also runs the single-device reference and reports the comparison. Without a
-launcher the script runs as one process over its local devices.
+Each process writes rows_<path>_<process id>.npz (its rows, the gathered tokens) under --out;
+with --check, process 0 also runs the single-device reference and reports the comparison (one
+JSON line per path and process). Without a launcher the script runs as one process over its
+local devices.
 
-The decode implementation is a `DecodePath`: a state constructor, the state's shardings over a
-mesh, prefill and decode step. RESIDENT is fo_jax.resident split over the `data` axis by plain
-jit; a sharded offloaded path plugs in as another `DecodePath`.
+The decode implementation is a `DecodePath` (--path): a state constructor (this process's rows),
+its placement over a mesh, prefill and decode step. RESIDENT is fo_jax.resident split over the
+`data` axis by plain jit. OFFLOADED is fo_jax.sharding's data-parallel offloaded steps (prefill,
+handoff, decode step in shard_map over `data`): each process builds only its own seats and its
+own part of the host pools (F / P frames, `pinned_host`), with page tables of rank-local frame
+ids, and joins them into global arrays with `distributed.global_tree`; with --check it is
+compared with the single-device offloaded steps of each device's B / D rows and F / D frames.
+`--path both` runs the two in one launch.
+
+The offloaded path calls fo_jax.sharding's step programs (`_program`, `_handoff_program`)
+without `sharded_prefill` / `sharded_to_decode_state`'s value checks, which read the whole
+batch's lengths and page tables to the host: no process can read rows held by another
+process's devices. Each process checks and lays out its own rows instead (its lengths, its
+slot maps and policy state), and prefills an empty state with history_pages=0 (one static size
+for every process, hence one program). `sharded_decode_step` runs as it is, with check=False.
 """
 
 from __future__ import annotations
@@ -41,9 +54,13 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from fo_jax import resident  # noqa: E402
+from fo_jax import resident, sharding  # noqa: E402
 from fo_jax.config import ModelConfig, get_config  # noqa: E402
 from fo_jax.model.dsa import check_params, param_dtype, param_shapes  # noqa: E402
+from fo_jax.offload import decode as offload_decode  # noqa: E402
+from fo_jax.offload import prefill as offload_prefill  # noqa: E402
+from fo_jax.offload.config import OffloadConfig  # noqa: E402
+from fo_jax.offload.state import DecodeState  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import run_metadata  # noqa: E402
@@ -57,15 +74,17 @@ class DecodePath:
       name: for reports.
       create_state: (config, batch, capacity) -> an empty state of `batch` requests (built on
         the host side of each process: its own rows only).
-      state_shardings: (state, mesh, axis) -> the state's tree of NamedShardings, requests
-        split over the mesh axis `axis`.
-      prefill: (params, state, tokens [B, T], num_new [B], config) -> (logits [B, T, V], state).
-      decode_step: (params, state, tokens [B, W], config) -> (logits [B, W, V], state).
+      place_state: (state, mesh, axis) -> the state of every process's rows as one state over
+        the mesh, requests split over the mesh axis `axis` (each process passes its own).
+      prefill: (params, state, tokens [B, T], num_new [B], *, config, mesh) -> (logits
+        [B, T, V], a state ready for decode steps); mesh None: one device.
+      decode_step: (params, state, tokens [B, W], *, config, mesh) -> (logits [B, W, V],
+        state).
     """
 
     name: str
     create_state: Callable[[ModelConfig, int, int], Any]
-    state_shardings: Callable[[Any, Mesh, str], Any]
+    place_state: Callable[[Any, Mesh, str], Any]
     prefill: Callable[..., tuple[jax.Array, Any]]
     decode_step: Callable[..., tuple[jax.Array, Any]]
 
@@ -83,14 +102,156 @@ RESIDENT = DecodePath(
     name="resident",
     create_state=lambda config, batch, capacity: resident.ResidentState.create(
         config, batch=batch, capacity=capacity, fill=float("nan")),
-    state_shardings=resident_state_shardings,
+    place_state=lambda state, mesh, axis: distributed.global_tree(
+        state, resident_state_shardings(state, mesh, axis)),
     # check=False: the checks read state.lengths to the host, which a process cannot do for
     # rows on another process's devices (the inputs are checked where they are made).
-    prefill=lambda params, state, tokens, num_new, config: resident.prefill(
+    prefill=lambda params, state, tokens, num_new, *, config, mesh: resident.prefill(
         params, state, tokens, num_new, config=config, check=False),
-    decode_step=lambda params, state, tokens, config: resident.decode_step(
+    decode_step=lambda params, state, tokens, *, config, mesh: resident.decode_step(
         params, state, tokens, config=config, check=False),
 )
+
+
+# The offloaded path: page size Z and hot slots C of the demonstration (C = index_topk x
+# max_ways, the fewest a step runs with, for the tiny config).
+OFFLOAD_PAGE = 4
+
+
+def _offload_config(config: ModelConfig, state) -> OffloadConfig:
+    """The OffloadConfig of a PrefillState / DecodeState built by `create_offload_state`."""
+    return OffloadConfig(hot_slots=config.index_topk * config.max_ways,
+                         page_size=state.host.page_size, capacity=state.capacity)
+
+
+def create_offload_state(config: ModelConfig, batch: int, capacity: int
+                         ) -> offload_prefill.PrefillState:
+    """An empty PrefillState of `batch` requests: capacity rounded up to whole pages, a pool of
+    F = B P pages in `pinned_host` memory, the identity page table (seat b: frames
+    [b P, (b + 1) P)), unwritten rows NaN (a stray read shows)."""
+    capacity = -(-capacity // OFFLOAD_PAGE) * OFFLOAD_PAGE
+    return offload_prefill.PrefillState.create(config, batch=batch, capacity=capacity,
+                                               page_size=OFFLOAD_PAGE, fill=float("nan"))
+
+
+def _local_ranks(mesh: Mesh, axis: str) -> int:
+    """Positions of `axis` held by this process's devices (its data-parallel ranks)."""
+    along = mesh.axis_names.index(axis)
+    return len({at[along] for at in np.ndindex(mesh.devices.shape)
+                if mesh.devices[at].process_index == jax.process_index()})
+
+
+def place_offload_state(state: offload_prefill.PrefillState, mesh: Mesh, axis: str
+                        ) -> offload_prefill.PrefillState:
+    """This process's PrefillState (its B / P seats, its F / P pool frames, table of frame ids
+    of its own pool) as its part of one state over the mesh: the table converted to rank-local
+    ids of its D / P ranks (`sharding.local_table`: each seat must name frames of its own
+    rank's F / D), every array placed by `sharding.shardings` (host pages keep `pinned_host`,
+    split over `data` by frames), rows and frames of each process in process order. Touches
+    the local state only (O(state / P) host to device)."""
+    if axis != sharding.DATA:
+        raise ValueError(f"the offloaded path splits over fo_jax.sharding's {sharding.DATA!r} "
+                         f"axis, got axis={axis!r}")
+    ranks = _local_ranks(mesh, axis)
+    table = sharding.local_table(state.table, num_frames=state.num_frames, ranks=ranks)
+    local = dataclasses.replace(state, table=table)
+    return distributed.global_tree(local, sharding.shardings(local, mesh))
+
+
+def offload_prefill_step(params, state, tokens, num_new, *, config: ModelConfig, mesh):
+    """Prefill from an empty PrefillState and the handoff to a DecodeState.
+
+    mesh None: `offload_prefill.prefill` + `to_decode_state` on one device. With a mesh:
+    `sharding.sharded_prefill`'s program and the handoff of `sharding.sharded_to_decode_state`,
+    called without their value checks, which read the whole batch's lengths and tables to the
+    host (a process cannot read rows on another process's devices): each process checks its
+    own rows instead (`distributed.local_rows` of num_new, its own B / P rows), and the prefill
+    runs with history_pages=0 (the state is empty: no history, one static size for all
+    processes)."""
+    if mesh is None:
+        logits, state = offload_prefill.prefill(params, state, tokens, num_new, config=config,
+                                                history_pages=0)
+        return logits, offload_prefill.to_decode_state(
+            state, config=config, offload=_offload_config(config, state), fill=float("nan"))
+    offload = _offload_config(config, state)
+    lengths = distributed.local_rows(num_new).astype(np.int32)  # this process's rows
+    if np.any(lengths < 1) or np.any(lengths > min(tokens.shape[1], state.capacity)):
+        raise ValueError(f"num_new={lengths.tolist()} (process {jax.process_index()}'s rows) "
+                         f"must be in [1, {min(tokens.shape[1], state.capacity)}]")
+    # The static arguments as sharded_prefill builds them (static checks only), from this
+    # process's view: its rows of the table and lengths (the whole batch's cannot be read).
+    view = dataclasses.replace(state, table=distributed.local_rows(state.table),
+                               lengths=distributed.local_rows(state.lengths))
+    _, static = offload_prefill._prefill_arguments(
+        params, view, distributed.local_rows(tokens), lengths, config=config, num_buffers=None,
+        distance=None, onload_layer_map=None, dense=False, history_pages=0, poison=False, check=False,
+        host_access="gather", query_block=offload_prefill.QUERY_BLOCK)
+    program = sharding._program(mesh, sharding._offload_prefill,
+                                tuple(sorted(static.items())), True, None)
+    logits, state = program(params, state, tokens, num_new)
+    return logits, _sharded_handoff(state, lengths, config=config, offload=offload, mesh=mesh)
+
+
+def _sharded_handoff(state, lengths: np.ndarray, *, config: ModelConfig,
+                     offload: OffloadConfig, mesh: Mesh) -> DecodeState:
+    """`sharding.sharded_to_decode_state` with this process's lengths [B / P] known on its
+    host: the same program (each rank gathers its hot and tail rows from its own pool shard),
+    the slot maps and policy state of this process's rows built on its host and joined by
+    `distributed.global_tree` (sharded_to_decode_state builds them from the whole batch's
+    lengths, which no process can read)."""
+    row_tok, slots, policy = offload_prefill.initial_layout(config, offload, lengths)
+    program = sharding._handoff_program(
+        mesh, offload.miss_chunk, state.host.kv.sharding.memory_kind not in (None, "device"),
+        offload.host_access)
+    keys, hot = program(state.host.kv, state.index_keys, state.table, state.lengths,
+                        distributed.global_batch(np.asarray(row_tok), mesh, sharding.DATA),
+                        np.float32("nan"))
+    local = DecodeState(host=state.host, table=state.table, hot=hot, index_keys=keys,
+                        slots=slots, policy=policy, lengths=state.lengths,
+                        step=np.asarray(1, np.int32))
+    placed = sharding.shardings(local, mesh)
+    layout = sharding.LAYOUTS["DecodeState"]
+
+    def whole(path, x):
+        """An empty leaf ([G, B/P, 0]: a field the policy does not use) with the global
+        batch: `shardings` replicates empty arrays, so its local part is the whole."""
+        if 0 not in np.shape(x):
+            return np.asarray(x)
+        axes = layout[sharding._names(path)]
+        return np.zeros([n * jax.process_count() if a == "batch" else n
+                         for n, a in zip(np.shape(x), axes)], x.dtype)
+
+    state_parts = DecodeState(host=None, table=None, hot=None, index_keys=None, slots=slots,
+                              policy=policy, lengths=None, step=local.step)
+    mine = jax.tree_util.tree_map_with_path(whole, state_parts)
+    mine = distributed.global_tree((mine.slots, mine.policy, mine.step),
+                                   (placed.slots, placed.policy, placed.step))
+    return dataclasses.replace(local, slots=mine[0], policy=mine[1], step=mine[2])
+
+
+def offload_decode_one(params, state, tokens, *, config: ModelConfig, mesh):
+    """One offloaded decode step: `offload_decode.decode_step` (mesh None) or
+    `sharding.sharded_decode_step` (check=False: its value checks read the whole batch)."""
+    offload = _offload_config(config, state)
+    if mesh is None:
+        logits, state, _ = offload_decode.decode_step(params, state, tokens, config=config,
+                                                      offload=offload, implementation="xla")
+    else:
+        logits, state, _ = sharding.sharded_decode_step(params, state, tokens, mesh=mesh,
+                                                        config=config, offload=offload,
+                                                        check=False, implementation="xla")
+    return logits, state
+
+
+OFFLOADED = DecodePath(
+    name="offloaded",
+    create_state=create_offload_state,
+    place_state=place_offload_state,
+    prefill=offload_prefill_step,
+    decode_step=offload_decode_one,
+)
+
+PATHS = {p.name: p for p in (RESIDENT, OFFLOADED)}
 
 
 @jax.jit
@@ -114,7 +275,7 @@ def generate(params, prompts: np.ndarray, num_new: np.ndarray, *, config: ModelC
     num_new[r] tokens real), then `steps` decode steps of one token.
 
     With a mesh, `prompts` are this process's b = B / P rows of the global batch, the state is
-    split over `axis` by `path.state_shardings` and `params` must be replicated over the mesh;
+    split over `axis` by `path.place_state` and `params` must be replicated over the mesh;
     without one (None), everything runs on the default device, b = B. Returns this process's
     rows on the host: "tokens" [b, steps + 1] int32 and "logits" [b, T + steps, V] (prefill
     logits, then one row per step).
@@ -124,7 +285,7 @@ def generate(params, prompts: np.ndarray, num_new: np.ndarray, *, config: ModelC
     if mesh is None:
         put, rows = jnp.asarray, np.asarray
     else:
-        state = distributed.global_tree(state, path.state_shardings(state, mesh, axis))
+        state = path.place_state(state, mesh, axis)
 
         def put(x):
             return distributed.global_batch(x, mesh, axis)
@@ -132,11 +293,11 @@ def generate(params, prompts: np.ndarray, num_new: np.ndarray, *, config: ModelC
         rows = distributed.local_rows
     num_new = put(np.asarray(num_new, np.int32))
     logits, state = path.prefill(params, state, put(np.asarray(prompts, np.int32)), num_new,
-                                 config)
+                                 config=config, mesh=mesh)
     token = _first_token(logits, num_new)
     out_logits, out_tokens = [rows(logits)], [rows(token)]
     for _ in range(steps):
-        logits, state = path.decode_step(params, state, token, config)
+        logits, state = path.decode_step(params, state, token, config=config, mesh=mesh)
         token = _next_token(logits)
         out_logits.append(rows(logits))
         out_tokens.append(rows(token))
@@ -199,9 +360,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="folder for rows_<process>.npz")
     parser.add_argument("--check", action="store_true",
                         help="process 0 also runs the single-device reference and compares")
+    parser.add_argument("--path", choices=sorted(PATHS) + ["both"], default="resident",
+                        help="decode implementation ('both': resident, then offloaded)")
     ns = parser.parse_args(argv)
     config = get_config(ns.config)
-    start = time.perf_counter()
     mesh = distributed.data_mesh()
     num_devices, me, num_processes = mesh.size, jax.process_index(), jax.process_count()
     batch = num_devices if ns.batch is None else ns.batch
@@ -213,28 +375,33 @@ def main(argv=None) -> int:
     mine = slice(me * per_process, (me + 1) * per_process)
     weights = host_params(config, ns.seed)
     params = distributed.replicate(weights, mesh)
-    result = generate(params, prompts[mine], num_new[mine], config=config, steps=ns.steps,
-                      mesh=mesh)
-    # Every process's tokens on every process: a collective across processes (gloo on CPU).
-    gathered = np.asarray(multihost_utils.process_allgather(result["tokens"], tiled=True))
-    seconds = time.perf_counter() - start
-    if ns.out:
-        os.makedirs(ns.out, exist_ok=True)
-        np.savez(os.path.join(ns.out, f"rows_{me}.npz"), first_row=mine.start,
-                 gathered_tokens=gathered, **result)
-    line = dict(run_metadata(), question="multiprocess_decode", path=RESIDENT.name,
-                process=me, processes=num_processes, devices=num_devices, batch=batch,
-                prompt_len=ns.prompt_len, steps=ns.steps, seconds=round(seconds, 3))
-    if ns.check and me == 0:
-        logits = np.asarray(multihost_utils.process_allgather(result["logits"], tiled=True))
-        ref = reference(weights, prompts, num_new, config=config, steps=ns.steps,
-                        rows_per_call=batch // num_devices)
-        line["equal_tokens"] = bool(np.array_equal(gathered, ref["tokens"]))
-        line["equal_logits"] = bool(np.array_equal(logits, ref["logits"], equal_nan=True))
-    elif ns.check:
-        multihost_utils.process_allgather(result["logits"], tiled=True)
-    print(json.dumps(line), flush=True)
-    return 0 if line.get("equal_tokens", True) and line.get("equal_logits", True) else 1
+    paths = [RESIDENT, OFFLOADED] if ns.path == "both" else [PATHS[ns.path]]
+    ok = True
+    for path in paths:
+        start = time.perf_counter()
+        result = generate(params, prompts[mine], num_new[mine], config=config, steps=ns.steps,
+                          mesh=mesh, path=path)
+        # Every process's tokens on every process: a collective across processes (gloo on CPU).
+        gathered = np.asarray(multihost_utils.process_allgather(result["tokens"], tiled=True))
+        seconds = time.perf_counter() - start
+        if ns.out:
+            os.makedirs(ns.out, exist_ok=True)
+            np.savez(os.path.join(ns.out, f"rows_{path.name}_{me}.npz"), first_row=mine.start,
+                     gathered_tokens=gathered, **result)
+        line = dict(run_metadata(), question="multiprocess_decode", path=path.name,
+                    process=me, processes=num_processes, devices=num_devices, batch=batch,
+                    prompt_len=ns.prompt_len, steps=ns.steps, seconds=round(seconds, 3))
+        if ns.check:
+            logits = np.asarray(multihost_utils.process_allgather(result["logits"],
+                                                                  tiled=True))
+        if ns.check and me == 0:
+            ref = reference(weights, prompts, num_new, config=config, steps=ns.steps,
+                            rows_per_call=batch // num_devices, path=path)
+            line["equal_tokens"] = bool(np.array_equal(gathered, ref["tokens"]))
+            line["equal_logits"] = bool(np.array_equal(logits, ref["logits"], equal_nan=True))
+        print(json.dumps(line), flush=True)
+        ok = ok and line.get("equal_tokens", True) and line.get("equal_logits", True)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

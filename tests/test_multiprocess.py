@@ -1,6 +1,7 @@
 """Two processes x four CPU devices, joined by jax.distributed (gloo collectives), decode a batch
 data-parallel exactly as one process on one device does: same greedy tokens, same logits, bit
-for bit (experiments/multiprocess_decode.py is the program each process runs)."""
+for bit, on both decode paths (resident, and offloaded: host pools split over the processes'
+devices), in one launch (experiments/multiprocess_decode.py is the program each process runs)."""
 
 import importlib.util
 import json
@@ -18,7 +19,9 @@ SCRIPT = ROOT / "experiments" / "multiprocess_decode.py"
 CONFIG = get_config("tiny")
 PROCESSES, DEVICES_PER_PROCESS = 2, 4
 BATCH, PROMPT_LEN, STEPS, SEED = 8, 8, 2, 0
-# Both processes import jax and compile two programs; generous for a loaded 2-core machine.
+PATHS = ("resident", "offloaded")
+# Both processes import jax and compile each path's programs; generous for a loaded 2-core
+# machine.
 TIMEOUT_S = 240
 
 
@@ -36,38 +39,44 @@ def test_two_processes_decode_as_one_device(tmp_path):
     # launch kills every child on its way out (failure, time limit, or an exception here).
     results = distributed.launch(
         [str(SCRIPT), "--config", CONFIG.name, "--batch", str(BATCH), "--prompt-len",
-         str(PROMPT_LEN), "--steps", str(STEPS), "--seed", str(SEED), "--out", str(tmp_path)],
+         str(PROMPT_LEN), "--steps", str(STEPS), "--seed", str(SEED), "--out", str(tmp_path),
+         "--path", "both"],
         processes=PROCESSES, devices_per_process=DEVICES_PER_PROCESS, timeout_s=TIMEOUT_S,
         env=env, cwd=str(ROOT))
     report = distributed.report(results)
     assert [(r.returncode, r.killed) for r in results] == [(0, False)] * PROCESSES, report
-    # One JSON line each (gloo prints its own lines on stdout too).
-    lines = [json.loads(next(x for x in r.stdout.splitlines() if x.startswith("{")))
+    # One JSON line per path each (gloo prints its own lines on stdout too).
+    lines = [[json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
              for r in results]
-    assert [(x["process"], x["processes"], x["devices"]) for x in lines] == [
-        (i, PROCESSES, PROCESSES * DEVICES_PER_PROCESS) for i in range(PROCESSES)], report
-
-    rows = [np.load(tmp_path / f"rows_{i}.npz") for i in range(PROCESSES)]
-    per_process = BATCH // PROCESSES
-    assert [int(r["first_row"]) for r in rows] == [i * per_process for i in range(PROCESSES)]
-    got = {k: np.concatenate([r[k] for r in rows]) for k in ("tokens", "logits")}
+    assert [[(x["path"], x["process"], x["processes"], x["devices"]) for x in mine]
+            for mine in lines] == [
+        [(path, i, PROCESSES, PROCESSES * DEVICES_PER_PROCESS) for path in PATHS]
+        for i in range(PROCESSES)], report
 
     script = _load_script()
     prompts, num_new = script.workload(batch=BATCH, prompt_len=PROMPT_LEN, config=CONFIG,
                                        seed=SEED)
-    # One device, the rows a device took in the run (XLA:CPU's bits depend on a program's
-    # batch: see the script's docstring).
-    ref = script.reference(script.host_params(CONFIG, SEED), prompts, num_new, config=CONFIG,
-                           steps=STEPS,
-                           rows_per_call=BATCH // (PROCESSES * DEVICES_PER_PROCESS))
-    assert got["tokens"].shape == (BATCH, STEPS + 1)
-    assert got["logits"].shape == (BATCH, PROMPT_LEN + STEPS, CONFIG.vocab_size)
-    np.testing.assert_array_equal(got["tokens"], ref["tokens"])
-    np.testing.assert_array_equal(got["logits"], ref["logits"])  # NaN (padding) where ref's
-    # The real positions are numbers (the NaN-poisoned state leaked nowhere).
+    weights = script.host_params(CONFIG, SEED)
+    per_process = BATCH // PROCESSES
+    # The real positions are numbers (the NaN-poisoned states leaked nowhere).
     real = np.arange(PROMPT_LEN + STEPS)[None, :] < num_new[:, None]
     real[:, PROMPT_LEN:] = True
-    assert np.isfinite(got["logits"][real]).all()
-    # The tokens gathered across processes (a collective over gloo) are the whole batch's.
-    for r in rows:
-        np.testing.assert_array_equal(r["gathered_tokens"], ref["tokens"])
+    for name in PATHS:
+        rows = [np.load(tmp_path / f"rows_{name}_{i}.npz") for i in range(PROCESSES)]
+        assert [int(r["first_row"]) for r in rows] == [
+            i * per_process for i in range(PROCESSES)]
+        got = {k: np.concatenate([r[k] for r in rows]) for k in ("tokens", "logits")}
+        # One device, the rows a device took in the run (XLA:CPU's bits depend on a program's
+        # batch: see the script's docstring); offloaded: their pages as the device's own pool.
+        ref = script.reference(weights, prompts, num_new, config=CONFIG, steps=STEPS,
+                               rows_per_call=BATCH // (PROCESSES * DEVICES_PER_PROCESS),
+                               path=script.PATHS[name])
+        assert got["tokens"].shape == (BATCH, STEPS + 1), name
+        assert got["logits"].shape == (BATCH, PROMPT_LEN + STEPS, CONFIG.vocab_size), name
+        np.testing.assert_array_equal(got["tokens"], ref["tokens"], err_msg=name)
+        # NaN (padding) where ref's
+        np.testing.assert_array_equal(got["logits"], ref["logits"], err_msg=name)
+        assert np.isfinite(got["logits"][real]).all(), name
+        # The tokens gathered across processes (a collective over gloo) are the whole batch's.
+        for r in rows:
+            np.testing.assert_array_equal(r["gathered_tokens"], ref["tokens"], err_msg=name)

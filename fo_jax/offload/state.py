@@ -44,8 +44,10 @@ from fo_jax.offload.config import OffloadConfig
 
 
 def host_sharding(kind: str):
-    """A single-device sharding in memory kind `kind` (`pinned_host` or `device`)."""
-    device = jax.devices()[0]
+    """A single-device sharding in memory kind `kind` (`pinned_host` or `device`), on this
+    process's first device (in a multi-process run jax.devices()[0] is process 0's, which no
+    other process can read or write)."""
+    device = jax.local_devices()[0]
     return jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
 
 
@@ -74,9 +76,10 @@ def committed(tree):
 
     A jitted step returns committed arrays; a state built from uncommitted ones (plain
     `jnp` results) would hit another entry of the step's jit cache, so the second step would
-    compile the whole program again. Moves nothing: the leaves are already on that device.
+    compile the whole program again. Moves nothing: the leaves are already on that device
+    (this process's first device: jnp's default in a multi-process run too).
     """
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]
     return jax.tree.map(lambda x: x if x.committed else jax.device_put(x, device), tree)
 
 
