@@ -881,17 +881,20 @@ class Engine:
             req.finish_reason = "length"
         return req.finish_reason is not None
 
+    def _vacate(self, b: int) -> None:
+        """Seat b empty: no occupant, default sampling, done, no tokens, no pages. O(B)."""
+        self._occupant[b] = None
+        self._sampling_rows[b] = self._sampling_row(None)
+        self._sampling = None
+        done = np.array(self._seats.done)
+        done[b] = True
+        self._seats = committed(dataclasses.replace(self._seats, done=jnp.asarray(done)))
+        self._set_seats({b: (0, None)})
+
     def _free(self, req: _Request, *, finished: bool = True) -> None:
         """Free the request's seat and drop its pages (finished, cancelled or preempted)."""
         if req.seat is not None and self._occupant[req.seat] is req:
-            b = req.seat
-            self._occupant[b] = None
-            self._sampling_rows[b] = self._sampling_row(None)
-            self._sampling = None
-            done = np.array(self._seats.done)
-            done[b] = True
-            self._seats = committed(dataclasses.replace(self._seats, done=jnp.asarray(done)))
-            self._set_seats({b: (0, None)})  # an empty seat: no tokens, no pages
+            self._vacate(req.seat)
         if req.pages is not None:
             req.pages.release()
             req.pages = None
@@ -963,13 +966,7 @@ class Engine:
                          token=int(self._seats.tokens[b]),
                          key_data=np.asarray(jax.random.key_data(self._seats.keys)[b]),
                          generated=int(self._seats.generated[b]))
-        self._occupant[b] = None
-        self._sampling_rows[b] = self._sampling_row(None)
-        self._sampling = None
-        done = np.array(self._seats.done)
-        done[b] = True
-        self._seats = committed(dataclasses.replace(self._seats, done=jnp.asarray(done)))
-        self._set_seats({b: (0, None)})
+        self._vacate(b)
         del self._requests[request_id]
         req.seat = None
         return out
