@@ -79,9 +79,10 @@ that cannot fit alone is refused), so the engine always progresses; a request ca
 again after it resumes. `counters["preemptions"]` and `counters["replayed_tokens"]` count them.
 
 Not here yet: keeping a preempted request's pages on host (resume without recompute; useful
-when seats, not pages, are short), device_bytes, reserve="prompt" and preemption on the resident path, prefix
-reuse on the resident path, aging in the "shortest" order (a long request can wait for ever
-under a stream of shorter ones).
+when seats, not pages, are short); device_bytes, reserve="prompt", preemption and prefix reuse
+on the resident path; aging in the "shortest" order (a long request can wait for ever under a
+stream of shorter ones); drafts (W > 1) in the decode loop (`fo_jax.generate` drafts, the
+engine does not).
 """
 
 from __future__ import annotations
