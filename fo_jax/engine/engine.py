@@ -74,9 +74,9 @@ so a token's KV and logits computed by a prefill chunk differ in their last bits
 decode step's (measured on the tiny model, 3 prompts x 3 resume points: the last position's
 logits differed in 9 of 9, the KV in 1 of 9; a bare jitted x @ w of 8 rows against each row
 alone differs too, e.g. float32 [8, 256] @ [256, 512] by 4e-5; the greedy tokens happened to
-agree), and the resumed request could then sample other tokens than its solo run. The oldest request always gets its pages (a request
-that cannot fit alone is refused), so the engine always progresses; a request can be preempted
-again after it resumes. `counters["preemptions"]` and `counters["replayed_tokens"]` count them.
+agree), and the resumed request could then sample other tokens than its solo run. The oldest
+request always gets its pages (a request that cannot fit alone is refused), so the engine
+always progresses; a request can be preempted again after it resumes. `counters["preemptions"]` and `counters["replayed_tokens"]` count them.
 
 Not here yet: keeping a preempted request's pages on host (resume without recompute; useful
 when seats, not pages, are short); device_bytes, reserve="prompt", preemption and prefix reuse

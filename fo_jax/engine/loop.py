@@ -54,8 +54,8 @@ def _check_sampling_values(temperature, top_p) -> None:
                          "number >= 0 (0 = greedy, else the softmax temperature)")
     bad = np.flatnonzero(~(p > 0) | ~(p <= 1))
     if bad.size:
-        raise ValueError(f"top_p={float(p[bad[0]])!r} of request {bad[0]} must be a number in (0, 1] "
-                         "(the probability mass nucleus sampling keeps; 1 = all tokens)")
+        raise ValueError(f"top_p={float(p[bad[0]])!r} of request {bad[0]} must be a number in "
+                         "(0, 1] (the probability mass nucleus sampling keeps; 1 = all tokens)")
 
 
 def _per_request(name: str, value, batch: int, dtype) -> np.ndarray:
