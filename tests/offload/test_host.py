@@ -131,18 +131,24 @@ def test_load_history_reads_whole_pages_through_the_table(access, kind):
     chex.assert_trees_all_equal(got, _by_token(kv, table)[1, :, :2 * Z])
 
 
+def _sub_jaxprs(eqn):
+    """The jaxprs an equation holds (loop bodies, branches, inner jits)."""
+    for value in eqn.params.values():
+        for sub in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                yield sub.jaxpr
+            elif isinstance(sub, jax.extend.core.Jaxpr):
+                yield sub
+
+
 def _host_ops(jaxpr, out):
     """Names of the primitives with an operand in host memory, sub-jaxprs included."""
     for eqn in jaxpr.eqns:
         if any(getattr(v.aval, "memory_space", None) == jax.memory.Space.Host
                for v in eqn.invars if hasattr(v, "aval")):
             out.add(eqn.primitive.name)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    _host_ops(sub.jaxpr, out)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    _host_ops(sub, out)
+        for sub in _sub_jaxprs(eqn):
+            _host_ops(sub, out)
     return out
 
 
@@ -167,12 +173,8 @@ def _host_read_faults(jaxpr, out):
         if (name in ("gather", "dynamic_slice")
                 and getattr(eqn.invars[0].aval, "memory_space", None) == jax.memory.Space.Host):
             made.update({v: name for v in eqn.outvars})
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    _host_read_faults(sub.jaxpr, out)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    _host_read_faults(sub, out)
+        for sub in _sub_jaxprs(eqn):
+            _host_read_faults(sub, out)
     return out
 
 
