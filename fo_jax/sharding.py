@@ -40,13 +40,15 @@ Weights sharded over `model` / `expert` are stored sharded and gathered at the s
     make_mesh, logical_spec, specs, shardings, param_specs, shard_params   placement
     shard_state, unshard_state, local_table, global_table                 states
     sharded_decode_step (+ lower_sharded_decode_step), sharded_resident_decode_step,
-    sharded_prefill, sharded_to_decode_state, DataParallelOffloadEngine   steps
+    sharded_decode_loop, sharded_prefill, sharded_to_decode_state,
+    DataParallelOffloadEngine                                             steps
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +57,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fo_jax import generate, resident
 from fo_jax.config import ModelConfig
+from fo_jax.engine import loop as engine_loop
+from fo_jax.engine.loop import LoopOutput
 from fo_jax.offload import decode as offload_decode
 from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload.config import OffloadConfig
@@ -569,6 +573,116 @@ def sharded_resident_decode_step(params, state: resident.ResidentState, tokens, 
                    _place(num_new, LAYOUTS["per_request"], mesh, rules))
 
 
+def _batch_specs(tree, mesh: Mesh, rules, axis_of):
+    """A PartitionSpec per leaf of `tree`: its batch axis (`axis_of(leaf)`, None for none) split
+    over `data`, every other axis whole."""
+    data = logical_spec(("batch",), mesh, rules)[0]
+
+    def one(x):
+        axis = axis_of(x)
+        return P() if axis is None else P(*([None] * axis + [data]))
+
+    return jax.tree.map(one, tree)
+
+
+def _loop_specs(mesh: Mesh, rules, seats, sampling, out):
+    """Specs of the decode loop's per-request pytrees: Seats and Sampling leaves are [B, ...]
+    (a [] key, one for the batch, is replicated), LoopOutput's tokens [B, N], fed [B] and
+    per-rank step counts [D], LoopStats [G, B, ...] or [B]."""
+    first = lambda x: 0 if np.ndim(x) else None  # noqa: E731
+    stats_axis = lambda x: 1 if np.ndim(x) >= 2 else 0  # noqa: E731
+    out_specs = LoopOutput(
+        tokens=_batch_specs(out.tokens, mesh, rules, first),
+        fed=_batch_specs(out.fed, mesh, rules, first),
+        num_steps=_batch_specs(out.num_steps, mesh, rules, first),
+        stats=None if out.stats is None else _batch_specs(out.stats, mesh, rules, stats_axis))
+    return (_batch_specs(seats, mesh, rules, first), _batch_specs(sampling, mesh, rules, first),
+            out_specs)
+
+
+@functools.lru_cache(maxsize=16)
+def _loop_program(mesh: Mesh, step, n_steps: int, rules_key):
+    """jit(shard_map(decode loop)) for (params, state, seats, sampling): every rank runs the
+    single-device loop (`fo_jax.engine.loop._loop_jit`) on its requests, its while_loop ending
+    when its own requests are done; the state is donated and keeps its shardings."""
+    rules = dict(rules_key) if rules_key is not None else None
+
+    offloaded = isinstance(step, engine_loop.OffloadedStep)
+
+    def body(params, state, seats, sampling):
+        out, state, seats = engine_loop._loop_jit(params, state, seats, sampling,
+                                                  n_steps=n_steps, step=step)
+        # The values every rank holds alike (the step counter, the random policy's key) may
+        # differ here: each rank left its loop after its own number of steps.
+        counters = (state.step[None], state.policy.key[None]) if offloaded else ()
+        return dataclasses.replace(out, num_steps=out.num_steps[None]), state, seats, counters
+
+    def run(params, state, seats, sampling):
+        shapes = jax.eval_shape(body, params, state, seats, sampling)
+        seat_specs, sampling_specs, out_specs = _loop_specs(mesh, rules, seats, sampling,
+                                                            shapes[0])
+        state_specs = specs(state, mesh, rules)
+        per_rank = jax.tree.map(lambda _: logical_spec(("batch",), mesh, rules), shapes[3])
+        out, new_state, new_seats, counters = _data_parallel(
+            body, mesh, (jax.tree.map(lambda _: P(), params), state_specs, seat_specs,
+                         sampling_specs),
+            (out_specs, state_specs, seat_specs, per_rank))(params, state, seats, sampling)
+        # The call took as many steps as its busiest rank (the ranks run side by side); every
+        # rank's step counter and random-policy key become the busiest rank's: what its own
+        # loop would hold after inactive steps up to that count (an inactive step changes
+        # nothing else), so the replicated values stay equal on every rank.
+        busiest = jnp.argmax(out.num_steps)
+        if offloaded:
+            steps, keys = counters
+            new_state = dataclasses.replace(
+                new_state, step=steps[busiest],
+                policy=dataclasses.replace(new_state.policy, key=keys[busiest]))
+        new_state = jax.tree.map(jax.lax.with_sharding_constraint, new_state,
+                                 shardings(state, mesh, rules))
+        return (dataclasses.replace(out, num_steps=out.num_steps[busiest]), new_state,
+                new_seats)
+
+    return jax.jit(run, donate_argnums=(1,))
+
+
+def sharded_decode_loop(params, state, seats, n_steps: int, sampling, *, mesh: Mesh, step,
+                        rules=None):
+    """`fo_jax.engine.decode_loop`, data-parallel over `data`: up to `n_steps` decode steps
+    with on-device sampling in one program, each rank looping over its B/D requests and its
+    pool shard (offloaded) or KV shard (resident) and leaving its loop when its own requests
+    are done (no collective inside the loop). (LoopOutput, new state, new seats), split over
+    `data`; `num_steps` is the busiest rank's, and so are the state's step counter and random
+    policy key (values every rank holds alike: each rank's are what its loop would hold after
+    inactive steps up to that count). state: placed by `shard_state` (donated); seats, sampling: as
+    `decode_loop` (numpy or jax arrays; split over `data` here). step: `OffloadedStep` or
+    `ResidentStep`, XLA implementation. Each rank's tokens, stats and state are bit for bit
+    those of `decode_loop` run on its requests alone, followed by inactive steps up to the
+    busiest rank's count (tests/sharding/)."""
+    if (not isinstance(n_steps, numbers.Integral) or isinstance(n_steps, bool)
+            or n_steps < 1):
+        raise ValueError(f"n_steps={n_steps!r} must be an int >= 1 (decode steps per call)")
+    if not isinstance(step, (engine_loop.OffloadedStep, engine_loop.ResidentStep)):
+        raise ValueError(f"step must be an OffloadedStep or a ResidentStep, got "
+                         f"{type(step).__name__}")
+    if step.implementation != "xla":
+        raise ValueError(f"sharded_decode_loop runs the XLA step; got implementation="
+                         f"{step.implementation!r}: build the step with implementation='xla'")
+    resident.check_live(state, "sharded_decode_loop")
+    step.check_state(state)
+    _check_divides(state, mesh)
+    for name, value in (("seats", seats.batch), ("sampling", sampling.batch)):
+        if value != state.batch:
+            raise ValueError(f"{name} hold {value} requests but the state holds "
+                             f"{state.batch}: build them for the same batch")
+    engine_loop.check_keys(seats.keys, state.batch)
+    program = _loop_program(mesh, step, int(n_steps), _rules_key(rules))
+    seat_specs, sampling_specs, _ = _loop_specs(
+        mesh, rules, seats, sampling, engine_loop.LoopOutput(None, None, None, None))
+    place = lambda tree, tree_specs: jax.tree.map(  # noqa: E731
+        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, tree_specs)
+    return program(params, state, place(seats, seat_specs), place(sampling, sampling_specs))
+
+
 def sharded_prefill(params, state, tokens, num_new=None, *, mesh: Mesh, config: ModelConfig,
                     num_buffers: int | None = None, distance: int | None = None,
                     history_pages: int | None = None, check: bool = True,
@@ -653,8 +767,9 @@ def sharded_to_decode_state(state, *, mesh: Mesh, config: ModelConfig,
 class DataParallelOffloadEngine(generate.OffloadEngine):
     """`fo_jax.generate.OffloadEngine` data-parallel over a mesh's `data` axis: the prefill,
     the handoff and every decode step run on each rank's B/D requests and pool shard
-    (`sharded_prefill`, `sharded_to_decode_state`, `sharded_decode_step`). XLA
-    implementation; single steps only (no drafts, no multi-step loop, no debug checks)."""
+    (`sharded_prefill`, `sharded_to_decode_state`, `sharded_decode_step`, and
+    `sharded_decode_loop` for decode_steps_per_call > 1). XLA implementation; no drafts, no
+    debug checks."""
 
     def __init__(self, params, config: ModelConfig, *, mesh: Mesh, offload: OffloadConfig,
                  batch: int, num_buffers: int | None = None,
@@ -695,8 +810,18 @@ class DataParallelOffloadEngine(generate.OffloadEngine):
                                   "rollback): generate with draft='none'")
 
     def decode(self, seats, n_steps: int, sampling):
-        raise NotImplementedError("the data-parallel engine takes single steps: generate with "
-                                  "decode_steps_per_call=1")
+        """Up to `n_steps` decode steps with on-device sampling in one data-parallel program
+        (`sharded_decode_loop`): (LoopOutput, new seats), as `OffloadEngine.decode`."""
+        if self._lengths is None:
+            raise ValueError(f"{type(self).__name__}.decode before prefill: prefill a batch "
+                             "first")
+        out, self.state, seats = sharded_decode_loop(self.params, self.state, seats, n_steps,
+                                                     sampling, mesh=self.mesh,
+                                                     step=self.loop_step())
+        self._before = None  # nothing to roll back: a loop's tokens are kept
+        self._pending = self._pending + (out,)
+        self._add_stats(out.stats)
+        return out, seats
 
     def step(self, tokens, *, drop_past_capacity: bool = False, hidden: bool = False):
         if hidden:

@@ -251,6 +251,78 @@ def resident_case(params, rng, *, ranks, batch, ways, steps):
     log(f"resident decode ranks={ranks} B={batch} W={ways}: {steps} steps bitwise ok")
 
 
+def loop_case(params, rng, *, ranks, batch, steps, resident_path=False):
+    """The decode loop data-parallel (`sharded_decode_loop`): greedy and sampled requests with
+    their own keys, stop tokens and max_new_tokens, so ranks leave their loops at different
+    steps; tokens, stats, seats and state against each rank's single-device `decode_loop`."""
+    from fo_jax.engine.loop import OffloadedStep, ResidentStep, Sampling, Seats, decode_loop
+
+    config = CONFIG
+    lengths = [PROMPT] + rng.integers(1, PROMPT, batch - 1).tolist()
+    capacity = 32
+    offload = OffloadConfig(hot_slots=16, page_size=4, capacity=capacity, policy="random")
+    state = random_decode_state(rng, config, batch=batch, offload=offload, lengths=lengths,
+                                permute=False)
+    if resident_path:
+        state = resident.ResidentState.create(config, batch=batch, capacity=capacity, fill=NAN)
+        state = dataclasses.replace(
+            state, kv=jnp.asarray(rng.standard_normal(state.kv.shape), state.kv.dtype),
+            index_keys=jnp.asarray(rng.standard_normal(state.index_keys.shape),
+                                   state.index_keys.dtype),
+            lengths=jnp.asarray(lengths, jnp.int32))
+    step = ResidentStep(config) if resident_path else OffloadedStep(config, offload)
+    # Rank 0 keeps sampling for `steps` steps; the others stop sooner (max_new_tokens).
+    max_new = [steps + 1] + rng.integers(2, steps + 1, batch - 1).tolist()
+    sampling = Sampling.create(batch, temperature=[0.0, 0.8] * (batch // 2), top_p=0.9,
+                               max_new_tokens=max_new,
+                               stop_tokens=[[int(t)] for t in rng.integers(0, 64, batch)])
+    keys = jax.random.split(jax.random.key(3), batch)
+    first = rng.integers(64, config.vocab_size, batch).astype(np.int32)
+    seats = Seats.create(first, keys, sampling=sampling, lengths=lengths, capacity=capacity)
+    mesh = sharding.make_mesh(ranks)
+    sharded = sharding.shard_state(state, mesh)
+    refs = [rank_state(state, r, ranks) for r in range(ranks)]
+    out, sharded, new_seats = sharding.sharded_decode_loop(params, sharded, seats, steps,
+                                                           sampling, mesh=mesh, step=step)
+    per = batch // ranks
+    taken, wants = [], []
+    for r in range(ranks):
+        rows = slice(r * per, (r + 1) * per)
+        part = lambda tree: jax.tree.map(lambda x: x[rows], tree)  # noqa: E731
+        want, refs[r], want_seats = decode_loop(params, refs[r], part(seats), steps,
+                                                part(sampling), step=step)
+        taken.append(int(want.num_steps))
+        wants.append((want, want_seats))
+    for r in range(ranks):
+        for _ in range(max(taken) - taken[r]):  # what the busiest rank's count adds: inactive
+            # steps, which change only the step counter and the random policy's key
+            refs[r] = step(params, refs[r], np.zeros((per, 1), np.int32),
+                           jnp.zeros((per,), bool))[1]
+        rows = slice(r * per, (r + 1) * per)
+        want, want_seats = wants[r]
+        chex.assert_trees_all_equal(np.asarray(out.tokens)[rows], np.asarray(want.tokens))
+        chex.assert_trees_all_equal(np.asarray(out.fed)[rows], np.asarray(want.fed))
+        for got, ref in ((new_seats.tokens, want_seats.tokens),
+                         (new_seats.generated, want_seats.generated),
+                         (new_seats.done, want_seats.done),
+                         (jax.random.key_data(new_seats.keys),
+                          jax.random.key_data(want_seats.keys))):
+            chex.assert_trees_all_equal(np.asarray(got)[rows], np.asarray(ref))
+        if not resident_path:
+            got_stats = jax.tree.map(lambda x: np.take(np.asarray(x), np.arange(
+                rows.start, rows.stop), axis=0 if x.ndim == 1 else 1), out.stats)
+            chex.assert_trees_all_equal(got_stats, jax.tree.map(np.asarray, want.stats))
+    assert int(out.num_steps) == max(taken), (int(out.num_steps), taken)
+    assert len(set(taken)) > 1, taken  # the ranks left their loops at different steps
+    if resident_path:
+        assert_split(sharded.kv, 1, ranks)
+    else:
+        check_decode_shardings(sharded, ranks)
+    assert_state_equal(sharded, mesh, refs, ranks)
+    log(f"decode loop {'resident' if resident_path else 'offloaded'} ranks={ranks} B={batch} "
+        f"N={steps}: steps per rank {taken}, bitwise ok")
+
+
 def prefill_case(params, rng, *, ranks, batch, page, chunks, width):
     capacity = 4 * page
     state = offload_prefill.PrefillState.create(CONFIG, batch=batch, capacity=capacity,
@@ -289,7 +361,8 @@ def cli_case():
 
     out = io.StringIO()
     argv = ["generate", "--model", "tiny", "--offload", "--devices", "4", "--batch", "4",
-            "--max-new-tokens", "3", "--prompt", "abc", "--page-size", "4", "--no-progress"]
+            "--max-new-tokens", "3", "--prompt", "abc", "--page-size", "4", "--no-progress",
+            "--decode-steps-per-call", "2"]
     with contextlib.redirect_stdout(out):
         code = cli.main(argv)
     text = out.getvalue()
@@ -377,6 +450,8 @@ def main(argv):
                 steps=3)
     resident_case(params, rng, ranks=4, batch=4, ways=2, steps=2)
     prefill_case(params, rng, ranks=2, batch=4, page=4, chunks=2, width=6)
+    loop_case(params, rng, ranks=4, batch=8, steps=6)
+    loop_case(params, rng, ranks=2, batch=4, steps=4, resident_path=True)
     cli_case()
     log("ALL OK")
 
