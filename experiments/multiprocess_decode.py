@@ -24,12 +24,10 @@ ids, and joins them into global arrays with `distributed.global_tree`; with --ch
 compared with the single-device offloaded steps of each device's B / D rows and F / D frames.
 `--path both` runs the two in one launch.
 
-The offloaded path calls fo_jax.sharding's step programs (`_program`, `_handoff_program`)
-without `sharded_prefill` / `sharded_to_decode_state`'s value checks, which read the whole
-batch's lengths and page tables to the host: no process can read rows held by another
-process's devices. Each process checks and lays out its own rows instead (its lengths, its
-slot maps and policy state), and prefills an empty state with history_pages=0 (one static size
-for every process, hence one program). `sharded_decode_step` runs as it is, with check=False.
+The offloaded path calls fo_jax.sharding's public steps with their checks on: across processes
+their value checks read the whole batch's lengths, page tables and token ids by gathering every
+process's rows (small arrays; the KV stays where it is), so every process validates the same
+values and compiles the same program.
 """
 
 from __future__ import annotations
@@ -60,7 +58,6 @@ from fo_jax.model.dsa import check_params, param_dtype, param_shapes  # noqa: E4
 from fo_jax.offload import decode as offload_decode  # noqa: E402
 from fo_jax.offload import prefill as offload_prefill  # noqa: E402
 from fo_jax.offload.config import OffloadConfig  # noqa: E402
-from fo_jax.offload.state import DecodeState  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import run_metadata  # noqa: E402
@@ -162,76 +159,26 @@ def offload_prefill_step(params, state, tokens, num_new, *, config: ModelConfig,
     """Prefill from an empty PrefillState and the handoff to a DecodeState.
 
     mesh None: `offload_prefill.prefill` + `to_decode_state` on one device. With a mesh:
-    `sharding.sharded_prefill`'s program and the handoff of `sharding.sharded_to_decode_state`,
-    called without their value checks, which read the whole batch's lengths and tables to the
-    host (a process cannot read rows on another process's devices): each process checks its
-    own rows instead (`distributed.local_rows` of num_new, its own B / P rows), and the prefill
-    runs with history_pages=0 (the state is empty: no history, one static size for all
-    processes)."""
+    `sharding.sharded_prefill` + `sharding.sharded_to_decode_state`, checks on: across
+    processes their value checks and static sizes read the whole batch's lengths, page table
+    and token ids by gathering every process's rows (small arrays), so every process compiles
+    the same program; the KV never crosses processes."""
     if mesh is None:
         logits, state = offload_prefill.prefill(params, state, tokens, num_new, config=config,
                                                 history_pages=0)
         return logits, offload_prefill.to_decode_state(
             state, config=config, offload=_offload_config(config, state), fill=float("nan"))
     offload = _offload_config(config, state)
-    lengths = distributed.local_rows(num_new).astype(np.int32)  # this process's rows
-    if np.any(lengths < 1) or np.any(lengths > min(tokens.shape[1], state.capacity)):
-        raise ValueError(f"num_new={lengths.tolist()} (process {jax.process_index()}'s rows) "
-                         f"must be in [1, {min(tokens.shape[1], state.capacity)}]")
-    # The static arguments as sharded_prefill builds them (static checks only), from this
-    # process's view: its rows of the table and lengths (the whole batch's cannot be read).
-    view = dataclasses.replace(state, table=distributed.local_rows(state.table),
-                               lengths=distributed.local_rows(state.lengths))
-    _, static = offload_prefill._prefill_arguments(
-        params, view, distributed.local_rows(tokens), lengths, config=config, num_buffers=None,
-        distance=None, onload_layer_map=None, dense=False, history_pages=0, poison=False, check=False,
-        host_access="gather", query_block=offload_prefill.QUERY_BLOCK)
-    program = sharding._program(mesh, sharding._offload_prefill,
-                                tuple(sorted(static.items())), True, None)
-    logits, state = program(params, state, tokens, num_new)
-    return logits, _sharded_handoff(state, lengths, config=config, offload=offload, mesh=mesh)
-
-
-def _sharded_handoff(state, lengths: np.ndarray, *, config: ModelConfig,
-                     offload: OffloadConfig, mesh: Mesh) -> DecodeState:
-    """`sharding.sharded_to_decode_state` with this process's lengths [B / P] known on its
-    host: the same program (each rank gathers its hot and tail rows from its own pool shard),
-    the slot maps and policy state of this process's rows built on its host and joined by
-    `distributed.global_tree` (sharded_to_decode_state builds them from the whole batch's
-    lengths, which no process can read)."""
-    row_tok, slots, policy = offload_prefill.initial_layout(config, offload, lengths)
-    program = sharding._handoff_program(
-        mesh, offload.miss_chunk, state.host.kv.sharding.memory_kind not in (None, "device"),
-        offload.host_access)
-    keys, hot = program(state.host.kv, state.index_keys, state.table, state.lengths,
-                        distributed.global_batch(np.asarray(row_tok), mesh, sharding.DATA),
-                        np.float32("nan"))
-    local = DecodeState(host=state.host, table=state.table, hot=hot, index_keys=keys,
-                        slots=slots, policy=policy, lengths=state.lengths,
-                        step=np.asarray(1, np.int32))
-    placed = sharding.shardings(local, mesh)
-    layout = sharding.LAYOUTS["DecodeState"]
-
-    def whole(path, x):
-        """An empty leaf ([G, B/P, 0]: a field the policy does not use) with the global
-        batch: `shardings` replicates empty arrays, so its local part is the whole."""
-        if 0 not in np.shape(x):
-            return np.asarray(x)
-        axes = layout[sharding._names(path)]
-        return np.zeros([n * jax.process_count() if a == "batch" else n
-                         for n, a in zip(np.shape(x), axes)], x.dtype)
-
-    state_parts = DecodeState(host=None, table=None, hot=None, index_keys=None, slots=slots,
-                              policy=policy, lengths=None, step=local.step)
-    mine = jax.tree_util.tree_map_with_path(whole, state_parts)
-    mine = distributed.global_tree((mine.slots, mine.policy, mine.step),
-                                   (placed.slots, placed.policy, placed.step))
-    return dataclasses.replace(local, slots=mine[0], policy=mine[1], step=mine[2])
+    logits, state = sharding.sharded_prefill(params, state, tokens, num_new, mesh=mesh,
+                                             config=config, history_pages=0,
+                                             query_block=offload_prefill.QUERY_BLOCK)
+    return logits, sharding.sharded_to_decode_state(state, mesh=mesh, config=config,
+                                                    offload=offload, fill=float("nan"))
 
 
 def offload_decode_one(params, state, tokens, *, config: ModelConfig, mesh):
     """One offloaded decode step: `offload_decode.decode_step` (mesh None) or
-    `sharding.sharded_decode_step` (check=False: its value checks read the whole batch)."""
+    `sharding.sharded_decode_step` (checks on, as for the prefill)."""
     offload = _offload_config(config, state)
     if mesh is None:
         logits, state, _ = offload_decode.decode_step(params, state, tokens, config=config,
@@ -239,7 +186,7 @@ def offload_decode_one(params, state, tokens, *, config: ModelConfig, mesh):
     else:
         logits, state, _ = sharding.sharded_decode_step(params, state, tokens, mesh=mesh,
                                                         config=config, offload=offload,
-                                                        check=False, implementation="xla")
+                                                        implementation="xla")
     return logits, state
 
 

@@ -337,7 +337,7 @@ def check_sharded_tables(state, mesh: Mesh, num_new) -> None:
     the lengths): each rank's rows are a valid table of its own pool shard that holds the pages
     the next `num_new` [B] tokens need (`fo_jax.offload.state.check_table`)."""
     ranks = data_size(mesh)
-    ids, lengths = np.asarray(state.table), np.asarray(state.lengths)
+    ids, lengths = np.asarray(_whole(state.table)), np.asarray(_whole(state.lengths))
     per_rank, frames = ids.shape[0] // ranks, state.host.kv.shape[1] // ranks
     for r in range(ranks):
         rows = slice(r * per_rank, (r + 1) * per_rank)
@@ -471,8 +471,51 @@ def _offload_prefill(params, state, tokens, num_new, **statics):
 
 def _place(x, axes, mesh: Mesh, rules):
     """`x` ([B, ...] tokens, counts or flags: numpy or a jax array) split over the batch."""
-    return None if x is None else jax.device_put(
-        x, NamedSharding(mesh, logical_spec(axes, mesh, rules)))
+    return None if x is None else _put(x, NamedSharding(mesh, logical_spec(axes, mesh, rules)))
+
+
+def _put(x, sharding: NamedSharding):
+    """`x` placed with `sharding`. Host values (numpy, or an array on one device) are the whole
+    array, alike on every process: with a mesh spanning processes each process places the
+    shards of its own devices (`make_array_from_callback`; nothing crosses processes); a global
+    array is resharded."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    host = np.asarray(read_back(x)) if isinstance(x, jax.Array) else np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _whole(x):
+    """The values of a small array (lengths, page table, token ids, flags) on this host. A
+    global array of a mesh spanning processes has rows no process holds: every process's rows
+    are gathered to every process (`process_allgather`: a collective, made by every process at
+    the same point, since every process runs the same calls). O(array) host traffic."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return x if x is None or isinstance(x, np.ndarray) else np.asarray(x)
+
+
+def _host_view(state):
+    """`state` with its lengths (and page table) as host values (`_whole`), for the value
+    checks and static sizes computed from them; the programs take the state itself."""
+    if not resident.is_concrete(state.lengths):
+        return state
+    view = dataclasses.replace(state, lengths=_whole(state.lengths))
+    if type(state).__name__ in TABLES:
+        view = dataclasses.replace(view, table=_whole(state.table))
+    return view
+
+
+def _checked_tokens(tokens, check: bool):
+    """Token ids to validate on the host: a global array spanning processes is read whole
+    (`_whole`) when checked; otherwise the tokens as given."""
+    if check and isinstance(tokens, jax.Array) and resident.is_concrete(tokens):
+        return _whole(tokens) if not tokens.is_fully_addressable else tokens
+    return tokens
 
 
 def _host_tokens(given, tokens):
@@ -490,7 +533,7 @@ def _decode_arguments(params, state: DecodeState, tokens, *, mesh: Mesh, config:
                       offload: OffloadConfig, active, check: bool, implementation: str,
                       scores: bool, rules):
     """Validate `sharded_decode_step`'s arguments: (program, positional args)."""
-    given = tokens
+    tokens = given = _checked_tokens(tokens, check)
     tokens, ways = resident.prepare_tokens(tokens, state.batch, config, check=check)
     if ways > config.max_ways:
         raise ValueError(f"sharded_decode_step got W={ways} query tokens per request; config "
@@ -501,12 +544,13 @@ def _decode_arguments(params, state: DecodeState, tokens, *, mesh: Mesh, config:
     _check_divides(state, mesh)
     active = resident.check_active(active, state.batch)
     if check and resident.is_concrete(state.lengths):
+        view = _host_view(state)
         taken = np.full(state.batch, ways)
         if active is not None:
-            taken = np.where(np.asarray(active), taken, 0)
-        resident.check_capacity(state.lengths, taken, state.capacity, config,
+            taken = np.where(np.asarray(_whole(active)), taken, 0)
+        resident.check_capacity(view.lengths, taken, state.capacity, config,
                                 what="the host pages'")
-        check_sharded_tables(state, mesh, taken)
+        check_sharded_tables(view, mesh, taken)
     statics = (("config", config), ("offload", offload), ("implementation", implementation),
                ("scores", bool(scores)))
     program = _program(mesh, _offload_decode, statics, active is not None, _rules_key(rules))
@@ -552,7 +596,7 @@ def sharded_resident_decode_step(params, state: resident.ResidentState, tokens, 
     """The resident decode step (`fo_jax.resident.decode_step`, XLA), data-parallel over
     `data`: (logits [B, W, V], new state). state: a ResidentState placed by `shard_state`
     (donated); each rank holds the KV [L, B/D, S, D+R] of its requests."""
-    given = tokens
+    tokens = given = _checked_tokens(tokens, check)
     tokens, ways = resident.prepare_tokens(tokens, state.batch, config, check=check)
     if ways > config.max_ways:
         raise ValueError(f"sharded_resident_decode_step got W={ways} query tokens per request,"
@@ -563,9 +607,9 @@ def sharded_resident_decode_step(params, state: resident.ResidentState, tokens, 
     active = resident.check_active(active, state.batch)
     num_new = np.full(state.batch, ways, np.int32)
     if active is not None:
-        num_new = np.where(np.asarray(active), num_new, 0).astype(np.int32)
+        num_new = np.where(np.asarray(_whole(active)), num_new, 0).astype(np.int32)
     if check and resident.is_concrete(state.lengths):
-        resident.check_capacity(state.lengths, num_new, state.capacity, config)
+        resident.check_capacity(_whole(state.lengths), num_new, state.capacity, config)
     statics = (("config", config), ("implementation", "xla"))
     program = _program(mesh, _resident_decode, statics, True, _rules_key(rules))
     return program(params, state,
@@ -694,20 +738,22 @@ def sharded_prefill(params, state, tokens, num_new=None, *, mesh: Mesh, config: 
     longest history of the whole batch) is one static size for all ranks: one program."""
     resident.check_live(state, "sharded_prefill")
     _check_divides(state, mesh)
-    given = tokens
+    tokens = given = _checked_tokens(tokens, check)
+    view = _host_view(state)  # the static sizes (history_pages) from the whole batch
     args, static = offload_prefill._prefill_arguments(
-        params, state, tokens, num_new, config=config, num_buffers=num_buffers,
+        params, view, tokens, _whole(num_new), config=config, num_buffers=num_buffers,
         distance=distance, onload_layer_map=None, dense=False, history_pages=history_pages,
         poison=False, check=False, host_access=host_access, query_block=query_block)
     _, _, tokens, num_new = args
+    num_new = _whole(num_new)
     if check:
         resident.check_token_values(tokens, config)
         if resident.is_concrete(state.lengths):
             if np.any(np.asarray(num_new) > tokens.shape[1]):
                 raise ValueError(f"num_new={np.asarray(num_new).tolist()} exceeds the chunk "
                                  f"width {tokens.shape[1]}")
-            resident.check_capacity(state.lengths, num_new, state.capacity, config)
-            check_sharded_tables(state, mesh, np.asarray(num_new))
+            resident.check_capacity(view.lengths, num_new, state.capacity, config)
+            check_sharded_tables(view, mesh, np.asarray(num_new))
     program = _program(mesh, _offload_prefill, tuple(sorted(static.items())), True,
                        _rules_key(rules))
     return program(params, state,
@@ -747,21 +793,24 @@ def sharded_to_decode_state(state, *, mesh: Mesh, config: ModelConfig,
             f"prefill state's page_size={state.page_size}, capacity={state.capacity}: the host "
             "pages are handed over as they are")
     _check_divides(state, mesh)
-    lengths = np.asarray(state.lengths).astype(np.int32)
-    check_sharded_tables(state, mesh, np.zeros_like(lengths))
+    view = _host_view(state)
+    lengths = np.asarray(view.lengths).astype(np.int32)
+    check_sharded_tables(view, mesh, np.zeros_like(lengths))
     row_tok, slots, policy = offload_prefill.initial_layout(config, offload, lengths)
     program = _handoff_program(mesh, offload.miss_chunk,
                                state.host.kv.sharding.memory_kind not in (None, "device"),
                                offload.host_access)
     place = lambda x: _place(x, LAYOUTS["per_request"] + (None,), mesh, rules)  # noqa: E731
     keys, hot = program(state.host.kv, state.index_keys, state.table, state.lengths,
-                        place(row_tok), jnp.asarray(fill, jnp.float32))
+                        place(row_tok), _put(np.float32(fill), NamedSharding(mesh, P())))
     out = DecodeState(host=state.host, table=state.table, hot=hot, index_keys=keys,
                       slots=slots, policy=policy, lengths=state.lengths,
-                      step=jnp.asarray(1, jnp.int32))
+                      step=np.asarray(1, np.int32))
     placed = shardings(out, mesh, rules)
+    # The maps and policy state were built on this host from the whole batch's lengths
+    # (alike on every process): each process places its own devices' shards.
     return jax.tree.map(lambda x, s: x if getattr(x, "sharding", None) == s
-                        else jax.device_put(read_back(x), s), out, placed)
+                        else _put(x, s), out, placed)
 
 
 class DataParallelOffloadEngine(generate.OffloadEngine):
