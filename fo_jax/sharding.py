@@ -34,10 +34,21 @@ policy included: every rank draws from the same key, as a one-device run of its 
 would). Against one device running all B requests they agree to rounding only: XLA's CPU
 matmuls are not batch-invariant (a request's logits differ in the last bits between batches of
 4 and 2 on one device), and the random policy's victims differ.
-Weights sharded over `model` / `expert` are stored sharded and gathered at the step's entry
-(the step replicates them inside the `shard_map`; a tensor-parallel step is future work).
 
-    make_mesh, logical_spec, specs, shardings, param_specs, shard_params   placement
+Expert parallelism (`make_mesh(n, expert=e)`): the MoE experts' w1 / w2 / w3 [L', X, ...]
+(`EXPERT_PARALLEL`) stay split over `expert` inside the steps: each device holds X / e experts
+and `fo_jax.model.moe.moe_mlp`, seeing a slice of them, computes only their (token, k) rows and
+sums the rows over `expert` (one all-reduce of [N K', E] per MoE layer, the program's only
+collective; exact, see `moe_mlp`), so logits and states stay bit for bit each rank's
+single-device run with the whole weights. The router (gate, gate_bias) and the shared experts
+are replicated. A data rank's tokens, state and attention are replicated over its `expert`
+devices (each runs them alike); only the experts' weights and rows are split.
+Weights split over `model` (heads, vocabulary) are stored split and gathered at the step's
+entry: no tensor-parallel step (split heads would sum partial products in another order: not
+bit for bit the single-device step).
+
+    make_mesh, logical_spec, specs, shardings, param_specs, shard_params,
+    step_param_specs                                                      placement
     shard_state, unshard_state, local_table, global_table                 states
     sharded_decode_step (+ lower_sharded_decode_step), sharded_resident_decode_step,
     sharded_decode_loop, sharded_prefill, sharded_to_decode_state,
@@ -59,13 +70,14 @@ from fo_jax import generate, resident
 from fo_jax.config import ModelConfig
 from fo_jax.engine import loop as engine_loop
 from fo_jax.engine.loop import LoopOutput
+from fo_jax.model.moe import EXPERT_AXIS
 from fo_jax.offload import decode as offload_decode
 from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.offload.host import memory_kind
 from fo_jax.offload.state import DecodeState, check_table, check_table_covers, read_back
 
-DATA, MODEL, EXPERT = "data", "model", "expert"
+DATA, MODEL, EXPERT = "data", "model", EXPERT_AXIS
 MESH_AXES = (DATA, MODEL, EXPERT)
 
 # Logical axis -> mesh axis (absent or None: replicated).
@@ -126,8 +138,8 @@ LAYOUTS = {
         "layers.wq_b": (None, None, "heads"),                 # [L, q_lora, H (dn + dr)]
         "layers.wkv_b": (None, None, "heads"),                # [L, kv_lora, H (dn + dv)]
         "layers.wo": (None, "heads", None),                   # [L, H dv, E]
-        "moe.gate": (None, None, "experts"),                  # [L', E, X]
-        "moe.gate_bias": (None, "experts"),                   # [L', X]
+        # moe.gate [L', E, X] and gate_bias [L', X] are replicated: routing needs all X
+        # scores of a token on every device (an expert-parallel step splits only the experts).
         "moe.w1": (None, "experts", None, None),              # [L', X, E, F']
         "moe.w2": (None, "experts", None, None),              # [L', X, F', E]
         "moe.w3": (None, "experts", None, None),              # [L', X, E, F']
@@ -247,6 +259,28 @@ def param_specs(params, mesh: Mesh, rules=None):
     return jax.tree_util.tree_map_with_path(one, params)
 
 
+# Weights a data-parallel step keeps split inside its shard_map (when the rules put their
+# "experts" axis on the mesh's `expert` axis): the MoE experts (`fo_jax.model.moe.moe_mlp` runs
+# expert-parallel on a slice of them). Every other weight is gathered at the step's entry.
+EXPERT_PARALLEL = ("moe.w1", "moe.w2", "moe.w3")
+
+
+def step_param_specs(params, mesh: Mesh, rules=None):
+    """PartitionSpecs of the weights inside a data-parallel step's shard_map: the MoE experts
+    (`EXPERT_PARALLEL`) split over `expert` as `param_specs` stores them, when the rules map
+    them there (to any other mesh axis, or with `expert` of size 1: whole); every other weight
+    whole (replicated: those stored split over `model` are gathered at the step's entry)."""
+    stored = param_specs(params, mesh, rules)
+
+    def one(path, spec):
+        if _names(path) in EXPERT_PARALLEL and set(spec) <= {None, EXPERT}:
+            return spec
+        return P()
+
+    return jax.tree_util.tree_map_with_path(one, stored,
+                                            is_leaf=lambda s: isinstance(s, P))
+
+
 def shard_params(params, mesh: Mesh, rules=None):
     """The weights placed on `mesh` by the rules (replicated where the mesh's model / expert
     axes have size 1)."""
@@ -356,8 +390,8 @@ def check_sharded_tables(state, mesh: Mesh, num_new) -> None:
 
 def _data_parallel(body, mesh: Mesh, in_specs, out_specs):
     """`body` run by every data-parallel rank on its shard: shard_map over all mesh axes (the
-    model / expert axes see replicated operands: weights sharded over them are gathered at the
-    entry).
+    model / expert axes see replicated operands, but for what `in_specs` splits over them: the
+    steps split the MoE experts over `expert`, `step_param_specs`).
 
     check_vma=False: the single-device steps' loops carry values that become rank-varying
     (jax's varying-axis check would ask for `pcast`s inside them); the only outputs declared
@@ -444,7 +478,7 @@ def _program(mesh: Mesh, step, statics: tuple, has_extra: bool, rules_key):
         return step(params, state, tokens, extra, **kwargs)
 
     def run(params, state, tokens, extra):
-        in_specs = (jax.tree.map(lambda _: P(), params), specs(state, mesh, rules),
+        in_specs = (step_param_specs(params, mesh, rules), specs(state, mesh, rules),
                     logical_spec(LAYOUTS["tokens"], mesh, rules),
                     logical_spec(LAYOUTS["per_request"], mesh, rules) if has_extra else None)
         out_specs = _out_specs(jax.eval_shape(body, params, state, tokens, extra), mesh, rules)
@@ -668,7 +702,7 @@ def _loop_program(mesh: Mesh, step, n_steps: int, rules_key):
         state_specs = specs(state, mesh, rules)
         per_rank = jax.tree.map(lambda _: logical_spec(("batch",), mesh, rules), shapes[3])
         out, new_state, new_seats, counters = _data_parallel(
-            body, mesh, (jax.tree.map(lambda _: P(), params), state_specs, seat_specs,
+            body, mesh, (step_param_specs(params, mesh, rules), state_specs, seat_specs,
                          sampling_specs),
             (out_specs, state_specs, seat_specs, per_rank))(params, state, seats, sampling)
         # The call took as many steps as its busiest rank (the ranks run side by side); every

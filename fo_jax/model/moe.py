@@ -61,6 +61,8 @@ def _weights(scores, experts, config):
 
 
 IMPLEMENTATIONS = ("ragged_dot", "tiles")
+# The mesh axis an expert-parallel `moe_mlp` sums over (fo_jax.sharding.EXPERT is this name).
+EXPERT_AXIS = "expert"
 TILE_ROWS = 8
 
 
@@ -88,15 +90,68 @@ def moe_mlp(h: jax.Array, p: dict, *, config, implementation: str | None = None)
     (a loop over tiles of `TILE_ROWS` rows of one expert each: at most
     ceil(N K' / TILE_ROWS) + min(X, N K') tiles, each reading one expert's weights); None picks
     by backend (`resolve_implementation`).
+
+    Expert parallelism: given a slice of the experts (p["w1"] [X_l, E, M] with X_l <
+    n_routed_experts; w2, w3 alike), `moe_mlp` must run inside a `shard_map` whose mesh axis
+    `EXPERT_AXIS` splits the experts in order (device i holds experts [i X_l, (i + 1) X_l)) and
+    replicates h, gate and gate_bias. Routing is then computed whole on every device (it needs
+    all X scores); each device computes only the rows of its own experts (`expert_rows`: the
+    others are -0.0) and one `jax.lax.psum` over `EXPERT_AXIS` of the [N K', E] rows joins
+    them; the weighted sum over k and the shared experts follow as without a mesh. Every row
+    has one owner and x + (-0.0) == x for every x (a +0.0 filler would turn a -0.0 row into
+    +0.0), so the sum is exact in any order: the joined rows are the owners' rows. Per device:
+    X_l experts' weights, the tiles of its own rows, one all-reduce of N K' E values per layer.
     """
-    implementation = resolve_implementation(implementation)
     shape = h.shape
     x = h.reshape(-1, shape[-1])  # [N, E]
     weights, experts = route(x, p["gate"], p["gate_bias"], config=config)
     num_n, top = experts.shape
+    num_local = p["w1"].shape[0]
+    if num_local == config.n_routed_experts:
+        back = expert_rows(x, experts, p, implementation=implementation)
+    else:
+        if config.n_routed_experts % num_local:
+            raise ValueError(f"p['w1'] holds {num_local} experts, which does not divide "
+                             f"n_routed_experts={config.n_routed_experts}: give moe_mlp all "
+                             "the experts, or an equal slice of them per device of the "
+                             f"{EXPERT_AXIS!r} mesh axis")
+        first = jax.lax.axis_index(EXPERT_AXIS) * num_local
+        back = jax.lax.psum(expert_rows(x, experts, p, first=first,
+                                        implementation=implementation), EXPERT_AXIS)
+    y = jnp.sum(back.reshape(num_n, top, -1).astype(F32) * weights[..., None], axis=1)
+    return _add_shared(y, x, p, config).reshape(shape)
+
+
+def expert_rows(x: jax.Array, experts: jax.Array, p: dict, *, first=None,
+                implementation: str | None = None) -> jax.Array:
+    """The routed experts' outputs [N K', E] of tokens x [N, E] routed to `experts` [N K'], in
+    (token, k) order, before the routing weights.
+
+    first: None when p holds every expert (w1 [X, E, M]); else the id of p's first expert (an
+    int or a traced scalar): p holds experts [first, first + X_l) and only their rows are
+    computed, the others' rows are -0.0 (see `moe_mlp`: a sum over the slices is exact).
+
+    The (token, k) pairs are sorted by expert (stably: an expert's rows in (token, k) order),
+    the pairs of experts outside p's slice last, and p's experts run over their rows. On the
+    tiles path each expert's rows start a new tile, so every tile holds the same rows (and the
+    same zero padding) whichever slice of experts p holds: a row's arithmetic is the same, and
+    work scales with the slice's rows (tiles past them are skipped). On the ragged_dot path the
+    rows and weights are the same too, but the grouped matmul has another shape (X_l groups at
+    other row offsets), which XLA may block differently: equal to rounding, not promised bit
+    for bit.
+    """
+    implementation = resolve_implementation(implementation)
+    num_local = p["w1"].shape[0]
+    top = experts.shape[-1]
     flat = experts.reshape(-1)  # [N K']
-    order = jnp.argsort(flat, stable=True)  # (token, k) pairs sorted by expert
-    sizes = jnp.bincount(flat, length=config.n_routed_experts).astype(jnp.int32)
+    if first is None:
+        key = flat
+        sizes = jnp.bincount(flat, length=num_local).astype(jnp.int32)
+    else:
+        mine = (flat >= first) & (flat < first + num_local)  # [N K']: rows of p's experts
+        key = jnp.where(mine, flat - first, num_local)  # the others sort last
+        sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
+    order = jnp.argsort(key, stable=True)  # (token, k) pairs sorted by expert
     rows = x[order // top]  # [N K', E]
     if implementation == "ragged_dot":
         up = jax.lax.ragged_dot(rows, p["w1"], sizes)
@@ -104,30 +159,41 @@ def moe_mlp(h: jax.Array, p: dict, *, config, implementation: str | None = None)
         act = (jax.nn.silu(up.astype(F32)) * lin.astype(F32)).astype(x.dtype)
         down = jax.lax.ragged_dot(act, p["w2"], sizes)  # [N K', E], sorted by expert
     else:
-        down = _expert_tiles(rows, flat[order], sizes, p)
+        down = _expert_tiles(rows, key[order], sizes, p, partial=first is not None)
     back = jnp.zeros_like(down).at[order].set(down, unique_indices=True)  # (token, k) order
-    y = jnp.sum(back.reshape(num_n, top, -1).astype(F32) * weights[..., None], axis=1)
-    return _add_shared(y, x, p, config).reshape(shape)
+    if first is not None:
+        back = jnp.where(mine[:, None], back, jnp.array(-0.0, back.dtype))
+    return back
 
 
-def _expert_tiles(rows, row_expert, sizes, p):
+def _expert_tiles(rows, row_expert, sizes, p, *, partial: bool = False):
     """The experts' SwiGLU of `rows` [R, E] sorted by expert (`row_expert` [R], `sizes` [X]).
 
     Each expert's rows are padded to whole tiles of b = TILE_ROWS; a loop over
     ceil(R / b) + min(X, R) tiles multiplies each used tile [b, E] by its expert's weights (the
     unused ones, past the traced count of used tiles, do nothing). Padding rows read row R
-    (zeros) and are dropped.
+    (zeros) and are dropped. `partial`: rows past sum(sizes) (row_expert = X: experts p does not
+    hold) are in no tile and come out unspecified.
     """
     num_r, width = rows.shape
+    num_x = sizes.shape[0]
     b = TILE_ROWS
     tiles_per = (sizes + b - 1) // b  # [X]
     tile_end = jnp.cumsum(tiles_per)  # [X]
     first_row = jnp.cumsum(sizes) - sizes  # [X]
     first_slot = (tile_end - tiles_per) * b  # [X]: padded position of each expert's first row
-    slot = first_slot[row_expert] + jnp.arange(num_r) - first_row[row_expert]  # [R]
-    max_tiles = -(-num_r // b) + min(sizes.shape[0], num_r)
-    source = jnp.full((max_tiles * b,), num_r, jnp.int32).at[slot].set(
-        jnp.arange(num_r, dtype=jnp.int32), unique_indices=True)
+    max_tiles = -(-num_r // b) + min(num_x, num_r)
+    if partial:  # the other experts' rows go to distinct slots past the end (dropped)
+        held = row_expert < num_x
+        e = jnp.minimum(row_expert, num_x - 1)
+        slot = jnp.where(held, first_slot[e] + jnp.arange(num_r) - first_row[e],
+                         max_tiles * b + jnp.arange(num_r))
+        source = jnp.full((max_tiles * b,), num_r, jnp.int32).at[slot].set(
+            jnp.arange(num_r, dtype=jnp.int32), unique_indices=True, mode="drop")
+    else:
+        slot = first_slot[row_expert] + jnp.arange(num_r) - first_row[row_expert]  # [R]
+        source = jnp.full((max_tiles * b,), num_r, jnp.int32).at[slot].set(
+            jnp.arange(num_r, dtype=jnp.int32), unique_indices=True)
     padded = jnp.concatenate([rows, jnp.zeros((1, width), rows.dtype)])[source]
     tile_expert = jnp.searchsorted(tile_end, jnp.arange(max_tiles), side="right")
 
@@ -143,6 +209,8 @@ def _expert_tiles(rows, row_expert, sizes, p):
     out = jax.lax.fori_loop(
         0, max_tiles, lambda t, out: jax.lax.cond(t < used, tile, lambda t, out: out, t, out),
         jnp.zeros((max_tiles * b, width), rows.dtype))
+    if partial:
+        return out.at[slot].get(mode="fill", fill_value=0)
     return out[slot]
 
 

@@ -1,6 +1,7 @@
 """The MoE MLP (ragged_dot dispatch) against its dense-mask reference; routing by hand; the
 layer loop with dense and MoE layers."""
 
+import functools
 import importlib
 
 import jax
@@ -11,8 +12,8 @@ import pytest
 from fo_jax import resident
 from fo_jax.config import get_config
 from fo_jax.model.dsa import check_params, init_params, param_bytes, param_shapes
-from fo_jax.model.moe import (IMPLEMENTATIONS, TILE_ROWS, moe_mlp, moe_mlp_reference,
-                              resolve_implementation, route, route_reference)
+from fo_jax.model.moe import (EXPERT_AXIS, IMPLEMENTATIONS, TILE_ROWS, expert_rows, moe_mlp,
+                              moe_mlp_reference, resolve_implementation, route, route_reference)
 
 TINY = get_config("tiny")
 # 8 experts in 4 groups of 2, top-2 of the best 2 groups, one shared expert; layer 0 dense.
@@ -125,6 +126,62 @@ def test_gradients_match_the_reference(implementation):
     got = jax.grad(loss(moe_mlp, implementation=implementation))(h)
     want = jax.grad(loss(moe_mlp_reference))(h)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _split(p, parts):
+    """p with w1 / w2 / w3 [X, ...] cut into `parts` equal slices of experts, [parts, X / parts,
+    ...]: what each device of an `expert` mesh axis holds."""
+    return {k: v.reshape(parts, -1, *v.shape[1:]) if k in ("w1", "w2", "w3") else v
+            for k, v in p.items()}
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+def test_expert_slices_sum_to_the_whole_bitwise(parts):
+    # Tiles path (and ragged_dot to rounding). Each slice's expert_rows computes its experts' rows (-0.0 elsewhere); summed
+    # over the slices (a psum over `expert`) they are the rows of all experts, bit for bit.
+    # moe_mlp under vmap over the slices with axis_name EXPERT_AXIS (axis_index, psum as in a
+    # shard_map) returns on every slice the unsplit moe_mlp's output, bit for bit.
+    config = MOE
+    p = _layer(config, jax.random.key(7))
+    h = jax.random.normal(jax.random.key(8), (3, 7, config.dim))
+    x = h.reshape(-1, config.dim)
+    _, experts = route(x, p["gate"], p["gate_bias"], config=config)
+    whole = jax.jit(lambda x, p: expert_rows(x, experts, p, implementation="tiles"))(x, p)
+    split = _split(p, parts)
+    num_local = config.n_routed_experts // parts
+    rows = [jax.jit(lambda x, q, first: expert_rows(x, experts, q, first=first,
+                                                    implementation="tiles"))(
+        x, {k: v[i] if k in ("w1", "w2", "w3") else v for k, v in split.items()},
+        i * num_local) for i in range(parts)]
+    mine = (experts.reshape(-1) // num_local)[:, None] == jnp.arange(parts)  # [N K', parts]
+    for i, part in enumerate(rows):  # the other slices' rows are -0.0
+        assert np.all(np.signbit(np.asarray(part)[~np.asarray(mine[:, i])]))
+        assert np.all(np.asarray(part)[~np.asarray(mine[:, i])] == 0)
+    total = functools.reduce(jnp.add, rows)
+    np.testing.assert_array_equal(np.asarray(total).view(np.uint32),
+                                  np.asarray(whole).view(np.uint32))
+    want = jax.jit(lambda h, p: moe_mlp(h, p, config=config, implementation="tiles"))(h, p)
+    weights = {k: 0 if k in ("w1", "w2", "w3") else None for k in split}
+    got = jax.jit(jax.vmap(lambda q: moe_mlp(h, q, config=config, implementation="tiles"),
+                           in_axes=(weights,), axis_name=EXPERT_AXIS))(split)
+    for i in range(parts):
+        np.testing.assert_array_equal(np.asarray(got[i]).view(np.uint32),
+                                      np.asarray(want).view(np.uint32))
+    if parts == 2:  # ragged_dot: grouped matmuls of another shape, equal to rounding
+        got = jax.jit(jax.vmap(
+            lambda q: moe_mlp(h, q, config=config, implementation="ragged_dot"),
+            in_axes=(weights,), axis_name=EXPERT_AXIS))(split)
+        np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_slice_of_experts_must_divide_them():
+    p = _layer(MOE, jax.random.key(0))
+    p = {k: v[:3] if k in ("w1", "w2", "w3") else v for k, v in p.items()}
+    with pytest.raises(ValueError) as err:
+        moe_mlp(jnp.ones((2, MOE.dim)), p, config=MOE)
+    assert str(err.value) == ("p['w1'] holds 3 experts, which does not divide "
+                              "n_routed_experts=8: give moe_mlp all the experts, or an equal "
+                              "slice of them per device of the 'expert' mesh axis")
 
 
 def test_implementation_resolves_by_backend_and_refuses_unknown_names():

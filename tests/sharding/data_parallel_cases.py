@@ -10,7 +10,8 @@ not batch-invariant (a request's logits in a batch of 4 and of 2 differ in the l
 one device), so the sharded step is compared with the programs each rank is meant to run.
 Logits, stats and the whole state after every case (host pages, tables, hot rows, maps, policy
 state) must match bit for bit; the compiled program's shardings and memory kinds are checked,
-and its HLO must hold no collective (the cache never crosses devices).
+and its HLO must hold no collective (the cache never crosses devices), but for the MoE
+experts' all-reduce over `expert` when they are split there.
 """
 
 import contextlib
@@ -18,6 +19,7 @@ import dataclasses
 import functools
 import io
 import os
+import re
 import sys
 import time
 
@@ -220,6 +222,102 @@ def decode_case(params, rng, *, ranks, batch, ways, policy, page, hot, steps, pe
     log(f"decode ranks={ranks} B={batch} W={ways} policy={policy} Z={page} C={hot} "
         f"permuted={permute} inactive seats={inactive}: {steps} steps bitwise ok (misses "
         f"{int(np.asarray(stats.misses).sum())} in the last step)")
+
+
+MOE = CONFIG.replace(n_routed_experts=4, num_experts_per_tok=2, moe_hidden=8, n_group=1,
+                     topk_group=1, first_k_dense_replace=1)
+
+
+def all_reduces(text):
+    """The all-reduces of an HLO module: (shape, replica groups) per op."""
+    found = []
+    for line in text.splitlines():
+        if " all-reduce(" in line or " all-reduce-start(" in line:
+            shape = line.split("=", 1)[1].split()[0]
+            groups = re.split(r", (?:use_global_device_ids|to_apply|channel_id)=",
+                              line.split("replica_groups=", 1)[1])[0]
+            found.append((shape, groups))
+    return found
+
+
+def expert_parallel_case(rng, *, expert, steps):
+    """MoE decode steps with the experts split over `expert` (mesh data=2 x expert): each device
+    holds X / expert experts' w1 / w2 / w3 and computes only their rows, summed over `expert`
+    (the only collective); logits and state bit for bit each data rank's single-device run with
+    the whole weights."""
+    ranks, batch, num_x = 2, 4, MOE.n_routed_experts
+    params = random_params(MOE, rng)
+    mesh = sharding.make_mesh(ranks * expert, expert=expert)
+    placed = sharding.shard_params(params, mesh)
+    lengths = [PROMPT] + rng.integers(1, PROMPT, batch - 1).tolist()
+    offload = OffloadConfig(hot_slots=16, page_size=4, capacity=32, policy="ring")
+    state = random_decode_state(rng, MOE, batch=batch, offload=offload, lengths=lengths,
+                                permute=ranks)
+    sharded = sharding.shard_state(state, mesh)
+    refs = [rank_state(state, r, ranks) for r in range(ranks)]
+    tokens = rng.integers(0, MOE.vocab_size, (batch, 1), dtype=np.int32)
+    compiled = sharding.lower_sharded_decode_step(placed, sharded, tokens, mesh=mesh,
+                                                  config=MOE, offload=offload).compile()
+    # Each device holds X / expert experts of w1 / w2 / w3 [L', X, ...], in and inside.
+    param_in = compiled.input_shardings[0][0]
+    for name in ("w1", "w2", "w3"):
+        shape = params["moe"][name].shape
+        for where in (placed["moe"][name].sharding, param_in["moe"][name]):
+            assert where.shard_shape(shape) == (shape[0], num_x // expert) + shape[2:], where
+    assert param_in["moe"]["gate"].shard_shape(params["moe"]["gate"].shape) == \
+        params["moe"]["gate"].shape
+    # The only collective: one all-reduce (in the MoE layers' loop) over the expert axis, of a
+    # layer's [N K', E] expert rows (N = B / D tokens of the rank); the cache never crosses
+    # devices. Replica groups: {{0,1},{2,3}} (devices of one data rank), or with jax 0.12 the
+    # mesh form.
+    text = compiled.as_text()
+    found = [c for c in COLLECTIVES if c != "all-reduce" and c in text]
+    assert not found, f"collectives other than the MoE all-reduce: {found}"
+    reduces = all_reduces(text)
+    groups = "{" + ",".join("{" + ",".join(str(d.id) for d in row) + "}"
+                            for row in mesh.devices.reshape(-1, expert)) + "}"
+    by_mesh = f"mesh['data'={ranks},'model'=1,'expert'={expert}] {{'expert'}}"
+    rows = (batch // ranks) * MOE.num_experts_per_tok
+    hlo_type = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[MOE.dtype]
+    assert len(reduces) == 1 and reduces[0][0] == f"{hlo_type}[{rows},{MOE.dim}]{{1,0}}" and \
+        reduces[0][1] in (groups, by_mesh), (reduces, groups)
+    step = lambda p, s, t: compiled(p, s, jax.device_put(  # noqa: E731
+        t, compiled.input_shardings[0][2]), None)
+    per = batch // ranks
+    for _ in range(steps):
+        tokens = rng.integers(0, MOE.vocab_size, (batch, 1), dtype=np.int32)
+        logits, sharded, stats = step(placed, sharded, tokens)
+        for r in range(ranks):
+            seats = slice(r * per, (r + 1) * per)
+            want, refs[r], _ = offload_decode.decode_step(params, refs[r], tokens[seats],
+                                                          config=MOE, offload=offload)
+            chex.assert_trees_all_equal(np.asarray(logits)[seats], np.asarray(want))
+    assert_state_equal(sharded, mesh, refs, ranks)
+    # One prefill chunk of up to 6 tokens per request (N = 12 tokens of a rank: more rows than
+    # a tile), on the same mesh.
+    page = 4
+    state = offload_prefill.PrefillState.create(MOE, batch=batch, capacity=4 * page,
+                                                page_size=page, fill=NAN)
+    sharded = sharding.shard_state(state, mesh)
+    refs = [rank_state(state, r, ranks) for r in range(ranks)]
+    tokens = rng.integers(0, MOE.vocab_size, (batch, 6), dtype=np.int32)
+    num_new = rng.integers(1, 7, batch).astype(np.int32)
+    logits, sharded = sharding.sharded_prefill(placed, sharded, tokens, num_new, mesh=mesh,
+                                               config=MOE, num_buffers=2, history_pages=4)
+    for r in range(ranks):
+        seats = slice(r * per, (r + 1) * per)
+        want, refs[r] = offload_prefill.prefill(params, refs[r], tokens[seats], num_new[seats],
+                                                config=MOE, num_buffers=2, history_pages=4,
+                                                query_block=None)
+        for b in range(per):  # padding logits are unspecified
+            n = int(num_new[seats][b])
+            chex.assert_trees_all_equal(np.asarray(logits)[seats][b, :n],
+                                        np.asarray(want)[b, :n])
+    assert_state_equal(sharded, mesh, refs, ranks)
+    log(f"expert-parallel MoE decode data={ranks} x expert={expert} (X={num_x}, "
+        f"{placed['moe']['w1'].addressable_shards[0].data.nbytes * 3} bytes of w1+w2+w3 per "
+        f"device of {params['moe']['w1'].nbytes * 3}): {steps} steps and a prefill "
+        f"chunk bitwise ok, the one collective an all-reduce {reduces[0][0]} over {reduces[0][1]}")
 
 
 def resident_case(params, rng, *, ranks, batch, ways, steps):
@@ -448,6 +546,7 @@ def main(argv):
     decode_case(params, rng, ranks=8, batch=8, ways=4, policy="lru", page=4, hot=16, steps=3)
     decode_case(params, rng, ranks=2, batch=8, ways=3, policy="random", page=4, hot=16,
                 steps=3)
+    expert_parallel_case(rng, expert=2, steps=2)
     resident_case(params, rng, ranks=4, batch=4, ways=2, steps=2)
     prefill_case(params, rng, ranks=2, batch=4, page=4, chunks=2, width=6)
     loop_case(params, rng, ranks=4, batch=8, steps=6)
