@@ -137,10 +137,11 @@ def _split(p, parts):
 
 @pytest.mark.parametrize("parts", [2, 4])
 def test_expert_slices_sum_to_the_whole_bitwise(parts):
-    # Tiles path (and ragged_dot to rounding). Each slice's expert_rows computes its experts' rows (-0.0 elsewhere); summed
-    # over the slices (a psum over `expert`) they are the rows of all experts, bit for bit.
-    # moe_mlp under vmap over the slices with axis_name EXPERT_AXIS (axis_index, psum as in a
-    # shard_map) returns on every slice the unsplit moe_mlp's output, bit for bit.
+    # Tiles path (ragged_dot: to rounding). Each slice's expert_rows computes its experts' rows
+    # (-0.0 elsewhere); summed over the slices (a psum over `expert`) they are the rows of all
+    # experts, bit for bit. moe_mlp under vmap over the slices with axis_name EXPERT_AXIS
+    # (axis_index, psum as in a shard_map) returns on every slice the unsplit moe_mlp's
+    # output, bit for bit.
     config = MOE
     p = _layer(config, jax.random.key(7))
     h = jax.random.normal(jax.random.key(8), (3, 7, config.dim))
