@@ -353,3 +353,77 @@ def test_preemption_takes_the_youngest_and_keeps_its_tokens():
     assert tuple(outputs[old].token_ids) == _solo(tuple(_prompt(1, 13)), 12, 0.0, 0)[0]
     assert tuple(outputs[young].token_ids) == _solo(tuple(_prompt(2, 9)), 12, 0.9, 3)[0]
     assert engine.pool_occupancy()["free"] == 8
+
+
+def _two_growing(max_tokens_old, **kwargs):
+    """reserve="prompt", a device budget of 6,150 B (tiny model, Z=4: seat 2,592 B, indexer
+    keys 144 B per page, prefill buffers 640 B per prompt page): two decoding requests of a
+    1-token prompt fit with up to 6 pages (5,184 + 864), not 7, while the 8-page pool still
+    has pages; the younger one (temperature 0.9: its key is kept too) is admitted once the
+    older one decodes (2,736 + 2,592 + 640 + 144 = 6,112 B)."""
+    engine = _engine("ring", reserve="prompt", device_bytes=6150, **kwargs)
+    old = engine.add_request(_prompt(1, 1), max_tokens=max_tokens_old)
+    young = engine.add_request(_prompt(2, 1), max_tokens=12, temperature=0.9, seed=3)
+    return engine, old, young
+
+
+def _held(engine, request_id):
+    pages = engine._requests[request_id].pages  # the engine's own record of its pages
+    return 0 if pages is None else pages.num_pages
+
+
+def test_a_device_bound_preemption_keeps_the_pages_and_resumes_without_recompute():
+    """Seats, not pages, are short: the younger request is preempted keeping its pages (held
+    in the pool while it waits, its seat's bytes freed) and resumes once the older one ends,
+    with no prefill and no replay: its tokens are those of its solo run bit for bit."""
+    engine, old, young = _two_growing(16)
+    while engine.counters["preemptions"] == 0:
+        engine.step()
+        assert engine.device_bytes_used() <= 6150
+    assert engine.waiting_ids() == [young] and engine.num_running() == 1
+    assert engine.counters["preemptions_kept_pages"] == 1
+    kept = _held(engine, young)
+    assert kept > 0 and engine.pool_occupancy()["held"] == _held(engine, old) + kept
+    prefill_calls = engine.counters["prefill_calls"]
+    while engine.has_unfinished():
+        engine.step()
+        assert engine.device_bytes_used() <= 6150
+    assert engine.counters["prefill_calls"] == prefill_calls  # nothing prefilled again
+    assert engine.counters["resumed_without_recompute"] >= 1
+    assert engine.counters["replayed_tokens"] == 0
+    assert engine.counters["preemptions"] == engine.counters["preemptions_kept_pages"]
+    outputs = engine.run()
+    assert tuple(outputs[old].token_ids) == _solo(tuple(_prompt(1, 1)), 16, 0.0, 0)[0]
+    assert tuple(outputs[young].token_ids) == _solo(tuple(_prompt(2, 1)), 12, 0.9, 3)[0]
+    assert engine.pool_occupancy()["held"] == 0 and engine.device_bytes_used() == 0
+
+
+def test_kept_pages_are_dropped_when_the_pool_runs_short():
+    """The older request grows to the whole pool (29 tokens, 8 pages): the pages the waiting
+    younger one kept are dropped (pages, not bytes, are short now) and it resumes by
+    prefilling and replaying, with its tokens unchanged."""
+    engine, old, young = _two_growing(28)
+    while engine.counters["preemptions"] == 0:
+        engine.step()
+    assert _held(engine, young) > 0
+    while _held(engine, young) > 0:
+        engine.step()
+    assert engine.waiting_ids() == [young]  # its pages dropped while it waited
+    outputs = engine.run()
+    assert engine.counters["replayed_tokens"] > 0
+    assert tuple(outputs[old].token_ids) == _solo(tuple(_prompt(1, 1)), 28, 0.0, 0)[0]
+    assert tuple(outputs[young].token_ids) == _solo(tuple(_prompt(2, 1)), 12, 0.9, 3)[0]
+    assert engine.pool_occupancy()["held"] == 0
+
+
+def test_cancelling_a_request_that_kept_its_pages_releases_them():
+    engine, old, young = _two_growing(16)
+    while engine.counters["preemptions"] == 0:
+        engine.step()
+    assert _held(engine, young) > 0
+    assert engine.cancel(young) is True
+    assert engine.pool_occupancy()["held"] == _held(engine, old)
+    outputs = engine.run()
+    assert outputs[young].finish_reason == "cancelled" and engine.num_waiting() == 0
+    assert tuple(outputs[old].token_ids) == _solo(tuple(_prompt(1, 1)), 16, 0.0, 0)[0]
+    assert engine.pool_occupancy()["held"] == 0
