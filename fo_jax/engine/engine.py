@@ -48,9 +48,10 @@ Costs per step: admission and bookkeeping O(seats) on the host; a prefill chunk 
 [seats, prefill_chunk] program over every seat (the offloaded one loads
 `history_pages` pages per seat and layer: the longest history among the prefilling seats,
 rounded up to a power of two so that a prompt of n chunks compiles O(log n) programs); a
-join is O(L seats (C + 2Z)) device work (a resumed request adds one decode step per token
-it replays); the decode loop reads its outputs once per call; the queue is sorted once per
-step with free seats (O(Q log Q)); `device_bytes_used()` is O(seats).
+join is O(L seats (C + 2Z)) device work (a request resumed with its pages dropped adds one
+decode step per token it replays; one that kept them, none); the decode loop reads its
+outputs once per call; the queue is sorted once per step with free seats (O(Q log Q));
+`device_bytes_used()` is O(seats).
 A finished or cancelled request's pages return to the pool at once (the ones the prefix cache
 registered stay cached, mapped by none, until an allocation needs them: least recently
 released first).
@@ -59,12 +60,30 @@ Reservation and preemption (offloaded). reserve="full" (default) reserves pages 
 max_tokens at admission: a running request never needs a page, nothing is preempted, and a
 request that does not fit waits. reserve="prompt" reserves the prompt and one decode call
 (`decode_steps_per_call` tokens) and, before every decode call, grows each decoding request's
-pages for that call, oldest first. When the pool cannot give a page even after evicting
-unreferenced prefix-cache pages (least recently released first: what every allocation does),
-or the pages would pass `device_bytes`, the youngest running request (admitted or resumed
-last, as in vLLM) is preempted: its seat is freed and its pages dropped (keeping them would
-not help: pages are what is short), its sampled tokens and PRNG key are kept (no token is
-lost or changed), and it waits at the head of the queue. Resumed, it prefills its prompt again
+pages for that call, oldest first. When they cannot be had, what is short decides:
+
+  * pool pages (the pool cannot give them even after evicting unreferenced prefix-cache
+    pages, least recently released first: what every allocation does): keeping a victim's
+    pages would not help, so pages are dropped, first those that waiting preempted requests
+    kept (below; youngest first: they hold pages nobody decodes with, while a running
+    request's are in use), then those of the youngest running request (admitted or resumed
+    last, as in vLLM), which is preempted;
+  * only device bytes (`device_bytes`; the pool has the pages): the youngest running request
+    is preempted keeping its pages: its seat's bytes (hot cache and tails, and its prefill
+    buffers while prefilling) are freed, its host KV and indexer-key pages stay held (their
+    bytes still count). Only when the growing request is alone in the seats are the bytes
+    held by waiting requests' kept pages; those are dropped then, youngest first.
+
+A preempted request keeps its sampled tokens and PRNG key (no token is lost or changed) and
+waits at the head of the queue (preempted requests first, in arrival order). One that kept
+its pages resumes when a seat is free, the pool can give the pages of its next decode call
+and its seat bytes + those pages fit `device_bytes`, with nothing computed again: the
+offloaded decode writes every step's KV rows through to the host pages, so its pages hold
+every token it stored; its length and page-table row are set, `join_seats` rebuilds its hot
+rows, tails, maps and policy state from them, and its last token, key and count of tokens
+generated are restored (one preempted while prefilling goes on from the chunk it reached).
+The hot cache decides where rows are read from, never their values, so its tokens are those
+of its uninterrupted run, bit for bit. One whose pages were dropped prefills its prompt again
 (with the prefix cache, its prompt's whole chunks are mapped again unless evicted meanwhile)
 and then replays its sampled tokens but the last through the decode step, one per step, with
 its own tokens forced: the KV it rebuilds is the one it had, bit for bit. Prefilling prompt +
@@ -74,13 +93,25 @@ so a token's KV and logits computed by a prefill chunk differ in their last bits
 decode step's (measured on the tiny model, 3 prompts x 3 resume points: the last position's
 logits differed in 9 of 9, the KV in 1 of 9; a bare jitted x @ w of 8 rows against each row
 alone differs too, e.g. float32 [8, 256] @ [256, 512] by 4e-5; the greedy tokens happened to
-agree), and the resumed request could then sample other tokens than its solo run. The oldest
-request always gets its pages (a request that cannot fit alone is refused), so the engine
-always progresses; a request can be preempted again after it resumes. `counters["preemptions"]` and `counters["replayed_tokens"]` count them.
+agree), and the resumed request could then sample other tokens than its solo run.
 
-Not here yet: keeping a preempted request's pages on host (resume without recompute; useful
-when seats, not pages, are short); device_bytes, reserve="prompt", preemption and prefix reuse
-on the resident path; aging in the "shortest" order (a long request can wait for ever under a
+The engine always progresses. The oldest running request always gets its pages: while they
+are short, every round removes a running request younger than it or a waiting request's kept
+pages (finitely many), and once it is alone in the seats with no kept pages waiting, every
+page held is its own and it fits (`add_request` refused any request whose seat, prefill
+buffers and pages for prompt + max_tokens do not fit alone). Kept pages never block the
+queue for good: when its head does not fit and no seat is occupied (nothing would ever free
+them), the pages the other waiting requests kept are dropped, youngest first, until it fits
+(it fits alone); while a request runs, it ends and frees its seat and pages. New requests
+never overtake preempted ones, so every request runs. A request can be preempted again after
+it resumes (under a tight device budget, a request that kept its pages may resume and be
+preempted again at the next growth of an older one: it loses no work, only its join).
+`counters["preemptions"]` counts every preemption, `counters["preemptions_kept_pages"]` those
+that kept the pages, `counters["resumed_without_recompute"]` the resumes with kept pages, and
+`counters["replayed_tokens"]` the tokens replayed after dropped pages.
+
+Not here yet: device_bytes, reserve="prompt", preemption and prefix reuse on the resident
+path; aging in the "shortest" order (a long request can wait for ever under a
 stream of shorter ones); drafts (W > 1) in the decode loop (`fo_jax.generate` drafts, the
 engine does not).
 """
@@ -257,8 +288,9 @@ class Engine:
       reserve: offloaded: "full" reserves pages for prompt + max_tokens at admission (a running
         request never needs a page: no preemption); "prompt" reserves the prompt and the next
         decode call, and grows each running request's pages before every decode call,
-        preempting the youngest running request when the pool (or device_bytes) cannot supply
-        them (see the module doc).
+        preempting the youngest running request when they cannot be had: dropping its pages
+        when the pool is short, keeping them (its seat freed) when only device_bytes is (see
+        the module doc).
     Raises:
       ValueError: bad settings, before anything is allocated.
     """
