@@ -691,11 +691,15 @@ class Engine:
 
     def _fits_kept(self, req: _Request) -> bool:
         """A request preempted with its pages kept: grow them for its next decode call (or,
-        prefilling, they already hold its prompt) if the pool can give the pages and its
-        seat (+ prefill buffers while prefilling) + the new pages fit `device_bytes`; False,
-        nothing changed, when they do not. O(pages)."""
+        prefilling, they already hold its prompt) if the pool can give its new pages and
+        those the running requests need for the coming call (`_tokens_needed`), and its seat
+        (+ prefill buffers while prefilling) + all these pages fit `device_bytes`; False,
+        nothing changed, when they do not. Counting the running requests' growth keeps the
+        call it resumes for from preempting it again at once. O(seats + pages)."""
         tokens = self._tokens_needed(req)
-        need = req.pages.pages_needed(tokens)
+        need = req.pages.pages_needed(tokens) + sum(
+            r.pages.pages_needed(self._tokens_needed(r)) for r in self._occupant
+            if r is not None and r.prefilled == len(r.prompt))
         if need > self.pool.num_available:
             return False
         if self.device_bytes is not None:
