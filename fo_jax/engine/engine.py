@@ -76,8 +76,9 @@ pages for that call, oldest first. When they cannot be had, what is short decide
 
 A preempted request keeps its sampled tokens and PRNG key (no token is lost or changed) and
 waits at the head of the queue (preempted requests first, in arrival order). One that kept
-its pages resumes when a seat is free, the pool can give the pages of its next decode call
-and its seat bytes + those pages fit `device_bytes`, with nothing computed again: the
+its pages resumes when a seat is free, the pool can give the pages of the coming decode call
+(its own and the running requests': else that call would preempt it again at once) and its
+seat bytes + those pages fit `device_bytes`, with nothing computed again: the
 offloaded decode writes every step's KV rows through to the host pages, so its pages hold
 every token it stored; its length and page-table row are set, `join_seats` rebuilds its hot
 rows, tails, maps and policy state from them, and its last token, key and count of tokens
@@ -104,8 +105,8 @@ queue for good: when its head does not fit and no seat is occupied (nothing woul
 them), the pages the other waiting requests kept are dropped, youngest first, until it fits
 (it fits alone); while a request runs, it ends and frees its seat and pages. New requests
 never overtake preempted ones, so every request runs. A request can be preempted again after
-it resumes (under a tight device budget, a request that kept its pages may resume and be
-preempted again at the next growth of an older one: it loses no work, only its join).
+it resumes (under a tight device budget, a request that kept its pages may be preempted
+again by a later call's growth: it loses no work, only its join).
 `counters["preemptions"]` counts every preemption, `counters["preemptions_kept_pages"]` those
 that kept the pages, `counters["resumed_without_recompute"]` the resumes with kept pages, and
 `counters["replayed_tokens"]` the tokens replayed after dropped pages.

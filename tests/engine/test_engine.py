@@ -448,3 +448,27 @@ def test_cancelling_a_request_that_kept_its_pages_releases_them():
     assert outputs[young].finish_reason == "cancelled" and engine.num_waiting() == 0
     assert tuple(outputs[old].token_ids) == _solo(tuple(_prompt(1, 1)), 16, 0.0, 0)[0]
     assert engine.pool_occupancy()["held"] == 0
+
+
+def test_a_request_that_kept_its_pages_resumes_only_when_the_call_leaves_it_its_seat():
+    """The budget set so that the waiting request's seat fits but not beside the page the
+    older request needs for the coming call: it stays waiting (resuming would only get it
+    preempted again by that call's growth, its join wasted) and resumes when it can decode."""
+    engine, old, young = _two_growing(16)
+    while engine.counters["preemptions"] == 0:
+        engine.step()
+    costs, waiting = engine.costs, engine._requests[young]
+    running = engine._requests[old]
+    while running.pages.pages_needed(engine._tokens_needed(running)) == 0:
+        engine.step()
+    need = waiting.pages.pages_needed(engine._tokens_needed(waiting))
+    engine.device_bytes = (engine.device_bytes_used() + costs.seat_device_bytes
+                           + need * costs.page_device_bytes)  # one page short of both
+    outputs = {o.request_id: o for o in engine.step()}
+    assert engine.waiting_ids() == [young] and young not in outputs
+    assert engine.counters["preemptions"] == 1 and engine.counters["resumed_without_recompute"] == 0
+    engine.device_bytes = 10**6
+    outputs = engine.run()
+    assert engine.counters["resumed_without_recompute"] == 1
+    assert tuple(outputs[young].token_ids) == _solo(tuple(_prompt(2, 1)), 12, 0.9, 3)[0]
+    assert tuple(outputs[old].token_ids) == _solo(tuple(_prompt(1, 1)), 16, 0.0, 0)[0]
