@@ -64,15 +64,15 @@ pages for that call, oldest first. When they cannot be had, what is short decide
 
   * pool pages (the pool cannot give them even after evicting unreferenced prefix-cache
     pages, least recently released first: what every allocation does): keeping a victim's
-    pages would not help, so pages are dropped, first those that waiting preempted requests
-    kept (below; youngest first: they hold pages nobody decodes with, while a running
+    pages would not help, so pages are dropped: first those that waiting preempted requests
+    kept (below), youngest first (they hold pages nobody decodes with, where a running
     request's are in use), then those of the youngest running request (admitted or resumed
     last, as in vLLM), which is preempted;
   * only device bytes (`device_bytes`; the pool has the pages): the youngest running request
     is preempted keeping its pages: its seat's bytes (hot cache and tails, and its prefill
     buffers while prefilling) are freed, its host KV and indexer-key pages stay held (their
-    bytes still count). Only when the growing request is alone in the seats are the bytes
-    held by waiting requests' kept pages; those are dropped then, youngest first.
+    bytes still count). When the growing request is alone in the seats, nothing is left to
+    preempt: the pages waiting requests kept are dropped, youngest first.
 
 A preempted request keeps its sampled tokens and PRNG key (no token is lost or changed) and
 waits at the head of the queue (preempted requests first, in arrival order). One that kept
