@@ -1045,7 +1045,7 @@ class Engine:
         self._seats = committed(dataclasses.replace(self._seats, done=jnp.asarray(done)))
         self._set_seats({b: (0, None)})
 
-    def _free(self, req: _Request, *, finished: bool = True) -> None:
+    def _free(self, req: _Request) -> None:
         """Free the request's seat and drop its pages (finished or cancelled: a waiting
         request's kept pages too)."""
         if req.seat is not None and self._occupant[req.seat] is req:
@@ -1054,7 +1054,7 @@ class Engine:
             req.pages.release()
             req.pages = None
         req.seat = None
-        if finished and req.finish_reason != "cancelled":
+        if req.finish_reason != "cancelled":
             self.counters["requests_finished"] += 1
 
     def _sampling_row(self, req: _Request | None):
