@@ -48,9 +48,10 @@ Costs per step: admission and bookkeeping O(seats) on the host; a prefill chunk 
 [seats, prefill_chunk] program over every seat (the offloaded one loads
 `history_pages` pages per seat and layer: the longest history among the prefilling seats,
 rounded up to a power of two so that a prompt of n chunks compiles O(log n) programs); a
-join is O(L seats (C + 2Z)) device work (a resumed request adds one decode step per token
-it replays); the decode loop reads its outputs once per call; the queue is sorted once per
-step with free seats (O(Q log Q)); `device_bytes_used()` is O(seats).
+join is O(L seats (C + 2Z)) device work (a request resumed with its pages dropped adds one
+decode step per token it replays; one that kept them, none); the decode loop reads its
+outputs once per call; the queue is sorted once per step with free seats (O(Q log Q));
+`device_bytes_used()` is O(seats).
 A finished or cancelled request's pages return to the pool at once (the ones the prefix cache
 registered stay cached, mapped by none, until an allocation needs them: least recently
 released first).
@@ -59,12 +60,31 @@ Reservation and preemption (offloaded). reserve="full" (default) reserves pages 
 max_tokens at admission: a running request never needs a page, nothing is preempted, and a
 request that does not fit waits. reserve="prompt" reserves the prompt and one decode call
 (`decode_steps_per_call` tokens) and, before every decode call, grows each decoding request's
-pages for that call, oldest first. When the pool cannot give a page even after evicting
-unreferenced prefix-cache pages (least recently released first: what every allocation does),
-or the pages would pass `device_bytes`, the youngest running request (admitted or resumed
-last, as in vLLM) is preempted: its seat is freed and its pages dropped (keeping them would
-not help: pages are what is short), its sampled tokens and PRNG key are kept (no token is
-lost or changed), and it waits at the head of the queue. Resumed, it prefills its prompt again
+pages for that call, oldest first. When they cannot be had, what is short decides:
+
+  * pool pages (the pool cannot give them even after evicting unreferenced prefix-cache
+    pages, least recently released first: what every allocation does): keeping a victim's
+    pages would not help, so pages are dropped: first those that waiting preempted requests
+    kept (below), youngest first (they hold pages nobody decodes with, where a running
+    request's are in use), then those of the youngest running request (admitted or resumed
+    last, as in vLLM), which is preempted;
+  * only device bytes (`device_bytes`; the pool has the pages): the youngest running request
+    is preempted keeping its pages: its seat's bytes (hot cache and tails, and its prefill
+    buffers while prefilling) are freed, its host KV and indexer-key pages stay held (their
+    bytes still count). When the growing request is alone in the seats, nothing is left to
+    preempt: the pages waiting requests kept are dropped, youngest first.
+
+A preempted request keeps its sampled tokens and PRNG key (no token is lost or changed) and
+waits at the head of the queue (preempted requests first, in arrival order). One that kept
+its pages resumes when a seat is free, the pool can give the pages of the coming decode call
+(its own and the running requests': else that call would preempt it again at once) and its
+seat bytes + those pages fit `device_bytes`, with nothing computed again: the
+offloaded decode writes every step's KV rows through to the host pages, so its pages hold
+every token it stored; its length and page-table row are set, `join_seats` rebuilds its hot
+rows, tails, maps and policy state from them, and its last token, key and count of tokens
+generated are restored (one preempted while prefilling goes on from the chunk it reached).
+The hot cache decides where rows are read from, never their values, so its tokens are those
+of its uninterrupted run, bit for bit. One whose pages were dropped prefills its prompt again
 (with the prefix cache, its prompt's whole chunks are mapped again unless evicted meanwhile)
 and then replays its sampled tokens but the last through the decode step, one per step, with
 its own tokens forced: the KV it rebuilds is the one it had, bit for bit. Prefilling prompt +
@@ -74,13 +94,25 @@ so a token's KV and logits computed by a prefill chunk differ in their last bits
 decode step's (measured on the tiny model, 3 prompts x 3 resume points: the last position's
 logits differed in 9 of 9, the KV in 1 of 9; a bare jitted x @ w of 8 rows against each row
 alone differs too, e.g. float32 [8, 256] @ [256, 512] by 4e-5; the greedy tokens happened to
-agree), and the resumed request could then sample other tokens than its solo run. The oldest
-request always gets its pages (a request that cannot fit alone is refused), so the engine
-always progresses; a request can be preempted again after it resumes. `counters["preemptions"]` and `counters["replayed_tokens"]` count them.
+agree), and the resumed request could then sample other tokens than its solo run.
 
-Not here yet: keeping a preempted request's pages on host (resume without recompute; useful
-when seats, not pages, are short); device_bytes, reserve="prompt", preemption and prefix reuse
-on the resident path; aging in the "shortest" order (a long request can wait for ever under a
+The engine always progresses. The oldest running request always gets its pages: while they
+are short, every round removes a running request younger than it or a waiting request's kept
+pages (finitely many), and once it is alone in the seats with no kept pages waiting, every
+page held is its own and it fits (`add_request` refused any request whose seat, prefill
+buffers and pages for prompt + max_tokens do not fit alone). Kept pages never block the
+queue for good: when its head does not fit and no seat is occupied (nothing would ever free
+them), the pages the other waiting requests kept are dropped, youngest first, until it fits
+(it fits alone); while a request runs, it ends and frees its seat and pages. New requests
+never overtake preempted ones, so every request runs. A request can be preempted again after
+it resumes (under a tight device budget, a request that kept its pages may be preempted
+again by a later call's growth: it loses no work, only its join).
+`counters["preemptions"]` counts every preemption, `counters["preemptions_kept_pages"]` those
+that kept the pages, `counters["resumed_without_recompute"]` the resumes with kept pages, and
+`counters["replayed_tokens"]` the tokens replayed after dropped pages.
+
+Not here yet: device_bytes, reserve="prompt", preemption and prefix reuse on the resident
+path; aging in the "shortest" order (a long request can wait for ever under a
 stream of shorter ones); drafts (W > 1) in the decode loop (`fo_jax.generate` drafts, the
 engine does not).
 """
@@ -172,7 +204,7 @@ class _Request:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (not prefilled)
     order: int = 0  # arrival number: the queue's tie-break
     admitted: int = -1  # admission (or resume) number: the youngest is preempted first
-    preempted: bool = False  # waiting to resume (its tokens kept, its pages dropped)
+    preempted: bool = False  # waiting to resume (its tokens kept; `pages` None: dropped)
     key_data: Any = None  # its PRNG key data when preempted after sampling (restored on resume)
 
     def output(self, new: list[int]) -> RequestOutput:
@@ -257,8 +289,9 @@ class Engine:
       reserve: offloaded: "full" reserves pages for prompt + max_tokens at admission (a running
         request never needs a page: no preemption); "prompt" reserves the prompt and the next
         decode call, and grows each running request's pages before every decode call,
-        preempting the youngest running request when the pool (or device_bytes) cannot supply
-        them (see the module doc).
+        preempting the youngest running request when they cannot be had: dropping its pages
+        when the pool is short, keeping them (its seat freed) when only device_bytes is (see
+        the module doc).
     Raises:
       ValueError: bad settings, before anything is allocated.
     """
@@ -367,7 +400,8 @@ class Engine:
         self.counters = {"steps": 0, "prefill_calls": 0, "decode_calls": 0,
                          "prefill_tokens": 0, "decode_tokens": 0, "prefix_hit_tokens": 0,
                          "requests_finished": 0, "requests_cancelled": 0,
-                         "preemptions": 0, "replayed_tokens": 0}
+                         "preemptions": 0, "preemptions_kept_pages": 0,
+                         "resumed_without_recompute": 0, "replayed_tokens": 0}
         # Wall seconds of `step`: in the prefill / decode programs (until their results are
         # ready) and in total; the rest is the engine's own host work.
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "step_s": 0.0}
@@ -582,54 +616,155 @@ class Engine:
         """The first request of the queue (`_queue`) takes a free seat once the pool can
         reserve its pages (`_tokens_needed`) and its device bytes fit `device_bytes`; a
         request that does not fit yet blocks the ones behind it. With the prefix cache, its
-        longest cached prefix of whole prefill chunks is mapped and not prefilled. A resumed
-        request prefills its prompt again (cached chunks mapped) and replays its tokens at its
-        join. O(seats + prompt + pages) per admitted request, O(Q log Q) for the queue."""
+        longest cached prefix of whole prefill chunks is mapped and not prefilled. A request
+        preempted with its pages kept takes them back (`_fits_kept`): its prompt is not
+        prefilled again and, once decoding, it joins at once (`_rejoin`); one whose pages
+        were dropped prefills its prompt again (cached chunks mapped) and replays its tokens
+        at its join. When the head of the queue does not fit and no seat is occupied, the
+        pages kept by the requests behind it are dropped, youngest first, until it fits
+        (nothing else would ever free them). O(seats + prompt + pages) per admitted
+        request, O(Q log Q) for the queue."""
         free = [b for b, r in enumerate(self._occupant) if r is None]
-        started = {}
+        started, kept = {}, []
         queue = self._queue() if free else []
         for req in queue:
             if not free:
                 break
-            if self.pool is not None:
-                matched, cached = np.zeros((0,), np.int32), 0
-                if self.prefix is not None:
-                    matched, cached = self.prefix.match(req.prompt[:-1])
-                    keep = cached // self.chunk * self.chunk // self.pool.page_size
-                    self.pool.decref(matched[keep:].tolist())
-                    matched, cached = matched[:keep], keep * self.pool.page_size
-                pages = RequestPages(self.pool, self.max_pages, prefix_pages=matched.tolist(),
-                                     prefix_tokens=cached)
-                try:
-                    pages.grow(self._tokens_needed(req))
-                except PoolExhausted:
-                    pages.release()
-                    break
-                if self.device_bytes is not None:
-                    seat, prefill, _ = self._device_need(len(req.prompt), 0)
-                    if self.device_bytes_used() + seat + prefill > self.device_bytes:
-                        pages.release()  # its pages are counted in the pool's held pages
-                        break
-                req.pages, req.cached_tokens = pages, cached
-                self.counters["prefix_hit_tokens"] += cached
+            had_pages = req.pages is not None  # preempted with its pages kept
+            if self.pool is not None and not self._fits(req):
+                break
             self._waiting.remove(req)
             b = free.pop(0)
-            req.seat, req.prefilled = b, req.cached_tokens
+            req.seat, req.preempted = b, False
             req.admitted = next(self._admissions)
             self._occupant[b] = req
+            if had_pages:
+                kept.append(req)
+            else:
+                req.prefilled = req.cached_tokens
             started[b] = req
         if started:
-            self._set_seats({b: (r.cached_tokens, None if r.pages is None else r.pages.table_row())
+            self._set_seats({b: (self._stored_tokens(r),
+                                 None if r.pages is None else r.pages.table_row())
                              for b, r in started.items()})
+        if kept:
+            self.counters["resumed_without_recompute"] += len(kept)
+            self._rejoin([r for r in kept if r.prefilled == len(r.prompt)])
+
+    def _fits(self, req: _Request) -> bool:
+        """Whether the request can take a seat now (its pages reserved, or the kept ones
+        grown): `_fits_kept` or `_reserve`. When it cannot and no seat is occupied, the pages
+        other waiting requests kept are dropped, youngest first, until it fits: it fits alone
+        (`add_request` refused any request that does not), and with no request running
+        nothing else would ever free them. O(queue + pages) per drop."""
+        while not (self._fits_kept(req) if req.pages is not None else self._reserve(req)):
+            others = [r for r in self._waiting if r.pages is not None and r is not req]
+            if any(r is not None for r in self._occupant) or not others:
+                return False
+            self._drop_kept(max(others, key=lambda r: r.admitted))
+        return True
+
+    def _reserve(self, req: _Request) -> bool:
+        """Map the request's cached prefix (with the prefix cache) and reserve its pages
+        (`_tokens_needed`) if the pool can give them and its device bytes (seat + prefill
+        buffers) fit `device_bytes`; False, with nothing held, when they do not."""
+        matched, cached = np.zeros((0,), np.int32), 0
+        if self.prefix is not None:
+            matched, cached = self.prefix.match(req.prompt[:-1])
+            keep = cached // self.chunk * self.chunk // self.pool.page_size
+            self.pool.decref(matched[keep:].tolist())
+            matched, cached = matched[:keep], keep * self.pool.page_size
+        pages = RequestPages(self.pool, self.max_pages, prefix_pages=matched.tolist(),
+                             prefix_tokens=cached)
+        try:
+            pages.grow(self._tokens_needed(req))
+        except PoolExhausted:
+            pages.release()
+            return False
+        if self.device_bytes is not None:
+            seat, prefill, _ = self._device_need(len(req.prompt), 0)
+            if self.device_bytes_used() + seat + prefill > self.device_bytes:
+                pages.release()  # its pages are counted in the pool's held pages
+                return False
+        req.pages, req.cached_tokens = pages, cached
+        self.counters["prefix_hit_tokens"] += cached
+        return True
+
+    def _fits_kept(self, req: _Request) -> bool:
+        """A request preempted with its pages kept: grow them for its next decode call (or,
+        prefilling, they already hold its prompt) if the pool can give its new pages and
+        those the running requests need for the coming call (`_tokens_needed`), and its seat
+        (+ prefill buffers while prefilling) + all these pages fit `device_bytes`; False,
+        nothing changed, when they do not. Counting the running requests' growth keeps the
+        call it resumes for from preempting it again at once. O(seats + pages)."""
+        tokens = self._tokens_needed(req)
+        need = req.pages.pages_needed(tokens) + sum(
+            r.pages.pages_needed(self._tokens_needed(r)) for r in self._occupant
+            if r is not None and r.prefilled == len(r.prompt))
+        if need > self.pool.num_available:
+            return False
+        if self.device_bytes is not None:
+            seat, prefill, _ = self._device_need(len(req.prompt), 0)
+            if req.prefilled == len(req.prompt):
+                prefill = 0
+            if (self.device_bytes_used() + seat + prefill + need * self.costs.page_device_bytes
+                    > self.device_bytes):
+                return False
+        req.pages.grow(tokens)
+        return True
+
+    def _stored_tokens(self, req: _Request) -> int:
+        """Tokens the request's pages hold: the cached prefix (admitted), the prompt tokens
+        prefilled, or, decoding, prompt + sampled tokens but the last (not fed yet)."""
+        if req.prefilled == len(req.prompt) and req.tokens:
+            return len(req.prompt) + len(req.tokens) - 1
+        return req.prefilled
+
+    def _rejoin(self, resumed: list[_Request]) -> None:
+        """Seat decoding requests that kept their pages, without recompute: their host pages
+        hold every stored token (the decode writes each step's rows through to them), so
+        `join_seats` rebuilds their hot rows, tails, maps and policy state from the pages for
+        their length, and their last token, PRNG key and tokens generated are restored: the
+        decode goes on as if never interrupted. O(L seats (C + 2Z)) device work, once."""
+        if not resumed:
+            return
+        mask = np.zeros((self.seats,), bool)
+        for req in resumed:
+            mask[req.seat] = True
+            self._sampling_rows[req.seat] = self._sampling_row(req)
+        self._sampling = None
+        self.state = offload_prefill.join_seats(self.state, mask, config=self.config,
+                                                offload=self.offload)
+        self._restore_seats({r.seat: (r.tokens[-1], len(r.tokens), r.key_data)
+                             for r in resumed})
+        for req in resumed:
+            req.key_data = None
+
+    def _restore_seats(self, rows: dict) -> None:
+        """Seat b decodes again from rows[b] = (last token, tokens generated, PRNG key data):
+        the Seats rows of a request that joins without sampling its first token. O(B)."""
+        tokens = np.array(self._seats.tokens)
+        generated = np.array(self._seats.generated)
+        done = np.array(self._seats.done)
+        data = np.array(jax.random.key_data(self._seats.keys))
+        for b, (token, count, key_data) in rows.items():
+            tokens[b], generated[b], done[b], data[b] = token, count, False, key_data
+        keys = jax.random.wrap_key_data(jnp.asarray(data),
+                                        impl=jax.random.key_impl(self._seats.keys))
+        self._seats = committed(Seats(tokens=jnp.asarray(tokens), keys=keys,
+                                      generated=jnp.asarray(generated), done=jnp.asarray(done)))
 
     def _grow_pages(self) -> None:
         """reserve="prompt": before the decode call, give every decoding request the pages
-        the call may write (`_tokens_needed`), oldest request first. When the pool, after
-        evicting unreferenced prefix-cache pages (least recently released first, as any
-        allocation does), cannot supply them, or they would pass `device_bytes`, preempt the
-        youngest running request (`_preempt`) and try again; a request that is itself the
-        youngest is preempted. The oldest request always gets its pages (`add_request`
-        refused any request that cannot fit alone). O(seats + pages allocated)."""
+        the call may write (`_tokens_needed`), oldest request first. When they cannot be
+        had, make room and try again (the rule and why it always progresses: module doc):
+        pool pages short (after evicting unreferenced prefix-cache pages, least recently
+        released first, as any allocation does): drop the pages a waiting preempted request
+        kept (youngest first), else preempt the youngest running request dropping its pages;
+        only `device_bytes` short: preempt the youngest running request keeping its pages
+        (its seat's bytes are freed), or, when the request is alone in the seats, drop the
+        pages a waiting request kept (youngest first). A request that is itself the youngest
+        is preempted. O(seats + queue + pages allocated) per preemption or drop."""
         if self.pool is None or self.reserve == "full":
             return
         rows = {}
@@ -641,16 +776,21 @@ class Engine:
                 need = req.pages.pages_needed(self._tokens_needed(req))
                 if need == 0:
                     break
-                fits = (self.device_bytes is None or self.device_bytes_used()
-                        + need * self.costs.page_device_bytes <= self.device_bytes)
-                if fits and need <= self.pool.num_available:
+                pool_ok = need <= self.pool.num_available
+                bytes_ok = (self.device_bytes is None or self.device_bytes_used()
+                            + need * self.costs.page_device_bytes <= self.device_bytes)
+                if pool_ok and bytes_ok:
                     req.pages.grow(self._tokens_needed(req))
                     rows[req.seat] = req.pages.table_row()
                     break
-                victim = max((r for r in self._occupant if r is not None),
-                             key=lambda r: r.admitted)
+                running = [r for r in self._occupant if r is not None]
+                kept = [r for r in self._waiting if r.pages is not None]
+                victim = max(running, key=lambda r: r.admitted)
+                if kept and (not pool_ok or len(running) == 1):
+                    self._drop_kept(max(kept, key=lambda r: r.admitted))
+                    continue
                 rows.pop(victim.seat, None)
-                self._preempt(victim)
+                self._preempt(victim, keep_pages=pool_ok)
         if rows:
             self._set_rows(rows)
 
@@ -663,19 +803,32 @@ class Engine:
         self.state = dataclasses.replace(
             self.state, table=_set_rows(self.state.table, jnp.asarray(mask), jnp.asarray(table)))
 
-    def _preempt(self, req: _Request) -> None:
-        """Take a running request's seat and drop its pages; it waits at the head of the
-        queue (`_queue`) with its sampled tokens (and, once it sampled, its PRNG key) kept.
-        Its full prompt pages the prefix cache registered stay cached (mapped again on resume
-        unless evicted meanwhile); the others go back to the pool. O(pages + seats)."""
+    def _preempt(self, req: _Request, *, keep_pages: bool = False) -> None:
+        """Take a running request's seat; it waits at the head of the queue (`_queue`) with
+        its sampled tokens (and, once it sampled, its PRNG key) kept. keep_pages: its pages
+        stay held (its host KV and indexer keys: every token it stored, the decode writes
+        through to the host pages), so it resumes where it stopped (`_rejoin`, or its
+        prefill goes on); else they are dropped (`_drop_kept`). O(pages + seats)."""
         if req.prefilled == len(req.prompt):  # joined: its seat holds its key (a request
             # resumed but not joined yet keeps the key it saved)
             req.key_data = np.asarray(jax.random.key_data(self._seats.keys[req.seat]))
-        self._free(req, finished=False)
-        req.prefilled = req.cached_tokens = 0
+        self._vacate(req.seat)
+        req.seat = None
         req.preempted = True
         self._waiting.append(req)
         self.counters["preemptions"] += 1
+        if keep_pages:
+            self.counters["preemptions_kept_pages"] += 1
+        else:
+            self._drop_kept(req)
+
+    def _drop_kept(self, req: _Request) -> None:
+        """Drop a preempted request's pages: it will prefill its prompt again and replay its
+        tokens. Its full prompt pages the prefix cache registered stay cached (mapped again
+        on resume unless evicted meanwhile); the others go back to the pool. O(pages)."""
+        req.pages.release()
+        req.pages = None
+        req.prefilled = req.cached_tokens = 0
     def _set_seats(self, seats: dict) -> None:
         """Set seat b's length (and page-table row, offloaded) to seats[b] = (length, row)."""
         mask = np.zeros((self.seats,), bool)
@@ -755,7 +908,7 @@ class Engine:
             self.state = offload_prefill.join_seats(self.state, mask, config=self.config,
                                                     offload=self.offload)
         new = [r for r in joined if not r.tokens]
-        resumed = [r for r in joined if r.tokens]
+        resumed = [r for r in joined if r.tokens]  # preempted after sampling, pages dropped
         keys, first_np = self._seats.keys, None
         if new:
             new_mask = np.zeros((batch,), bool)
@@ -892,15 +1045,16 @@ class Engine:
         self._seats = committed(dataclasses.replace(self._seats, done=jnp.asarray(done)))
         self._set_seats({b: (0, None)})
 
-    def _free(self, req: _Request, *, finished: bool = True) -> None:
-        """Free the request's seat and drop its pages (finished, cancelled or preempted)."""
+    def _free(self, req: _Request) -> None:
+        """Free the request's seat and drop its pages (finished or cancelled: a waiting
+        request's kept pages too)."""
         if req.seat is not None and self._occupant[req.seat] is req:
             self._vacate(req.seat)
         if req.pages is not None:
             req.pages.release()
             req.pages = None
         req.seat = None
-        if finished and req.finish_reason != "cancelled":
+        if req.finish_reason != "cancelled":
             self.counters["requests_finished"] += 1
 
     def _sampling_row(self, req: _Request | None):
@@ -1007,16 +1161,7 @@ class Engine:
         mask[b] = True
         self.state = offload_prefill.join_seats(self.state, mask, config=self.config,
                                                 offload=self.offload)
-        tokens = np.array(self._seats.tokens)
-        generated = np.array(self._seats.generated)
-        done = np.array(self._seats.done)
-        data = np.array(jax.random.key_data(self._seats.keys))
-        tokens[b], generated[b], done[b], data[b] = moved.token, moved.generated, False, \
-            moved.key_data
-        keys = jax.random.wrap_key_data(jnp.asarray(data),
-                                        impl=jax.random.key_impl(self._seats.keys))
-        self._seats = committed(Seats(tokens=jnp.asarray(tokens), keys=keys,
-                                      generated=jnp.asarray(generated), done=jnp.asarray(done)))
+        self._restore_seats({b: (moved.token, moved.generated, moved.key_data)})
         self._sampling_rows[b] = self._sampling_row(req)
         self._sampling = None
         req.seat, req.pages = b, pages

@@ -33,13 +33,15 @@ float32 stay exact at any run length) and writes one record:
 hits + tail_hits + misses of a group are its selections (every selected token is exactly one
 of them); union counts the rows copied into each layer of the group. Offload counters are
 absent on the resident path (no `LoopStats`). Preemptions are read from
-`engine.counters.get("preemptions", 0)`.
+`engine.counters.get("preemptions", 0)`, and with them how preempted requests came back
+(`preemptions_kept_pages`, `resumed_without_recompute`, `replayed_tokens`).
 
 `prometheus_families(record)` turns a record into `prometheus_client` metric families
 (`fojax_offload_group_rows{group, kind}`, `fojax_offload_bytes{direction}`,
 `fojax_pool_pages{state}`, `fojax_pool_bytes{pool, state}`, `fojax_requests_waiting`,
-`fojax_requests_running`, `fojax_preemptions`, `fojax_prefix_cache_hit_tokens`); the server's
-/metrics uses the group, pool-byte and preemption families next to its own.
+`fojax_requests_running`, `fojax_preemptions`, `fojax_preemptions_kept_pages`,
+`fojax_resumed_without_recompute`, `fojax_replayed_tokens`, `fojax_prefix_cache_hit_tokens`);
+the server's /metrics uses the group, pool-byte and preemption families next to its own.
 """
 
 from __future__ import annotations
@@ -334,9 +336,28 @@ def counter_family(name: str, documentation: str, value: float):
 
 
 def preemptions_family(counters: dict):
-    """`fojax_preemptions` (a counter): requests preempted (their seat freed, pages kept)."""
-    return counter_family("fojax_preemptions", "Requests preempted (seat freed, pages kept)",
+    """`fojax_preemptions` (a counter): requests preempted (their seat freed; their pages
+    kept or dropped)."""
+    return counter_family("fojax_preemptions",
+                          "Requests preempted (seat freed; pages kept or dropped)",
                           counters.get("preemptions", 0))
+
+
+def preemption_families(counters: dict):
+    """`fojax_preemptions` and how preempted requests come back: `fojax_preemptions_kept_pages`
+    (preempted with their pages kept: device bytes were short),
+    `fojax_resumed_without_recompute` (resumed from their kept pages) and
+    `fojax_replayed_tokens` (tokens fed again through the decode step after dropped pages)."""
+    yield preemptions_family(counters)
+    yield counter_family("fojax_preemptions_kept_pages",
+                         "Requests preempted keeping their pages (device bytes short)",
+                         counters.get("preemptions_kept_pages", 0))
+    yield counter_family("fojax_resumed_without_recompute",
+                         "Preempted requests resumed from their kept pages (nothing recomputed)",
+                         counters.get("resumed_without_recompute", 0))
+    yield counter_family("fojax_replayed_tokens",
+                         "Tokens replayed through the decode step by requests resumed after "
+                         "their pages were dropped", counters.get("replayed_tokens", 0))
 
 
 def prefix_hits_family(counters: dict):
@@ -355,7 +376,7 @@ def prometheus_families(record: dict):
                             value=gauges["queue_length"])
     yield GaugeMetricFamily("fojax_requests_running", "Requests in a seat",
                             value=gauges["running"])
-    yield preemptions_family(totals)
+    yield from preemption_families(totals)
     yield prefix_hits_family(totals)
     if "hits" in totals:
         yield group_family(totals)
@@ -375,5 +396,5 @@ def prometheus_families(record: dict):
 
 
 __all__ = ["DeviceCounters", "MetricsLog", "accumulate", "group_family", "group_totals",
-           "page_bytes", "pool_bytes", "pool_bytes_family", "preemptions_family",
-           "prefix_hits_family", "prometheus_families", "summarize"]
+           "page_bytes", "pool_bytes", "pool_bytes_family", "preemption_families",
+           "preemptions_family", "prefix_hits_family", "prometheus_families", "summarize"]

@@ -164,7 +164,7 @@ class _SnapshotCollector:
         held = engine_metrics.pool_bytes(snap.pool, snap.page_bytes)
         if held:
             yield engine_metrics.pool_bytes_family(held)
-        yield engine_metrics.preemptions_family(snap.counters)
+        yield from engine_metrics.preemption_families(snap.counters)
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param=None,

@@ -63,7 +63,7 @@ def _solo(prompt, max_tokens, temperature, seed, stop_ids=()):
 SYSTEM = _prompt(99, 16)  # a shared "system prompt": two prefill chunks, four pages
 
 # (shares the system prompt, prompt seed, length, max_tokens, temperature, sampling seed)
-REQUEST = st.tuples(st.booleans(), st.integers(0, 10**6), st.integers(1, 9), st.integers(1, 8),
+REQUEST = st.tuples(st.booleans(), st.integers(0, 10**6), st.integers(1, 9), st.integers(1, 16),
                     st.sampled_from([0.0, 0.9]), st.integers(0, 5))
 
 
@@ -73,21 +73,35 @@ REQUEST = st.tuples(st.booleans(), st.integers(0, 10**6), st.integers(1, 9), st.
 @example(requests=[(True, 1, 9, 8, 0.0, 0), (True, 2, 3, 8, 0.9, 1), (False, 3, 5, 8, 0.0, 0)],
          arrivals=[0, 0, 1, 0, 0, 0], cancels=[], path="ring",
          pool=(True, "prompt", None))
+# Seats, not pages, short (6,150 device bytes: two decoding seats and 6 pages): the youngest
+# is preempted keeping its pages and resumes without recompute; the third (a shared prompt:
+# its prefill buffers alone pass the budget) is refused.
+@example(requests=[(False, 1, 1, 16, 0.0, 0), (False, 2, 1, 12, 0.9, 3), (True, 3, 9, 8, 0.0, 0)],
+         arrivals=[0, 0, 3, 0, 0, 0], cancels=[], path="ring",
+         pool=(False, "prompt", 6150))
+# The same, the oldest growing to the whole pool: the kept pages are dropped while their
+# request waits (pages are short now); it resumes by prefilling and replaying.
+@example(requests=[(False, 1, 1, 28, 0.0, 0), (False, 2, 1, 12, 0.9, 3)],
+         arrivals=[0, 0, 0, 0, 0, 0], cancels=[], path="ring",
+         pool=(False, "prompt", 6150))
 @given(requests=st.lists(REQUEST, min_size=2, max_size=6),
        arrivals=st.lists(st.integers(0, 4), min_size=6, max_size=6),
        cancels=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 5)), max_size=2),
        path=st.sampled_from(["ring", "clock"]),
        # (prefix_cache, reserve, device_bytes): the pool's 8 pages hold one request of a
-       # whole seat; 9,000 device bytes one request of a whole seat (8,224 B), not two
-       pool=st.tuples(st.booleans(),
-                      st.sampled_from(["full", "prompt"]), st.sampled_from([None, 9000])))
+       # whole seat; 9,000 device bytes one request of a whole seat (8,224 B), not two;
+       # 6,300 two decoding seats and 7 pages (seats short before pages), and refuse a
+       # request whose prefill buffers pass it alone (a shared prompt)
+       pool=st.tuples(st.booleans(), st.sampled_from(["full", "prompt"]),
+                      st.sampled_from([None, 9000, 6300])))
 def test_random_schedules(requests, arrivals, cancels, path, pool):
     """Random arrival, cancel, prefix-sharing and preemption schedules over a shared pool
     (small enough that requests wait for pages and, with reserve="prompt", running ones are
-    preempted and resumed) and a device budget: every request's tokens equal its solo resident run's bit for bit
-    (a cancelled one's are a prefix of them); seats are reused; the offloaded state keeps its
-    invariants after every step; when all have ended no page is held (the pool and the
-    prefix cache agree; cached pages are mapped by none)."""
+    preempted and resumed: dropping their pages when pages are short, keeping them when
+    device bytes are) and a device budget: every request's tokens equal its solo resident
+    run's bit for bit (a cancelled one's are a prefix of them); seats are reused; the
+    offloaded state keeps its invariants after every step; when all have ended no page is
+    held (the pool and the prefix cache agree; cached pages are mapped by none)."""
     prefix_cache, reserve, device_bytes = pool
     engine = _engine(path, n=2, prefix_cache=prefix_cache,
                      reserve=reserve, device_bytes=device_bytes)
@@ -99,8 +113,11 @@ def test_random_schedules(requests, arrivals, cancels, path, pool):
         while pending and arrivals[pending[0]] <= step:
             i = pending.pop(0)
             *_, max_tokens, temperature, sample_seed = requests[i]
-            ids[i] = engine.add_request(prompts[i], max_tokens=max_tokens,
-                                        temperature=temperature, seed=sample_seed)
+            try:
+                ids[i] = engine.add_request(prompts[i], max_tokens=max_tokens,
+                                            temperature=temperature, seed=sample_seed)
+            except RequestRefused:  # never fits device_bytes: nothing changed
+                assert device_bytes is not None
         for when, i in cancels:
             if when == step and i % len(requests) in ids:
                 engine.cancel(ids[i % len(requests)])
@@ -340,8 +357,9 @@ def test_queue_order(order):
 
 def test_preemption_takes_the_youngest_and_keeps_its_tokens():
     """reserve="prompt" in an 8-page pool: both requests start (4 + 3 pages), then the older
-    one's growth preempts the younger one (temperature 0.9: its key is kept too), which
-    resumes once there is room, prefills its prompt again and replays its tokens."""
+    one's growth preempts the younger one (temperature 0.9: its key is kept too), dropping
+    its pages (pages are short), and it resumes once there is room, prefills its prompt
+    again and replays its tokens."""
     engine = _engine("ring", reserve="prompt")
     old = engine.add_request(_prompt(1, 13), max_tokens=12)
     young = engine.add_request(_prompt(2, 9), max_tokens=12, temperature=0.9, seed=3)
@@ -350,6 +368,107 @@ def test_preemption_takes_the_youngest_and_keeps_its_tokens():
     assert engine.waiting_ids() == [young] and engine.num_running() == 1
     outputs = engine.run()
     assert engine.counters["replayed_tokens"] > 0
+    # Pages, not device bytes, were short: keeping them would not have helped.
+    assert engine.counters["preemptions_kept_pages"] == 0
+    assert engine.counters["resumed_without_recompute"] == 0
     assert tuple(outputs[old].token_ids) == _solo(tuple(_prompt(1, 13)), 12, 0.0, 0)[0]
     assert tuple(outputs[young].token_ids) == _solo(tuple(_prompt(2, 9)), 12, 0.9, 3)[0]
     assert engine.pool_occupancy()["free"] == 8
+
+
+def _two_growing(max_tokens_old, **kwargs):
+    """reserve="prompt", a device budget of 6,150 B (tiny model, Z=4: seat 2,592 B, indexer
+    keys 144 B per page, prefill buffers 640 B per prompt page): two decoding requests of a
+    1-token prompt fit with up to 6 pages (5,184 + 864), not 7, while the 8-page pool still
+    has pages; the younger one (temperature 0.9: its key is kept too) is admitted once the
+    older one decodes (2,736 + 2,592 + 640 + 144 = 6,112 B)."""
+    engine = _engine("ring", reserve="prompt", device_bytes=6150, **kwargs)
+    old = engine.add_request(_prompt(1, 1), max_tokens=max_tokens_old)
+    young = engine.add_request(_prompt(2, 1), max_tokens=12, temperature=0.9, seed=3)
+    return engine, old, young
+
+
+def _held(engine, request_id):
+    pages = engine._requests[request_id].pages  # the engine's own record of its pages
+    return 0 if pages is None else pages.num_pages
+
+
+def test_a_device_bound_preemption_keeps_the_pages_and_resumes_without_recompute():
+    """Seats, not pages, are short: the younger request is preempted keeping its pages (held
+    in the pool while it waits, its seat's bytes freed) and resumes once the older one ends,
+    with no prefill and no replay: its tokens are those of its solo run bit for bit."""
+    engine, old, young = _two_growing(16)
+    while engine.counters["preemptions"] == 0:
+        engine.step()
+        assert engine.device_bytes_used() <= 6150
+    assert engine.waiting_ids() == [young] and engine.num_running() == 1
+    assert engine.counters["preemptions_kept_pages"] == 1
+    kept = _held(engine, young)
+    assert kept > 0 and engine.pool_occupancy()["held"] == _held(engine, old) + kept
+    prefill_calls = engine.counters["prefill_calls"]
+    while engine.has_unfinished():
+        engine.step()
+        assert engine.device_bytes_used() <= 6150
+    assert engine.counters["prefill_calls"] == prefill_calls  # nothing prefilled again
+    assert engine.counters["resumed_without_recompute"] >= 1
+    assert engine.counters["replayed_tokens"] == 0
+    assert engine.counters["preemptions"] == engine.counters["preemptions_kept_pages"]
+    outputs = engine.run()
+    assert tuple(outputs[old].token_ids) == _solo(tuple(_prompt(1, 1)), 16, 0.0, 0)[0]
+    assert tuple(outputs[young].token_ids) == _solo(tuple(_prompt(2, 1)), 12, 0.9, 3)[0]
+    assert engine.pool_occupancy()["held"] == 0 and engine.device_bytes_used() == 0
+
+
+def test_kept_pages_are_dropped_when_the_pool_runs_short():
+    """The older request grows to the whole pool (29 tokens, 8 pages): the pages the waiting
+    younger one kept are dropped (pages, not bytes, are short now) and it resumes by
+    prefilling and replaying, with its tokens unchanged."""
+    engine, old, young = _two_growing(28)
+    while engine.counters["preemptions"] == 0:
+        engine.step()
+    assert _held(engine, young) > 0
+    while _held(engine, young) > 0:
+        engine.step()
+    assert engine.waiting_ids() == [young]  # its pages dropped while it waited
+    outputs = engine.run()
+    assert engine.counters["replayed_tokens"] > 0
+    assert tuple(outputs[old].token_ids) == _solo(tuple(_prompt(1, 1)), 28, 0.0, 0)[0]
+    assert tuple(outputs[young].token_ids) == _solo(tuple(_prompt(2, 1)), 12, 0.9, 3)[0]
+    assert engine.pool_occupancy()["held"] == 0
+
+
+def test_cancelling_a_request_that_kept_its_pages_releases_them():
+    engine, old, young = _two_growing(16)
+    while engine.counters["preemptions"] == 0:
+        engine.step()
+    assert _held(engine, young) > 0
+    assert engine.cancel(young) is True
+    assert engine.pool_occupancy()["held"] == _held(engine, old)
+    outputs = engine.run()
+    assert outputs[young].finish_reason == "cancelled" and engine.num_waiting() == 0
+    assert tuple(outputs[old].token_ids) == _solo(tuple(_prompt(1, 1)), 16, 0.0, 0)[0]
+    assert engine.pool_occupancy()["held"] == 0
+
+
+def test_a_request_that_kept_its_pages_resumes_only_when_the_call_leaves_it_its_seat():
+    """The budget set so that the waiting request's seat fits but not beside the page the
+    older request needs for the coming call: it stays waiting (resuming would only get it
+    preempted again by that call's growth, its join wasted) and resumes when it can decode."""
+    engine, old, young = _two_growing(16)
+    while engine.counters["preemptions"] == 0:
+        engine.step()
+    costs, waiting = engine.costs, engine._requests[young]
+    running = engine._requests[old]
+    while running.pages.pages_needed(engine._tokens_needed(running)) == 0:
+        engine.step()
+    need = waiting.pages.pages_needed(engine._tokens_needed(waiting))
+    engine.device_bytes = (engine.device_bytes_used() + costs.seat_device_bytes
+                           + need * costs.page_device_bytes)  # one page short of both
+    outputs = {o.request_id: o for o in engine.step()}
+    assert engine.waiting_ids() == [young] and young not in outputs
+    assert engine.counters["preemptions"] == 1 and engine.counters["resumed_without_recompute"] == 0
+    engine.device_bytes = 10**6
+    outputs = engine.run()
+    assert engine.counters["resumed_without_recompute"] == 1
+    assert tuple(outputs[young].token_ids) == _solo(tuple(_prompt(2, 1)), 12, 0.9, 3)[0]
+    assert tuple(outputs[old].token_ids) == _solo(tuple(_prompt(1, 1)), 16, 0.0, 0)[0]

@@ -96,7 +96,7 @@ def test_counters_are_consistent(offloaded_run):
     assert totals["decode_tokens"] == sum(len(o.token_ids) - 1 for o in outs)
     assert totals["d2h_bytes"] == totals["decode_tokens"] * CONFIG.num_layers * row_bytes
     assert totals["h2d_bytes"] == row_bytes * sum(u * n for u, n in zip(totals["union"], layers))
-    assert totals["preemptions"] == 0
+    assert totals["preemptions"] == totals["preemptions_kept_pages"] == 0
     assert totals["decode_calls"] == totals["decode_calls_offloaded"]
     finished = {r["request_id"]: r for rec in records for r in rec["requests"]}
     assert sorted(finished) == sorted(o.request_id for o in outs)
@@ -137,6 +137,9 @@ def test_prometheus_text_of_a_log(offloaded_run):
     assert families["fojax_pool_pages"].type == "gauge"
     assert families["fojax_requests_waiting"].samples[0].value == 0
     assert families["fojax_preemptions"].samples[0].value == 0
+    for name in ("fojax_preemptions_kept_pages", "fojax_resumed_without_recompute",
+                 "fojax_replayed_tokens"):
+        assert families[name].type == "counter" and families[name].samples[0].value == 0
     assert families["fojax_prefix_cache_hit_tokens"].type == "counter"
 
 
@@ -162,6 +165,7 @@ def test_server_metrics_per_group(offloaded_run):
             for s in families["fojax_offload_group_rows"].samples}
     assert rows[("1", "misses")] == sums["misses"][1] and rows[("0", "hits")] == sums["hits"][0]
     assert families["fojax_preemptions"].samples[0].value == 0
+    assert families["fojax_resumed_without_recompute"].samples[0].value == 0
     assert {s.labels["pool"] for s in families["fojax_pool_bytes"].samples} == {
         "host_kv", "device_index_keys"}
     for name in ("fojax_offload_rows", "fojax_offload_bytes", "fojax_pool_pages",
