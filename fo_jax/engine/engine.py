@@ -100,12 +100,14 @@ import numpy as np
 
 from fo_jax import resident
 from fo_jax.config import ModelConfig
+from fo_jax.drafting import NGramDrafter
 from fo_jax.engine.loop import (
     OffloadedStep,
     ResidentStep,
     Sampling,
     Seats,
     _check_sampling_values,
+    check_drafting,
     decode_loop,
     sample_tokens,
 )
@@ -259,6 +261,10 @@ class Engine:
         decode call, and grows each running request's pages before every decode call,
         preempting the youngest running request when the pool (or device_bytes) cannot supply
         them (see the module doc).
+      num_drafts: D >= 0 n-gram drafts per request and decode step, verified on the device
+        (`decode_loop(..., num_drafts=D)`: steps of W = D + 1 <= config.max_ways ways; greedy
+        requests only, a sampled one takes one token per step); each seat's history (prompt
+        + sampled tokens) is kept on the device for the drafter. 0: one token per step.
     Raises:
       ValueError: bad settings, before anything is allocated.
     """
@@ -271,7 +277,7 @@ class Engine:
                  num_pages: int | None = None, host_pool_bytes: int | None = None,
                  prefix_cache: bool = False, device_bytes: int | None = None,
                  order: str = "fifo", reserve: str = "full", metrics_path: str | None = None,
-                 metrics_every: int = 16):
+                 metrics_every: int = 16, num_drafts: int = 0):
         for name, value in (("seats", seats), ("decode_steps_per_call", decode_steps_per_call),
                             ("prefill_chunk", prefill_chunk), ("max_stop_ids", max_stop_ids),
                             ("metrics_every", metrics_every)):
@@ -309,6 +315,11 @@ class Engine:
                                          or isinstance(device_bytes, bool) or device_bytes < 1):
             raise ValueError(f"device_bytes={device_bytes!r} must be an int >= 1 (bytes of "
                              "device memory for request state), or None")
+        try:
+            check_drafting(num_drafts, config)
+        except ValueError as err:
+            raise ValueError(f"{err} (Engine(num_drafts=...))") from None
+        self.num_drafts = int(num_drafts)
         self.order, self.reserve = order, reserve
         self.device_bytes = None if device_bytes is None else int(device_bytes)
         self.costs = None  # MemoryCosts (offloaded): the planner's bytes per seat and page
@@ -355,6 +366,9 @@ class Engine:
                                       generated=jnp.zeros((batch,), jnp.int32),
                                       done=jnp.ones((batch,), bool)))
         self._key_shape = tuple(jax.random.key_data(jax.random.key(0)).shape)
+        # With drafts: each seat's prompt + sampled tokens [seats, capacity], set at its join.
+        self._history = (committed(jnp.zeros((batch, self.capacity), jnp.int32))
+                         if self.num_drafts else None)
         self._sampling_rows = [self._sampling_row(None)] * batch
         self._sampling = None  # rebuilt when a seat's request changes
         self._occupant: list[_Request | None] = [None] * batch
@@ -367,7 +381,8 @@ class Engine:
         self.counters = {"steps": 0, "prefill_calls": 0, "decode_calls": 0,
                          "prefill_tokens": 0, "decode_tokens": 0, "prefix_hit_tokens": 0,
                          "requests_finished": 0, "requests_cancelled": 0,
-                         "preemptions": 0, "replayed_tokens": 0}
+                         "preemptions": 0, "replayed_tokens": 0, "decode_steps": 0,
+                         "draft_accepted": 0, "draft_proposed": 0}
         # Wall seconds of `step`: in the prefill / decode programs (until their results are
         # ready) and in total; the rest is the engine's own host work.
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "step_s": 0.0}
@@ -543,7 +558,8 @@ class Engine:
         full = self._reserved_tokens(len(req.prompt), req.max_tokens)
         if self.reserve == "full":
             return full
-        return min(len(req.prompt) + max(len(req.tokens) - 1, 0) + self.n_steps, full)
+        return min(len(req.prompt) + max(len(req.tokens) - 1, 0)
+                   + self.n_steps * (self.num_drafts + 1), full)
 
     def _device_need(self, prompt_len: int, pages: int) -> tuple[int, int, int]:
         """(seat, prefill buffers, indexer-key pages): device bytes of a request of
@@ -790,6 +806,7 @@ class Engine:
             req.preempted, req.key_data = False, None
         self._seats = committed(Seats(tokens=jnp.asarray(tokens_np), keys=keys,
                                       generated=jnp.asarray(generated), done=jnp.asarray(done)))
+        self._set_history(joined)
         if resumed:
             self._replay(resumed)
         for req in new:
@@ -816,19 +833,39 @@ class Engine:
                                             committed(jnp.asarray(active)))
             self.counters["replayed_tokens"] += int(active.sum())
 
+    def _set_history(self, joined: list[_Request]) -> None:
+        """With drafts: each joined request's seat history = its prompt + sampled tokens (what
+        the device drafter looks up; the loop appends the tokens it yields). O(B S) copy."""
+        if self._history is None or not joined:
+            return
+        mask = np.zeros((self.seats,), bool)
+        rows = np.zeros((self.seats, self.capacity), np.int32)
+        for req in joined:
+            row = np.concatenate([req.prompt, np.asarray(req.tokens, np.int32)])
+            mask[req.seat], rows[req.seat, :min(len(row), self.capacity)] = True, \
+                row[:self.capacity]
+        self._history = _set_rows(self._history, jnp.asarray(mask), jnp.asarray(rows))
+
     def _decode(self, moved) -> None:
         running = [r for r in self._occupant
                    if r is not None and r.prefilled == len(r.prompt) and r.finish_reason is None]
         if not running:
             return
         start = time.perf_counter()
+        drafts = {} if not self.num_drafts else dict(num_drafts=self.num_drafts,
+                                                     history=self._history)
         out, self.state, self._seats = decode_loop(self.params, self.state, self._seats,
                                                    self.n_steps, self._sampling_now(),
-                                                   step=self.step_fn)
+                                                   step=self.step_fn, **drafts)
         tokens = np.asarray(out.tokens)  # waits for the program
         self.timings["decode_s"] += time.perf_counter() - start
         self.counters["decode_calls"] += 1
         self.counters["decode_tokens"] += int(np.sum(tokens >= 0))
+        self.counters["decode_steps"] += int(out.num_steps)
+        if self.num_drafts:
+            self._history = out.history
+            self.counters["draft_accepted"] += int(np.sum(out.accepted))
+            self.counters["draft_proposed"] += int(np.sum(out.proposed))
         if out.stats is not None:
             self.stats = out.stats if self.stats is None else jax.tree_util.tree_map(
                 jnp.add, self.stats, out.stats)
@@ -1020,6 +1057,7 @@ class Engine:
         self._sampling_rows[b] = self._sampling_row(req)
         self._sampling = None
         req.seat, req.pages = b, pages
+        self._set_history([req])
         self._occupant[b] = req
         self._requests[req.request_id] = req
         return True
