@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 
 from fo_jax import generate as gen
+from fo_jax import resident
 from fo_jax.config import get_config
 from fo_jax.drafting import NGramDrafter, ngram_drafts
 from fo_jax.engine.engine import Engine
+from fo_jax.engine import loop as engine_loop
 from fo_jax.engine.loop import OffloadedStep, ResidentStep, Sampling, Seats, decode_loop
 from fo_jax.model.dsa import init_params
 from fo_jax.offload.config import OffloadConfig
@@ -29,15 +31,12 @@ DRAFTS = 2
 # continuations rarely repeat within a few tokens on random weights.
 PROMPTS = [[96] * 5, [208] * 7]
 
-
 @functools.cache
 def _params():
     return init_params(CONFIG, jax.random.key(0))
 
-
 def _offload():
     return OffloadConfig(hot_slots=12, page_size=4, capacity=CAPACITY, policy="ring")
-
 
 @pytest.mark.parametrize("ngram", [(1, 3), (2, 2), (1, 1), (2, 4)])
 def test_device_drafter_equals_the_host_drafter(ngram):
@@ -54,13 +53,11 @@ def test_device_drafter_equals_the_host_drafter(ngram):
         want = drafter.propose([h[:n] for h, n in zip(histories, lengths)], num_drafts)
         np.testing.assert_array_equal(np.asarray(got), want)
 
-
 def _generate(path, max_new, **kwargs):
     engine = (gen.ResidentEngine(_params(), CONFIG, batch=2, capacity=CAPACITY)
               if path == "resident" else
               gen.OffloadEngine(_params(), CONFIG, offload=_offload(), batch=2))
     return gen.generate(engine, PROMPTS, max_new_tokens=max_new, **kwargs)
-
 
 @pytest.mark.parametrize("path", ["resident", "ring"])
 def test_loop_with_drafts_yields_the_greedy_tokens_in_fewer_steps(path):
@@ -109,3 +106,117 @@ def test_loop_with_drafts_yields_the_greedy_tokens_in_fewer_steps(path):
     np.testing.assert_array_equal(np.asarray(state.lengths),
                                   lengths + max_new - 1)
 
+def test_a_step_yields_the_confirmed_drafts_cut_at_stop_max_tokens_and_capacity():
+    """draft_step_tokens on hand-made logits (greedy g = [2, 3, 4] in every row, W = 3):
+    drafts [2, 3] are both confirmed, so a request yields g_0 g_1 g_2 unless cut."""
+    batch, ways, vocab = 6, 3, 8
+    greedy = np.array([2, 3, 4])
+    logits = jnp.asarray(np.broadcast_to(np.eye(vocab)[greedy], (batch, ways, vocab)))
+    fed = jnp.asarray([[9 % vocab, 2, 3]] * batch, jnp.int32)
+    fed = fed.at[4, 2].set(5)  # row 4: the second draft is wrong
+    sampling = Sampling.create(batch, temperature=[0, 0, 0, 0, 0, 0.7],
+                               stop_tokens=[[], [3], [], [], [], []],
+                               max_new_tokens=[50, 50, 6, 50, 50, 50])
+    seats = Seats(tokens=jnp.zeros((batch,), jnp.int32), keys=jax.random.key(0),
+                  generated=jnp.full((batch,), 5, jnp.int32), done=jnp.zeros((batch,), bool))
+    lengths = jnp.asarray([10, 10, 10, CAPACITY - 2, 10, 10], jnp.int32)
+    first = jnp.asarray([2, 2, 2, 2, 2, 7], jnp.int32)  # row 5 sampled 7 from way 0
+    active = jnp.asarray([True] * 5 + [True])
+    tokens, count = engine_loop.draft_step_tokens(fed, logits, first, lengths, seats, sampling,
+                                                  CAPACITY, active)
+    # 0: all 3; 1: stop token 3 at way 1 ends it there; 2: max_new_tokens 6 - 5 generated;
+    # 3: capacity - length = 2; 4: one draft confirmed; 5: sampled, no draft accepted.
+    np.testing.assert_array_equal(count, [3, 2, 1, 2, 2, 1])
+    np.testing.assert_array_equal(tokens[:5], np.broadcast_to(greedy, (5, 3)))
+    assert int(tokens[5, 0]) == 7
+    _, count = engine_loop.draft_step_tokens(fed, logits, first, lengths, seats, sampling,
+                                             CAPACITY, jnp.zeros((batch,), bool))
+    np.testing.assert_array_equal(count, [0] * batch)
+
+def _engine(path, *, n=2, **kwargs):
+    offload = None if path == "resident" else _offload()
+    if offload is not None:
+        kwargs.setdefault("num_pages", 16)
+    return Engine(_params(), CONFIG, seats=3, capacity=CAPACITY, offload=offload,
+                  decode_steps_per_call=n, prefill_chunk=8, query_block=None,
+                  num_drafts=DRAFTS, **kwargs)
+
+# (prompt, max_tokens, temperature, seed, stop ids, arrival step). [96] * 5 yields 44 44 ...
+# (max_tokens 6 ends inside a step that accepted drafts); [208] * 7 yields 161 40 161 40 ...
+# (stop id 40: nothing after it); a sampled request takes one token per step.
+REQUESTS = [
+    ([96] * 5, 6, 0.0, 0, (), 0),
+    ([208] * 7, 12, 0.0, 0, (), 0),
+    ([100, 219, 141] * 3, 12, 0.0, 0, (), 1),
+    ([208] * 7, 12, 0.0, 0, (40,), 1),
+    ([17, 4, 230, 9, 41], 5, 0.9, 3, (), 2),
+]
+
+@functools.cache
+def _alone(path, i):
+    prompt, max_tokens, temperature, seed, stops, _ = REQUESTS[i]
+    engine = _engine(path)
+    rid = engine.add_request(prompt, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                             stop_token_ids=stops)
+    out = engine.run()[rid]
+    return tuple(out.token_ids), out.finish_reason
+
+@pytest.mark.parametrize("path", ["resident", "ring"])
+def test_engine_with_drafts_gives_each_request_its_tokens_alone(path):
+    engine = _engine(path)
+    ids, step = {}, 0
+    while len(ids) < len(REQUESTS) or engine.has_unfinished():
+        for i, (prompt, max_tokens, temperature, seed, stops, arrival) in enumerate(REQUESTS):
+            if arrival == step:
+                ids[i] = engine.add_request(prompt, max_tokens=max_tokens,
+                                            temperature=temperature, seed=seed,
+                                            stop_token_ids=stops)
+        engine.step()
+        step += 1
+        assert step < 100
+    outputs = engine.run()
+    for i, rid in ids.items():
+        got = (tuple(outputs[rid].token_ids), outputs[rid].finish_reason)
+        assert got == _alone(path, i), i
+        assert len(got[0]) <= REQUESTS[i][1]
+    assert outputs[ids[0]].token_ids == [44] * 6 and outputs[ids[0]].finish_reason == "length"
+    assert outputs[ids[3]].token_ids == [161, 40] and outputs[ids[3]].finish_reason == "stop"
+    c = engine.counters
+    assert c["draft_accepted"] > 0 and c["draft_proposed"] >= c["draft_accepted"]
+    assert c["decode_steps"] < c["decode_tokens"]
+    print(f"{path}: {c['decode_steps']} decode steps for {c['decode_tokens']} tokens "
+          f"({c['decode_steps'] / c['decode_tokens']:.2f} steps/token), "
+          f"{c['draft_accepted']}/{c['draft_proposed']} drafts accepted")
+    if path != "resident":
+        assert engine.pool_occupancy()["held"] == 0
+        assert engine.pool_occupancy()["free"] == engine.pool_occupancy()["total"]
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(num_drafts=-1), r"num_drafts=-1 must be an int >= 0 \(draft tokens per request and "
+                          r"step; 0 = no drafts\) \(Engine\(num_drafts=\.\.\.\)\)"),
+    (dict(num_drafts=3), r"num_drafts=3 makes steps of W = 4 ways, but config 'tiny' allows at "
+                         r"most max_ways=3: use num_drafts <= 2, or a config with max_ways >= 4"),
+])
+def test_bad_num_drafts_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(_params(), CONFIG, seats=2, capacity=CAPACITY, **kwargs)
+
+def test_bad_loop_drafting_arguments_are_refused():
+    step = ResidentStep(CONFIG)
+
+    state = resident.ResidentState.create(CONFIG, batch=2, capacity=CAPACITY)
+    sampling = Sampling.create(2)
+    seats = Seats.create([1, 2], jax.random.key(0), sampling=sampling, lengths=[3, 3],
+                         capacity=CAPACITY)
+    with pytest.raises(ValueError, match=r"num_drafts=2 needs history: an int32 \[2, 32\] array "
+                                         r"\(each request's prompt and sampled tokens, the "
+                                         r"state's capacity wide\), got None"):
+        decode_loop(_params(), state, seats, 2, sampling, step=step, num_drafts=2)
+    with pytest.raises(ValueError, match=r"history and drafter are read only with "
+                                         r"num_drafts > 0"):
+        decode_loop(_params(), state, seats, 2, sampling, step=step,
+                    history=jnp.zeros((2, CAPACITY), jnp.int32))
+    with pytest.raises(NotImplementedError, match=r"drafts inside the decode loop come from "
+                                                  r"the device n-gram drafter"):
+        decode_loop(_params(), state, seats, 2, sampling, step=step, num_drafts=1,
+                    drafter=object(), history=jnp.zeros((2, CAPACITY), jnp.int32))
