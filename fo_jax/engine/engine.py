@@ -81,8 +81,20 @@ always progresses; a request can be preempted again after it resumes. `counters[
 Not here yet: keeping a preempted request's pages on host (resume without recompute; useful
 when seats, not pages, are short); device_bytes, reserve="prompt", preemption and prefix reuse
 on the resident path; aging in the "shortest" order (a long request can wait for ever under a
-stream of shorter ones); drafts (W > 1) in the decode loop (`fo_jax.generate` drafts, the
-engine does not).
+stream of shorter ones); MTP drafts in the decode loop (`num_drafts` drafts by n-gram lookup
+only; `fo_jax.generate` drafts with the MTP layer from the host); speculative sampling (a
+request at temperature > 0 takes one token per step).
+
+Drafts (`num_drafts=D > 0`): the decode loop verifies D n-gram drafts per greedy request and
+step (steps of [seats, D + 1] ways; see `fo_jax.engine.loop`), drafted from each seat's
+history (prompt + sampled tokens, [seats, capacity] on the device, set at its join and
+appended to by the loop). Every program still has the same shapes whoever sits in the other
+seats, so a request's tokens equal those of the same engine serving it alone, bit for bit; they
+equal a num_drafts=0 engine's up to a near-tie of the two largest logits (a W-way step's
+logits differ from a W = 1 step's in the last bits on CPU). A resumed request replays its
+tokens in the groups its W-way steps stored them (one W-way step per group, the rest rolled
+back), so its KV is the one it had, bit for bit. With reserve="prompt", a call may store up to
+`decode_steps_per_call` x (D + 1) tokens per request, and that is what is grown before it.
 """
 
 from __future__ import annotations
@@ -176,6 +188,8 @@ class _Request:
     admitted: int = -1  # admission (or resume) number: the youngest is preempted first
     preempted: bool = False  # waiting to resume (its tokens kept, its pages dropped)
     key_data: Any = None  # its PRNG key data when preempted after sampling (restored on resume)
+    groups: list[int] = dataclasses.field(default_factory=list)  # with drafts: tokens yielded
+    # by each decode step (a replay feeds the same groups: the same W-way programs)
 
     def output(self, new: list[int]) -> RequestOutput:
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
@@ -820,7 +834,10 @@ class Engine:
         them instead would not be bitwise: on CPU, XLA rounds a [chunk]-row matmul
         differently from a 1-row one (the KV and logits of a token differ in the last bits),
         so a resumed request could sample other tokens than its solo run. Costs: one decode
-        step of the batch per replayed token of the longest replay."""
+        step of the batch per replayed token of the longest replay. With drafts, the tokens
+        are fed in the groups their W-way steps stored them (`_replay_groups`)."""
+        if self.num_drafts:
+            return self._replay_groups(resumed)
         batch = self.seats
         for i in range(max(len(r.tokens) - 1 for r in resumed)):
             tokens = np.zeros((batch, 1), np.int32)
@@ -846,6 +863,33 @@ class Engine:
                 row[:self.capacity]
         self._history = _set_rows(self._history, jnp.asarray(mask), jnp.asarray(rows))
 
+    def _replay_groups(self, resumed: list[_Request]) -> None:
+        """`_replay` with drafts: request b's decode step k yielded groups[k] tokens and stored
+        the groups[k] tokens fed before them; the replay feeds those again at the same ways
+        of the same [seats, W] step (the rest of the W ways padded, then rolled back), so
+        every stored row is computed by the program that computed it before, bit for bit (a
+        W = 1 step's rows differ in the last bits on CPU). One W-way step per group of the
+        longest replay."""
+        batch, ways = self.seats, self.num_drafts + 1
+        starts = {id(r): 0 for r in resumed}
+        for i in range(max(len(r.groups) for r in resumed)):
+            tokens = np.zeros((batch, ways), np.int32)
+            active = np.zeros((batch,), bool)
+            keep = np.zeros((batch,), np.int32)
+            for req in resumed:
+                if i < len(req.groups):
+                    lo, n = starts[id(req)], req.groups[i]
+                    tokens[req.seat, :n] = req.tokens[lo:lo + n]
+                    active[req.seat], keep[req.seat] = True, n
+                    starts[id(req)] = lo + n
+            before = np.asarray(self.state.lengths)  # the state is donated to the step
+            _, self.state, _ = self.step_fn(self.params, self.state,
+                                            committed(jnp.asarray(tokens)),
+                                            committed(jnp.asarray(active)))
+            self.state = self.step_fn.rollback(
+                self.state, self.state.lengths - jnp.asarray(before + keep))
+            self.counters["replayed_tokens"] += int(keep.sum())
+
     def _decode(self, moved) -> None:
         running = [r for r in self._occupant
                    if r is not None and r.prefilled == len(r.prompt) and r.finish_reason is None]
@@ -866,6 +910,9 @@ class Engine:
             self._history = out.history
             self.counters["draft_accepted"] += int(np.sum(out.accepted))
             self.counters["draft_proposed"] += int(np.sum(out.proposed))
+            counts = np.asarray(out.counts)
+            for req in running:
+                req.groups.extend(int(c) for c in counts[req.seat] if c > 0)
         if out.stats is not None:
             self.stats = out.stats if self.stats is None else jax.tree_util.tree_map(
                 jnp.add, self.stats, out.stats)

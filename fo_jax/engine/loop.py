@@ -7,6 +7,9 @@
                          lengths=state.lengths, capacity=state.capacity)
     out, state, seats = decode_loop(params, state, seats, 16, sampling, step=step)
     # out.tokens [B, 16] (-1 where no token was sampled), out.num_steps, out.stats
+    out, state, seats = decode_loop(params, state, seats, 16, sampling, step=step,
+                                    num_drafts=2, history=history[B, S])  # n-gram drafts
+    # out.tokens [B, 48] (each request's tokens, then -1), out.history, out.accepted
 
 One call runs a `lax.while_loop` of decode steps: feed each request's last token, sample the
 next one on the device (`sample_tokens`: the same arithmetic as `fo_jax.generate.sample`, so
@@ -21,6 +24,21 @@ token.
 The state is donated and carried through the loop in place (tests/engine/test_loop.py checks
 the compiled loop's HLO with fo_jax.hlo_checks). One compiled program per (step, N, shapes):
 `n_steps` is static, so a caller keeps it fixed and lets `max_new_tokens` end the last call.
+
+Drafts (`num_drafts=D > 0`, an n-gram drafter on the device): each step feeds [last token, D
+drafts] as W = D + 1 ways, the drafts proposed from each request's history ([B, S]: prompt and
+sampled tokens, carried and returned by the loop) by `fo_jax.drafting.ngram_drafts` (the rule of
+the host `NGramDrafter`, O(B S max_ngram) compares per step). A greedy request keeps the longest
+prefix of drafts its greedy tokens confirm plus the next greedy token (`draft_step_tokens`: cut
+at max_new_tokens, capacity and the first stop token; nothing after a stop token is yielded),
+and the state forgets the rest (`rollback`: O(B), only lengths change). A request sampling at
+temperature > 0 accepts no draft: it samples one token from way 0 per step (drafting is
+greedy-only; speculative sampling is not implemented). Bitwise: a W-way step's way-0 logits
+differ in the last bits from a W = 1 step's on CPU (another program shape), so the tokens equal
+W = 1 greedy decoding's up to a near-tie of the two largest logits, as `fo_jax.generate`'s
+host-driven drafting does; what holds exactly is that every program has the same shapes
+whoever sits in the other seats, so a request's tokens equal those of the same drafting loop
+(or engine) serving it alone, bit for bit. Up to N W tokens per request and call.
 
 Sampling keys: one key for the batch (shape []; split once per step and used for the whole
 batch, as `fo_jax.generate.generate` does) or one key per request (shape [B]; each split when
@@ -366,6 +384,9 @@ class LoopOutput:
         requests only; with num_drafts = 0: None).
       history: [B, S] int32 the histories with the call's tokens appended (num_drafts > 0),
         else None.
+      counts: [B, N] int32 tokens request b yielded at step i (num_drafts > 0; 0 where it
+        took no step), else None: a step that yields e tokens stored the e fed before them
+        (what a replay of the request feeds again, `fo_jax.engine.Engine`).
     """
 
     tokens: jax.Array
@@ -375,6 +396,7 @@ class LoopOutput:
     accepted: jax.Array | None = None
     proposed: jax.Array | None = None
     history: jax.Array | None = None
+    counts: jax.Array | None = None
 
 
 def decode_loop(params, state, seats: Seats, n_steps: int, sampling: Sampling, *, step,
@@ -526,13 +548,14 @@ def _draft_loop_jit(params, state, seats: Seats, sampling: Sampling, history, *,
     cols = jnp.arange(ways, dtype=jnp.int32)[None, :]
     zeros = jnp.zeros((batch,), jnp.int32)
     out0 = jnp.full((batch, n_steps * ways), -1, jnp.int32)
+    counts0 = jnp.zeros((batch, n_steps), jnp.int32)
 
     def cond(carry):
         i, _, seats, *_ = carry
         return (i < n_steps) & ~jnp.all(seats.done)
 
     def body(carry):
-        i, state, seats, history, out, fed, accepted, proposed, stats = carry
+        i, state, seats, history, out, counts, fed, accepted, proposed, stats = carry
         active = ~seats.done
         lengths = state.lengths  # n: stored tokens; the history holds n + 1
         drafts = ngram_drafts(history, lengths + 1, num_drafts, max_ngram=drafter.max_ngram,
@@ -560,11 +583,13 @@ def _draft_loop_jit(params, state, seats: Seats, sampling: Sampling, history, *,
         proposed = proposed + jnp.where(drafting, num_drafts, 0)
         if stats is not None:
             stats = stats.add(step_stats)
-        return (i + 1, state, seats, history, out, fed + count, accepted, proposed, stats)
+        counts = jax.lax.dynamic_update_slice(counts, count[:, None], (0, i))
+        return (i + 1, state, seats, history, out, counts, fed + count, accepted, proposed,
+                stats)
 
-    carry = (jnp.asarray(0, jnp.int32), state, seats, history, out0, zeros, zeros, zeros,
-             step.zero_stats(batch, ways))
-    (num_steps, state, seats, history, out, fed, accepted, proposed,
+    carry = (jnp.asarray(0, jnp.int32), state, seats, history, out0, counts0, zeros, zeros,
+             zeros, step.zero_stats(batch, ways))
+    (num_steps, state, seats, history, out, counts, fed, accepted, proposed,
      stats) = jax.lax.while_loop(cond, body, carry)
     return LoopOutput(tokens=out, fed=fed, num_steps=num_steps, stats=stats, accepted=accepted,
-                      proposed=proposed, history=history), state, seats
+                      proposed=proposed, history=history, counts=counts), state, seats

@@ -220,3 +220,20 @@ def test_bad_loop_drafting_arguments_are_refused():
                                                   r"the device n-gram drafter"):
         decode_loop(_params(), state, seats, 2, sampling, step=step, num_drafts=1,
                     drafter=object(), history=jnp.zeros((2, CAPACITY), jnp.int32))
+
+
+def test_a_preempted_request_with_drafts_replays_its_steps_bit_for_bit():
+    """reserve="prompt" in a 9-page pool: the older request's growth preempts the younger; it
+    resumes, prefills again and replays its tokens in the groups its W-way steps stored them,
+    so both get their tokens alone."""
+    engine = _engine("ring", reserve="prompt", num_pages=9)
+    old = engine.add_request(REQUESTS[1][0], max_tokens=20)
+    young = engine.add_request(REQUESTS[2][0], max_tokens=16)
+    outputs = engine.run()
+    assert engine.counters["preemptions"] > 0 and engine.counters["replayed_tokens"] > 0
+    for rid, (prompt, max_tokens) in ((old, (REQUESTS[1][0], 20)),
+                                      (young, (REQUESTS[2][0], 16))):
+        alone = _engine("ring")
+        want = alone.add_request(prompt, max_tokens=max_tokens)
+        assert outputs[rid].token_ids == alone.run()[want].token_ids
+    assert engine.pool_occupancy()["held"] == 0
