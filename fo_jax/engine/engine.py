@@ -112,7 +112,6 @@ import numpy as np
 
 from fo_jax import resident
 from fo_jax.config import ModelConfig
-from fo_jax.drafting import NGramDrafter
 from fo_jax.engine.loop import (
     OffloadedStep,
     ResidentStep,
@@ -868,17 +867,19 @@ class Engine:
         the groups[k] tokens fed before them; the replay feeds those again at the same ways
         of the same [seats, W] step (the rest of the W ways padded, then rolled back), so
         every stored row is computed by the program that computed it before, bit for bit (a
-        W = 1 step's rows differ in the last bits on CPU). One W-way step per group of the
-        longest replay."""
+        W = 1 step's rows differ in the last bits on CPU). Tokens no step of this engine
+        yielded (a request moved in by `_import_seat`) are replayed one per step first. One
+        W-way step per group of the longest replay."""
         batch, ways = self.seats, self.num_drafts + 1
+        groups = {id(r): [1] * (len(r.tokens) - 1 - sum(r.groups)) + r.groups for r in resumed}
         starts = {id(r): 0 for r in resumed}
-        for i in range(max(len(r.groups) for r in resumed)):
+        for i in range(max(len(g) for g in groups.values())):
             tokens = np.zeros((batch, ways), np.int32)
             active = np.zeros((batch,), bool)
             keep = np.zeros((batch,), np.int32)
             for req in resumed:
-                if i < len(req.groups):
-                    lo, n = starts[id(req)], req.groups[i]
+                if i < len(groups[id(req)]):
+                    lo, n = starts[id(req)], groups[id(req)][i]
                     tokens[req.seat, :n] = req.tokens[lo:lo + n]
                     active[req.seat], keep[req.seat] = True, n
                     starts[id(req)] = lo + n

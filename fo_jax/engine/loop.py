@@ -404,7 +404,7 @@ def decode_loop(params, state, seats: Seats, n_steps: int, sampling: Sampling, *
     """Up to `n_steps` decode steps in one program (see the module doc).
 
     Args:
-      state: the step's state (DecodeState for OffloadedStep, ResidentStep for ResidentState);
+      state: the step's state (DecodeState for OffloadedStep, ResidentState for ResidentStep);
         donated: use the returned one.
       seats: each request's last token, keys and done flag (`Seats.create`).
       n_steps: N >= 1, static (one program per N).
@@ -417,7 +417,7 @@ def decode_loop(params, state, seats: Seats, n_steps: int, sampling: Sampling, *
         drafter (`fo_jax.drafting.ngram_drafts`) follows (default NGramDrafter()).
       history: with num_drafts > 0, [B, S] int32, S = the state's capacity: row b holds the
         request's prompt and sampled tokens (lengths[b] + 1 of them: the last not yet fed);
-        returned with the call's tokens appended in `LoopOutput.history`.
+        donated; returned with the call's tokens appended in `LoopOutput.history`.
     Returns:
       (LoopOutput, new state, new seats).
     Work: N steps at most, each one decode step of W ways plus O(B V log V) for sampling
