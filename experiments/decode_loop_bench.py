@@ -8,6 +8,11 @@ One question, one run (ratios are to the baseline measured in the same run):
   loop N    `fo_jax.engine.decode_loop` with N steps per call (sampling, stop checks and
             statistics on the device): one dispatch per N tokens.
 
+With `--num-drafts D` the question is drafts in the loop instead (greedy, prefilled prompts that
+repeat themselves: prompt lookup pays off): `loop N` against `loop N drafts D`
+(`decode_loop(..., num_drafts=D)`: n-gram drafts verified on the device, W = D + 1 ways per
+step), tokens/s and tokens per request and step, ratio to `loop N` in the same run.
+
 Every cell decodes the same tokens (they are checked equal) from the same synthetic state
 (random KV rows and indexer keys of `context` tokens, `experiments/common.synthetic_states`: no
 prefill), `tokens` new tokens per request per round; cells run in interleaved rounds (A B C,
@@ -17,6 +22,7 @@ tokens/s ratios to `python`, and decode programs dispatched from Python per gene
     python experiments/decode_loop_bench.py                         # small, offloaded
     python experiments/decode_loop_bench.py --model tiny --context 256   # dispatch-bound
     python experiments/decode_loop_bench.py --path resident
+    python experiments/decode_loop_bench.py --num-drafts 3          # drafts: the embedded model
     python experiments/decode_loop_bench.py --smoke                 # seconds; run by the tests
 """
 
@@ -151,6 +157,119 @@ def run(args, meta):
     return rows
 
 
+def _repetitive_prompts(config, tokenizer, batch, context):
+    """`batch` prompts of at most `context` tokens whose continuations repeat: with the
+    embedded model's tokenizer, code that repeats itself (a list of zeros, test methods,
+    imports, a table: the trained model continues them in kind, so prompt lookup finds its
+    next tokens); with random weights, a random 16-token pattern repeated."""
+    rng = np.random.default_rng(3)
+    if tokenizer is None:
+        return [np.tile(rng.integers(0, config.vocab_size, 16), -(-context // 16))[:context]
+                .tolist() for _ in range(batch)]
+    texts = ["values = [" + "0, " * 40,
+             "    def test_a(self):\n        self.assertEqual(x, 1)\n" * 6,
+             "import os\nimport sys\n" * 10,
+             "TABLE = {\n" + "".join(f"    '{c}': {i},\n" for i, c in enumerate("abcdefghij"))]
+    return [[int(t) for t in tokenizer.encode(texts[b % len(texts)])][-context:]
+            for b in range(batch)]
+
+
+def run_drafts(args, meta):
+    """Cells `loop N` and `loop N drafts D` on prefilled repetitive prompts (greedy)."""
+    tokenizer = None
+    if args.model == "embedded":
+        from fo_jax.embedded import load_embedded
+
+        config, params, tokenizer = load_embedded()
+    else:
+        config = get_config(args.model)
+        params = init_params(config, jax.random.key(0))
+    n, d = args.steps_per_call[-1], args.num_drafts
+    batch = args.batch
+    prompts = _repetitive_prompts(config, tokenizer, batch, args.context)
+    longest = max(len(p) for p in prompts)
+    page = 16
+    capacity = -(-(longest + args.tokens + d + 1) // page) * page
+    tokens, lengths = gen.pad_prompts(prompts)
+    if args.path == "resident":
+        engine = gen.ResidentEngine(params, config, batch=batch, capacity=capacity)
+        step = ResidentStep(config)
+    else:
+        offload = OffloadConfig(hot_slots=max(capacity // 4, config.index_topk * config.max_ways),
+                                page_size=page, capacity=capacity, policy="ring")
+        engine = gen.OffloadEngine(params, config, offload=offload, batch=batch)
+        step = OffloadedStep(config, offload)
+    first = jnp.argmax(engine.prefill(tokens, lengths), axis=-1).astype(jnp.int32)
+    prefilled = engine.state
+    sampling = Sampling.create(batch, max_new_tokens=args.tokens + 1)
+    history0 = np.zeros((batch, capacity), np.int32)
+    for b, p in enumerate(prompts):
+        history0[b, :len(p) + 1] = list(p) + [int(first[b])]
+    cells = [f"loop {n}", f"loop {n} drafts {d}"]
+    times, steps, results = {c: [] for c in cells}, {}, {}
+    print(f"decode loop drafts: {config.name}, {args.path}, batch {batch}, prompts of "
+          f"{int(lengths.min())}-{longest} tokens that repeat, {args.tokens} tokens per request "
+          f"per round, greedy, {args.rounds} rounds (+1 uncounted)")
+    for r in range(args.rounds + 1):
+        for cell in (cells if r % 2 == 0 else cells[::-1]):
+            drafts = d if "drafts" in cell else 0
+            state = jax.tree_util.tree_map(jnp.copy, prefilled)
+            history = jnp.asarray(history0) if drafts else None
+            jax.block_until_ready((state, history))
+            start = time.perf_counter()
+            seats = Seats.create(first, jax.random.key(0), sampling=sampling,
+                                 lengths=np.asarray(lengths), capacity=capacity)
+            outs, num_steps, request_steps, accepted, proposed = [], 0, 0, 0, 0
+            while not bool(np.all(np.asarray(seats.done))):
+                kw = dict(num_drafts=drafts, history=history) if drafts else {}
+                out, state, seats = decode_loop(params, state, seats, n, sampling, step=step,
+                                                **kw)
+                history = out.history
+                outs.append(np.asarray(out.tokens))
+                num_steps += int(out.num_steps)
+                if drafts:
+                    request_steps += int(np.sum(np.asarray(out.counts) > 0))
+                    accepted += int(np.sum(out.accepted))
+                    proposed += int(np.sum(out.proposed))
+                else:
+                    request_steps += int(np.sum(out.fed))
+            secs = time.perf_counter() - start
+            got = np.concatenate(outs, axis=1)
+            results[cell] = np.stack([row[row >= 0] for row in got])
+            steps[cell] = (num_steps, request_steps, accepted, proposed)
+            if r > 0:
+                times[cell].append(secs)
+    base = np.asarray(times[cells[0]])
+    same = bool(np.array_equal(results[cells[0]], results[cells[1]]))
+    rows = []
+    print(f"{'cell':18s}{'tokens/s':>10s}{'ratio':>8s}{'IQR':>14s}{'tokens/step':>13s}"
+          f"{'per request':>13s}{'drafts accepted':>17s}")
+    for cell in cells:
+        secs = np.asarray(times[cell])
+        ratios = base / secs
+        tps = batch * args.tokens / float(np.median(secs))
+        num_steps, request_steps, accepted, proposed = steps[cell]
+        per_step = args.tokens / num_steps  # per request and step of the batch (the slowest)
+        per_request = batch * args.tokens / request_steps  # per step a request took
+        q25, med, q75 = (float(np.percentile(ratios, q)) for q in (25, 50, 75))
+        print(f"{cell:18s}{tps:>10.1f}{med:>8.2f}{q25:>7.2f}-{q75:<6.2f}{per_step:>13.2f}"
+              f"{per_request:>13.2f}{f'{accepted}/{proposed}':>17s}")
+        rows.append({**meta, "question": "decode_loop_drafts", "cell": cell,
+                     "steps_per_call": n, "num_drafts": d if "drafts" in cell else 0,
+                     "path": args.path, "model": config.name, "batch": batch,
+                     "prompt_tokens": [len(p) for p in prompts], "tokens": args.tokens,
+                     "rounds": args.rounds, "tokens_per_second": tps, "ratio": med,
+                     "ratio_q25": q25, "ratio_q75": q75, "round_seconds": secs.tolist(),
+                     "decode_steps": num_steps, "tokens_per_step": per_step,
+                     "tokens_per_request_step": per_request, "accepted_drafts": accepted,
+                     "proposed_drafts": proposed,
+                     "same_tokens": same})
+    print("same tokens with and without drafts" if same else
+          "the drafted tokens differ from the undrafted ones (a near-tie of two logits: a "
+          "W-way step's logits differ from a W = 1 step's in the last bits)")
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (seconds)")
@@ -164,12 +283,20 @@ def main(argv=None):
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-p", type=float, default=0.9)
     parser.add_argument("--rounds", type=int, default=7, help="timed interleaved rounds")
+    parser.add_argument("--num-drafts", type=int, default=0,
+                        help="> 0: compare the loop with and without this many n-gram drafts "
+                             "per step instead (greedy; --model embedded: the trained model)")
     parser.add_argument("--out", default=None, help="append JSON lines here")
     args = parser.parse_args(argv)
     if args.smoke:
         args.model, args.batch, args.context, args.tokens, args.rounds = "tiny", 2, 64, 6, 1
         args.steps_per_call = [4]
-    rows = run(args, run_metadata())
+    if args.num_drafts:
+        if args.model == "small" and not args.smoke:
+            args.model = "embedded"
+        rows = run_drafts(args, run_metadata())
+    else:
+        rows = run(args, run_metadata())
     write_jsonl(args.out, rows)
     return rows
 

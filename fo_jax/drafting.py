@@ -102,6 +102,47 @@ class NGramDrafter:
         return out
 
 
+def ngram_drafts(history, lengths, num_drafts: int, *, max_ngram: int = 3,
+                 min_ngram: int = 1):
+    """`NGramDrafter.propose` on the device: [B, num_drafts] int32 drafts, pure jnp.
+
+    history: [B, S] int32, row b's first lengths[b] tokens (>= 1) are its history (prompt +
+      generated, the last not yet fed); what lies past them is never read.
+    The rule is NGramDrafter's (tests/engine/test_drafting_loop.py checks it against the host
+    drafter): for n = max_ngram down to min_ngram (n <= T - 1), the most recent earlier
+    occurrence of the last n tokens, its continuation (at most num_drafts tokens, cut at the
+    history's end), the missing drafts filled with the last token found (or, with no match,
+    the history's last token). A window ending at j matches n tokens iff it matches n - 1 and
+    history[j - n + 1] == history[T - n], so the n-gram lengths share one pass each:
+    O(B S max_ngram) compares and max-reductions, on the device (S the history's width; no
+    host sync). Jit-able; num_drafts, max_ngram and min_ngram are static.
+    """
+    NGramDrafter(max_ngram=max_ngram, min_ngram=min_ngram)  # validates the range
+    check_num_drafts(num_drafts)
+    history = jnp.asarray(history, jnp.int32)
+    batch, width = history.shape
+    if num_drafts == 0:
+        return jnp.zeros((batch, 0), jnp.int32)
+    total = jnp.asarray(lengths, jnp.int32)[:, None]  # [B, 1] T
+    ends = jnp.arange(width, dtype=jnp.int32)[None, :]  # [1, S] window end j
+    match = ends <= total - 2  # windows of history[:T - 1]
+    start = jnp.full((batch,), -1, jnp.int32)  # where the continuation starts (-1: none)
+    for n in range(1, max_ngram + 1):
+        # history[j - n + 1] for every j (-1 before the start: never a token).
+        shifted = jnp.pad(history, ((0, 0), (n - 1, 0)), constant_values=-1)[:, :width]
+        want = jnp.take_along_axis(history, jnp.clip(total - n, 0, width - 1), axis=1)
+        match = match & (shifted == want) & (ends >= n - 1)
+        if n >= min_ngram:
+            last = jnp.max(jnp.where(match, ends, -1), axis=1)  # most recent match
+            start = jnp.where(last >= 0, last + 1, start)  # a longer n overrides
+    found = start >= 0
+    count = jnp.minimum(num_drafts, total[:, 0] - start)  # >= 1 where found
+    k = jnp.arange(num_drafts, dtype=jnp.int32)[None, :]
+    pos = jnp.where(found[:, None], start[:, None] + jnp.minimum(k, count[:, None] - 1),
+                    total - 1)
+    return jnp.take_along_axis(history, jnp.clip(pos, 0, width - 1), axis=1)
+
+
 def check_num_drafts(num_drafts) -> None:
     if not isinstance(num_drafts, (int, np.integer)) or isinstance(num_drafts, bool) \
             or num_drafts < 0:

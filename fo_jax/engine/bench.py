@@ -117,6 +117,8 @@ def run_workload(engine: Engine, requests, *, warm: bool = True,
         "prefill_tokens": c["prefill_tokens"], "cached_tokens": c["prefix_hit_tokens"],
         "steps": c["steps"], "prefill_calls": c["prefill_calls"],
         "decode_calls": c["decode_calls"], "decode_tokens": c["decode_tokens"],
+        "decode_steps": c.get("decode_steps", 0),
+        "draft_accepted": c.get("draft_accepted", 0), "draft_proposed": c.get("draft_proposed", 0),
     }
     if engine.stats is not None:
         s = engine.stats
@@ -157,6 +159,9 @@ def summary_lines(figures: dict) -> list[str]:
         f"{f['cached_tokens']}; programs per output token {f['programs_per_token']:.3f}; "
         f"engine host work {f['host_share']:.1%} of its step time",
     ]
+    if f.get("draft_proposed"):
+        lines.append(f"drafts: {f['draft_accepted']} of {f['draft_proposed']} accepted; "
+                     f"{f['decode_steps']} decode steps for {f['decode_tokens']} tokens")
     if "hit_rate" in f:
         lines.append(f"offload: hit rate {f['hit_rate']:.3f}, H2D "
                      f"{f['h2d_bytes_per_token'] / 1e3:.2f} kB per output token")

@@ -111,10 +111,22 @@ again by a later call's growth: it loses no work, only its join).
 that kept the pages, `counters["resumed_without_recompute"]` the resumes with kept pages, and
 `counters["replayed_tokens"]` the tokens replayed after dropped pages.
 
+Drafts (`num_drafts=D > 0`): the decode loop verifies D n-gram drafts per greedy request and
+step (steps of [seats, D + 1] ways; see `fo_jax.engine.loop`), drafted from each seat's
+history (prompt + sampled tokens, [seats, capacity] on the device, set at its join and
+appended to by the loop). Every program still has the same shapes whoever sits in the other
+seats, so a request's tokens equal those of the same engine serving it alone, bit for bit; they
+equal a num_drafts=0 engine's up to a near-tie of the two largest logits (a W-way step's
+logits differ from a W = 1 step's in the last bits on CPU). A resumed request replays its
+tokens in the groups its W-way steps stored them (one W-way step per group, the rest rolled
+back), so its KV is the one it had, bit for bit. With reserve="prompt", a call may store up to
+`decode_steps_per_call` x (D + 1) tokens per request, and that is what is grown before it.
+
 Not here yet: device_bytes, reserve="prompt", preemption and prefix reuse on the resident
-path; aging in the "shortest" order (a long request can wait for ever under a
-stream of shorter ones); drafts (W > 1) in the decode loop (`fo_jax.generate` drafts, the
-engine does not).
+path; aging in the "shortest" order (a long request can wait for ever under a stream of
+shorter ones); MTP drafts in the decode loop (`num_drafts` drafts by n-gram lookup only;
+`fo_jax.generate` drafts with the MTP layer from the host); speculative sampling (a request at
+temperature > 0 takes one token per step).
 """
 
 from __future__ import annotations
@@ -138,6 +150,7 @@ from fo_jax.engine.loop import (
     Sampling,
     Seats,
     _check_sampling_values,
+    check_drafting,
     decode_loop,
     sample_tokens,
 )
@@ -206,6 +219,8 @@ class _Request:
     admitted: int = -1  # admission (or resume) number: the youngest is preempted first
     preempted: bool = False  # waiting to resume (its tokens kept; `pages` None: dropped)
     key_data: Any = None  # its PRNG key data when preempted after sampling (restored on resume)
+    groups: list[int] = dataclasses.field(default_factory=list)  # with drafts: tokens yielded
+    # by each decode step (a replay feeds the same groups: the same W-way programs)
 
     def output(self, new: list[int]) -> RequestOutput:
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
@@ -292,6 +307,10 @@ class Engine:
         preempting the youngest running request when they cannot be had: dropping its pages
         when the pool is short, keeping them (its seat freed) when only device_bytes is (see
         the module doc).
+      num_drafts: D >= 0 n-gram drafts per request and decode step, verified on the device
+        (`decode_loop(..., num_drafts=D)`: steps of W = D + 1 <= config.max_ways ways; greedy
+        requests only, a sampled one takes one token per step); each seat's history (prompt
+        + sampled tokens) is kept on the device for the drafter. 0: one token per step.
     Raises:
       ValueError: bad settings, before anything is allocated.
     """
@@ -304,7 +323,7 @@ class Engine:
                  num_pages: int | None = None, host_pool_bytes: int | None = None,
                  prefix_cache: bool = False, device_bytes: int | None = None,
                  order: str = "fifo", reserve: str = "full", metrics_path: str | None = None,
-                 metrics_every: int = 16):
+                 metrics_every: int = 16, num_drafts: int = 0):
         for name, value in (("seats", seats), ("decode_steps_per_call", decode_steps_per_call),
                             ("prefill_chunk", prefill_chunk), ("max_stop_ids", max_stop_ids),
                             ("metrics_every", metrics_every)):
@@ -342,6 +361,11 @@ class Engine:
                                          or isinstance(device_bytes, bool) or device_bytes < 1):
             raise ValueError(f"device_bytes={device_bytes!r} must be an int >= 1 (bytes of "
                              "device memory for request state), or None")
+        try:
+            check_drafting(num_drafts, config)
+        except ValueError as err:
+            raise ValueError(f"{err} (Engine(num_drafts=...))") from None
+        self.num_drafts = int(num_drafts)
         self.order, self.reserve = order, reserve
         self.device_bytes = None if device_bytes is None else int(device_bytes)
         self.costs = None  # MemoryCosts (offloaded): the planner's bytes per seat and page
@@ -388,6 +412,9 @@ class Engine:
                                       generated=jnp.zeros((batch,), jnp.int32),
                                       done=jnp.ones((batch,), bool)))
         self._key_shape = tuple(jax.random.key_data(jax.random.key(0)).shape)
+        # With drafts: each seat's prompt + sampled tokens [seats, capacity], set at its join.
+        self._history = (committed(jnp.zeros((batch, self.capacity), jnp.int32))
+                         if self.num_drafts else None)
         self._sampling_rows = [self._sampling_row(None)] * batch
         self._sampling = None  # rebuilt when a seat's request changes
         self._occupant: list[_Request | None] = [None] * batch
@@ -401,7 +428,8 @@ class Engine:
                          "prefill_tokens": 0, "decode_tokens": 0, "prefix_hit_tokens": 0,
                          "requests_finished": 0, "requests_cancelled": 0,
                          "preemptions": 0, "preemptions_kept_pages": 0,
-                         "resumed_without_recompute": 0, "replayed_tokens": 0}
+                         "resumed_without_recompute": 0, "replayed_tokens": 0,
+                         "decode_steps": 0, "draft_accepted": 0, "draft_proposed": 0}
         # Wall seconds of `step`: in the prefill / decode programs (until their results are
         # ready) and in total; the rest is the engine's own host work.
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "step_s": 0.0}
@@ -577,7 +605,8 @@ class Engine:
         full = self._reserved_tokens(len(req.prompt), req.max_tokens)
         if self.reserve == "full":
             return full
-        return min(len(req.prompt) + max(len(req.tokens) - 1, 0) + self.n_steps, full)
+        return min(len(req.prompt) + max(len(req.tokens) - 1, 0)
+                   + self.n_steps * (self.num_drafts + 1), full)
 
     def _device_need(self, prompt_len: int, pages: int) -> tuple[int, int, int]:
         """(seat, prefill buffers, indexer-key pages): device bytes of a request of
@@ -737,6 +766,7 @@ class Engine:
                                                 offload=self.offload)
         self._restore_seats({r.seat: (r.tokens[-1], len(r.tokens), r.key_data)
                              for r in resumed})
+        self._set_history(resumed)  # with drafts: what the drafter looks up
         for req in resumed:
             req.key_data = None
 
@@ -943,6 +973,7 @@ class Engine:
             req.preempted, req.key_data = False, None
         self._seats = committed(Seats(tokens=jnp.asarray(tokens_np), keys=keys,
                                       generated=jnp.asarray(generated), done=jnp.asarray(done)))
+        self._set_history(joined)
         if resumed:
             self._replay(resumed)
         for req in new:
@@ -956,7 +987,10 @@ class Engine:
         them instead would not be bitwise: on CPU, XLA rounds a [chunk]-row matmul
         differently from a 1-row one (the KV and logits of a token differ in the last bits),
         so a resumed request could sample other tokens than its solo run. Costs: one decode
-        step of the batch per replayed token of the longest replay."""
+        step of the batch per replayed token of the longest replay. With drafts, the tokens
+        are fed in the groups their W-way steps stored them (`_replay_groups`)."""
+        if self.num_drafts:
+            return self._replay_groups(resumed)
         batch = self.seats
         for i in range(max(len(r.tokens) - 1 for r in resumed)):
             tokens = np.zeros((batch, 1), np.int32)
@@ -969,19 +1003,71 @@ class Engine:
                                             committed(jnp.asarray(active)))
             self.counters["replayed_tokens"] += int(active.sum())
 
+    def _set_history(self, joined: list[_Request]) -> None:
+        """With drafts: each joined request's seat history = its prompt + sampled tokens (what
+        the device drafter looks up; the loop appends the tokens it yields). O(B S) copy."""
+        if self._history is None or not joined:
+            return
+        mask = np.zeros((self.seats,), bool)
+        rows = np.zeros((self.seats, self.capacity), np.int32)
+        for req in joined:
+            row = np.concatenate([req.prompt, np.asarray(req.tokens, np.int32)])
+            mask[req.seat], rows[req.seat, :min(len(row), self.capacity)] = True, \
+                row[:self.capacity]
+        self._history = _set_rows(self._history, jnp.asarray(mask), jnp.asarray(rows))
+
+    def _replay_groups(self, resumed: list[_Request]) -> None:
+        """`_replay` with drafts: request b's decode step k yielded groups[k] tokens and stored
+        the groups[k] tokens fed before them; the replay feeds those again at the same ways
+        of the same [seats, W] step (the rest of the W ways padded, then rolled back), so
+        every stored row is computed by the program that computed it before, bit for bit (a
+        W = 1 step's rows differ in the last bits on CPU). Tokens no step of this engine
+        yielded (a request moved in by `_import_seat`) are replayed one per step first. One
+        W-way step per group of the longest replay."""
+        batch, ways = self.seats, self.num_drafts + 1
+        groups = {id(r): [1] * (len(r.tokens) - 1 - sum(r.groups)) + r.groups for r in resumed}
+        starts = {id(r): 0 for r in resumed}
+        for i in range(max(len(g) for g in groups.values())):
+            tokens = np.zeros((batch, ways), np.int32)
+            active = np.zeros((batch,), bool)
+            keep = np.zeros((batch,), np.int32)
+            for req in resumed:
+                if i < len(groups[id(req)]):
+                    lo, n = starts[id(req)], groups[id(req)][i]
+                    tokens[req.seat, :n] = req.tokens[lo:lo + n]
+                    active[req.seat], keep[req.seat] = True, n
+                    starts[id(req)] = lo + n
+            before = np.asarray(self.state.lengths)  # the state is donated to the step
+            _, self.state, _ = self.step_fn(self.params, self.state,
+                                            committed(jnp.asarray(tokens)),
+                                            committed(jnp.asarray(active)))
+            self.state = self.step_fn.rollback(
+                self.state, self.state.lengths - jnp.asarray(before + keep))
+            self.counters["replayed_tokens"] += int(keep.sum())
+
     def _decode(self, moved) -> None:
         running = [r for r in self._occupant
                    if r is not None and r.prefilled == len(r.prompt) and r.finish_reason is None]
         if not running:
             return
         start = time.perf_counter()
+        drafts = {} if not self.num_drafts else dict(num_drafts=self.num_drafts,
+                                                     history=self._history)
         out, self.state, self._seats = decode_loop(self.params, self.state, self._seats,
                                                    self.n_steps, self._sampling_now(),
-                                                   step=self.step_fn)
+                                                   step=self.step_fn, **drafts)
         tokens = np.asarray(out.tokens)  # waits for the program
         self.timings["decode_s"] += time.perf_counter() - start
         self.counters["decode_calls"] += 1
         self.counters["decode_tokens"] += int(np.sum(tokens >= 0))
+        self.counters["decode_steps"] += int(out.num_steps)
+        if self.num_drafts:
+            self._history = out.history
+            self.counters["draft_accepted"] += int(np.sum(out.accepted))
+            self.counters["draft_proposed"] += int(np.sum(out.proposed))
+            counts = np.asarray(out.counts)
+            for req in running:
+                req.groups.extend(int(c) for c in counts[req.seat] if c > 0)
         if out.stats is not None:
             self.stats = out.stats if self.stats is None else jax.tree_util.tree_map(
                 jnp.add, self.stats, out.stats)
@@ -1165,6 +1251,7 @@ class Engine:
         self._sampling_rows[b] = self._sampling_row(req)
         self._sampling = None
         req.seat, req.pages = b, pages
+        self._set_history([req])
         self._occupant[b] = req
         self._requests[req.request_id] = req
         return True

@@ -7,6 +7,9 @@
                          lengths=state.lengths, capacity=state.capacity)
     out, state, seats = decode_loop(params, state, seats, 16, sampling, step=step)
     # out.tokens [B, 16] (-1 where no token was sampled), out.num_steps, out.stats
+    out, state, seats = decode_loop(params, state, seats, 16, sampling, step=step,
+                                    num_drafts=2, history=history[B, S])  # n-gram drafts
+    # out.tokens [B, 48] (each request's tokens, then -1), out.history, out.accepted
 
 One call runs a `lax.while_loop` of decode steps: feed each request's last token, sample the
 next one on the device (`sample_tokens`: the same arithmetic as `fo_jax.generate.sample`, so
@@ -21,6 +24,21 @@ token.
 The state is donated and carried through the loop in place (tests/engine/test_loop.py checks
 the compiled loop's HLO with fo_jax.hlo_checks). One compiled program per (step, N, shapes):
 `n_steps` is static, so a caller keeps it fixed and lets `max_new_tokens` end the last call.
+
+Drafts (`num_drafts=D > 0`, an n-gram drafter on the device): each step feeds [last token, D
+drafts] as W = D + 1 ways, the drafts proposed from each request's history ([B, S]: prompt and
+sampled tokens, carried and returned by the loop) by `fo_jax.drafting.ngram_drafts` (the rule of
+the host `NGramDrafter`, O(B S max_ngram) compares per step). A greedy request keeps the longest
+prefix of drafts its greedy tokens confirm plus the next greedy token (`draft_step_tokens`: cut
+at max_new_tokens, capacity and the first stop token; nothing after a stop token is yielded),
+and the state forgets the rest (`rollback`: O(B), only lengths change). A request sampling at
+temperature > 0 accepts no draft: it samples one token from way 0 per step (drafting is
+greedy-only; speculative sampling is not implemented). Bitwise: a W-way step's way-0 logits
+differ in the last bits from a W = 1 step's on CPU (another program shape), so the tokens equal
+W = 1 greedy decoding's up to a near-tie of the two largest logits, as `fo_jax.generate`'s
+host-driven drafting does; what holds exactly is that every program has the same shapes
+whoever sits in the other seats, so a request's tokens equal those of the same drafting loop
+(or engine) serving it alone, bit for bit. Up to N W tokens per request and call.
 
 Sampling keys: one key for the batch (shape []; split once per step and used for the whole
 batch, as `fo_jax.generate.generate` does) or one key per request (shape [B]; each split when
@@ -41,7 +59,9 @@ import numpy as np
 from fo_jax import resident
 from fo_jax.config import ModelConfig
 from fo_jax.kernels import resolve_implementation
+from fo_jax.drafting import NGramDrafter, check_num_drafts, ngram_drafts
 from fo_jax.offload import decode as offload_decode
+from fo_jax.offload import state as offload_state
 from fo_jax.offload.config import OffloadConfig
 
 
@@ -298,8 +318,13 @@ class OffloadedStep:
     def check_state(self, state) -> None:
         offload_decode.check_state(state, config=self.config, offload=self.offload)
 
-    def zero_stats(self, batch: int) -> LoopStats:
-        return LoopStats.zeros(self.config.num_groups, batch)
+    def zero_stats(self, batch: int, ways: int = 1) -> LoopStats:
+        return LoopStats.zeros(self.config.num_groups, batch, ways)
+
+    def rollback(self, state, num_drop):
+        """Forget the last num_drop [B] tokens of each request (`fo_jax.offload.state.rollback`:
+        O(B), only the lengths change)."""
+        return offload_state.rollback(state, num_drop)
 
     def __call__(self, params, state, tokens, active):
         """(logits [B, 1, V], state, DecodeStats) of one step; inactive requests unchanged."""
@@ -324,8 +349,12 @@ class ResidentStep:
         if not isinstance(state, resident.ResidentState):
             raise ValueError(f"ResidentStep steps a ResidentState, got {type(state).__name__}")
 
-    def zero_stats(self, batch: int) -> None:
+    def zero_stats(self, batch: int, ways: int = 1) -> None:
         return None
+
+    def rollback(self, state, num_drop):
+        """Forget the last num_drop [B] tokens of each request (`fo_jax.resident.rollback`)."""
+        return resident.rollback(state, num_drop)
 
     def __call__(self, params, state, tokens, active):
         logits, state = resident.decode_step(
@@ -343,21 +372,36 @@ class LoopOutput:
     """What one call of `decode_loop` produced.
 
     Attributes:
-      tokens: [B, N] int32: the token request b sampled at step i, -1 where it sampled none
-        (done before step i, or the loop stopped before it).
+      tokens: [B, N W] int32: the tokens request b sampled, in order, then -1 (W = 1 +
+        num_drafts). Without drafts ([B, N]) column i is step i's token (-1 where the request
+        sampled none: done before step i, or the loop stopped before it); with drafts a step
+        yields 1 to W tokens per request, packed after the previous step's.
       fed: [B] int32: tokens each request appended to its state (= its sampled tokens).
       num_steps: [] int32: steps run (< N when every request was done earlier).
-      stats: LoopStats summed over the steps (offloaded step), or None (resident).
+      stats: LoopStats summed over the steps (offloaded step; [G, B, W] per way, the rejected
+        ways included), or None (resident).
+      accepted, proposed: [B] int32 drafts accepted / proposed over the call (greedy
+        requests only; with num_drafts = 0: None).
+      history: [B, S] int32 the histories with the call's tokens appended (num_drafts > 0),
+        else None.
+      counts: [B, N] int32 tokens request b yielded at step i (num_drafts > 0; 0 where it
+        took no step), else None: a step that yields e tokens stored the e fed before them
+        (what a replay of the request feeds again, `fo_jax.engine.Engine`).
     """
 
     tokens: jax.Array
     fed: jax.Array
     num_steps: jax.Array
     stats: LoopStats | None
+    accepted: jax.Array | None = None
+    proposed: jax.Array | None = None
+    history: jax.Array | None = None
+    counts: jax.Array | None = None
 
 
-def decode_loop(params, state, seats: Seats, n_steps: int, sampling: Sampling, *, step):
-    """Up to `n_steps` decode steps of one token per request in one program (see module doc).
+def decode_loop(params, state, seats: Seats, n_steps: int, sampling: Sampling, *, step,
+                num_drafts: int = 0, drafter: NGramDrafter | None = None, history=None):
+    """Up to `n_steps` decode steps in one program (see the module doc).
 
     Args:
       state: the step's state (DecodeState for OffloadedStep, ResidentState for ResidentStep);
@@ -366,10 +410,19 @@ def decode_loop(params, state, seats: Seats, n_steps: int, sampling: Sampling, *
       n_steps: N >= 1, static (one program per N).
       sampling: per-request settings (`Sampling.create`).
       step: OffloadedStep or ResidentStep.
+      num_drafts: D >= 0, static: each step feeds [last token, D drafts] as W = D + 1 ways
+        (W <= config.max_ways) and keeps the drafts the model's greedy tokens confirm (see
+        `draft_step_tokens`); 0: one token per step (another program).
+      drafter: with num_drafts > 0, the `fo_jax.drafting.NGramDrafter` whose rule the device
+        drafter (`fo_jax.drafting.ngram_drafts`) follows (default NGramDrafter()).
+      history: with num_drafts > 0, [B, S] int32, S = the state's capacity: row b holds the
+        request's prompt and sampled tokens (lengths[b] + 1 of them: the last not yet fed);
+        donated; returned with the call's tokens appended in `LoopOutput.history`.
     Returns:
       (LoopOutput, new state, new seats).
-    Work: N steps at most, each one decode step plus O(B V log V) for sampling (O(B V) when
-    every request is greedy); the host is not involved between steps.
+    Work: N steps at most, each one decode step of W ways plus O(B V log V) for sampling
+    (O(B V W) when every request is greedy) and, with drafts, O(B S max_ngram) for drafting;
+    the host is not involved between steps.
     """
     if (not isinstance(n_steps, numbers.Integral) or isinstance(n_steps, bool)
             or n_steps < 1):
@@ -385,7 +438,43 @@ def decode_loop(params, state, seats: Seats, n_steps: int, sampling: Sampling, *
             raise ValueError(f"{name} hold {value} requests but the state holds {batch}: "
                              "build them for the same batch")
     check_keys(seats.keys, batch)
-    return _loop_jit(params, state, seats, sampling, n_steps=int(n_steps), step=step)
+    check_drafting(num_drafts, step.config)
+    if num_drafts == 0:
+        if history is not None or drafter is not None:
+            raise ValueError("history and drafter are read only with num_drafts > 0: pass "
+                             "num_drafts, or drop them")
+        return _loop_jit(params, state, seats, sampling, n_steps=int(n_steps), step=step)
+    drafter = NGramDrafter() if drafter is None else drafter
+    if not isinstance(drafter, NGramDrafter):
+        raise NotImplementedError(
+            f"drafts inside the decode loop come from the device n-gram drafter (a "
+            f"fo_jax.drafting.NGramDrafter), got {type(drafter).__name__}: MTP drafts run in "
+            "fo_jax.generate.generate(..., draft='mtp')")
+    width = state.capacity
+    if (history is None or getattr(history, "shape", None) != (batch, width)
+            or not jnp.issubdtype(history.dtype, jnp.integer)):
+        got = None if history is None else (f"{getattr(history, 'dtype', type(history))}"
+                                            f"{list(getattr(history, 'shape', ()))}")
+        raise ValueError(f"num_drafts={num_drafts} needs history: an int32 [{batch}, {width}] "
+                         "array (each request's prompt and sampled tokens, the state's "
+                         f"capacity wide), got {got}")
+    return _draft_loop_jit(params, state, seats, sampling, jnp.asarray(history, jnp.int32),
+                           n_steps=int(n_steps), step=step, num_drafts=int(num_drafts),
+                           drafter=drafter)
+
+
+def check_drafting(num_drafts, config: ModelConfig) -> None:
+    """Raise unless num_drafts is an int >= 0 with W = num_drafts + 1 <= config.max_ways."""
+    try:
+        check_num_drafts(num_drafts)
+    except ValueError:
+        raise ValueError(f"num_drafts={num_drafts!r} must be an int >= 0 (draft tokens per "
+                         "request and step; 0 = no drafts)") from None
+    if num_drafts + 1 > config.max_ways:
+        raise ValueError(
+            f"num_drafts={num_drafts} makes steps of W = {num_drafts + 1} ways, but config "
+            f"{config.name!r} allows at most max_ways={config.max_ways}: use num_drafts <= "
+            f"{config.max_ways - 1}, or a config with max_ways >= {num_drafts + 1}")
 
 
 @functools.partial(jax.jit, static_argnames=("n_steps", "step"), donate_argnames=("state",))
@@ -418,3 +507,89 @@ def _loop_jit(params, state, seats: Seats, sampling: Sampling, *, n_steps: int, 
     carry = (jnp.asarray(0, jnp.int32), state, seats, out0, fed0, step.zero_stats(batch))
     num_steps, state, seats, out, fed, stats = jax.lax.while_loop(cond, body, carry)
     return LoopOutput(tokens=out, fed=fed, num_steps=num_steps, stats=stats), state, seats
+
+
+def draft_step_tokens(fed, logits, first, lengths, seats: Seats, sampling: Sampling,
+                      capacity: int, active):
+    """What one verification step yields: (tokens [B, W], count [B]).
+
+    fed: [B, W] the step's tokens [last, d_1 .. d_D] at positions n .. n + D (n = lengths);
+    logits: [B, W, V] theirs; first: [B] the token sampled from way 0 (`sample_tokens`).
+    With g the greedy tokens of the W ways, a greedy request accepts the longest prefix of
+    drafts with d_i = g_{i-1} (a) and yields g_0 .. g_a: the tokens one-token steps would
+    yield, in fewer steps. A sampled request (temperature > 0) accepts no draft: it yields
+    `first`, sampled from way 0 (drafting is greedy-only). The count is cut at max_new_tokens
+    (generated + count <= max), at capacity (n + count <= S: every yielded token but the last
+    is stored), and after the first stop token (nothing after it is yielded); 0 if inactive.
+    tokens[b, j] for j >= count[b] is unspecified. O(B W (V + E)) for E stop ids."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, W]
+    tokens = greedy.at[:, 0].set(first)
+    sampled = sampling.temperature > 0
+    agree = (fed[:, 1:] == greedy[:, :-1]).astype(jnp.int32)
+    accepted = jnp.where(sampled, 0, jnp.sum(jnp.cumprod(agree, axis=1), axis=1))
+    count = jnp.minimum(accepted + 1, jnp.minimum(sampling.max_new_tokens - seats.generated,
+                                                  capacity - lengths))
+    ways = jnp.arange(fed.shape[1], dtype=jnp.int32)[None, :]
+    stops = jnp.any(tokens[:, :, None] == sampling.stop_tokens[:, None, :], axis=-1)
+    stops = stops & (ways < count[:, None])
+    first_stop = jnp.argmax(stops, axis=1).astype(jnp.int32)
+    count = jnp.where(jnp.any(stops, axis=1), first_stop + 1, count)
+    return tokens, jnp.where(active, count, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("n_steps", "step", "num_drafts", "drafter"),
+                   donate_argnames=("state", "history"))
+def _draft_loop_jit(params, state, seats: Seats, sampling: Sampling, history, *, n_steps: int,
+                    step, num_drafts: int, drafter: NGramDrafter):
+    batch, width = history.shape
+    ways = num_drafts + 1
+    capacity = state.capacity
+    rows = jnp.arange(batch)[:, None]
+    cols = jnp.arange(ways, dtype=jnp.int32)[None, :]
+    zeros = jnp.zeros((batch,), jnp.int32)
+    out0 = jnp.full((batch, n_steps * ways), -1, jnp.int32)
+    counts0 = jnp.zeros((batch, n_steps), jnp.int32)
+
+    def cond(carry):
+        i, _, seats, *_ = carry
+        return (i < n_steps) & ~jnp.all(seats.done)
+
+    def body(carry):
+        i, state, seats, history, out, counts, fed, accepted, proposed, stats = carry
+        active = ~seats.done
+        lengths = state.lengths  # n: stored tokens; the history holds n + 1
+        drafts = ngram_drafts(history, lengths + 1, num_drafts, max_ngram=drafter.max_ngram,
+                              min_ngram=drafter.min_ngram)
+        tokens_in = jnp.concatenate([seats.tokens[:, None], drafts], axis=1)  # [B, W]
+        logits, state, step_stats = step(params, state, tokens_in, active)
+        first, keys = sample_tokens(logits[:, 0], seats.keys, sampling, active)
+        tokens, count = draft_step_tokens(tokens_in, logits, first, lengths, seats, sampling,
+                                          capacity, active)
+        # Keep the fed tokens of the yielded ones (the last yielded is fed next step).
+        state = step.rollback(state, state.lengths - (lengths + count))
+        keep = cols < count[:, None]
+        history = history.at[rows, jnp.where(keep, lengths[:, None] + 1 + cols, width)].set(
+            tokens, mode="drop")
+        out = out.at[rows, jnp.where(keep, fed[:, None] + cols, out.shape[1])].set(
+            tokens, mode="drop")
+        last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+        generated = seats.generated + count
+        done = seats.done | (active & finished(last, generated, lengths + count, capacity,
+                                               sampling))
+        seats = Seats(tokens=jnp.where(active, last, seats.tokens), keys=keys,
+                      generated=generated, done=done)
+        drafting = active & (sampling.temperature == 0)
+        accepted = accepted + jnp.where(drafting, count - 1, 0)
+        proposed = proposed + jnp.where(drafting, num_drafts, 0)
+        if stats is not None:
+            stats = stats.add(step_stats)
+        counts = jax.lax.dynamic_update_slice(counts, count[:, None], (0, i))
+        return (i + 1, state, seats, history, out, counts, fed + count, accepted, proposed,
+                stats)
+
+    carry = (jnp.asarray(0, jnp.int32), state, seats, history, out0, counts0, zeros, zeros,
+             zeros, step.zero_stats(batch, ways))
+    (num_steps, state, seats, history, out, counts, fed, accepted, proposed,
+     stats) = jax.lax.while_loop(cond, body, carry)
+    return LoopOutput(tokens=out, fed=fed, num_steps=num_steps, stats=stats, accepted=accepted,
+                      proposed=proposed, history=history, counts=counts), state, seats

@@ -78,6 +78,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--queue-order", choices=("fifo", "shortest"), default="fifo",
                         help="waiting requests: by arrival, or shortest prompt + max_tokens first")
     parser.add_argument("--decode-steps-per-call", type=int, default=1)
+    parser.add_argument("--num-drafts", type=int, default=0,
+                        help="n-gram drafts per request and decode step, verified on the device "
+                             "(greedy requests; 0 = none; at most the model's max_ways - 1)")
     parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--max-param-gb", type=float, default=None)
     parser.add_argument("--no-progress", action="store_true")
@@ -214,6 +217,7 @@ def build_engine(args):
 
     from fo_jax.cli import _check_param_memory, _resolve_model
     from fo_jax.engine import Engine
+    from fo_jax.engine.loop import check_drafting
     from fo_jax.model import dsa
     from fo_jax.offload.config import OffloadConfig, check_hot_slots, min_hot_slots
     from fo_jax.tokenizer import ByteTokenizer
@@ -235,6 +239,11 @@ def build_engine(args):
             if getattr(args, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} applies to the offloaded path "
                                  "only: add --offload")
+    num_drafts = getattr(args, "num_drafts", 0)
+    try:
+        check_drafting(num_drafts, config)
+    except ValueError as err:
+        raise ValueError(f"--num-drafts {num_drafts}: {err}") from None
     capacity = min(config.max_seq_len, 2048) if args.capacity is None else args.capacity
     offload = None
     if args.offload:
@@ -270,7 +279,8 @@ def build_engine(args):
     engine = Engine(params, config, seats=args.seats, capacity=capacity, offload=offload,
                     decode_steps_per_call=args.decode_steps_per_call,
                     prefill_chunk=args.prefill_chunk, tokenizer=tokenizer,
-                    order=getattr(args, "queue_order", "fifo"), **pool)
+                    order=getattr(args, "queue_order", "fifo"), num_drafts=num_drafts,
+                    **pool)
     return engine, config, tokenizer, offload
 
 

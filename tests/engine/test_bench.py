@@ -73,6 +73,10 @@ def test_bench_serve_refuses_bad_flags_first(capsys):
         assert want in capsys.readouterr().err
     assert cli.main(["bench-serve", "--model", "tiny", "--offload", "--device-gb", "0"]) == 2
     assert "--device-gb must be > 0, got 0.0" in capsys.readouterr().err
+    assert cli.main(["bench-serve", "--model", "tiny", "--num-drafts", "4"]) == 2
+    assert ("--num-drafts 4: num_drafts=4 makes steps of W = 5 ways, but config 'tiny' allows "
+            "at most max_ways=4: use num_drafts <= 3, or a config with max_ways >= 5"
+            ) in capsys.readouterr().err
     assert cli.main(["bench-serve", "--metrics-every", "0"]) == 2
     assert ("--metrics-every 0 must be >= 1 (engine steps between reads of the device "
             "counters)") in capsys.readouterr().err
@@ -83,7 +87,7 @@ def test_engine_flags_reach_the_engine():
     add_engine_arguments(parser)
     args = parser.parse_args(["--model", "tiny", "--offload", "--capacity", "64",
                               "--device-gb", "0.5", "--reserve", "prompt",
-                              "--queue-order", "shortest"])
+                              "--queue-order", "shortest", "--num-drafts", "2"])
     engine = build_engine(args)[0]
-    assert (engine.device_bytes, engine.reserve, engine.order) == (
-        500_000_000, "prompt", "shortest")
+    assert (engine.device_bytes, engine.reserve, engine.order, engine.num_drafts) == (
+        500_000_000, "prompt", "shortest", 2)
