@@ -256,10 +256,10 @@ def test_a_preempted_request_with_drafts_replays_its_steps_bit_for_bit():
     before, after = {}, {}
     preempt, replay = engine._preempt, engine._replay
 
-    def preempt_and_keep_rows(req):
+    def preempt_and_keep_rows(req, **kwargs):
         if req.prefilled == len(req.prompt):
             before[req.request_id] = _rows(engine, req)
-        preempt(req)
+        preempt(req, **kwargs)
 
     def replay_and_keep_rows(resumed):
         replay(resumed)
@@ -275,6 +275,34 @@ def test_a_preempted_request_with_drafts_replays_its_steps_bit_for_bit():
     for rid, rows in after.items():
         np.testing.assert_array_equal(rows[0], before[rid][0])
         np.testing.assert_array_equal(rows[1], before[rid][1])
+    for rid, (prompt, max_tokens) in zip(ids, jobs):
+        alone = _engine("ring")
+        want = alone.add_request(prompt, max_tokens=max_tokens)
+        assert outputs[rid].token_ids == alone.run()[want].token_ids
+    assert engine.pool_occupancy()["held"] == 0
+
+
+def test_a_request_that_kept_its_pages_resumes_with_its_draft_history():
+    """A request preempted keeping its pages (what a device-bytes shortage does) resumes
+    without recompute; its seat's draft history is set again at the rejoin, so its steps
+    take the same drafts, hence the same W-way programs, as alone: same tokens bit for bit."""
+    engine = _engine("ring", reserve="prompt")
+    jobs = [(REQUESTS[1][0], 20), (REQUESTS[0][0], 22)]
+    ids = [engine.add_request(prompt, max_tokens=max_tokens) for prompt, max_tokens in jobs]
+    while len(engine._requests[ids[1]].tokens) < 3:
+        engine.step()
+    req = engine._requests[ids[1]]
+    seat = req.seat
+    engine._preempt(req, keep_pages=True)
+    # What another occupant of the seat would leave in its history meanwhile.
+    engine._history = engine._history.at[seat].set(0)
+    while engine.counters["resumed_without_recompute"] == 0:
+        engine.step()
+    row = np.concatenate([req.prompt, np.asarray(req.tokens, np.int32)])
+    np.testing.assert_array_equal(np.asarray(engine._history)[req.seat, :len(row)], row)
+    outputs = engine.run()
+    assert engine.counters["resumed_without_recompute"] == 1
+    assert engine.counters["replayed_tokens"] == 0 and engine.counters["draft_accepted"] > 0
     for rid, (prompt, max_tokens) in zip(ids, jobs):
         alone = _engine("ring")
         want = alone.add_request(prompt, max_tokens=max_tokens)
