@@ -152,12 +152,16 @@ class DataParallelEngine:
         return [e.pool for e in self.engines]
 
     def add_request(self, prompt: Sequence[int], *, request_id: str | None = None,
-                    **kwargs) -> str:
-        """Place a request on a rank (the placement rule, on the ranks' current loads) and
-        queue it there; returns its id, unique over the ranks. Refusals are the rank
-        engine's own (`Engine.add_request`: every rank has the same settings, so a request
-        one refuses, all refuse) and leave every rank as it was. O(R + requests)."""
+                    rank: int | None = None, **kwargs) -> str:
+        """Place a request on a rank (the placement rule, on the ranks' current loads; or
+        `rank`, for warm-ups) and queue it there; returns its id, unique over the ranks.
+        kwargs: `Engine.add_request`'s. Refusals are the rank engine's own (every rank has the
+        same settings, so a request one refuses, all refuse) and leave every rank as it was.
+        O(R + requests)."""
         prompt = list(prompt)
+        if rank is not None and (not isinstance(rank, int) or not 0 <= rank < self.ranks):
+            raise ValueError(f"rank={rank!r} must be an int in [0, R = {self.ranks}) or None "
+                             "(placed by the rule)")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
             while request_id in self._placed:
@@ -165,7 +169,9 @@ class DataParallelEngine:
         elif isinstance(request_id, str) and request_id in self._placed:
             raise ValueError(f"request_id {request_id!r} is already in use (queued, running or "
                              "finished and not yet collected)")
-        rank, turn = self.choose_rank(len(prompt))
+        turn = self._turn
+        if rank is None:
+            rank, turn = self.choose_rank(len(prompt))
         with jax.default_device(self.devices[rank]):
             rid = self.engines[rank].add_request(prompt, request_id=request_id, **kwargs)
         self._turn = turn

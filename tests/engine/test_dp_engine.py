@@ -107,3 +107,49 @@ def test_defaults_and_placement_bookkeeping():
     robin.close()
     with pytest.raises(RuntimeError, match="was closed"):
         robin.step()
+
+
+def test_bench_workload_over_two_ranks():
+    """fo_jax.engine.bench runs a DataParallelEngine (two ranks on one device): every rank
+    warmed, the pools empty at the end, the imbalance figures reported."""
+    from fo_jax.engine.bench import poisson_workload, run_workload, summary_lines
+
+    engine = _engine("least_context", seats=2)
+    requests = poisson_workload(4, rate=100.0, prompt_len=(2, 8), output_len=(2, 4),
+                                vocab=CONFIG.vocab_size)
+    figures = run_workload(engine, requests)
+    assert figures["requests"] == 4 and figures["pool_pages"]["held"] == 0
+    dp = figures["data_parallel"]
+    assert dp["placement"] == "least_context" and sum(dp["placed_per_rank"]) == 4
+    assert min(dp["placed_per_rank"]) >= 1 and dp["max_over_mean"] >= 1.0
+    assert len(dp["rank_misses"]) == 2 and figures["hit_rate"] <= 1
+    assert engine.counters["requests_finished"] == 4  # the warm-up's left out
+    assert any(line.startswith("data parallel (least_context): requests per rank")
+               for line in summary_lines(figures))
+
+
+def test_cli_devices_flags(capsys):
+    import argparse
+
+    from fo_jax import cli
+    from fo_jax.server.serve import add_engine_arguments, build_engine
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    engine = build_engine(parser.parse_args(["--model", "tiny", "--offload", "--capacity", "64",
+                                             "--devices", "1"]))[0]
+    assert isinstance(engine, DataParallelEngine)
+    assert (engine.ranks, engine.placement) == (1, "least_misses")
+    n = len(jax.local_devices())
+    for flags, message in [
+            (["--devices", str(n + 1)], f"--devices {n + 1} must be in [1, {n}] (this "
+             "process's devices; on a CPU, simulate more with XLA_FLAGS="
+             f"--xla_force_host_platform_device_count={n + 1})"),
+            (["--placement", "round_robin"], "--placement chooses among data-parallel ranks: "
+             "add --devices N"),
+            (["--devices", "1", "--placement", "least_misses"], "--placement least_misses "
+             "needs --offload (the resident path copies no misses)"),
+            (["--devices", "1", "--metrics-jsonl", "m.jsonl"], "--metrics-jsonl is not "
+             "supported with --devices (one log per engine)")]:
+        assert cli.main(["bench-serve", "--model", "tiny", *flags]) == 2
+        assert message in capsys.readouterr().err
