@@ -153,3 +153,37 @@ def test_cli_devices_flags(capsys):
              "supported with --devices (one log per engine)")]:
         assert cli.main(["bench-serve", "--model", "tiny", *flags]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_server_driver_over_two_ranks():
+    """The HTTP server's EngineDriver runs a DataParallelEngine as it runs an Engine (the
+    same calls): requests are served, released, and the snapshot sums the ranks' pools."""
+    import asyncio
+
+    from fo_jax.server.driver import Accepted, EngineDriver
+
+    engine = _engine("least_context", seats=2)
+    driver = EngineDriver(engine, max_queue=4, stats_every=1)
+    driver.start()
+
+    async def drain(handle):
+        items = []
+        while not getattr(items[-1] if items else None, "finished", False):
+            items.append(await asyncio.wait_for(handle.queue.get(), 60))
+        return items
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        handles = [driver.submit([1 + i, 2, 3], loop=loop, max_tokens=3) for i in range(3)]
+        return await asyncio.gather(*(drain(h) for h in handles))
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        assert driver.stop(timeout=30)
+    assert all(isinstance(items[0], Accepted) for items in got)
+    assert [items[-1].finish_reason for items in got] == ["length"] * 3
+    assert [len(items[-1].token_ids) for items in got] == [3] * 3
+    assert not engine.has_unfinished() and engine._placed == {}  # released by the driver
+    assert driver.snapshot.pool["total"] == 32 and driver.snapshot.pool["held"] == 0
+    assert driver.snapshot.counters["requests_finished"] >= 3
