@@ -129,7 +129,7 @@ def main(argv=None):
                         help="every rank on the first device (a test of the script)")
     parser.add_argument("--rules", nargs="+",
                         default=["round_robin", "least_context", "least_misses"])
-    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--requests", type=int, default=160)
     parser.add_argument("--rate", type=float, default=1.0, help="arrivals per engine step")
     parser.add_argument("--short", type=int, nargs=2, default=[16, 48])
     parser.add_argument("--long", type=int, nargs=2, default=[160, 224])
