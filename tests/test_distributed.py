@@ -1,6 +1,7 @@
 """fo_jax.distributed without a second process: argument errors, the launcher's kill and time
 limit (children that never import jax), rows in and out of a one-process mesh."""
 
+import os
 import time
 
 import jax
@@ -125,13 +126,18 @@ def test_rows_in_and_out_of_a_one_process_mesh():
         distributed.local_rows(local)
 
 
-# Process 0 starts a sleeping child of its own, prints both pids and fails at once; process 1
-# ignores SIGTERM, starts a sleeping child too, prints the pids and would sleep a minute.
-STUBBORN = ("import os, signal, subprocess, sys, time; "
+# Process 0 starts a sleeping child of its own, prints both pids, waits until process 1 is
+# ready and fails; process 1 ignores SIGTERM, starts a sleeping child too, prints the pids,
+# says it is ready (a file) and would sleep a minute.
+STUBBORN = ("import os, signal, subprocess, sys, time; e = os.environ; "
+            "ready = os.path.join(e['READY_DIR'], 'ready'); "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN) "
+            "if e['FO_JAX_PROCESS_ID'] == '1' else None; "
             "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
             "print(os.getpid(), child.pid, flush=True); "
-            "sys.exit(1) if os.environ['FO_JAX_PROCESS_ID'] == '0' else None; "
-            "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)")
+            "open(ready, 'w').close() if e['FO_JAX_PROCESS_ID'] == '1' else None; "
+            "[time.sleep(0.05) for _ in range(400) if not os.path.exists(ready)]; "
+            "sys.exit(1) if e['FO_JAX_PROCESS_ID'] == '0' else time.sleep(60)")
 
 
 def _alive(pid: int) -> bool:
@@ -143,14 +149,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_failure_ends_every_process_and_what_they_started_at_once():
+def test_a_failure_ends_every_process_and_what_they_started_at_once(tmp_path):
     """`python -m fo_jax.distributed launch`: one process fails at once, its peer ignores
     SIGTERM; the launcher exits non-zero within seconds (SIGTERM, 2 s of grace, SIGKILL), and
     neither process nor anything they started is left running: the failed one's child
     included (it was left running before: a process that had exited was not killed again,
     nor its group)."""
     start = time.monotonic()
-    results = distributed.launch(["-c", STUBBORN], processes=2, timeout_s=50)
+    env = dict(os.environ, READY_DIR=str(tmp_path))
+    results = distributed.launch(["-c", STUBBORN], processes=2, timeout_s=50, env=env)
     elapsed = time.monotonic() - start
     assert elapsed < 10, elapsed  # not the children's 60 s
     assert [(r.returncode, r.killed) for r in results] == [(1, False), (-9, True)], \
