@@ -29,9 +29,9 @@ where the imbalance can be fought. `placement` names a rule of `fo_jax.placement
     least_misses    the rank whose requests are expected to copy the fewest rows per step:
                     a request that has not run yet costs `placement.expected_misses` of its
                     context (scaled by what the running requests have reported against that
-                    prior); a running one, the EMA (`placement.update_estimate`) of the rows
-                    its seat copied per step (the offload statistics' union, summed over
-                    indexer groups)
+                    prior); a running one, the EMA (`placement.update_estimate`, weight 0.05,
+                    from that cost) of the rows its seat copied per engine step (the offload
+                    statistics' union, summed over indexer groups)
 
 Default: least_misses offloaded (the README's rank-imbalance table: it is the rule that
 lowers the busiest rank's excess, by 12-49% where requests differ in locality and seats are
@@ -391,10 +391,12 @@ class DataParallelEngine:
         placed = self._placed.get(request_id)
         if placed is None or self.placement != "least_misses":
             return
+        context = placed.prompt_len + placed.generated
+        if placed.estimate is None:  # from its cost at placement: one step is a burst or less
+            placed.estimate = self._cost(placed.prompt_len, placed.generated, None)
+        placed.estimate = placement_rules.update_estimate(placed.estimate, rows)
         self._observed += rows
-        self._predicted += self._prior(placed.prompt_len + placed.generated)
-        placed.estimate = (float(rows) if placed.estimate is None
-                           else placement_rules.update_estimate(placed.estimate, rows))
+        self._predicted += self._prior(context)
 
     def run(self) -> dict[str, RequestOutput]:
         """Step until every request has finished; the final output of each request."""

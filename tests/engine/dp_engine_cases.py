@@ -2,14 +2,15 @@
 
 Run by tests/engine/test_dp_engine.py in a subprocess (the rest of the suite keeps one
 device); runs alone too: `XLA_FLAGS=--xla_force_host_platform_device_count=4 PYTHONPATH=.
-python tests/engine/dp_engine_cases.py`. Prints one line per case and "ALL OK".
+python tests/engine/dp_engine_cases.py [--resident]`. Prints one line per case and "ALL OK".
 
 A stream of requests with staggered arrivals (a long one, then short ones) is served by 4
-ranks under least_context (offloaded) and round_robin (resident); every request's greedy
-tokens must equal those of the same request served alone by one `Engine` of the same
-settings on the default device; the long request and the short ones go to the ranks the rule
-predicts; every rank's arrays (weights, batch state, seats) live on its own device and its
-host pool in that device's pinned_host memory; every pool holds no page at the end.
+ranks under least_context (offloaded; with --resident also round_robin, resident); every
+request's greedy tokens must equal those of the same request served alone by one `Engine` of
+the same settings on the default device; the long request and the short ones go to the
+ranks the rule predicts; every rank's arrays (weights, batch state, seats) live on its own
+device and its host pool in that device's pinned_host memory; every pool holds no page at the
+end.
 """
 
 import functools
@@ -137,6 +138,8 @@ def case_stream(path, rule):
 def main():
     assert len(jax.devices()) >= RANKS, jax.devices()
     case_stream("ring", "least_context")
+    if "--resident" in sys.argv:  # the resident path too (by hand: twice the compiles)
+        case_stream("resident", "round_robin")
     print("ALL OK")
 
 
