@@ -337,8 +337,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _kill(proc: subprocess.Popen, grace_s: float = 2.0) -> None:
-    """End one child and everything it started (its own process group)."""
+    """End one child and everything it started (its own process group, which outlives the
+    child: a child that has exited may have left processes of its own running)."""
     if proc.poll() is not None:
+        try:  # the group's pgid cannot be reused while any member of it lives
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         return
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
@@ -347,9 +352,13 @@ def _kill(proc: subprocess.Popen, grace_s: float = 2.0) -> None:
             return
         try:
             proc.wait(timeout=grace_s)
-            return
         except subprocess.TimeoutExpired:
             continue
+        try:  # the child is gone; what it started and left behind goes too
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return
 
 
 def launch(args: Sequence[str], *, processes: int, devices_per_process: int | None = None,
@@ -364,8 +373,9 @@ def launch(args: Sequence[str], *, processes: int, devices_per_process: int | No
     FO_JAX_LOCAL_DEVICE_COUNT with JAX_PLATFORMS=cpu when `devices_per_process` simulates CPU
     devices) for `initialize_from_env`. As soon as one child fails, or the time is up, every
     child still running is killed (with what it started): the others would otherwise wait on
-    the dead one until the runtime's heartbeat timeout. Outputs go through temporary files (no
-    pipe can fill up and stall a child).
+    the dead one until the runtime's heartbeat timeout. On return nothing a child started is
+    left running (each child's process group is killed, even after the child has exited).
+    Outputs go through temporary files (no pipe can fill up and stall a child).
     """
     if not args:
         raise ValueError("launch needs the program to run: python arguments, e.g. "

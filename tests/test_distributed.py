@@ -1,6 +1,7 @@
 """fo_jax.distributed without a second process: argument errors, the launcher's kill and time
 limit (children that never import jax), rows in and out of a one-process mesh."""
 
+import os
 import time
 
 import jax
@@ -123,3 +124,45 @@ def test_rows_in_and_out_of_a_one_process_mesh():
         distributed.global_batch(local, mesh, "model")
     with pytest.raises(ValueError, match="local_rows takes a jax.Array, got ndarray"):
         distributed.local_rows(local)
+
+
+# Process 0 starts a sleeping child of its own, prints both pids, waits until process 1 is
+# ready and fails; process 1 ignores SIGTERM, starts a sleeping child too, prints the pids,
+# says it is ready (a file) and would sleep a minute.
+STUBBORN = ("import os, signal, subprocess, sys, time; e = os.environ; "
+            "ready = os.path.join(e['READY_DIR'], 'ready'); "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN) "
+            "if e['FO_JAX_PROCESS_ID'] == '1' else None; "
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            "print(os.getpid(), child.pid, flush=True); "
+            "open(ready, 'w').close() if e['FO_JAX_PROCESS_ID'] == '1' else None; "
+            "[time.sleep(0.05) for _ in range(400) if not os.path.exists(ready)]; "
+            "sys.exit(1) if e['FO_JAX_PROCESS_ID'] == '0' else time.sleep(60)")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_failure_ends_every_process_and_what_they_started_at_once(tmp_path):
+    """`python -m fo_jax.distributed launch`: one process fails at once, its peer ignores
+    SIGTERM; the launcher exits non-zero within seconds (SIGTERM, 2 s of grace, SIGKILL), and
+    neither process nor anything they started is left running: the failed one's child
+    included (it was left running before: a process that had exited was not killed again,
+    nor its group)."""
+    start = time.monotonic()
+    env = dict(os.environ, READY_DIR=str(tmp_path))
+    results = distributed.launch(["-c", STUBBORN], processes=2, timeout_s=50, env=env)
+    elapsed = time.monotonic() - start
+    assert elapsed < 10, elapsed  # not the children's 60 s
+    assert [(r.returncode, r.killed) for r in results] == [(1, False), (-9, True)], \
+        distributed.report(results)
+    pids = [int(p) for r in results for p in r.stdout.split()]
+    assert len(pids) == 4
+    time.sleep(0.2)  # the orphaned children are reaped by init
+    assert [p for p in pids if _alive(p)] == []

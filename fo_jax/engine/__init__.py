@@ -3,6 +3,8 @@
 `fo_jax.engine.loop`: the jit-compiled decode loop (`decode_loop`): up to N decode steps with
 on-device sampling, stop checks and summed statistics in one program.
 `fo_jax.engine.engine`: continuous batching over seats (`Engine`).
+`fo_jax.engine.data_parallel`: R engines on R devices behind one request stream
+(`DataParallelEngine`), each request placed on a rank by a `fo_jax.placement` rule.
 `fo_jax.engine.auto`: automatic offload (`AutoEngine`): short resident seats while a request
 fits them, offloaded seats once it outgrows them (a lossless move).
 `fo_jax.engine.pages`: host-side page bookkeeping: a page pool with reference counts
@@ -23,6 +25,7 @@ from fo_jax.engine.admission import (
     Verdict,
 )
 from fo_jax.engine.auto import AutoEngine
+from fo_jax.engine.data_parallel import DataParallelEngine
 from fo_jax.engine.engine import Engine, RequestOutput
 from fo_jax.engine.loop import (
     LoopOutput,
@@ -37,7 +40,8 @@ from fo_jax.engine.loop import (
 from fo_jax.engine.metrics import MetricsLog
 from fo_jax.engine.pages import NO_PAGE, PagePool, PoolExhausted, PrefixCache, RequestPages
 
-__all__ = ["NO_PAGE", "Admission", "AutoEngine", "Decision", "Engine", "LoopOutput", "LoopStats",
-           "MemoryCosts", "MetricsLog", "OffloadedStep", "PagePool", "PoolExhausted",
-           "PrefixCache", "Request", "RequestOutput", "RequestPages", "RequestRefused",
-           "ResidentStep", "Sampling", "Seats", "Verdict", "decode_loop", "sample_tokens"]
+__all__ = ["NO_PAGE", "Admission", "AutoEngine", "DataParallelEngine", "Decision", "Engine",
+           "LoopOutput", "LoopStats", "MemoryCosts", "MetricsLog", "OffloadedStep", "PagePool",
+           "PoolExhausted", "PrefixCache", "Request", "RequestOutput", "RequestPages",
+           "RequestRefused", "ResidentStep", "Sampling", "Seats", "Verdict", "decode_loop",
+           "sample_tokens"]

@@ -8,7 +8,8 @@ experiments/serving_bench.py).
 
 The host clock drives arrivals: a request is added once its arrival time has passed, so an
 engine whose steps are slower sees more requests waiting. Figures are of the timed run only:
-every program is compiled first by an untimed request as long as the longest prompt.
+every program is compiled first by an untimed request as long as the longest prompt (one per
+rank of a `DataParallelEngine`, whose imbalance figures are added).
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ def poisson_workload(num_requests: int, *, rate: float, prompt_len: tuple[int, i
 
 
 def _reset(engine: Engine) -> None:
+    if hasattr(engine, "reset_figures"):  # a DataParallelEngine: every rank's
+        engine.reset_figures()
+        return
     engine.timings = dict.fromkeys(engine.timings, 0.0)
     engine.counters = dict.fromkeys(engine.counters, 0)
     engine.stats = None
@@ -74,8 +78,14 @@ def run_workload(engine: Engine, requests, *, warm: bool = True,
     if warm:  # compile every program (each prefill bucket up to the longest prompt), untimed;
         # reversed: the same length without filling a prefix cache with a workload prompt
         longest = max((r[1] for r in requests), key=len)
-        engine.add_request(longest[::-1], max_tokens=2)
+        ranks = getattr(engine, "ranks", None)  # a DataParallelEngine: warm every rank
+        warm_ids = [engine.add_request(longest[::-1], max_tokens=2,
+                                       **({} if ranks is None else {"rank": r}))
+                    for r in range(ranks or 1)]
         engine.run()
+        if ranks is not None:
+            for rid in warm_ids:
+                engine.release(rid)
         _reset(engine)
     if metrics_path is not None:
         engine.metrics = MetricsLog(engine, path=metrics_path, every=metrics_every)
@@ -134,6 +144,8 @@ def run_workload(engine: Engine, requests, *, warm: bool = True,
             for h, t, m in zip(groups["hits"], groups["tail_hits"], groups["misses"])]
     if engine.pool_occupancy() is not None:
         figures["pool_pages"] = engine.pool_occupancy()
+    if hasattr(engine, "imbalance"):  # a DataParallelEngine
+        figures["data_parallel"] = engine.imbalance()
     return figures
 
 
@@ -169,6 +181,12 @@ def summary_lines(figures: dict) -> list[str]:
         rates = " / ".join(f"{r:.3f}" for r in f["group_hit_rate"])
         lines.append(f"offload per indexer group: hit rate {rates}; bytes moved H2D "
                      f"{_fmt_bytes(f['h2d_bytes'])}, D2H {_fmt_bytes(f['d2h_bytes'])}")
+    if "data_parallel" in f:
+        d = f["data_parallel"]
+        spread = "-" if d["max_over_mean"] is None else f"{d['max_over_mean']:.2f}"
+        lines.append(f"data parallel ({d['placement']}): requests per rank "
+                     f"{d['placed_per_rank']}, rows copied per rank {d['rank_misses']}, "
+                     f"largest rank / mean per step {spread}")
     if "pool_pages" in f:
         p = f["pool_pages"]
         lines.append(f"pool pages at the end: {p['free']} free, {p['held']} held, "

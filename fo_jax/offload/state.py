@@ -43,12 +43,21 @@ from fo_jax.config import ModelConfig
 from fo_jax.offload.config import OffloadConfig
 
 
+def default_device() -> jax.Device:
+    """The device new state goes to: this thread's `jax.default_device` when it is set to
+    one of this process's devices (a data-parallel rank builds and steps its engine under
+    it), else this process's first device (in a multi-process run jax.devices()[0] is
+    process 0's, which no other process can read or write)."""
+    device = jax.config.jax_default_device
+    if isinstance(device, jax.Device) and device.process_index == jax.process_index():
+        return device
+    return jax.local_devices()[0]
+
+
 def host_sharding(kind: str):
-    """A single-device sharding in memory kind `kind` (`pinned_host` or `device`), on this
-    process's first device (in a multi-process run jax.devices()[0] is process 0's, which no
-    other process can read or write)."""
-    device = jax.local_devices()[0]
-    return jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+    """A single-device sharding in memory kind `kind` (`pinned_host` or `device`), on
+    `default_device()`."""
+    return jax.sharding.SingleDeviceSharding(default_device(), memory_kind=kind)
 
 
 def to_memory_kind(x: jax.Array, kind: str) -> jax.Array:
@@ -77,9 +86,10 @@ def committed(tree):
     A jitted step returns committed arrays; a state built from uncommitted ones (plain
     `jnp` results) would hit another entry of the step's jit cache, so the second step would
     compile the whole program again. Moves nothing: the leaves are already on that device
-    (this process's first device: jnp's default in a multi-process run too).
+    (`default_device()`: jnp's default, in a multi-process run and under
+    `jax.default_device` too).
     """
-    device = jax.local_devices()[0]
+    device = default_device()
     return jax.tree.map(lambda x: x if x.committed else jax.device_put(x, device), tree)
 
 

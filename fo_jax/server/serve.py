@@ -82,6 +82,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="n-gram drafts per request and decode step, verified on the device "
                              "(greedy requests; 0 = none; at most the model's max_ways - 1)")
     parser.add_argument("--prefill-chunk", type=int, default=256)
+    parser.add_argument("--devices", type=int, default=None,
+                        help="serve data-parallel on this many local devices: one engine per "
+                             "device (--seats and the host pool per device), each request "
+                             "placed on one (fo_jax.engine.data_parallel). On a CPU, simulated "
+                             "devices need XLA_FLAGS=--xla_force_host_platform_device_count=N")
+    parser.add_argument("--placement", default=None,
+                        choices=("round_robin", "least_requests", "least_context",
+                                 "least_misses"),
+                        help="with --devices: the rank of a new request (default least_misses "
+                             "with --offload, else least_context; fo_jax.placement)")
     parser.add_argument("--max-param-gb", type=float, default=None)
     parser.add_argument("--no-progress", action="store_true")
 
@@ -204,10 +214,16 @@ def warm_up(engine) -> None:
     whose history reaches further compile their prefill program on first use."""
     n = min(engine.chunk + 1, max(1, engine.capacity // 2))
     steps = engine.n_steps
+    ranks = getattr(engine, "ranks", None)  # a DataParallelEngine: every rank compiles
     for temperature in (0.0, 1.0):
-        rid = engine.add_request([0] * n, max_tokens=3 * steps + 1, temperature=temperature)
+        rids = [engine.add_request([0] * n, max_tokens=3 * steps + 1, temperature=temperature,
+                                   **({} if ranks is None else {"rank": r}))
+                for r in range(ranks or 1)]
         engine.run()
-        engine.release(rid)
+        for rid in rids:
+            engine.release(rid)
+    if ranks is not None:
+        engine.reset_figures()
 
 
 def build_engine(args):
@@ -256,6 +272,7 @@ def build_engine(args):
         offload = OffloadConfig(hot_slots=hot, page_size=args.page_size, capacity=capacity,
                                 policy=args.policy or "ring")
         offload.validate_for(config)
+    devices = _devices(args)
     _check_param_memory(config, args.max_param_gb)
     if load is not None:
         params = load()[1]
@@ -276,12 +293,42 @@ def build_engine(args):
                 raise ValueError(f"--device-gb must be > 0, got {device_gb}")
             pool["device_bytes"] = max(1, int(device_gb * 1e9))
         pool["prefix_cache"], pool["reserve"] = args.prefix_cache, reserve
-    engine = Engine(params, config, seats=args.seats, capacity=capacity, offload=offload,
-                    decode_steps_per_call=args.decode_steps_per_call,
-                    prefill_chunk=args.prefill_chunk, tokenizer=tokenizer,
-                    order=getattr(args, "queue_order", "fifo"), num_drafts=num_drafts,
-                    **pool)
+    kwargs = dict(seats=args.seats, capacity=capacity, offload=offload,
+                  decode_steps_per_call=args.decode_steps_per_call,
+                  prefill_chunk=args.prefill_chunk, tokenizer=tokenizer,
+                  order=getattr(args, "queue_order", "fifo"), num_drafts=num_drafts,
+                  **pool)
+    if devices is None:
+        return Engine(params, config, **kwargs), config, tokenizer, offload
+    from fo_jax.engine.data_parallel import DataParallelEngine
+
+    engine = DataParallelEngine(params, config, devices=devices,
+                                placement=getattr(args, "placement", None), **kwargs)
     return engine, config, tokenizer, offload
+
+
+def _devices(args):
+    """The local devices of --devices (None without it), checked before the weights are
+    read."""
+    import jax
+
+    count, rule = getattr(args, "devices", None), getattr(args, "placement", None)
+    if count is None:
+        if rule is not None:
+            raise ValueError("--placement chooses among data-parallel ranks: add --devices N")
+        return None
+    local = jax.local_devices()
+    if not 1 <= count <= len(local):
+        raise ValueError(f"--devices {count} must be in [1, {len(local)}] (this process's "
+                         "devices; on a CPU, simulate more with XLA_FLAGS="
+                         f"--xla_force_host_platform_device_count={max(count, 1)})")
+    if rule == "least_misses" and not args.offload:
+        raise ValueError("--placement least_misses needs --offload (the resident path copies "
+                         "no misses)")
+    if getattr(args, "metrics_jsonl", None):
+        raise ValueError("--metrics-jsonl is not supported with --devices (one log per "
+                         "engine)")
+    return local[:count]
 
 
 def run(args) -> int:
@@ -303,7 +350,9 @@ def run(args) -> int:
                           shutdown_timeout=args.shutdown_timeout)
     server = make_server(served, host=args.host, port=args.port, log_level=args.log_level,
                          shutdown_timeout=args.shutdown_timeout)
-    print(f"fo-jax serve: {name} ({'offloaded' if offload else 'resident'}, {args.seats} seats "
+    ranks = "" if args.devices is None else f" x {args.devices} devices"
+    print(f"fo-jax serve: {name} ({'offloaded' if offload else 'resident'}, {args.seats} "
+          f"seats{ranks} "
           f"of {capacity} tokens) on http://{args.host}:{args.port}/v1", flush=True)
     server.run()
     if engine.metrics is not None:
