@@ -424,8 +424,8 @@ class DataParallelEngine:
 
 def _seat_ids(engine: Engine) -> list[str | None]:
     """[B] the request id in each seat of `engine` (None: empty). Reads the engine's seat
-    table (`Engine._occupant`, no public accessor yet): the offload statistics are per seat."""
-    return [None if r is None else r.request_id for r in engine._occupant]
+    table (`Engine.seat_request_ids`): the offload statistics are per seat."""
+    return engine.seat_request_ids()
 
 
 __all__ = ["PLACEMENTS", "DataParallelEngine"]

@@ -553,6 +553,11 @@ class Engine:
         return {"free": self.pool.num_free, "held": self.pool.num_held,
                 "cached": self.pool.num_cached, "total": self.pool.num_pages}
 
+    def seat_request_ids(self) -> list[str | None]:
+        """The id of each seat's request (None: a free seat): per-seat figures (the offload
+        statistics are [.., seats, ..]) belong to these requests. O(seats)."""
+        return [None if r is None else r.request_id for r in self._occupant]
+
     def decoding_seats(self) -> np.ndarray:
         """[seats] bool: seats whose request has its decode state (prompt complete)."""
         return np.asarray([r is not None and r.prefilled >= len(r.prompt)
