@@ -123,8 +123,7 @@ back), so its KV is the one it had, bit for bit. With reserve="prompt", a call m
 `decode_steps_per_call` x (D + 1) tokens per request, and that is what is grown before it.
 
 Not here yet: device_bytes, reserve="prompt", preemption and prefix reuse on the resident
-path; aging in the "shortest" order (a long request can wait for ever under a stream of
-shorter ones); MTP drafts in the decode loop (`num_drafts` drafts by n-gram lookup only;
+path; MTP drafts in the decode loop (`num_drafts` drafts by n-gram lookup only;
 `fo_jax.generate` drafts with the MTP layer from the host); speculative sampling (a request at
 temperature > 0 takes one token per step).
 """
@@ -221,6 +220,7 @@ class _Request:
     key_data: Any = None  # its PRNG key data when preempted after sampling (restored on resume)
     groups: list[int] = dataclasses.field(default_factory=list)  # with drafts: tokens yielded
     # by each decode step (a replay feeds the same groups: the same W-way programs)
+    queued_at: int = 0  # the engine step it arrived at (aging of order="shortest")
 
     def output(self, new: list[int]) -> RequestOutput:
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
@@ -299,8 +299,11 @@ class Engine:
         not fit now waits. None: no device limit beyond the seats and the pool.
       order: the waiting queue: "fifo" (arrival order) or "shortest" (by prompt + max_tokens,
         ties by arrival). Either way admission stops at the first request that does not fit
-        (no overtaking) and preempted requests come first. With "shortest", a long request
-        can wait for ever under a steady stream of shorter ones (no aging).
+        (no overtaking) and preempted requests come first.
+      max_wait_steps: order="shortest" only: a request that has waited this many engine
+        steps goes ahead of every request that has not (those that did, in arrival order), so
+        a long request does not wait for ever under a steady stream of shorter ones. None: no
+        aging (it can).
       reserve: offloaded: "full" reserves pages for prompt + max_tokens at admission (a running
         request never needs a page: no preemption); "prompt" reserves the prompt and the next
         decode call, and grows each running request's pages before every decode call,
@@ -323,7 +326,8 @@ class Engine:
                  num_pages: int | None = None, host_pool_bytes: int | None = None,
                  prefix_cache: bool = False, device_bytes: int | None = None,
                  order: str = "fifo", reserve: str = "full", metrics_path: str | None = None,
-                 metrics_every: int = 16, num_drafts: int = 0):
+                 metrics_every: int = 16, num_drafts: int = 0,
+                 max_wait_steps: int | None = 256):
         for name, value in (("seats", seats), ("decode_steps_per_call", decode_steps_per_call),
                             ("prefill_chunk", prefill_chunk), ("max_stop_ids", max_stop_ids),
                             ("metrics_every", metrics_every)):
@@ -355,6 +359,12 @@ class Engine:
                              "resident state keeps each seat's KV apart")
         if order not in ORDERS:
             raise ValueError(f"order={order!r} must be one of {ORDERS}")
+        if max_wait_steps is not None and (not isinstance(max_wait_steps, numbers.Integral)
+                                           or isinstance(max_wait_steps, bool)
+                                           or max_wait_steps < 0):
+            raise ValueError(f"max_wait_steps={max_wait_steps!r} must be an int >= 0 (engine "
+                             "steps a request waits before it goes ahead of shorter ones with "
+                             "order='shortest') or None (no aging)")
         if reserve not in RESERVES:
             raise ValueError(f"reserve={reserve!r} must be one of {RESERVES}")
         if device_bytes is not None and (not isinstance(device_bytes, numbers.Integral)
@@ -367,6 +377,7 @@ class Engine:
             raise ValueError(f"{err} (Engine(num_drafts=...))") from None
         self.num_drafts = int(num_drafts)
         self.order, self.reserve = order, reserve
+        self.max_wait_steps = max_wait_steps
         self.device_bytes = None if device_bytes is None else int(device_bytes)
         self.costs = None  # MemoryCosts (offloaded): the planner's bytes per seat and page
         if num_pages is not None and host_pool_bytes is not None:
@@ -502,7 +513,7 @@ class Engine:
         req = _Request(request_id, prompt_np.astype(np.int32), int(max_tokens),
                        float(temperature), float(top_p), int(seed), stop_ids, stop,
                        time.perf_counter(), text="" if self.tokenizer is not None else None,
-                       order=next(self._arrivals))
+                       order=next(self._arrivals), queued_at=self.counters["steps"])
         self._requests[request_id] = req
         self._waiting.append(req)
         return request_id
@@ -639,12 +650,19 @@ class Engine:
 
     def _queue(self) -> list[_Request]:
         """The waiting requests in admission order: preempted ones first (in arrival order:
-        the oldest resumes first), then new ones by `order`.
+        the oldest resumes first), then new ones by `order`; with "shortest", those that
+        waited `max_wait_steps` steps go first, in arrival order.
         O(Q log Q)."""
         if self.order == "fifo":
             return sorted(self._waiting, key=lambda r: (not r.preempted, r.order))
+        now, wait = self.counters["steps"], self.max_wait_steps
+
+        def aged(r: _Request) -> bool:
+            return r.preempted or (wait is not None and now - r.queued_at >= wait)
+
         return sorted(self._waiting, key=lambda r: (
-            not r.preempted, 0 if r.preempted else len(r.prompt) + r.max_tokens, r.order))
+            not r.preempted, not aged(r), 0 if aged(r) else len(r.prompt) + r.max_tokens,
+            r.order))
 
     def _admit(self) -> None:
         """The first request of the queue (`_queue`) takes a free seat once the pool can

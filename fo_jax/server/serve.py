@@ -77,6 +77,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "decodes and preempting the youngest request when short (prompt)")
     parser.add_argument("--queue-order", choices=("fifo", "shortest"), default="fifo",
                         help="waiting requests: by arrival, or shortest prompt + max_tokens first")
+    parser.add_argument("--max-wait-steps", type=int, default=256,
+                        help="with --queue-order shortest: engine steps after which a waiting "
+                             "request goes ahead of shorter ones (-1: no aging)")
     parser.add_argument("--decode-steps-per-call", type=int, default=1)
     parser.add_argument("--num-drafts", type=int, default=0,
                         help="n-gram drafts per request and decode step, verified on the device "
@@ -297,6 +300,7 @@ def build_engine(args):
                   decode_steps_per_call=args.decode_steps_per_call,
                   prefill_chunk=args.prefill_chunk, tokenizer=tokenizer,
                   order=getattr(args, "queue_order", "fifo"), num_drafts=num_drafts,
+                  max_wait_steps=_max_wait_steps(args),
                   **pool)
     if devices is None:
         return Engine(params, config, **kwargs), config, tokenizer, offload
@@ -305,6 +309,14 @@ def build_engine(args):
     engine = DataParallelEngine(params, config, devices=devices,
                                 placement=getattr(args, "placement", None), **kwargs)
     return engine, config, tokenizer, offload
+
+
+def _max_wait_steps(args) -> int | None:
+    """--max-wait-steps: steps, or None for -1 (no aging)."""
+    steps = getattr(args, "max_wait_steps", 256)
+    if steps is not None and steps < -1:
+        raise ValueError(f"--max-wait-steps must be >= 0, or -1 for no aging; got {steps}")
+    return None if steps == -1 else steps
 
 
 def _devices(args):

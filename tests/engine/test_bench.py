@@ -87,7 +87,8 @@ def test_engine_flags_reach_the_engine():
     add_engine_arguments(parser)
     args = parser.parse_args(["--model", "tiny", "--offload", "--capacity", "64",
                               "--device-gb", "0.5", "--reserve", "prompt",
-                              "--queue-order", "shortest", "--num-drafts", "2"])
+                              "--queue-order", "shortest", "--num-drafts", "2",
+                              "--max-wait-steps", "-1"])
     engine = build_engine(args)[0]
-    assert (engine.device_bytes, engine.reserve, engine.order, engine.num_drafts) == (
-        500_000_000, "prompt", "shortest", 2)
+    assert (engine.device_bytes, engine.reserve, engine.order, engine.num_drafts,
+            engine.max_wait_steps) == (500_000_000, "prompt", "shortest", 2, None)

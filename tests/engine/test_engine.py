@@ -247,6 +247,8 @@ def test_bad_requests_are_refused_before_anything_changes(kwargs, message):
     (dict(capacity=16), "capacity=16 differs from offload.capacity=32"),
     (dict(decode_steps_per_call=0), "decode_steps_per_call=0 must be an int >= 1"),
     (dict(order="lifo"), r"order='lifo' must be one of \('fifo', 'shortest'\)"),
+    (dict(max_wait_steps=-1), r"max_wait_steps=-1 must be an int >= 0 \(engine steps a "
+     r"request waits before it goes ahead of shorter ones with order='shortest'\) or None"),
     (dict(reserve="all"), r"reserve='all' must be one of \('full', 'prompt'\)"),
     (dict(device_bytes=0), "device_bytes=0 must be an int >= 1 .bytes of device memory for "
                            "request state., or None"),
@@ -353,6 +355,24 @@ def test_queue_order(order):
     assert engine.waiting_ids() == (short if order == "fifo" else [long])
     outputs = engine.run()
     assert all(out.finish_reason == "length" for out in outputs.values())
+
+
+@pytest.mark.parametrize("max_wait_steps", [None, 3])
+def test_shortest_first_ages_a_waiting_request(max_wait_steps):
+    """order="shortest": a long request waits while a short one arrives at every step.
+    Without aging it stays behind all of them; with max_wait_steps=3 it heads the queue once
+    it has waited 3 steps (the shorts that waited as long follow it, in arrival order). The
+    queue only: no program runs."""
+    engine = _engine("resident", seats=1, order="shortest", max_wait_steps=max_wait_steps)
+    long = engine.add_request(_prompt(1, 17), max_tokens=15)
+    shorts = []
+    for step in range(1, 7):
+        engine.counters["steps"] = step  # what `step()` counts
+        shorts.append(engine.add_request(_prompt(2 + step, 3), max_tokens=2))
+        if max_wait_steps is not None and step >= max_wait_steps:
+            assert engine.waiting_ids() == [long] + shorts
+        else:
+            assert engine.waiting_ids() == shorts + [long]
 
 
 def test_preemption_takes_the_youngest_and_keeps_its_tokens():
