@@ -12,11 +12,11 @@ write-backs to hide behind compute? Two parts, one run, one JSON line per cell:
             tau_compute), which the simulated exposure equals while loads do not queue and
             exceeds once the copy engine is the bottleneck.
   measure   wall time of the real offloaded prefill (fo_jax.offload.prefill) for each (d, n)
-            (d from --measure-distances, default --distances) and of the resident prefill (fo_jax.resident) in the same run, same tokens: median of
-            a few runs after a warm-up, and the ratio. On a CPU the memory moves compile to
-            nothing and there is no asynchronous copy engine, so this measures the offload
-            path's overhead (buffer bookkeeping, write-backs, reloading history every chunk),
-            not overlap.
+            (d from --measure-distances, default --distances) and of the resident prefill
+            (fo_jax.resident) in the same run, same tokens: median of a few runs after a
+            warm-up, and the ratio. On a CPU the memory moves compile to nothing and there is
+            no asynchronous copy engine, so this measures the offload path's overhead (buffer
+            bookkeeping, write-backs, reloading history every chunk), not overlap.
 
     python experiments/prefetch_distance.py                 # CPU: model + measurement
     python experiments/prefetch_distance.py --smoke         # seconds; run by the tests
