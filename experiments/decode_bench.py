@@ -333,7 +333,7 @@ def main(argv=None):
     if args.smoke:
         args.k, args.batch, args.mgmt_context, args.rounds, args.inner = 16, 2, 2048, 3, 4
         args.model, args.context, args.steps, args.ways = "tiny", 200, 3, 2
-        args.warmup, args.multiples = 2, [2, 4, 8]
+        args.warmup, args.multiples = 2, [2, 4]  # each (policy, C) compiles its own program
     if args.what != "step" and min(args.multiples) < args.ways:
         parser.error(f"C = {min(args.multiples)}k < k * W = {args.ways}k: every step's "
                      "selections must fit the hot cache; raise --multiples or lower --ways")

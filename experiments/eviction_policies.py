@@ -70,8 +70,10 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="append JSON lines here")
     args = parser.parse_args(argv)
     if args.smoke:
+        # One budget (C = k * W: the tightest, every step evicts) and every policy: each
+        # policy is its own compiled decode step, the budget only changes shapes.
         args.model, args.context, args.steps, args.warmup = "tiny", 300, 4, 2
-        args.multiples = [1, 2]
+        args.multiples = [1]
     config = dataclasses.replace(get_config(args.model), max_ways=args.ways)
     params = init_params(config, jax.random.key(0))
     rng = np.random.default_rng(2)

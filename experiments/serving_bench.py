@@ -84,10 +84,12 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="append JSON lines here")
     args = parser.parse_args(argv)
     if args.smoke:
+        # Prompts of at most 2 chunks, 3 with the one-chunk system prompt: the offloaded
+        # prefill compiles for histories of 0, 2 and 4 pages (its buckets), no more.
         args.model, args.capacity, args.page_size, args.requests = "tiny", 64, 4, 5
-        args.prompt_len, args.output_len, args.prefill_chunk = [4, 20], [2, 6], 8
+        args.prompt_len, args.output_len, args.prefill_chunk = [4, 16], [2, 6], 8
         args.rate, args.device_budget_mb, args.steps_per_call = 50.0, 0.2, [1, 4]
-        args.prefix_len = 16
+        args.prefix_len = 8
     config = get_config(args.model).replace(max_ways=1)
     if args.capacity > config.max_seq_len:
         config = config.replace(max_seq_len=args.capacity)

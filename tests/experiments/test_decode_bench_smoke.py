@@ -12,10 +12,11 @@ def test_smoke(load_experiment, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "management per step" in printed and "whole decode step" in printed
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    # 3 policies x 3 hot-cache sizes; the step: 2 policies x 2 workloads (locality, uniform).
-    assert len(lines) == len(rows) == 3 * 3 + 2 * 2
+    # 3 policies x 2 hot-cache sizes; the step: 2 policies x 2 workloads (locality, uniform).
+    assert len(lines) == len(rows) == 3 * 2 + 2 * 2
     management = [r for r in lines if r["question"] == "management"]
-    assert {r["policy"] for r in management} == {"ring", "clock", "lru"}
+    assert {(r["policy"], r["hot_slots"]) for r in management} == {
+        (p, c) for p in ("ring", "clock", "lru") for c in (32, 64)}
     assert all(r["seconds"] > 0 for r in management)
     assert all(r["jax"] and r["backend"] and r["git"] for r in lines)
     # Every cell copies the same misses, and is timed over the same interleaved rounds.

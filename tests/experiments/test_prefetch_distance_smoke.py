@@ -27,7 +27,9 @@ def test_smoke(load_experiment, tmp_path, capsys):
             r["no_offload_s"] + r["exposed_load_s"] + r["writeback_tail_s"])
 
     measured = [r for r in lines if r["kind"] == "measured"]
-    assert [r["path"] for r in measured] == ["resident", "offload", "offload"]
+    # The measurement: resident and one offloaded schedule (d = 2, n = 4).
+    assert [(r["path"], r["distance"], r["num_buffers"]) for r in measured] == [
+        ("resident", None, None), ("offload", 2, 4)]
     assert all(r["median_s"] > 0 and r["ratio_to_resident"] > 0 for r in measured)
 
     png = load_experiment("plot_prefetch_distance").main(

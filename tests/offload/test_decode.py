@@ -21,8 +21,9 @@ TINY = get_config("tiny")
 
 
 def _setup(*, batch, ways, k, hot, page, lengths, policy, shared, steps, seed=0, **changes):
+    layers = changes.get("num_layers", TINY.num_layers)
     config = TINY.replace(index_topk=k, max_ways=ways,
-                          indexer_layers=(0, 2) if shared else (0, 1, 2, 3), **changes)
+                          indexer_layers=(0, 2) if shared else tuple(range(layers)), **changes)
     capacity = -(-(max(lengths) + steps * ways) // page) * page
     offload = OffloadConfig(hot_slots=hot, page_size=page, capacity=capacity, policy=policy)
     params = init_params(config, jax.random.key(seed))
@@ -77,8 +78,12 @@ def scenarios(draw):
 @settings(max_examples=4)
 @given(scenarios())
 def test_offloaded_decode_is_bitwise_resident(scenario):
+    # Random W, k, C, page size, batch, history lengths, policy and indexer sharing. Three
+    # layers: shared indexers give groups of unequal sizes (layers 0-1 and 2), unshared ones
+    # three groups. Each group is its own block of the compiled programs (the layers of a group
+    # are a loop): three layers compile a quarter less than the tiny model's four.
     steps = 50
-    setup = _setup(steps=steps, **scenario)
+    setup = _setup(steps=steps, num_layers=3, **scenario)
     _run(*setup, steps=steps, check_every=5)
 
 
@@ -105,15 +110,24 @@ def test_offloaded_decode_with_moe_layers_is_bitwise_resident():
     _run(*setup, steps=steps)
 
 
+# Scenarios several tests set up (the same shapes: the prefill and steps compile once).
+ONE = dict(batch=1, ways=1, k=4, hot=8, page=4, lengths=[20], policy="ring", shared=True,
+           steps=6)
+TWO = dict(batch=2, ways=2, k=4, hot=8, page=4, lengths=[10, 7], policy="ring", shared=True,
+           steps=1)
+
+
 def test_stats_count_misses_and_bytes():
-    config, offload, params, res, dec, rng = _setup(
-        batch=1, ways=1, k=8, hot=8, page=4, lengths=[64], policy="ring", shared=True, steps=2)
+    # ONE's shapes (20 tokens of history, C = 8: the first step misses): its programs are
+    # compiled once for the tests of this module that use it.
+    config, offload, params, res, dec, rng = _setup(**ONE)
     tokens = np.array([[3]], np.int32)
     _, dec, stats = offload_decode.decode_step(params, dec, tokens, config=config,
                                                offload=offload)
     row = config.kv_width * config.jnp_kv_dtype.itemsize
     layers = np.array([hi - lo for lo, hi in config.group_bounds])
     union = np.asarray(stats.union)[:, 0]
+    assert union.min() > 0  # every group copied rows
     assert int(stats.h2d_bytes[0]) == int((union * layers).sum() * row)
     assert int(stats.d2h_bytes[0]) == config.num_layers * row
     assert stats.selected.shape == (config.num_groups, 1, 1, config.index_topk)
@@ -131,13 +145,6 @@ def test_device_bytes_match_the_formula(policy):
     # With C + 2Z < S the offloaded device state is smaller than the resident one.
     assert state.device_bytes() < res.device_bytes()
     assert state.host.kv.sharding.memory_kind == "pinned_host"
-
-
-# Scenarios several tests set up (the same shapes: the prefill and steps compile once).
-ONE = dict(batch=1, ways=1, k=4, hot=8, page=4, lengths=[20], policy="ring", shared=True,
-           steps=6)
-TWO = dict(batch=2, ways=2, k=4, hot=8, page=4, lengths=[10, 7], policy="ring", shared=True,
-           steps=1)
 
 
 def test_one_trace_across_steps():

@@ -179,9 +179,10 @@ def _cases(draw):
     page_size = draw(st.sampled_from([4, 8]))
     capacity = 48
     # Two chunks (the second loads history); request 0 always has new tokens, others may not.
-    chunks = []
+    # One width for both: the resident prefill compiles once per example (the offloaded one
+    # twice: without and with history); the histories stay ragged through num_new.
+    chunks, width = [], draw(st.integers(2, 13))
     for _ in range(2):
-        width = draw(st.integers(2, 13))
         num_new = [draw(st.integers(1, width))] + draw(
             st.lists(st.integers(0, width), min_size=batch - 1, max_size=batch - 1))
         chunks.append((width, num_new))
