@@ -43,7 +43,8 @@ import numbers
 from typing import Any, Sequence
 
 from fo_jax.config import ModelConfig
-from fo_jax.engine.engine import Engine, RequestOutput, SeatExport, _Request
+from fo_jax.engine.engine import (Engine, RequestOutput, SeatExport, _Request,
+                                  claim_request_id)
 from fo_jax.offload.config import OffloadConfig
 
 
@@ -102,13 +103,7 @@ class AutoEngine:
         """Queue a request (the arguments of `Engine.add_request`); returns its id. It is
         checked against the offloaded tier (a seat of offload.capacity tokens, the pool), so a
         refused request leaves the engine as it was."""
-        if request_id is None:
-            request_id = f"req-{next(self._ids)}"
-            while request_id in self._tier:
-                request_id = f"req-{next(self._ids)}"
-        elif isinstance(request_id, str) and request_id in self._tier:
-            raise ValueError(f"request_id {request_id!r} is already in use (queued, running or "
-                             "finished and not yet collected)")
+        request_id = claim_request_id(request_id, self._ids, self._tier)
         rid = self.offloaded.add_request(prompt, request_id=request_id, **sampling)
         self._waiting.append(self.offloaded._withdraw(rid))
         self._tier[rid] = "waiting"

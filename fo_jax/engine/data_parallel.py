@@ -58,7 +58,7 @@ import jax
 import numpy as np
 
 from fo_jax import placement as placement_rules
-from fo_jax.engine.engine import Engine, RequestOutput
+from fo_jax.engine.engine import Engine, RequestOutput, claim_request_id
 
 PLACEMENTS = placement_rules.RULES
 
@@ -162,13 +162,7 @@ class DataParallelEngine:
         if rank is not None and (not isinstance(rank, int) or not 0 <= rank < self.ranks):
             raise ValueError(f"rank={rank!r} must be an int in [0, R = {self.ranks}) or None "
                              "(placed by the rule)")
-        if request_id is None:
-            request_id = f"req-{next(self._ids)}"
-            while request_id in self._placed:
-                request_id = f"req-{next(self._ids)}"
-        elif isinstance(request_id, str) and request_id in self._placed:
-            raise ValueError(f"request_id {request_id!r} is already in use (queued, running or "
-                             "finished and not yet collected)")
+        request_id = claim_request_id(request_id, self._ids, self._placed)
         turn = self._turn
         if rank is None:
             rank, turn = self.choose_rank(len(prompt))

@@ -263,6 +263,22 @@ def _first_tokens(logits, last, keys, fresh, mask, sampling: Sampling):
     return sample_tokens(picked, keys, sampling, mask)
 
 
+def claim_request_id(request_id, ids, taken) -> str:
+    """A request's id: `request_id` checked (a non-empty string not in `taken`), or, for None,
+    the next "req-N" of the counter `ids` not in `taken`. Raises ValueError before anything
+    is queued. O(1) per id tried."""
+    if request_id is None:
+        request_id = f"req-{next(ids)}"
+        while request_id in taken:
+            request_id = f"req-{next(ids)}"
+    elif not isinstance(request_id, str) or not request_id:
+        raise ValueError(f"request_id={request_id!r} must be a non-empty string")
+    elif request_id in taken:
+        raise ValueError(f"request_id {request_id!r} is already in use (queued, running or "
+                         "finished and not yet collected)")
+    return request_id
+
+
 def _next_power_of_two(n: int) -> int:
     return 1 << (int(n) - 1).bit_length() if n > 0 else 0
 
@@ -501,15 +517,7 @@ class Engine:
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (Engine(..., tokenizer=...)); "
                              "without one, use stop_token_ids")
-        if request_id is None:
-            request_id = f"req-{next(self._ids)}"
-            while request_id in self._requests:
-                request_id = f"req-{next(self._ids)}"
-        elif not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id={request_id!r} must be a non-empty string")
-        elif request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use (queued, running or "
-                             "finished and not yet collected)")
+        request_id = claim_request_id(request_id, self._ids, self._requests)
         req = _Request(request_id, prompt_np.astype(np.int32), int(max_tokens),
                        float(temperature), float(top_p), int(seed), stop_ids, stop,
                        time.perf_counter(), text="" if self.tokenizer is not None else None,
