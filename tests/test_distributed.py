@@ -10,16 +10,26 @@ import pytest
 
 from fo_jax import distributed
 
-# A child that reports its settings, then fails (process 1) or waits to be killed.
+# A child that reports its settings, then fails (process {fail}) or waits to be killed. Each child
+# leaves a mark in {marks} once it has printed; the failing one waits (30 s at most) for every
+# process's mark, so a loaded machine cannot kill a peer before it has printed.
 CHILD = ("import os, sys, time; e = os.environ; "
          "print(e['FO_JAX_PROCESS_ID'], e['FO_JAX_NUM_PROCESSES'], e['FO_JAX_COORDINATOR'], "
          "e.get('FO_JAX_LOCAL_DEVICE_COUNT'), e.get('JAX_PLATFORMS'), flush=True); "
+         "d = r'{marks}'; open(os.path.join(d, e['FO_JAX_PROCESS_ID']), 'w').close(); "
+         "t = time.monotonic() + 30\n"
+         "while e['FO_JAX_PROCESS_ID'] == '{fail}' and time.monotonic() < t and "
+         "len(os.listdir(d)) < int(e['FO_JAX_NUM_PROCESSES']): time.sleep(0.05)\n"
          "sys.exit(3) if e['FO_JAX_PROCESS_ID'] == '{fail}' else time.sleep(60)")
 
 
-def test_first_failure_kills_the_others():
+def child(fail, marks):
+    return CHILD.replace("{fail}", fail).replace("{marks}", str(marks))
+
+
+def test_first_failure_kills_the_others(tmp_path):
     start = time.monotonic()
-    results = distributed.launch(["-c", CHILD.replace("{fail}", "1")], processes=3,
+    results = distributed.launch(["-c", child("1", tmp_path)], processes=3,
                                  devices_per_process=2, timeout_s=50)
     assert time.monotonic() - start < 40  # not the children's 60 s
     assert [(r.process_id, r.killed) for r in results] == [(0, True), (1, False), (2, True)]
@@ -35,9 +45,9 @@ def test_first_failure_kills_the_others():
         "process 0: killed (exit -15); process 1: exit 3; process 2: killed (exit -15)")
 
 
-def test_time_limit_kills_every_process():
+def test_time_limit_kills_every_process(tmp_path):
     start = time.monotonic()
-    results = distributed.launch(["-c", CHILD.replace("{fail}", "none")], processes=2,
+    results = distributed.launch(["-c", child("none", tmp_path)], processes=2,
                                  timeout_s=1)
     assert time.monotonic() - start < 30
     assert [r.killed for r in results] == [True, True]
