@@ -214,17 +214,26 @@ def finished(tokens, generated, lengths, capacity: int, sampling: Sampling):
     return stop | (generated >= sampling.max_new_tokens) | (lengths >= capacity)
 
 
-def _nucleus(logits, key, temperature, top_p):
-    """Rows of logits [B, V] sampled with temperature [B] and top_p [B] from one key: the
-    arithmetic of `fo_jax.generate.sample` with per-row settings (greedy rows: argmax)."""
+def _nucleus_logits(logits, temperature, top_p):
+    """(order [B, V], kept [B, V]): rows of logits [B, V] scaled by temperature [B] (1 where
+    greedy) and sorted, most likely first (`order[b, r]`: the token of rank r), with -inf past
+    the nucleus (the smallest set of most likely tokens whose mass reaches top_p [B]).
+    softmax(kept) is the distribution `_nucleus` samples from. O(B V log V)."""
     greedy = temperature == 0
     scaled = logits.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature)[:, None]
     order = jnp.argsort(-scaled, axis=-1)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each token
-    sorted_logits = jnp.where(before < top_p[:, None], sorted_logits, -jnp.inf)
-    choice = jax.random.categorical(key, sorted_logits, axis=-1)
+    return order, jnp.where(before < top_p[:, None], sorted_logits, -jnp.inf)
+
+
+def _nucleus(logits, key, temperature, top_p):
+    """Rows of logits [B, V] sampled with temperature [B] and top_p [B] from one key: the
+    arithmetic of `fo_jax.generate.sample` with per-row settings (greedy rows: argmax)."""
+    greedy = temperature == 0
+    order, kept = _nucleus_logits(logits, temperature, top_p)
+    choice = jax.random.categorical(key, kept, axis=-1)
     sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
     return jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), sampled)
 
@@ -509,24 +518,96 @@ def _loop_jit(params, state, seats: Seats, sampling: Sampling, *, n_steps: int, 
     return LoopOutput(tokens=out, fed=fed, num_steps=num_steps, stats=stats), state, seats
 
 
-def draft_step_tokens(fed, logits, first, lengths, seats: Seats, sampling: Sampling,
-                      capacity: int, active):
-    """What one verification step yields: (tokens [B, W], count [B]).
+def _speculate_row(logits, drafts, key, temperature, top_p):
+    """One sampled request's verification: (tokens [W] int32, accepted [] int32) from the
+    logits [W, V] of its W ways and its drafts [D] (D = W - 1; draft i + 1 was fed at way i + 1
+    and is checked against way i's distribution).
+
+    p_i = the nucleus distribution of way i (temperature, then top_p: what `_nucleus` samples
+    from). Draft d_{i+1} is accepted with probability p_i(d_{i+1}) (u_i < p_i(d_{i+1}), u_i
+    uniform), in order; at the first rejection, way a, the token is sampled from p_a with
+    d_{a+1} removed and renormalized (the residual (p - q)+ for the point mass q of a
+    deterministic drafter); after D acceptances, from p_D (the bonus token). tokens = d_1 ..
+    d_a then that token (tokens[j] for j > a: unspecified). Keys: `key` splits into
+    (acceptance key: the D uniforms, token key: the one categorical draw). O(W V log V)."""
+    ways = logits.shape[0]
+    order, kept = _nucleus_logits(logits, jnp.full((ways,), temperature),
+                                  jnp.full((ways,), top_p))
+    probs = jax.nn.softmax(kept, axis=-1)  # [W, V] p_i by rank (0 past the nucleus)
+    p_draft = jnp.sum(jnp.where(order[:-1] == drafts[:, None], probs[:-1], 0.0), axis=-1)
+    accept_key, token_key = jax.random.split(key)
+    uniform = jax.random.uniform(accept_key, drafts.shape)
+    accepted = jnp.sum(jnp.cumprod((uniform < p_draft).astype(jnp.int32)))
+    removed = jnp.concatenate([drafts, jnp.full((1,), -1, drafts.dtype)])[accepted]
+    row_order = order[accepted]
+    residual = jnp.where(row_order == removed, -jnp.inf, kept[accepted])
+    token = row_order[jax.random.categorical(token_key, residual)].astype(jnp.int32)
+    tokens = jnp.concatenate([drafts, jnp.zeros((1,), drafts.dtype)]).at[accepted].set(token)
+    return tokens.astype(jnp.int32), accepted.astype(jnp.int32)
+
+
+def speculative_tokens(fed, logits, keys, sampling: Sampling, active):
+    """Verify one step's drafts: (tokens [B, W], accepted [B], keys), uncut (see
+    `draft_step_tokens`).
+
+    fed: [B, W] the step's tokens [last, d_1 .. d_D]; logits: [B, W, V] theirs; keys as in
+    `sample_tokens`. Request b yields tokens[b, :accepted[b] + 1]: its accepted drafts, then
+    one more token. A greedy request (temperature 0) accepts the longest prefix of drafts
+    with d_i = g_{i-1} (g: the ways' argmax) and yields g_0 .. g_a, the tokens one-token
+    steps would yield. A sampled request (temperature > 0) does speculative sampling
+    (Leviathan et al. 2023, Chen et al. 2023; `_speculate_row`): draft d_i is accepted with
+    probability p_{i-1}(d_i), p the nucleus distribution `sample_tokens` samples from; the
+    first rejected way samples p without its draft, renormalized; after D acceptances a bonus
+    token is sampled from p_D. So its tokens follow p token by token, as one-token steps'
+    do (tests/engine/test_speculative.py checks the law of the first two tokens), but they
+    are other random draws: not those of a num_drafts=0 loop with the same key.
+
+    Keys, per step: one key per request ([B]): each active request splits its key once,
+    (next key, step key), as `sample_tokens` does (an inactive request's key stays), and the
+    step key splits into (acceptance key: D uniforms, token key: the one categorical draw),
+    so a request's tokens depend on its own key, logits and drafts only. One key for the
+    batch ([]): split once per step, (next key, step key), the step key split into B row
+    keys, each used as above. A greedy request's key advances too but is not read. When
+    every request is greedy, the [B, W, V] sort is skipped (`lax.cond`).
+    Work: O(B W V) greedy; O(B W V log V) when a request samples."""
+    batch = fed.shape[0]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, W]
+    agree = (fed[:, 1:] == greedy[:, :-1]).astype(jnp.int32)
+    greedy_accepted = jnp.sum(jnp.cumprod(agree, axis=1), axis=1).astype(jnp.int32)
+    if keys.ndim == 0:
+        keys, sub = jax.random.split(keys)
+        subs = jax.random.split(sub, batch)
+    else:
+        split = jax.vmap(jax.random.split)(keys)  # [B, 2]
+        keys = _select_keys(active, split[:, 0], keys)
+        subs = split[:, 1]
+    sampled = sampling.temperature > 0
+
+    def speculate():
+        tokens, accepted = jax.vmap(_speculate_row)(logits, fed[:, 1:].astype(jnp.int32), subs,
+                                                    sampling.temperature, sampling.top_p)
+        return (jnp.where(sampled[:, None], tokens, greedy),
+                jnp.where(sampled, accepted, greedy_accepted))
+
+    tokens, accepted = jax.lax.cond(jnp.any(sampled), speculate,
+                                    lambda: (greedy, greedy_accepted))
+    return tokens, accepted, keys
+
+
+def draft_step_tokens(fed, logits, lengths, seats: Seats, sampling: Sampling, capacity: int,
+                      active):
+    """What one verification step yields: (tokens [B, W], count [B], keys).
 
     fed: [B, W] the step's tokens [last, d_1 .. d_D] at positions n .. n + D (n = lengths);
-    logits: [B, W, V] theirs; first: [B] the token sampled from way 0 (`sample_tokens`).
-    With g the greedy tokens of the W ways, a greedy request accepts the longest prefix of
-    drafts with d_i = g_{i-1} (a) and yields g_0 .. g_a: the tokens one-token steps would
-    yield, in fewer steps. A sampled request (temperature > 0) accepts no draft: it yields
-    `first`, sampled from way 0 (drafting is greedy-only). The count is cut at max_new_tokens
-    (generated + count <= max), at capacity (n + count <= S: every yielded token but the last
-    is stored), and after the first stop token (nothing after it is yielded); 0 if inactive.
-    tokens[b, j] for j >= count[b] is unspecified. O(B W (V + E)) for E stop ids."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, W]
-    tokens = greedy.at[:, 0].set(first)
-    sampled = sampling.temperature > 0
-    agree = (fed[:, 1:] == greedy[:, :-1]).astype(jnp.int32)
-    accepted = jnp.where(sampled, 0, jnp.sum(jnp.cumprod(agree, axis=1), axis=1))
+    logits: [B, W, V] theirs. The accepted drafts and the token after them
+    (`speculative_tokens`: greedy requests keep the drafts their greedy tokens confirm,
+    sampled ones do speculative sampling; `seats.keys` advanced as it says), with the count
+    cut at max_new_tokens (generated + count <= max), at capacity (n + count <= S: every
+    yielded token but the last is stored), and after the first stop token (nothing after it
+    is yielded); 0 if inactive. count - 1 drafts were accepted (and yielded).
+    tokens[b, j] for j >= count[b] is unspecified. O(B W (V + E)) for E stop ids, plus
+    O(B W V log V) when a request samples."""
+    tokens, accepted, keys = speculative_tokens(fed, logits, seats.keys, sampling, active)
     count = jnp.minimum(accepted + 1, jnp.minimum(sampling.max_new_tokens - seats.generated,
                                                   capacity - lengths))
     ways = jnp.arange(fed.shape[1], dtype=jnp.int32)[None, :]
@@ -534,7 +615,7 @@ def draft_step_tokens(fed, logits, first, lengths, seats: Seats, sampling: Sampl
     stops = stops & (ways < count[:, None])
     first_stop = jnp.argmax(stops, axis=1).astype(jnp.int32)
     count = jnp.where(jnp.any(stops, axis=1), first_stop + 1, count)
-    return tokens, jnp.where(active, count, 0)
+    return tokens, jnp.where(active, count, 0), keys
 
 
 @functools.partial(jax.jit, static_argnames=("n_steps", "step", "num_drafts", "drafter"),
@@ -562,9 +643,8 @@ def _draft_loop_jit(params, state, seats: Seats, sampling: Sampling, history, *,
                               min_ngram=drafter.min_ngram)
         tokens_in = jnp.concatenate([seats.tokens[:, None], drafts], axis=1)  # [B, W]
         logits, state, step_stats = step(params, state, tokens_in, active)
-        first, keys = sample_tokens(logits[:, 0], seats.keys, sampling, active)
-        tokens, count = draft_step_tokens(tokens_in, logits, first, lengths, seats, sampling,
-                                          capacity, active)
+        tokens, count, keys = draft_step_tokens(tokens_in, logits, lengths, seats, sampling,
+                                                capacity, active)
         # Keep the fed tokens of the yielded ones (the last yielded is fed next step).
         state = step.rollback(state, state.lengths - (lengths + count))
         keep = cols < count[:, None]
@@ -578,9 +658,8 @@ def _draft_loop_jit(params, state, seats: Seats, sampling: Sampling, history, *,
                                                sampling))
         seats = Seats(tokens=jnp.where(active, last, seats.tokens), keys=keys,
                       generated=generated, done=done)
-        drafting = active & (sampling.temperature == 0)
-        accepted = accepted + jnp.where(drafting, count - 1, 0)
-        proposed = proposed + jnp.where(drafting, num_drafts, 0)
+        accepted = accepted + jnp.where(active, count - 1, 0)
+        proposed = proposed + jnp.where(active, num_drafts, 0)
         if stats is not None:
             stats = stats.add(step_stats)
         counts = jax.lax.dynamic_update_slice(counts, count[:, None], (0, i))
