@@ -8,10 +8,12 @@ One question, one run (ratios are to the baseline measured in the same run):
   loop N    `fo_jax.engine.decode_loop` with N steps per call (sampling, stop checks and
             statistics on the device): one dispatch per N tokens.
 
-With `--num-drafts D` the question is drafts in the loop instead (greedy, prefilled prompts that
-repeat themselves: prompt lookup pays off): `loop N` against `loop N drafts D`
-(`decode_loop(..., num_drafts=D)`: n-gram drafts verified on the device, W = D + 1 ways per
-step), tokens/s and tokens per request and step, ratio to `loop N` in the same run.
+With `--num-drafts D` the question is drafts in the loop instead (greedy by default,
+prefilled prompts that repeat themselves: prompt lookup pays off): `loop N` against `loop N
+drafts D` (`decode_loop(..., num_drafts=D)`: n-gram drafts verified on the device, W = D + 1
+ways per step), tokens/s and tokens per request and step, ratio to `loop N` in the same run.
+With `--temperature T > 0` too, the requests sample (one key per request; speculative sampling
+with drafts): the two cells draw other tokens (same law), so their tokens are not compared.
 
 Every cell decodes the same tokens (they are checked equal) from the same synthetic state
 (random KV rows and indexer keys of `context` tokens, `experiments/common.synthetic_states`: no
@@ -23,6 +25,7 @@ tokens/s ratios to `python`, and decode programs dispatched from Python per gene
     python experiments/decode_loop_bench.py --model tiny --context 256   # dispatch-bound
     python experiments/decode_loop_bench.py --path resident
     python experiments/decode_loop_bench.py --num-drafts 3          # drafts: the embedded model
+    python experiments/decode_loop_bench.py --num-drafts 3 --temperature 0.7   # sampled drafts
     python experiments/decode_loop_bench.py --smoke                 # seconds; run by the tests
 """
 
@@ -175,7 +178,8 @@ def _repetitive_prompts(config, tokenizer, batch, context):
 
 
 def run_drafts(args, meta):
-    """Cells `loop N` and `loop N drafts D` on prefilled repetitive prompts (greedy)."""
+    """Cells `loop N` and `loop N drafts D` on prefilled repetitive prompts (greedy, or
+    sampled at args.temperature with one key per request)."""
     tokenizer = None
     if args.model == "embedded":
         from fo_jax.embedded import load_embedded
@@ -201,7 +205,9 @@ def run_drafts(args, meta):
         step = OffloadedStep(config, offload)
     first = jnp.argmax(engine.prefill(tokens, lengths), axis=-1).astype(jnp.int32)
     prefilled = engine.state
-    sampling = Sampling.create(batch, max_new_tokens=args.tokens + 1)
+    temperature = args.temperature
+    sampling = Sampling.create(batch, temperature=temperature, top_p=args.top_p,
+                               max_new_tokens=args.tokens + 1)
     history0 = np.zeros((batch, capacity), np.int32)
     for b, p in enumerate(prompts):
         history0[b, :len(p) + 1] = list(p) + [int(first[b])]
@@ -209,7 +215,8 @@ def run_drafts(args, meta):
     times, steps, results = {c: [] for c in cells}, {}, {}
     print(f"decode loop drafts: {config.name}, {args.path}, batch {batch}, prompts of "
           f"{int(lengths.min())}-{longest} tokens that repeat, {args.tokens} tokens per request "
-          f"per round, greedy, {args.rounds} rounds (+1 uncounted)")
+          f"per round, {'greedy' if temperature == 0 else f'temperature {temperature}, top_p '
+          f'{args.top_p}'}, {args.rounds} rounds (+1 uncounted)")
     for r in range(args.rounds + 1):
         for cell in (cells if r % 2 == 0 else cells[::-1]):
             drafts = d if "drafts" in cell else 0
@@ -217,7 +224,8 @@ def run_drafts(args, meta):
             history = jnp.asarray(history0) if drafts else None
             jax.block_until_ready((state, history))
             start = time.perf_counter()
-            seats = Seats.create(first, jax.random.key(0), sampling=sampling,
+            seats = Seats.create(first, jax.random.split(jax.random.key(0), batch),
+                                 sampling=sampling,
                                  lengths=np.asarray(lengths), capacity=capacity)
             outs, num_steps, request_steps, accepted, proposed = [], 0, 0, 0, 0
             while not bool(np.all(np.asarray(seats.done))):
@@ -262,11 +270,15 @@ def run_drafts(args, meta):
                      "ratio_q25": q25, "ratio_q75": q75, "round_seconds": secs.tolist(),
                      "decode_steps": num_steps, "tokens_per_step": per_step,
                      "tokens_per_request_step": per_request, "accepted_drafts": accepted,
-                     "proposed_drafts": proposed,
-                     "same_tokens": same})
-    print("same tokens with and without drafts" if same else
-          "the drafted tokens differ from the undrafted ones (a near-tie of two logits: a "
-          "W-way step's logits differ from a W = 1 step's in the last bits)")
+                     "proposed_drafts": proposed, "temperature": temperature,
+                     "top_p": args.top_p, "same_tokens": same})
+    if temperature > 0:
+        print("sampled: the cells draw other tokens (speculative sampling: same law, other "
+              "draws), not compared")
+    else:
+        print("same tokens with and without drafts" if same else
+              "the drafted tokens differ from the undrafted ones (a near-tie of two logits: a "
+              "W-way step's logits differ from a W = 1 step's in the last bits)")
     return rows
 
 
@@ -280,17 +292,21 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=32,
                         help="new tokens per request per round")
     parser.add_argument("--steps-per-call", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="default 0.8; with --num-drafts, 0 (greedy)")
     parser.add_argument("--top-p", type=float, default=0.9)
     parser.add_argument("--rounds", type=int, default=7, help="timed interleaved rounds")
     parser.add_argument("--num-drafts", type=int, default=0,
                         help="> 0: compare the loop with and without this many n-gram drafts "
-                             "per step instead (greedy; --model embedded: the trained model)")
+                             "per step instead (greedy unless --temperature; --model "
+                             "embedded: the trained model)")
     parser.add_argument("--out", default=None, help="append JSON lines here")
     args = parser.parse_args(argv)
     if args.smoke:
         args.model, args.batch, args.context, args.tokens, args.rounds = "tiny", 2, 64, 6, 1
         args.steps_per_call = [4]
+    if args.temperature is None:
+        args.temperature = 0.0 if args.num_drafts else 0.8
     if args.num_drafts:
         if args.model == "small" and not args.smoke:
             args.model = "embedded"

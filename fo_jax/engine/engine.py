@@ -111,11 +111,15 @@ again by a later call's growth: it loses no work, only its join).
 that kept the pages, `counters["resumed_without_recompute"]` the resumes with kept pages, and
 `counters["replayed_tokens"]` the tokens replayed after dropped pages.
 
-Drafts (`num_drafts=D > 0`): the decode loop verifies D n-gram drafts per greedy request and
-step (steps of [seats, D + 1] ways; see `fo_jax.engine.loop`), drafted from each seat's
-history (prompt + sampled tokens, [seats, capacity] on the device, set at its join and
-appended to by the loop). Every program still has the same shapes whoever sits in the other
-seats, so a request's tokens equal those of the same engine serving it alone, bit for bit; they
+Drafts (`num_drafts=D > 0`): the decode loop verifies D n-gram drafts per request and step
+(steps of [seats, D + 1] ways; see `fo_jax.engine.loop`), drafted from each seat's history
+(prompt + sampled tokens, [seats, capacity] on the device, set at its join and appended to by
+the loop): a greedy request keeps the drafts its greedy tokens confirm, a sampled one
+(temperature > 0) the ones speculative sampling accepts (`fo_jax.engine.loop.
+speculative_tokens`: its tokens follow the same distribution as without drafts, but are other
+random draws than a num_drafts=0 engine's for the same seed). Every program still has the same
+shapes whoever sits in the other seats and each request draws from its own key, so a
+request's tokens equal those of the same engine serving it alone, bit for bit; greedy ones
 equal a num_drafts=0 engine's up to a near-tie of the two largest logits (a W-way step's
 logits differ from a W = 1 step's in the last bits on CPU). A resumed request replays its
 tokens in the groups its W-way steps stored them (one W-way step per group, the rest rolled
@@ -124,8 +128,7 @@ back), so its KV is the one it had, bit for bit. With reserve="prompt", a call m
 
 Not here yet: device_bytes, reserve="prompt", preemption and prefix reuse on the resident
 path; MTP drafts in the decode loop (`num_drafts` drafts by n-gram lookup only;
-`fo_jax.generate` drafts with the MTP layer from the host); speculative sampling (a request at
-temperature > 0 takes one token per step).
+`fo_jax.generate` drafts with the MTP layer from the host).
 """
 
 from __future__ import annotations
@@ -327,9 +330,10 @@ class Engine:
         when the pool is short, keeping them (its seat freed) when only device_bytes is (see
         the module doc).
       num_drafts: D >= 0 n-gram drafts per request and decode step, verified on the device
-        (`decode_loop(..., num_drafts=D)`: steps of W = D + 1 <= config.max_ways ways; greedy
-        requests only, a sampled one takes one token per step); each seat's history (prompt
-        + sampled tokens) is kept on the device for the drafter. 0: one token per step.
+        (`decode_loop(..., num_drafts=D)`: steps of W = D + 1 <= config.max_ways ways;
+        greedy requests keep the confirmed drafts, sampled ones do speculative sampling);
+        each seat's history (prompt + sampled tokens) is kept on the device for the drafter.
+        0: one token per step.
     Raises:
       ValueError: bad settings, before anything is allocated.
     """

@@ -28,21 +28,36 @@ the compiled loop's HLO with fo_jax.hlo_checks). One compiled program per (step,
 Drafts (`num_drafts=D > 0`, an n-gram drafter on the device): each step feeds [last token, D
 drafts] as W = D + 1 ways, the drafts proposed from each request's history ([B, S]: prompt and
 sampled tokens, carried and returned by the loop) by `fo_jax.drafting.ngram_drafts` (the rule of
-the host `NGramDrafter`, O(B S max_ngram) compares per step). A greedy request keeps the longest
-prefix of drafts its greedy tokens confirm plus the next greedy token (`draft_step_tokens`: cut
-at max_new_tokens, capacity and the first stop token; nothing after a stop token is yielded),
-and the state forgets the rest (`rollback`: O(B), only lengths change). A request sampling at
-temperature > 0 accepts no draft: it samples one token from way 0 per step (drafting is
-greedy-only; speculative sampling is not implemented). Bitwise: a W-way step's way-0 logits
-differ in the last bits from a W = 1 step's on CPU (another program shape), so the tokens equal
-W = 1 greedy decoding's up to a near-tie of the two largest logits, as `fo_jax.generate`'s
-host-driven drafting does; what holds exactly is that every program has the same shapes
-whoever sits in the other seats, so a request's tokens equal those of the same drafting loop
-(or engine) serving it alone, bit for bit. Up to N W tokens per request and call.
+the host `NGramDrafter`, O(B S max_ngram) compares per step). A request keeps the drafts it
+accepts plus one more token (`draft_step_tokens`: cut at max_new_tokens, capacity and the
+first stop token; nothing after a stop token is yielded), and the state forgets the rest
+(`rollback`: O(B), only lengths change). What a request accepts (`speculative_tokens`):
+
+  * greedy (temperature 0): the longest prefix of drafts its greedy tokens confirm, then the
+    next greedy token. Bitwise: a W-way step's way-0 logits differ in the last bits from a
+    W = 1 step's on CPU (another program shape), so the tokens equal W = 1 greedy decoding's
+    up to a near-tie of the two largest logits, as `fo_jax.generate`'s host-driven drafting
+    does;
+  * sampled (temperature > 0): speculative sampling (Leviathan et al. 2023, Chen et al.
+    2023) for a deterministic drafter (its q a point mass at the draft d): with p the
+    nucleus distribution of the way before d (temperature, then top_p: what `sample_tokens`
+    samples from), d is accepted with probability p(d); the first rejected way samples p
+    without d, renormalized (the residual (p - q)+); after D acceptances a bonus token is
+    sampled from the last way. The tokens follow p token by token, exactly as one-token
+    steps' do (the output distribution is unchanged), but they are other random draws: a
+    loop with drafts does not give the tokens of a num_drafts=0 loop with the same keys, only
+    tokens of the same law.
+
+What holds exactly is that every program has the same shapes whoever sits in the other seats,
+so with per-request keys a request's tokens (greedy or sampled) equal those of the same
+drafting loop (or engine) serving it alone, bit for bit. Up to N W tokens per request and call.
 
 Sampling keys: one key for the batch (shape []; split once per step and used for the whole
 batch, as `fo_jax.generate.generate` does) or one key per request (shape [B]; each split when
-its request samples, so a request's tokens do not depend on the rest of the batch).
+its request samples, so a request's tokens do not depend on the rest of the batch). With
+drafts, each step splits a request's key once as well, the step's sub-key split again into
+the key of its D acceptance tests and the key of its one sampled token
+(`speculative_tokens`).
 """
 
 from __future__ import annotations
@@ -389,8 +404,8 @@ class LoopOutput:
       num_steps: [] int32: steps run (< N when every request was done earlier).
       stats: LoopStats summed over the steps (offloaded step; [G, B, W] per way, the rejected
         ways included), or None (resident).
-      accepted, proposed: [B] int32 drafts accepted / proposed over the call (greedy
-        requests only; with num_drafts = 0: None).
+      accepted, proposed: [B] int32 drafts accepted (and yielded) / proposed over the call,
+        greedy and sampled requests alike (with num_drafts = 0: None).
       history: [B, S] int32 the histories with the call's tokens appended (num_drafts > 0),
         else None.
       counts: [B, N] int32 tokens request b yielded at step i (num_drafts > 0; 0 where it
@@ -420,8 +435,9 @@ def decode_loop(params, state, seats: Seats, n_steps: int, sampling: Sampling, *
       sampling: per-request settings (`Sampling.create`).
       step: OffloadedStep or ResidentStep.
       num_drafts: D >= 0, static: each step feeds [last token, D drafts] as W = D + 1 ways
-        (W <= config.max_ways) and keeps the drafts the model's greedy tokens confirm (see
-        `draft_step_tokens`); 0: one token per step (another program).
+        (W <= config.max_ways) and keeps the drafts the model's greedy tokens confirm, or,
+        at temperature > 0, the ones speculative sampling accepts (see
+        `speculative_tokens`); 0: one token per step (another program).
       drafter: with num_drafts > 0, the `fo_jax.drafting.NGramDrafter` whose rule the device
         drafter (`fo_jax.drafting.ngram_drafts`) follows (default NGramDrafter()).
       history: with num_drafts > 0, [B, S] int32, S = the state's capacity: row b holds the
@@ -429,7 +445,7 @@ def decode_loop(params, state, seats: Seats, n_steps: int, sampling: Sampling, *
         donated; returned with the call's tokens appended in `LoopOutput.history`.
     Returns:
       (LoopOutput, new state, new seats).
-    Work: N steps at most, each one decode step of W ways plus O(B V log V) for sampling
+    Work: N steps at most, each one decode step of W ways plus O(B W V log V) for sampling
     (O(B V W) when every request is greedy) and, with drafts, O(B S max_ngram) for drafting;
     the host is not involved between steps.
     """

@@ -83,7 +83,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-steps-per-call", type=int, default=1)
     parser.add_argument("--num-drafts", type=int, default=0,
                         help="n-gram drafts per request and decode step, verified on the device "
-                             "(greedy requests; 0 = none; at most the model's max_ways - 1)")
+                             "(speculative sampling at temperature > 0; 0 = none; at most the "
+                             "model's max_ways - 1)")
     parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--devices", type=int, default=None,
                         help="serve data-parallel on this many local devices: one engine per "

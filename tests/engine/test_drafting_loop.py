@@ -252,7 +252,8 @@ def test_a_preempted_request_with_drafts_replays_its_steps_bit_for_bit():
     growth preempts the youngest; it resumes, prefills again and replays its tokens in the
     groups its W-way steps stored them: its KV rows and indexer keys after the replay are the
     ones it had when preempted, bit for bit (a replay by W = 1 steps differs in the last bits:
-    7e-7 here), and every request gets its tokens alone."""
+    7e-7 here), and every request gets its tokens alone (the sampled one too: its key is kept
+    while it waits)."""
     engine = _engine("ring", reserve="prompt")
     before, after = {}, {}
     preempt, replay = engine._preempt, engine._replay
@@ -267,18 +268,20 @@ def test_a_preempted_request_with_drafts_replays_its_steps_bit_for_bit():
         after.update({req.request_id: _rows(engine, req) for req in resumed})
 
     engine._preempt, engine._replay = preempt_and_keep_rows, replay_and_keep_rows
-    jobs = [(REQUESTS[1][0], 20), (REQUESTS[2][0], 18), (REQUESTS[0][0], 22)]
-    ids = [engine.add_request(prompt, max_tokens=max_tokens) for prompt, max_tokens in jobs]
+    # (prompt, max_tokens, temperature): the youngest samples (speculative sampling).
+    jobs = [(REQUESTS[1][0], 20, 0.0), (REQUESTS[2][0], 18, 0.0), (REQUESTS[0][0], 22, 0.3)]
+    ids = [engine.add_request(prompt, max_tokens=max_tokens, temperature=t, seed=1)
+           for prompt, max_tokens, t in jobs]
     outputs = engine.run()
     assert engine.counters["preemptions"] > 0 and engine.counters["replayed_tokens"] > 0
     assert engine.counters["draft_accepted"] > 0
-    assert after and set(after) <= set(before)
+    assert after and set(after) <= set(before) and ids[2] in after  # the sampled one too
     for rid, rows in after.items():
         np.testing.assert_array_equal(rows[0], before[rid][0])
         np.testing.assert_array_equal(rows[1], before[rid][1])
-    for rid, (prompt, max_tokens) in zip(ids, jobs):
+    for rid, (prompt, max_tokens, t) in zip(ids, jobs):
         alone = _engine("ring")
-        want = alone.add_request(prompt, max_tokens=max_tokens)
+        want = alone.add_request(prompt, max_tokens=max_tokens, temperature=t, seed=1)
         assert outputs[rid].token_ids == alone.run()[want].token_ids
     assert engine.pool_occupancy()["held"] == 0
 
