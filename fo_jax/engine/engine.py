@@ -111,8 +111,8 @@ again by a later call's growth: it loses no work, only its join).
 that kept the pages, `counters["resumed_without_recompute"]` the resumes with kept pages, and
 `counters["replayed_tokens"]` the tokens replayed after dropped pages.
 
-Drafts (`num_drafts=D > 0`): the decode loop verifies D n-gram drafts per greedy request and
-step (steps of [seats, D + 1] ways; see `fo_jax.engine.loop`), drafted from each seat's
+Drafts (`num_drafts=D > 0`, `drafter="ngram"`): the decode loop verifies D n-gram drafts per
+greedy request and step (steps of [seats, D + 1] ways; see `fo_jax.engine.loop`), drafted from each seat's
 history (prompt + sampled tokens, [seats, capacity] on the device, set at its join and
 appended to by the loop). Every program still has the same shapes whoever sits in the other
 seats, so a request's tokens equal those of the same engine serving it alone, bit for bit; they
@@ -122,10 +122,23 @@ tokens in the groups its W-way steps stored them (one W-way step per group, the 
 back), so its KV is the one it had, bit for bit. With reserve="prompt", a call may store up to
 `decode_steps_per_call` x (D + 1) tokens per request, and that is what is grown before it.
 
+MTP drafts (`drafter="mtp"`, `mtp=` the model's MTP parameters): the drafts come from the
+model's multi-token-prediction layer on the device instead (`decode_loop(..., mtp=...)`, the
+rule of `fo_jax.drafting.MTPDrafter`). The engine keeps one MTP layer state for all seats
+([1, seats, capacity, D+R] KV rows + indexer keys: one main layer's worth, allocated once,
+not counted in `device_bytes`) and each seat's next draft. Each prefill chunk returns the
+main model's hidden states too and feeds the chunk's pairs (h_i, t_{i+1}) to the prefilling
+seats' MTP state (one [seats, prefill_chunk] MTP program; a prompt's last pair takes its first
+sampled token, so the first draft after the prefill is right); a seat's MTP state starts empty
+at admission. A preempted request's seat MTP state (O(length) rows of one layer: 1/L of its
+KV) is copied to the host and written back when it resumes, with its pages kept or dropped
+(the replay rebuilds the main KV only): nothing is recomputed, and its drafts, hence its W-way
+steps, are those of its uninterrupted run, so its tokens are too, bit for bit; a request moved
+by `AutoEngine` carries its MTP state the same way. Not with `prefix_cache` (refused): a prefix
+mapped from the cache is not prefilled, so the hidden states its MTP pairs need do not exist.
+
 Not here yet: device_bytes, reserve="prompt", preemption and prefix reuse on the resident
-path; MTP drafts in the decode loop (`num_drafts` drafts by n-gram lookup only;
-`fo_jax.generate` drafts with the MTP layer from the host); speculative sampling (a request at
-temperature > 0 takes one token per step).
+path; speculative sampling (a request at temperature > 0 takes one token per step).
 """
 
 from __future__ import annotations

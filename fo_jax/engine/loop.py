@@ -10,6 +10,10 @@
     out, state, seats = decode_loop(params, state, seats, 16, sampling, step=step,
                                     num_drafts=2, history=history[B, S])  # n-gram drafts
     # out.tokens [B, 48] (each request's tokens, then -1), out.history, out.accepted
+    out, state, seats = decode_loop(params, state, seats, 16, sampling, step=step,
+                                    num_drafts=2, mtp=mtp_params, mtp_seats=mtp_seats)
+    # MTP drafts: mtp_seats = MTPSeats.create(...) fed the prompts' pairs (mtp_feed);
+    # out.mtp_seats carries them to the next call
 
 One call runs a `lax.while_loop` of decode steps: feed each request's last token, sample the
 next one on the device (`sample_tokens`: the same arithmetic as `fo_jax.generate.sample`, so
@@ -39,6 +43,21 @@ W = 1 greedy decoding's up to a near-tie of the two largest logits, as `fo_jax.g
 host-driven drafting does; what holds exactly is that every program has the same shapes
 whoever sits in the other seats, so a request's tokens equal those of the same drafting loop
 (or engine) serving it alone, bit for bit. Up to N W tokens per request and call.
+
+MTP drafts (`mtp=` the model's multi-token-prediction parameters, `mtp_seats=` an `MTPSeats`):
+the rule of the host `fo_jax.drafting.MTPDrafter`, on the device. The loop carries each seat's
+MTP layer state (one layer: [1, B, S, D+R] KV rows, [1, B, S, N] indexer keys, one pair
+(h_i, t_{i+1}) per stored position: h_i the main model's last hidden state, t_{i+1} the token
+after it), its next first draft and the layer's output h' there. Each step: the first draft
+is the carried one, draft k >= 2 the argmax of the MTP layer fed (h', draft k - 1) (D - 1
+calls of one pair per seat: `mtp_drafts`); the main step verifies the W ways and returns their
+hidden states too (the steps' `return_hidden`: the logits are the same bit for bit); the
+chained pairs are forgotten (the MTP lengths set back, O(B)) and the kept pairs (hidden at the
+count kept positions, the tokens yielded after them) fed in one call of W pairs, which gives
+the next first draft and h' (`mtp_observe`). The drafts equal the host MTPDrafter's for the
+same history (tests/engine/test_engine_mtp.py), up to the last bits of a separately compiled
+program; drafts only decide how many tokens a step yields, and every MTP computation is per
+seat, so a request's tokens still equal those of the same loop serving it alone, bit for bit.
 
 Sampling keys: one key for the batch (shape []; split once per step and used for the whole
 batch, as `fo_jax.generate.generate` does) or one key per request (shape [B]; each split when
@@ -579,8 +598,8 @@ def decode_loop(params, state, seats: Seats, n_steps: int, sampling: Sampling, *
     if not isinstance(drafter, NGramDrafter):
         raise NotImplementedError(
             f"drafts inside the decode loop come from the device n-gram drafter (a "
-            f"fo_jax.drafting.NGramDrafter), got {type(drafter).__name__}: MTP drafts run in "
-            "fo_jax.generate.generate(..., draft='mtp')")
+            f"fo_jax.drafting.NGramDrafter), got {type(drafter).__name__}; for MTP drafts "
+            "pass mtp= (the MTP parameters) and mtp_seats= (an MTPSeats) instead")
     check_history(history, batch, state.capacity, num_drafts)
     return _draft_loop_jit(params, state, seats, sampling, jnp.asarray(history, jnp.int32),
                            None, None, n_steps=int(n_steps), step=step,
