@@ -14,9 +14,10 @@ repeat themselves: prompt lookup pays off): `loop N` against `loop N drafts D`
 step), tokens/s and tokens per request and step, ratio to `loop N` in the same run. With
 `--drafter ngram mtp` a cell `loop N mtp D` is added: the drafts come from the model's MTP
 layer on the device (`decode_loop(..., mtp=...)`); no model here ships a trained MTP layer, so
-it is random (`--mtp random`: accepts about nothing) or random plus a copy of its input token
+it is random (`--mtp random`: accepts about nothing), random plus a copy of its input token
 (`--mtp copy`: it proposes the last token again, about what prompt lookup's fallback does; a
-check of the machinery's cost and acceptance accounting, not of a trained layer).
+check of the machinery's cost and acceptance accounting), or one `experiments/train_mtp.py`
+trained for the embedded model (`--mtp PATH.npz`).
 
 Every cell decodes the same tokens (they are checked equal) from the same synthetic state
 (random KV rows and indexer keys of `context` tokens, `experiments/common.synthetic_states`: no
@@ -187,6 +188,10 @@ def _mtp_params(config, params, kind: str):
     reads it back: the argmax is mostly the input token)."""
     from fo_jax.model.mtp import init_mtp_params
 
+    if kind not in ("random", "copy"):  # a file of experiments/train_mtp.py
+        from train_mtp import load_mtp
+
+        return load_mtp(kind, config)
     mtp = init_mtp_params(config, jax.random.key(1), own_head=kind == "copy")
     if kind == "copy":
         e = config.dim
@@ -334,9 +339,9 @@ def main(argv=None):
     parser.add_argument("--drafter", nargs="+", choices=("ngram", "mtp"), default=["ngram"],
                         help="with --num-drafts: the drafters compared (mtp: the model's MTP "
                              "layer, num_nextn_predict_layers set to 1 where 0)")
-    parser.add_argument("--mtp", choices=("random", "copy"), default="random",
-                        help="the MTP layer's weights (no model here has a trained one): "
-                             "random, or random plus a copy of its input token")
+    parser.add_argument("--mtp", default="random",
+                        help="the MTP layer's weights: random, copy (random plus a copy of "
+                             "its input token), or an .npz of experiments/train_mtp.py")
     parser.add_argument("--out", default=None, help="append JSON lines here")
     args = parser.parse_args(argv)
     if args.smoke:

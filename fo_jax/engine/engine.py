@@ -112,14 +112,14 @@ that kept the pages, `counters["resumed_without_recompute"]` the resumes with ke
 `counters["replayed_tokens"]` the tokens replayed after dropped pages.
 
 Drafts (`num_drafts=D > 0`, `drafter="ngram"`): the decode loop verifies D n-gram drafts per
-greedy request and step (steps of [seats, D + 1] ways; see `fo_jax.engine.loop`), drafted from each seat's
-history (prompt + sampled tokens, [seats, capacity] on the device, set at its join and
-appended to by the loop). Every program still has the same shapes whoever sits in the other
+greedy request and step (steps of [seats, D + 1] ways; see `fo_jax.engine.loop`), drafted from
+each seat's history (prompt + sampled tokens, [seats, capacity] on the device, set at its join
+and appended to by the loop). Every program still has the same shapes whoever sits in the other
 seats, so a request's tokens equal those of the same engine serving it alone, bit for bit; they
-equal a num_drafts=0 engine's up to a near-tie of the two largest logits (a W-way step's
-logits differ from a W = 1 step's in the last bits on CPU). A resumed request replays its
-tokens in the groups its W-way steps stored them (one W-way step per group, the rest rolled
-back), so its KV is the one it had, bit for bit. With reserve="prompt", a call may store up to
+equal a num_drafts=0 engine's up to a near-tie of the two largest logits (a W-way step's logits
+differ from a W = 1 step's in the last bits on CPU). A resumed request replays its tokens in
+the groups its W-way steps stored them (one W-way step per group, the rest rolled back), so its
+KV is the one it had, bit for bit. With reserve="prompt", a call may store up to
 `decode_steps_per_call` x (D + 1) tokens per request, and that is what is grown before it.
 
 MTP drafts (`drafter="mtp"`, `mtp=` the model's MTP parameters): the drafts come from the

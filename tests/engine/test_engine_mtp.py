@@ -101,7 +101,7 @@ def test_loop_mtp_drafts_are_the_host_drafters():
     seats = Seats.create(first, jax.random.key(0), sampling=sampling, lengths=lengths,
                          capacity=CAPACITY)
     state, got = res.state, [[int(t)] for t in first]
-    drafts = [[] for _ in range(batch)]
+    drafts, counts_of = [[] for _ in range(batch)], [[] for _ in range(batch)]
     accepted = 0
     while not bool(np.all(np.asarray(seats.done))):
         out, state, seats = decode_loop(_params(), state, seats, 4, sampling,
@@ -116,13 +116,16 @@ def test_loop_mtp_drafts_are_the_host_drafters():
             got[b] += toks[b][toks[b] >= 0].tolist()
             drafts[b] += [np.asarray(out.drafts)[b, i].tolist() for i in range(4)
                           if counts[b, i] > 0]
+            counts_of[b] += [int(c) for c in counts[b] if c > 0]
         accepted += int(np.sum(out.accepted))
     np.testing.assert_array_equal(np.asarray(got), want.tokens)
     for b in range(batch):
         assert drafts[b] == [host[k][b].tolist() for k in range(len(drafts[b]))], b
     assert accepted == want.extra["accepted_drafts"] > 0
-    assert any(d[0] != t for b in range(batch) for d, t in zip(drafts[b], got[b]))  # not
-    # only copies
+    # Not only copies of the last token: the random layer and the hidden states count.
+    lasts = [[got[b][n - 1] for n in np.cumsum([1] + counts_of[b][:-1])] for b in range(batch)]
+    assert any(d[0] != t for b in range(batch) for d, t in zip(drafts[b], lasts[b]))
+    assert sum(d[0] == t for b in range(batch) for d, t in zip(drafts[b], lasts[b])) > 10
 
 
 # (prompt, max_tokens, temperature, seed, stop ids, arrival step). [96] * 5 yields 44 44 ...
