@@ -201,6 +201,19 @@ def _mtp_params(config, params, kind: str):
     return mtp
 
 
+def _heldout_prompts(config, tokenizer, batch, context):
+    """`batch` prompts of `context` tokens: windows evenly spaced over the held-out split of the
+    embedded model's corpus (Python standard library sources it was not trained on; code that
+    does not necessarily repeat); random tokens without a tokenizer."""
+    if tokenizer is None:
+        rng = np.random.default_rng(3)
+        return [rng.integers(0, config.vocab_size, context).tolist() for _ in range(batch)]
+    from fo_jax.training import eval_windows, load_split, split_files, stdlib_files
+
+    stream = load_split(split_files(stdlib_files())[1], max_bytes=400_000, tokenizer=tokenizer)
+    return [w[:context].tolist() for w in eval_windows(stream, context, batch)]
+
+
 def run_drafts(args, meta):
     """Cells `loop N` and `loop N drafts D` (n-gram) / `loop N mtp D` on prefilled repetitive
     prompts (greedy)."""
@@ -219,7 +232,8 @@ def run_drafts(args, meta):
         mtp = _mtp_params(config, params, args.mtp)
     n, d = args.steps_per_call[-1], args.num_drafts
     batch = args.batch
-    prompts = _repetitive_prompts(config, tokenizer, batch, args.context)
+    prompts = (_repetitive_prompts if args.prompts == "repeat" else _heldout_prompts)(
+        config, tokenizer, batch, args.context)
     longest = max(len(p) for p in prompts)
     page = 16
     capacity = -(-(longest + args.tokens + d + 1) // page) * page
@@ -252,7 +266,7 @@ def run_drafts(args, meta):
                              for k in args.drafter]
     times, steps, results = {c: [] for c in cells}, {}, {}
     print(f"decode loop drafts: {config.name}, {args.path}, batch {batch}, prompts of "
-          f"{int(lengths.min())}-{longest} tokens that repeat, {args.tokens} tokens per request "
+          f"{int(lengths.min())}-{longest} tokens ({args.prompts}), {args.tokens} tokens per request "
           f"per round, greedy, {args.rounds} rounds (+1 uncounted)")
     for r in range(args.rounds + 1):
         for cell in (cells if r % 2 == 0 else cells[::-1]):
@@ -308,6 +322,7 @@ def run_drafts(args, meta):
                                  f"mtp ({args.mtp})" if "mtp" in cell else "ngram"),
                      "path": args.path, "model": config.name, "batch": batch,
                      "prompt_tokens": [len(p) for p in prompts], "tokens": args.tokens,
+                     "prompts": args.prompts,
                      "rounds": args.rounds, "tokens_per_second": tps, "ratio": med,
                      "ratio_q25": q25, "ratio_q75": q75, "round_seconds": secs.tolist(),
                      "decode_steps": num_steps, "tokens_per_step": per_step,
@@ -342,6 +357,9 @@ def main(argv=None):
     parser.add_argument("--mtp", default="random",
                         help="the MTP layer's weights: random, copy (random plus a copy of "
                              "its input token), or an .npz of experiments/train_mtp.py")
+    parser.add_argument("--prompts", choices=("repeat", "heldout"), default="repeat",
+                        help="with --num-drafts: prompts of code that repeats itself, or windows "
+                             "of the embedded model's held-out corpus")
     parser.add_argument("--out", default=None, help="append JSON lines here")
     args = parser.parse_args(argv)
     if args.smoke:
