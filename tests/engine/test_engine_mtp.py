@@ -19,14 +19,17 @@ import numpy as np
 import pytest
 
 from fo_jax import generate as gen
+from fo_jax import hlo_checks
 from fo_jax import resident
 from fo_jax.config import get_config
+from fo_jax.engine import loop as engine_loop
 from fo_jax.engine.engine import Engine
-from fo_jax.engine.loop import (MTPSeats, ResidentStep, Sampling, Seats, decode_loop,
-                                mtp_feed_jit)
+from fo_jax.engine.loop import (MTPSeats, OffloadedStep, ResidentStep, Sampling, Seats,
+                                decode_loop, mtp_feed_jit)
 from fo_jax.model.dsa import init_params
 from fo_jax.model.mtp import init_mtp_params
 from fo_jax.offload.config import OffloadConfig
+from fo_jax.offload.state import DecodeState
 
 # The model of tests/engine/test_drafting_loop.py (2 layers, top-4, W <= 3, float32 KV) with
 # one MTP layer (the main parameters do not change).
@@ -288,3 +291,30 @@ def test_mtp_drafts_need_a_model_with_an_mtp_layer():
                                          r"and capacity 32 \(MTPSeats\.create, filled with the "
                                          r"prompts' pairs by mtp_feed\), got NoneType"):
         decode_loop(_params(), state, seats, 2, sampling, step=step, num_drafts=1, mtp=_mtp())
+
+
+def test_mtp_draft_loop_carries_both_states_in_place():
+    """The offloaded loop with MTP drafts (compiled, not run): the main state and the MTP
+    layer's state ([1, B, S, D+R] rows, [1, B, S, N] indexer keys) are updated in place in the
+    loop body, the chained pairs and the rollback included (as test_drafting_loop.py checks
+    for n-gram drafts). Distinctive shapes: B = 3, C = 36, Z = 4, S = 96. (Resident with one
+    indexer group, the main and MTP indexer keys have the same shape, and XLA copies both once
+    per call, at the loop's entry and exit: never per step.)"""
+    batch, capacity = 3, 96
+    params = jax.eval_shape(lambda: init_params(CONFIG, jax.random.key(0)))
+    mtp = jax.eval_shape(lambda: init_mtp_params(CONFIG, jax.random.key(1)))
+    offload = OffloadConfig(hot_slots=36, page_size=4, capacity=capacity, policy="ring")
+    state = DecodeState.create(CONFIG, offload, batch=batch)
+    mtp_seats = MTPSeats.create(CONFIG, batch=batch, capacity=capacity)
+    settings = Sampling.create(batch, stop_tokens=[1, 2])
+    seats = Seats.create(np.zeros(batch, np.int32), jax.random.key(0), sampling=settings,
+                         lengths=np.zeros(batch), capacity=capacity)
+    compiled = hlo_checks.compile_call(
+        engine_loop, "_draft_loop_jit", decode_loop, params, state, seats, 5, settings,
+        step=OffloadedStep(CONFIG, offload), num_drafts=DRAFTS, mtp=mtp, mtp_seats=mtp_seats,
+        compiler_options=hlo_checks.FAST_COMPILE)
+    assert " while(" in compiled.as_text()
+    for tree, ignore in ((state, ("lengths", "step", "policy.hand", "policy.key")),
+                         (mtp_seats, ("state.lengths", "draft", "hidden"))):
+        hlo_checks.assert_no_state_copies(compiled, tree, ignore=ignore)
+        hlo_checks.assert_donation_aliased(compiled, tree, ignore=ignore)
