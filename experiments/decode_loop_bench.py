@@ -8,12 +8,18 @@ One question, one run (ratios are to the baseline measured in the same run):
   loop N    `fo_jax.engine.decode_loop` with N steps per call (sampling, stop checks and
             statistics on the device): one dispatch per N tokens.
 
-With `--num-drafts D` the question is drafts in the loop instead (greedy by default,
-prefilled prompts that repeat themselves: prompt lookup pays off): `loop N` against `loop N
-drafts D` (`decode_loop(..., num_drafts=D)`: n-gram drafts verified on the device, W = D + 1
-ways per step), tokens/s and tokens per request and step, ratio to `loop N` in the same run.
-With `--temperature T > 0` too, the requests sample (one key per request; speculative sampling
-with drafts): the two cells draw other tokens (same law), so their tokens are not compared.
+With `--num-drafts D` the question is drafts in the loop instead (greedy, prefilled prompts that
+repeat themselves: prompt lookup pays off): `loop N` against `loop N drafts D`
+(`decode_loop(..., num_drafts=D)`: n-gram drafts verified on the device, W = D + 1 ways per
+step), tokens/s and tokens per request and step, ratio to `loop N` in the same run. With
+`--drafter ngram mtp` a cell `loop N mtp D` is added: the drafts come from the model's MTP
+layer on the device (`decode_loop(..., mtp=...)`); no model here ships a trained MTP layer, so
+it is random (`--mtp random`: accepts about nothing), random plus a copy of its input token
+(`--mtp copy`: it proposes the last token again, about what prompt lookup's fallback does; a
+check of the machinery's cost and acceptance accounting), or one `experiments/train_mtp.py`
+trained for the embedded model (`--mtp PATH.npz`). With `--temperature T > 0`
+too, the requests sample (one key per request; speculative sampling with drafts): the cells
+draw other tokens (same law), so their tokens are not compared.
 
 Every cell decodes the same tokens (they are checked equal) from the same synthetic state
 (random KV rows and indexer keys of `context` tokens, `experiments/common.synthetic_states`: no
@@ -26,6 +32,7 @@ tokens/s ratios to `python`, and decode programs dispatched from Python per gene
     python experiments/decode_loop_bench.py --path resident
     python experiments/decode_loop_bench.py --num-drafts 3          # drafts: the embedded model
     python experiments/decode_loop_bench.py --num-drafts 3 --temperature 0.7   # sampled drafts
+    python experiments/decode_loop_bench.py --num-drafts 2 --drafter ngram mtp --mtp copy
     python experiments/decode_loop_bench.py --smoke                 # seconds; run by the tests
 """
 
@@ -46,6 +53,7 @@ from fo_jax import generate as gen  # noqa: E402
 from fo_jax import resident  # noqa: E402
 from fo_jax.config import get_config  # noqa: E402
 from fo_jax.engine import OffloadedStep, ResidentStep, Sampling, Seats, decode_loop  # noqa: E402
+from fo_jax.engine.loop import MTPSeats, mtp_feed_jit  # noqa: E402
 from fo_jax.model.dsa import init_params  # noqa: E402
 from fo_jax.offload import decode as offload_decode  # noqa: E402
 from fo_jax.offload.config import OffloadConfig  # noqa: E402
@@ -177,9 +185,41 @@ def _repetitive_prompts(config, tokenizer, batch, context):
             for b in range(batch)]
 
 
+def _mtp_params(config, params, kind: str):
+    """MTP parameters for `config` (which has num_nextn_predict_layers >= 1): random, or random
+    plus a copy of the input token (eh_proj passes the token's embedding through, the head
+    reads it back: the argmax is mostly the input token)."""
+    from fo_jax.model.mtp import init_mtp_params
+
+    if kind not in ("random", "copy"):  # a file of experiments/train_mtp.py
+        from train_mtp import load_mtp
+
+        return load_mtp(kind, config)
+    mtp = init_mtp_params(config, jax.random.key(1), own_head=kind == "copy")
+    if kind == "copy":
+        e = config.dim
+        copy = jnp.concatenate([jnp.eye(e), jnp.zeros((e, e))])[None]
+        mtp = {**mtp, "eh_proj": mtp["eh_proj"] + copy.astype(mtp["eh_proj"].dtype),
+               "head": mtp["head"] + params["embed"].T[None].astype(mtp["head"].dtype)}
+    return mtp
+
+
+def _heldout_prompts(config, tokenizer, batch, context):
+    """`batch` prompts of `context` tokens: windows evenly spaced over the held-out split of the
+    embedded model's corpus (Python standard library sources it was not trained on; code that
+    does not necessarily repeat); random tokens without a tokenizer."""
+    if tokenizer is None:
+        rng = np.random.default_rng(3)
+        return [rng.integers(0, config.vocab_size, context).tolist() for _ in range(batch)]
+    from fo_jax.training import eval_windows, load_split, split_files, stdlib_files
+
+    stream = load_split(split_files(stdlib_files())[1], max_bytes=400_000, tokenizer=tokenizer)
+    return [w[:context].tolist() for w in eval_windows(stream, context, batch)]
+
+
 def run_drafts(args, meta):
-    """Cells `loop N` and `loop N drafts D` on prefilled repetitive prompts (greedy, or
-    sampled at args.temperature with one key per request)."""
+    """Cells `loop N` and `loop N drafts D` (n-gram) / `loop N mtp D` on prefilled repetitive
+    prompts (greedy, or sampled at args.temperature with one key per request)."""
     tokenizer = None
     if args.model == "embedded":
         from fo_jax.embedded import load_embedded
@@ -188,41 +228,60 @@ def run_drafts(args, meta):
     else:
         config = get_config(args.model)
         params = init_params(config, jax.random.key(0))
+    mtp = None
+    if "mtp" in args.drafter:
+        if config.num_nextn_predict_layers < 1:  # the main model's parameters do not change
+            config = config.replace(num_nextn_predict_layers=1)
+        mtp = _mtp_params(config, params, args.mtp)
     n, d = args.steps_per_call[-1], args.num_drafts
     batch = args.batch
-    prompts = _repetitive_prompts(config, tokenizer, batch, args.context)
+    prompts = (_repetitive_prompts if args.prompts == "repeat" else _heldout_prompts)(
+        config, tokenizer, batch, args.context)
     longest = max(len(p) for p in prompts)
     page = 16
     capacity = -(-(longest + args.tokens + d + 1) // page) * page
     tokens, lengths = gen.pad_prompts(prompts)
     if args.path == "resident":
-        engine = gen.ResidentEngine(params, config, batch=batch, capacity=capacity)
+        engine = gen.ResidentEngine(params, config, batch=batch, capacity=capacity, mtp=mtp)
         step = ResidentStep(config)
     else:
         offload = OffloadConfig(hot_slots=max(capacity // 4, config.index_topk * config.max_ways),
                                 page_size=page, capacity=capacity, policy="ring")
-        engine = gen.OffloadEngine(params, config, offload=offload, batch=batch)
+        engine = gen.OffloadEngine(params, config, offload=offload, batch=batch, mtp=mtp)
         step = OffloadedStep(config, offload)
-    first = jnp.argmax(engine.prefill(tokens, lengths), axis=-1).astype(jnp.int32)
+    logits, hidden = engine.prefill(tokens, lengths, hidden=True)
+    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     prefilled = engine.state
+    mtp_seats0 = None
+    if mtp is not None:  # the prompts' pairs (h_i, t_{i+1}), the last with the first token
+        nxt = np.zeros(tokens.shape, np.int32)
+        nxt[:, :-1] = tokens[:, 1:]
+        nxt[np.arange(batch), lengths - 1] = np.asarray(first)
+        mtp_seats0 = mtp_feed_jit(params, mtp, MTPSeats.create(config, batch=batch,
+                                                               capacity=capacity),
+                                  hidden, jnp.asarray(nxt), jnp.asarray(lengths, jnp.int32),
+                                  config=config, query_block=resident.QUERY_BLOCK)
     temperature = args.temperature
     sampling = Sampling.create(batch, temperature=temperature, top_p=args.top_p,
                                max_new_tokens=args.tokens + 1)
     history0 = np.zeros((batch, capacity), np.int32)
     for b, p in enumerate(prompts):
         history0[b, :len(p) + 1] = list(p) + [int(first[b])]
-    cells = [f"loop {n}", f"loop {n} drafts {d}"]
+    cells = [f"loop {n}"] + [f"loop {n} {'mtp' if k == 'mtp' else 'drafts'} {d}"
+                             for k in args.drafter]
     times, steps, results = {c: [] for c in cells}, {}, {}
     print(f"decode loop drafts: {config.name}, {args.path}, batch {batch}, prompts of "
-          f"{int(lengths.min())}-{longest} tokens that repeat, {args.tokens} tokens per request "
-          f"per round, {'greedy' if temperature == 0 else f'temperature {temperature}, top_p '
-          f'{args.top_p}'}, {args.rounds} rounds (+1 uncounted)")
+          f"{int(lengths.min())}-{longest} tokens ({args.prompts}), {args.tokens} tokens per "
+          f"request per round, {'greedy' if temperature == 0 else f'temperature {temperature}, '
+          f'top_p {args.top_p}'}, {args.rounds} rounds (+1 uncounted)")
     for r in range(args.rounds + 1):
         for cell in (cells if r % 2 == 0 else cells[::-1]):
-            drafts = d if "drafts" in cell else 0
+            drafts = d if cell != cells[0] else 0
             state = jax.tree_util.tree_map(jnp.copy, prefilled)
-            history = jnp.asarray(history0) if drafts else None
-            jax.block_until_ready((state, history))
+            history = jnp.asarray(history0) if drafts and "mtp" not in cell else None
+            mtp_seats = (jax.tree_util.tree_map(jnp.copy, mtp_seats0) if "mtp" in cell
+                         else None)
+            jax.block_until_ready((state, history, mtp_seats))
             start = time.perf_counter()
             seats = Seats.create(first, jax.random.split(jax.random.key(0), batch),
                                  sampling=sampling,
@@ -230,9 +289,11 @@ def run_drafts(args, meta):
             outs, num_steps, request_steps, accepted, proposed = [], 0, 0, 0, 0
             while not bool(np.all(np.asarray(seats.done))):
                 kw = dict(num_drafts=drafts, history=history) if drafts else {}
+                if mtp_seats is not None:
+                    kw.update(mtp=mtp, mtp_seats=mtp_seats)
                 out, state, seats = decode_loop(params, state, seats, n, sampling, step=step,
                                                 **kw)
-                history = out.history
+                history, mtp_seats = out.history, out.mtp_seats
                 outs.append(np.asarray(out.tokens))
                 num_steps += int(out.num_steps)
                 if drafts:
@@ -248,7 +309,7 @@ def run_drafts(args, meta):
             if r > 0:
                 times[cell].append(secs)
     base = np.asarray(times[cells[0]])
-    same = bool(np.array_equal(results[cells[0]], results[cells[1]]))
+    same = all(np.array_equal(results[cells[0]], results[c]) for c in cells[1:])
     rows = []
     print(f"{'cell':18s}{'tokens/s':>10s}{'ratio':>8s}{'IQR':>14s}{'tokens/step':>13s}"
           f"{'per request':>13s}{'drafts accepted':>17s}")
@@ -263,9 +324,12 @@ def run_drafts(args, meta):
         print(f"{cell:18s}{tps:>10.1f}{med:>8.2f}{q25:>7.2f}-{q75:<6.2f}{per_step:>13.2f}"
               f"{per_request:>13.2f}{f'{accepted}/{proposed}':>17s}")
         rows.append({**meta, "question": "decode_loop_drafts", "cell": cell,
-                     "steps_per_call": n, "num_drafts": d if "drafts" in cell else 0,
+                     "steps_per_call": n, "num_drafts": d if cell != cells[0] else 0,
+                     "drafter": (None if cell == cells[0] else
+                                 f"mtp ({args.mtp})" if "mtp" in cell else "ngram"),
                      "path": args.path, "model": config.name, "batch": batch,
                      "prompt_tokens": [len(p) for p in prompts], "tokens": args.tokens,
+                     "prompts": args.prompts,
                      "rounds": args.rounds, "tokens_per_second": tps, "ratio": med,
                      "ratio_q25": q25, "ratio_q75": q75, "round_seconds": secs.tolist(),
                      "decode_steps": num_steps, "tokens_per_step": per_step,
@@ -300,6 +364,15 @@ def main(argv=None):
                         help="> 0: compare the loop with and without this many n-gram drafts "
                              "per step instead (greedy unless --temperature; --model "
                              "embedded: the trained model)")
+    parser.add_argument("--drafter", nargs="+", choices=("ngram", "mtp"), default=["ngram"],
+                        help="with --num-drafts: the drafters compared (mtp: the model's MTP "
+                             "layer, num_nextn_predict_layers set to 1 where 0)")
+    parser.add_argument("--mtp", default="random",
+                        help="the MTP layer's weights: random, copy (random plus a copy of "
+                             "its input token), or an .npz of experiments/train_mtp.py")
+    parser.add_argument("--prompts", choices=("repeat", "heldout"), default="repeat",
+                        help="with --num-drafts: prompts of code that repeats itself, or windows "
+                             "of the embedded model's held-out corpus")
     parser.add_argument("--out", default=None, help="append JSON lines here")
     args = parser.parse_args(argv)
     if args.smoke:

@@ -18,7 +18,8 @@ many tokens a step yields, never which tokens.
     the generation loop calls: `start` after the prefill and `observe` after each
     verification step (with the step's hidden states and what was kept). It needs an engine
     that returns hidden states: `ResidentEngine(..., mtp=mtp_params)` or
-    `OffloadEngine(..., mtp=mtp_params)`.
+    `OffloadEngine(..., mtp=mtp_params)`. The serving engine's decode loop runs the same rule
+    on the device (`fo_jax.engine.Engine(..., drafter="mtp")`, `fo_jax.engine.loop.MTPSeats`).
 """
 
 from __future__ import annotations

@@ -30,18 +30,21 @@ from fo_jax.engine.engine import Engine, RequestOutput
 from fo_jax.engine.loop import (
     LoopOutput,
     LoopStats,
+    MTPSeats,
     OffloadedStep,
     ResidentStep,
     Sampling,
     Seats,
     decode_loop,
+    mtp_feed,
     sample_tokens,
 )
 from fo_jax.engine.metrics import MetricsLog
 from fo_jax.engine.pages import NO_PAGE, PagePool, PoolExhausted, PrefixCache, RequestPages
 
 __all__ = ["NO_PAGE", "Admission", "AutoEngine", "DataParallelEngine", "Decision", "Engine",
-           "LoopOutput", "LoopStats", "MemoryCosts", "MetricsLog", "OffloadedStep", "PagePool",
+           "LoopOutput", "LoopStats", "MTPSeats", "MemoryCosts", "MetricsLog", "OffloadedStep",
+           "PagePool",
            "PoolExhausted", "PrefixCache", "Request", "RequestOutput", "RequestPages",
            "RequestRefused", "ResidentStep", "Sampling", "Seats", "Verdict", "decode_loop",
-           "sample_tokens"]
+           "mtp_feed", "sample_tokens"]

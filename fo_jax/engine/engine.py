@@ -111,8 +111,8 @@ again by a later call's growth: it loses no work, only its join).
 that kept the pages, `counters["resumed_without_recompute"]` the resumes with kept pages, and
 `counters["replayed_tokens"]` the tokens replayed after dropped pages.
 
-Drafts (`num_drafts=D > 0`): the decode loop verifies D n-gram drafts per request and step
-(steps of [seats, D + 1] ways; see `fo_jax.engine.loop`), drafted from each seat's history
+Drafts (`num_drafts=D > 0`, `drafter="ngram"`): the decode loop verifies D n-gram drafts per
+request and step (steps of [seats, D + 1] ways; see `fo_jax.engine.loop`), drafted from each seat's history
 (prompt + sampled tokens, [seats, capacity] on the device, set at its join and appended to by
 the loop): a greedy request keeps the drafts its greedy tokens confirm, a sampled one
 (temperature > 0) the ones speculative sampling accepts (`fo_jax.engine.loop.
@@ -126,9 +126,23 @@ tokens in the groups its W-way steps stored them (one W-way step per group, the 
 back), so its KV is the one it had, bit for bit. With reserve="prompt", a call may store up to
 `decode_steps_per_call` x (D + 1) tokens per request, and that is what is grown before it.
 
+MTP drafts (`drafter="mtp"`, `mtp=` the model's MTP parameters): the drafts come from the
+model's multi-token-prediction layer on the device instead (`decode_loop(..., mtp=...)`, the
+rule of `fo_jax.drafting.MTPDrafter`). The engine keeps one MTP layer state for all seats
+([1, seats, capacity, D+R] KV rows + indexer keys: one main layer's worth, allocated once,
+not counted in `device_bytes`) and each seat's next draft. Each prefill chunk returns the
+main model's hidden states too and feeds the chunk's pairs (h_i, t_{i+1}) to the prefilling
+seats' MTP state (one [seats, prefill_chunk] MTP program; a prompt's last pair takes its first
+sampled token, so the first draft after the prefill is right); a seat's MTP state starts empty
+at admission. A preempted request's seat MTP state (O(length) rows of one layer: 1/L of its
+KV) is copied to the host and written back when it resumes, with its pages kept or dropped
+(the replay rebuilds the main KV only): nothing is recomputed, and its drafts, hence its W-way
+steps, are those of its uninterrupted run, so its tokens are too, bit for bit; a request moved
+by `AutoEngine` carries its MTP state the same way. Not with `prefix_cache` (refused): a prefix
+mapped from the cache is not prefilled, so the hidden states its MTP pairs need do not exist.
+
 Not here yet: device_bytes, reserve="prompt", preemption and prefix reuse on the resident
-path; MTP drafts in the decode loop (`num_drafts` drafts by n-gram lookup only;
-`fo_jax.generate` drafts with the MTP layer from the host).
+path.
 """
 
 from __future__ import annotations
@@ -147,13 +161,16 @@ import numpy as np
 from fo_jax import resident
 from fo_jax.config import ModelConfig
 from fo_jax.engine.loop import (
+    MTPSeats,
     OffloadedStep,
     ResidentStep,
     Sampling,
     Seats,
     _check_sampling_values,
     check_drafting,
+    check_mtp_drafting,
     decode_loop,
+    mtp_feed_jit,
     sample_tokens,
 )
 from fo_jax.offload import prefill as offload_prefill
@@ -165,6 +182,7 @@ from fo_jax.offload.host import in_host_memory, write_back_rows
 from fo_jax.offload.state import DecodeState, committed, write_pool_keys
 
 FINISH_REASONS = ("stop", "length", "cancelled")
+DRAFTERS = ("ngram", "mtp")
 
 
 @dataclasses.dataclass
@@ -224,6 +242,7 @@ class _Request:
     groups: list[int] = dataclasses.field(default_factory=list)  # with drafts: tokens yielded
     # by each decode step (a replay feeds the same groups: the same W-way programs)
     queued_at: int = 0  # the engine step it arrived at (aging of order="shortest")
+    mtp_saved: Any = None  # MTP drafts: its seat's MTP rows when preempted (`_save_mtp`)
 
     def output(self, new: list[int]) -> RequestOutput:
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
@@ -329,11 +348,16 @@ class Engine:
         preempting the youngest running request when they cannot be had: dropping its pages
         when the pool is short, keeping them (its seat freed) when only device_bytes is (see
         the module doc).
-      num_drafts: D >= 0 n-gram drafts per request and decode step, verified on the device
+      num_drafts: D >= 0 drafts per request and decode step, verified on the device
         (`decode_loop(..., num_drafts=D)`: steps of W = D + 1 <= config.max_ways ways;
         greedy requests keep the confirmed drafts, sampled ones do speculative sampling);
-        each seat's history (prompt + sampled tokens) is kept on the device for the drafter.
         0: one token per step.
+      drafter: with num_drafts > 0, "ngram" (prompt lookup in each seat's history, prompt +
+        sampled tokens, kept on the device) or "mtp" (the model's multi-token-prediction
+        layer, `mtp` its parameters: each seat's MTP state is kept on the device; see the
+        module doc).
+      mtp: drafter="mtp": the MTP parameters (`load_checkpoint(..., mtp=True)` or
+        `fo_jax.model.mtp.init_mtp_params`) of a config with num_nextn_predict_layers >= 1.
     Raises:
       ValueError: bad settings, before anything is allocated.
     """
@@ -347,7 +371,8 @@ class Engine:
                  prefix_cache: bool = False, device_bytes: int | None = None,
                  order: str = "fifo", reserve: str = "full", metrics_path: str | None = None,
                  metrics_every: int = 16, num_drafts: int = 0,
-                 max_wait_steps: int | None = 256):
+                 max_wait_steps: int | None = 256, drafter: str = "ngram",
+                 mtp: dict | None = None):
         for name, value in (("seats", seats), ("decode_steps_per_call", decode_steps_per_call),
                             ("prefill_chunk", prefill_chunk), ("max_stop_ids", max_stop_ids),
                             ("metrics_every", metrics_every)):
@@ -396,6 +421,8 @@ class Engine:
         except ValueError as err:
             raise ValueError(f"{err} (Engine(num_drafts=...))") from None
         self.num_drafts = int(num_drafts)
+        self._check_drafter(drafter, mtp, prefix_cache)
+        self.drafter, self.mtp = drafter, mtp
         self.order, self.reserve = order, reserve
         self.max_wait_steps = max_wait_steps
         self.device_bytes = None if device_bytes is None else int(device_bytes)
@@ -443,9 +470,13 @@ class Engine:
                                       generated=jnp.zeros((batch,), jnp.int32),
                                       done=jnp.ones((batch,), bool)))
         self._key_shape = tuple(jax.random.key_data(jax.random.key(0)).shape)
-        # With drafts: each seat's prompt + sampled tokens [seats, capacity], set at its join.
+        # With n-gram drafts: each seat's prompt + sampled tokens [seats, capacity], set at its
+        # join. With MTP drafts: the MTP layer's state and each seat's next draft, fed with
+        # the prompt's pairs by the prefill (`_feed_mtp`).
         self._history = (committed(jnp.zeros((batch, self.capacity), jnp.int32))
-                         if self.num_drafts else None)
+                         if self.num_drafts and self.mtp is None else None)
+        self._mtp = (committed(MTPSeats.create(config, batch=batch, capacity=self.capacity))
+                     if self.mtp is not None else None)
         self._sampling_rows = [self._sampling_row(None)] * batch
         self._sampling = None  # rebuilt when a seat's request changes
         self._occupant: list[_Request | None] = [None] * batch
@@ -466,6 +497,30 @@ class Engine:
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "step_s": 0.0}
         self.metrics = None if metrics_path is None else MetricsLog(
             self, path=metrics_path, every=metrics_every)
+
+    def _check_drafter(self, drafter, mtp, prefix_cache: bool) -> None:
+        """Raise unless `drafter` names a drafter this engine can run with `mtp`."""
+        if drafter not in DRAFTERS:
+            raise ValueError(f"drafter={drafter!r} must be one of {DRAFTERS} (where the drafts "
+                             "come from: n-gram lookup in each request's history, or the "
+                             "model's MTP layer)")
+        if drafter == "ngram":
+            if mtp is not None:
+                raise ValueError("mtp (the MTP parameters) is read only with drafter='mtp': "
+                                 "pass drafter='mtp', or drop mtp")
+            return
+        if self.num_drafts == 0:
+            raise ValueError("drafter='mtp' needs num_drafts >= 1 (drafts per request and "
+                             "decode step): pass num_drafts, or drop drafter")
+        try:
+            check_mtp_drafting(mtp, self.config)
+        except ValueError as err:
+            raise ValueError(f"drafter='mtp': {err}") from None
+        if prefix_cache:
+            raise ValueError("drafter='mtp' cannot run with prefix_cache: a prompt prefix "
+                             "mapped from the cache is not prefilled, so there are no hidden "
+                             "states to feed the MTP layer for it; use drafter='ngram' with "
+                             "prefix_cache, or drop prefix_cache")
 
     # Requests ------------------------------------------------------------------------------
 
@@ -711,6 +766,7 @@ class Engine:
             self._set_seats({b: (self._stored_tokens(r),
                                  None if r.pages is None else r.pages.table_row())
                              for b, r in started.items()})
+            self._start_mtp(list(started.values()), kept)
         if kept:
             self.counters["resumed_without_recompute"] += len(kept)
             self._rejoin([r for r in kept if r.prefilled == len(r.prompt)])
@@ -877,6 +933,8 @@ class Engine:
         if req.prefilled == len(req.prompt):  # joined: its seat holds its key (a request
             # resumed but not joined yet keeps the key it saved)
             req.key_data = np.asarray(jax.random.key_data(self._seats.keys[req.seat]))
+        if self._mtp is not None and (keep_pages or req.tokens):
+            req.mtp_saved = self._save_mtp(req.seat)  # restored by `_start_mtp`
         self._vacate(req.seat)
         req.seat = None
         req.preempted = True
@@ -894,6 +952,8 @@ class Engine:
         req.pages.release()
         req.pages = None
         req.prefilled = req.cached_tokens = 0
+        if not req.tokens:  # it prefills again from the start: so does its MTP state
+            req.mtp_saved = None
     def _set_seats(self, seats: dict) -> None:
         """Set seat b's length (and page-table row, offloaded) to seats[b] = (length, row)."""
         mask = np.zeros((self.seats,), bool)
@@ -923,6 +983,11 @@ class Engine:
         tokens = np.zeros((batch, chunk), np.int32)
         num_new = np.zeros((batch,), np.int32)
         history = 0
+        # MTP drafts: the seats whose MTP state takes this chunk's pairs (`_feed_mtp`); a
+        # resumed request that sampled before has its MTP state back already (`_start_mtp`).
+        feed = ([(req, req.seat, req.prefilled) for req in requests if not req.tokens]
+                if self._mtp is not None else [])
+        want_hidden = self._mtp is not None
         for req in requests:
             part = req.prompt[req.prefilled:req.prefilled + chunk]
             tokens[req.seat, :len(part)] = part
@@ -930,9 +995,9 @@ class Engine:
             history = max(history, req.prefilled)
         start = time.perf_counter()
         if self.offload is None:
-            logits, self.state = resident.prefill(
+            logits, self.state, *hidden = resident.prefill(
                 self.params, self.state, tokens, num_new, config=self.config, check=False,
-                query_block=self.query_block)
+                query_block=self.query_block, return_hidden=want_hidden)
         else:
             oc = self.offload
             pages = min(_next_power_of_two(-(-history // oc.page_size)),
@@ -940,10 +1005,11 @@ class Engine:
             view = offload_prefill.PrefillState(host=self.state.host, table=self.state.table,
                                                 index_keys=self.state.index_keys,
                                                 lengths=self.state.lengths)
-            logits, view = offload_prefill.prefill(
+            logits, view, *hidden = offload_prefill.prefill(
                 self.params, view, tokens, num_new, config=self.config,
                 num_buffers=self.num_buffers, history_pages=pages, check=False,
-                host_access=oc.host_access, query_block=self.query_block)
+                host_access=oc.host_access, query_block=self.query_block,
+                return_hidden=want_hidden)
             self.state = dataclasses.replace(self.state, host=view.host, table=view.table,
                                              index_keys=view.index_keys, lengths=view.lengths)
         jax.block_until_ready(logits)
@@ -958,6 +1024,68 @@ class Engine:
         done = [r for r in requests if r.prefilled == len(r.prompt)]
         if done:
             self._join(done, logits, num_new, moved)
+        if feed:  # after the join: a prompt's last pair takes its first sampled token
+            self._feed_mtp(feed, hidden[0], tokens, num_new)
+
+    # MTP drafts: each seat's MTP state -------------------------------------------------------
+
+    def _feed_mtp(self, feed, hidden, tokens, num_new) -> None:
+        """Feed the prefill chunk's pairs (h_i, t_{i+1}) to the MTP state of each seat of
+        `feed` [(request, seat, prompt tokens prefilled before the chunk)]: hidden [B, T, E]
+        the chunk's last hidden states, t_{i+1} the next prompt token, or, for a prompt's last
+        position, the first sampled token (`MTPDrafter.start`, chunk by chunk). One
+        [seats, prefill_chunk] MTP-layer program; the others take 0 pairs. O(B T) host work."""
+        nxt = np.zeros(tokens.shape, np.int32)
+        count = np.zeros((self.seats,), np.int32)
+        for req, b, lo in feed:
+            n = int(num_new[b])
+            row = req.prompt[lo + 1:lo + n + 1]
+            if lo + n == len(req.prompt):
+                row = np.concatenate([row, np.asarray(req.tokens[:1], np.int32)])
+            nxt[b, :len(row)], count[b] = row, n
+        self._mtp = mtp_feed_jit(self.params, self.mtp, self._mtp, hidden,
+                                 committed(jnp.asarray(nxt)), committed(jnp.asarray(count)),
+                                 config=self.config, query_block=self.query_block)
+
+    def _start_mtp(self, started: list[_Request], kept: list[_Request]) -> None:
+        """MTP drafts: each admitted request's MTP state. One preempted with its pages kept, or
+        after it sampled, takes back the MTP state it had (`_save_mtp`: its pairs are those
+        of the tokens its seat stores again, and the MTP layer's cache is never dropped,
+        just saved: nothing to recompute); any other starts empty (its prefill feeds it)."""
+        if self._mtp is None:
+            return
+        fresh = []
+        for req in started:
+            if req.mtp_saved is not None and (req in kept or req.tokens):
+                self._restore_mtp(req.seat, req.mtp_saved)
+            else:
+                fresh.append(req.seat)
+            req.mtp_saved = None
+        if fresh:
+            mask = np.zeros((self.seats,), bool)
+            mask[fresh] = True
+            self._mtp = _reset_mtp(self._mtp, committed(jnp.asarray(mask)))
+
+    def _save_mtp(self, b: int) -> tuple:
+        """Seat b's MTP state on the host: (KV rows [n, D+R], indexer keys [n, N], n, next
+        draft, h' [E]), n its length. O(S (D+R + N)) device-to-host copy of one layer's seat
+        (1/L of the main KV of the same tokens)."""
+        kv, keys, length, draft, hidden = jax.device_get(
+            _mtp_seat(self._mtp, jnp.asarray(b, jnp.int32)))
+        n = int(length)
+        return np.array(kv[:n]), np.array(keys[:n]), n, int(draft), np.asarray(hidden)
+
+    def _restore_mtp(self, b: int, saved: tuple) -> None:
+        """Set seat b's MTP state to `saved` (`_save_mtp`), its rows padded to the capacity."""
+        kv, keys, n, draft, hidden = saved
+        st = self._mtp.state
+        rows = np.zeros(st.kv.shape[2:], st.kv.dtype)
+        rows[:n] = kv
+        ik = np.zeros(st.index_keys.shape[2:], st.index_keys.dtype)
+        ik[:n] = keys
+        self._mtp = _set_mtp_seat(self._mtp, jnp.asarray(b, jnp.int32), jnp.asarray(rows),
+                                  jnp.asarray(ik), jnp.asarray(n, jnp.int32),
+                                  jnp.asarray(draft, jnp.int32), jnp.asarray(hidden))
 
     def _join(self, joined: list[_Request], logits, num_new, moved) -> None:
         """Start each request whose prompt is complete: a new one samples its first token
@@ -1088,6 +1216,8 @@ class Engine:
         start = time.perf_counter()
         drafts = {} if not self.num_drafts else dict(num_drafts=self.num_drafts,
                                                      history=self._history)
+        if self._mtp is not None:
+            drafts.update(mtp=self.mtp, mtp_seats=self._mtp)
         out, self.state, self._seats = decode_loop(self.params, self.state, self._seats,
                                                    self.n_steps, self._sampling_now(),
                                                    step=self.step_fn, **drafts)
@@ -1098,6 +1228,8 @@ class Engine:
         self.counters["decode_steps"] += int(out.num_steps)
         if self.num_drafts:
             self._history = out.history
+            if self._mtp is not None:
+                self._mtp = out.mtp_seats
             self.counters["draft_accepted"] += int(np.sum(out.accepted))
             self.counters["draft_proposed"] += int(np.sum(out.proposed))
             counts = np.asarray(out.counts)
@@ -1174,7 +1306,7 @@ class Engine:
         if req.pages is not None:
             req.pages.release()
             req.pages = None
-        req.seat = None
+        req.seat, req.mtp_saved = None, None
         if req.finish_reason != "cancelled":
             self.counters["requests_finished"] += 1
 
@@ -1241,7 +1373,8 @@ class Engine:
         out = SeatExport(request=req, kv=kv, index_keys=keys, length=int(length),
                          token=int(self._seats.tokens[b]),
                          key_data=np.asarray(jax.random.key_data(self._seats.keys)[b]),
-                         generated=int(self._seats.generated[b]))
+                         generated=int(self._seats.generated[b]),
+                         mtp=None if self._mtp is None else self._save_mtp(b))
         self._vacate(b)
         del self._requests[request_id]
         req.seat = None
@@ -1260,6 +1393,9 @@ class Engine:
         req = moved.request
         if req.request_id in self._requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
+        if (self._mtp is None) != (moved.mtp is None):
+            raise ValueError("a request moves between engines that both draft with the MTP "
+                             "layer (drafter='mtp') or neither")
         free = [b for b, r in enumerate(self._occupant) if r is None]
         if not free:
             return False
@@ -1283,6 +1419,8 @@ class Engine:
         self.state = offload_prefill.join_seats(self.state, mask, config=self.config,
                                                 offload=self.offload)
         self._restore_seats({b: (moved.token, moved.generated, moved.key_data)})
+        if moved.mtp is not None:
+            self._restore_mtp(b, moved.mtp)
         self._sampling_rows[b] = self._sampling_row(req)
         self._sampling = None
         req.seat, req.pages = b, pages
@@ -1302,6 +1440,7 @@ class SeatExport:
       index_keys: [G, S, N] its indexer keys.
       length: tokens stored (prompt + tokens sampled - 1: the last one is not fed yet).
       token: its last sampled token; key_data: its PRNG key's data; generated: tokens sampled.
+      mtp: with MTP drafts, its seat's MTP state (`Engine._save_mtp`), else None.
     """
 
     request: _Request
@@ -1311,6 +1450,34 @@ class SeatExport:
     token: int
     key_data: np.ndarray
     generated: int
+    mtp: Any = None
+
+
+@jax.jit
+def _mtp_seat(mtp: MTPSeats, seat):
+    """Seat `seat`'s MTP state: (KV rows [S, D+R], indexer keys [S, N], length, draft, h' [E])
+    of the one MTP layer. O(S) rows copied."""
+    st = mtp.state
+    return (st.kv[0, seat], st.index_keys[0, seat], st.lengths[seat], mtp.draft[seat],
+            mtp.hidden[seat])
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _set_mtp_seat(mtp: MTPSeats, seat, kv, keys, length, draft, hidden) -> MTPSeats:
+    """`mtp` with seat `seat`'s state set (the inverse of `_mtp_seat`); donated, in place."""
+    st = mtp.state
+    state = dataclasses.replace(st, kv=st.kv.at[0, seat].set(kv),
+                                index_keys=st.index_keys.at[0, seat].set(keys),
+                                lengths=st.lengths.at[seat].set(length))
+    return MTPSeats(state=state, draft=mtp.draft.at[seat].set(draft),
+                    hidden=mtp.hidden.at[seat].set(hidden.astype(mtp.hidden.dtype)))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _reset_mtp(mtp: MTPSeats, mask) -> MTPSeats:
+    """`mtp` with the seats of `mask` empty (length 0: nothing is read past a length). O(B)."""
+    state = dataclasses.replace(mtp.state, lengths=jnp.where(mask, 0, mtp.state.lengths))
+    return dataclasses.replace(mtp, state=state)
 
 
 @jax.jit

@@ -10,6 +10,10 @@
     out, state, seats = decode_loop(params, state, seats, 16, sampling, step=step,
                                     num_drafts=2, history=history[B, S])  # n-gram drafts
     # out.tokens [B, 48] (each request's tokens, then -1), out.history, out.accepted
+    out, state, seats = decode_loop(params, state, seats, 16, sampling, step=step,
+                                    num_drafts=2, mtp=mtp_params, mtp_seats=mtp_seats)
+    # MTP drafts: mtp_seats = MTPSeats.create(...) fed the prompts' pairs (mtp_feed);
+    # out.mtp_seats carries them to the next call
 
 One call runs a `lax.while_loop` of decode steps: feed each request's last token, sample the
 next one on the device (`sample_tokens`: the same arithmetic as `fo_jax.generate.sample`, so
@@ -51,6 +55,21 @@ first stop token; nothing after a stop token is yielded), and the state forgets 
 What holds exactly is that every program has the same shapes whoever sits in the other seats,
 so with per-request keys a request's tokens (greedy or sampled) equal those of the same
 drafting loop (or engine) serving it alone, bit for bit. Up to N W tokens per request and call.
+
+MTP drafts (`mtp=` the model's multi-token-prediction parameters, `mtp_seats=` an `MTPSeats`):
+the rule of the host `fo_jax.drafting.MTPDrafter`, on the device. The loop carries each seat's
+MTP layer state (one layer: [1, B, S, D+R] KV rows, [1, B, S, N] indexer keys, one pair
+(h_i, t_{i+1}) per stored position: h_i the main model's last hidden state, t_{i+1} the token
+after it), its next first draft and the layer's output h' there. Each step: the first draft
+is the carried one, draft k >= 2 the argmax of the MTP layer fed (h', draft k - 1) (D - 1
+calls of one pair per seat: `mtp_drafts`); the main step verifies the W ways and returns their
+hidden states too (the steps' `return_hidden`: the logits are the same bit for bit); the
+chained pairs are forgotten (the MTP lengths set back, O(B)) and the kept pairs (hidden at the
+count kept positions, the tokens yielded after them) fed in one call of W pairs, which gives
+the next first draft and h' (`mtp_observe`). The drafts equal the host MTPDrafter's for the
+same history (tests/engine/test_engine_mtp.py), up to the last bits of a separately compiled
+program; drafts only decide how many tokens a step yields, and every MTP computation is per
+seat, so a request's tokens still equal those of the same loop serving it alone, bit for bit.
 
 Sampling keys: one key for the batch (shape []; split once per step and used for the whole
 batch, as `fo_jax.generate.generate` does) or one key per request (shape [B]; each split when
@@ -350,11 +369,14 @@ class OffloadedStep:
         O(B), only the lengths change)."""
         return offload_state.rollback(state, num_drop)
 
-    def __call__(self, params, state, tokens, active):
-        """(logits [B, 1, V], state, DecodeStats) of one step; inactive requests unchanged."""
+    def __call__(self, params, state, tokens, active, return_hidden: bool = False):
+        """(logits [B, W, V], state, DecodeStats) of one step; inactive requests unchanged.
+        With `return_hidden`, also the last hidden states [B, W, E] (what the MTP layer
+        reads; the logits are the same bit for bit)."""
         return offload_decode.decode_step(
             params, state, tokens, config=self.config, offload=self.offload, check=False,
-            implementation=self.implementation, interpret=self.interpret, active=active)
+            implementation=self.implementation, interpret=self.interpret, active=active,
+            return_hidden=return_hidden)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,11 +402,111 @@ class ResidentStep:
         """Forget the last num_drop [B] tokens of each request (`fo_jax.resident.rollback`)."""
         return resident.rollback(state, num_drop)
 
-    def __call__(self, params, state, tokens, active):
-        logits, state = resident.decode_step(
+    def __call__(self, params, state, tokens, active, return_hidden: bool = False):
+        """(logits [B, W, V], state, None); with `return_hidden` also the last hidden states
+        [B, W, E] (as OffloadedStep)."""
+        logits, state, *hidden = resident.decode_step(
             params, state, tokens, config=self.config, check=False,
-            implementation=self.implementation, interpret=self.interpret, active=active)
-        return logits, state, None
+            implementation=self.implementation, interpret=self.interpret, active=active,
+            return_hidden=return_hidden)
+        return (logits, state, None, *hidden)
+
+
+# MTP drafts ------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MTPSeats:
+    """What MTP drafting (`decode_loop(..., mtp=...)`) carries per seat between steps and calls.
+
+    The rule is `fo_jax.drafting.MTPDrafter`'s: MTP layer 0 holds one pair (h_i, t_{i+1}) per
+    position i the main model stores (h_i its last hidden state there, t_{i+1} the token after
+    it), so between steps state.lengths equals the main state's lengths.
+
+    Attributes:
+      state: the MTP layer's `fo_jax.resident.ResidentState` (one layer, one indexer group):
+        [1, B, S, D+R] KV rows, [1, B, S, N] indexer keys, lengths [B].
+      draft: [B] int32 the next step's first draft (the argmax at the last pair).
+      hidden: [B, E] the layer's output h' at the last pair (what further drafts chain from).
+    """
+
+    state: Any
+    draft: jax.Array
+    hidden: jax.Array
+
+    @classmethod
+    def create(cls, config: ModelConfig, *, batch: int, capacity: int) -> "MTPSeats":
+        """Empty seats (lengths 0): fill them with `mtp_feed` (a prompt's pairs) first."""
+        from fo_jax.model.mtp import create_state
+
+        return cls(state=create_state(config, batch=batch, capacity=capacity),
+                   draft=jnp.zeros((batch,), jnp.int32),
+                   hidden=jnp.zeros((batch, config.dim), config.jnp_dtype))
+
+    @property
+    def batch(self) -> int:
+        return self.draft.shape[0]
+
+
+def mtp_feed(params, mtp, seats: MTPSeats, hidden, tokens, num_new, *, config: ModelConfig,
+             query_block: int | None = None) -> MTPSeats:
+    """Append T pairs per seat to the MTP state (`fo_jax.model.mtp.mtp_step`): hidden [B, T, E]
+    the main model's last hidden states, tokens [B, T] the tokens after them, the first
+    num_new[b] real (0: the seat is not written and keeps its draft). A seat fed >= 1 pair
+    takes its draft and h' at its last pair (`MTPDrafter.start` / `observe`). Pure and
+    jit-able: one MTP layer over T tokens against its own cache of S rows."""
+    from fo_jax.model.mtp import mtp_step
+
+    num_new = jnp.asarray(num_new, jnp.int32)
+    logits, out, state = mtp_step(params, mtp, seats.state, hidden, tokens, num_new,
+                                  config=config, query_block=query_block)
+    rows = jnp.arange(seats.batch)
+    last = jnp.clip(num_new - 1, 0, tokens.shape[1] - 1)
+    fed = num_new > 0
+    draft = jnp.argmax(logits[rows, last], axis=-1).astype(jnp.int32)
+    return MTPSeats(state=state, draft=jnp.where(fed, draft, seats.draft),
+                    hidden=jnp.where(fed[:, None], out[rows, last].astype(seats.hidden.dtype),
+                                     seats.hidden))
+
+
+mtp_feed_jit = jax.jit(mtp_feed, static_argnames=("config", "query_block"),
+                       donate_argnames=("seats",))
+
+
+def mtp_drafts(params, mtp, seats: MTPSeats, active, num_drafts: int, *,
+               config: ModelConfig):
+    """([B, num_drafts] drafts, MTP state with the chained pairs appended): the first draft is
+    `seats.draft`; draft k >= 2 is the argmax of MTP layer 0 fed (h', draft k - 1) of the
+    previous one (`MTPDrafter.propose`): num_drafts - 1 MTP calls of one pair per seat. The
+    chained pairs are speculative: `mtp_observe` forgets them. Inactive seats are not
+    written (their drafts unspecified)."""
+    from fo_jax.model.mtp import mtp_step
+
+    drafts, draft, hidden, state = [seats.draft], seats.draft, seats.hidden, seats.state
+    ones = active.astype(jnp.int32)
+    for _ in range(1, num_drafts):
+        logits, out, state = mtp_step(params, mtp, state, hidden[:, None], draft[:, None],
+                                      ones, config=config)
+        draft = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        hidden = out[:, 0].astype(seats.hidden.dtype)
+        drafts.append(draft)
+    return jnp.stack(drafts, axis=1), state
+
+
+def mtp_observe(params, mtp, seats: MTPSeats, state, hidden, tokens, count, lengths, active, *,
+                config: ModelConfig) -> MTPSeats:
+    """After a verification step: forget the chained pairs (each active seat's MTP length back
+    to the main length n before the step, `lengths`; O(B)), then feed the pairs of the count
+    [B] kept positions: hidden [B, W, E] of the W fed tokens, tokens [B, W] the tokens yielded
+    after them (`draft_step_tokens`) (`MTPDrafter.observe`). One MTP call of W pairs."""
+    from fo_jax.resident import ResidentState
+
+    state = ResidentState(kv=state.kv, index_keys=state.index_keys,
+                          lengths=jnp.where(active, lengths, state.lengths))
+    seats = MTPSeats(state=state, draft=seats.draft, hidden=seats.hidden)
+    return mtp_feed(params, mtp, seats, hidden, tokens, jnp.where(active, count, 0),
+                    config=config)
 
 
 # The loop --------------------------------------------------------------------------------------
@@ -411,6 +533,9 @@ class LoopOutput:
       counts: [B, N] int32 tokens request b yielded at step i (num_drafts > 0; 0 where it
         took no step), else None: a step that yields e tokens stored the e fed before them
         (what a replay of the request feeds again, `fo_jax.engine.Engine`).
+      drafts: [B, N, D] int32 the drafts request b was fed at step i (num_drafts > 0;
+        unspecified where it took no step), else None.
+      mtp_seats: the MTPSeats after the call (MTP drafts), else None.
     """
 
     tokens: jax.Array
@@ -421,10 +546,13 @@ class LoopOutput:
     proposed: jax.Array | None = None
     history: jax.Array | None = None
     counts: jax.Array | None = None
+    drafts: jax.Array | None = None
+    mtp_seats: MTPSeats | None = None
 
 
 def decode_loop(params, state, seats: Seats, n_steps: int, sampling: Sampling, *, step,
-                num_drafts: int = 0, drafter: NGramDrafter | None = None, history=None):
+                num_drafts: int = 0, drafter: NGramDrafter | None = None, history=None,
+                mtp: dict | None = None, mtp_seats: MTPSeats | None = None):
     """Up to `n_steps` decode steps in one program (see the module doc).
 
     Args:
@@ -440,14 +568,20 @@ def decode_loop(params, state, seats: Seats, n_steps: int, sampling: Sampling, *
         `speculative_tokens`); 0: one token per step (another program).
       drafter: with num_drafts > 0, the `fo_jax.drafting.NGramDrafter` whose rule the device
         drafter (`fo_jax.drafting.ngram_drafts`) follows (default NGramDrafter()).
-      history: with num_drafts > 0, [B, S] int32, S = the state's capacity: row b holds the
+      history: with n-gram drafts, [B, S] int32, S = the state's capacity: row b holds the
         request's prompt and sampled tokens (lengths[b] + 1 of them: the last not yet fed);
-        donated; returned with the call's tokens appended in `LoopOutput.history`.
+        donated; returned with the call's tokens appended in `LoopOutput.history` (optional
+        with MTP drafts: appended to the same way when given).
+      mtp: MTP drafts instead of n-gram ones: the model's MTP parameters
+        (`fo_jax.model.mtp`; config.num_nextn_predict_layers >= 1), with `mtp_seats`
+        (`MTPSeats`: the MTP layer's state and each seat's next draft, filled with the
+        prompts' pairs by `mtp_feed`; donated; returned in `LoopOutput.mtp_seats`).
     Returns:
       (LoopOutput, new state, new seats).
     Work: N steps at most, each one decode step of W ways plus O(B W V log V) for sampling
-    (O(B V W) when every request is greedy) and, with drafts, O(B S max_ngram) for drafting;
-    the host is not involved between steps.
+    (O(B V W) when every request is greedy) and, with drafts, O(B S max_ngram) for n-gram
+    drafting, or, MTP, D MTP-layer calls (D - 1 of one pair, one of W pairs; one decoder
+    layer each against the layer's own cache); the host is not involved between steps.
     """
     if (not isinstance(n_steps, numbers.Integral) or isinstance(n_steps, bool)
             or n_steps < 1):
@@ -468,14 +602,37 @@ def decode_loop(params, state, seats: Seats, n_steps: int, sampling: Sampling, *
         if history is not None or drafter is not None:
             raise ValueError("history and drafter are read only with num_drafts > 0: pass "
                              "num_drafts, or drop them")
+        if mtp is not None or mtp_seats is not None:
+            raise ValueError("mtp and mtp_seats are read only with num_drafts > 0: pass "
+                             "num_drafts, or drop them")
         return _loop_jit(params, state, seats, sampling, n_steps=int(n_steps), step=step)
+    if mtp is not None or mtp_seats is not None:
+        check_mtp_drafting(mtp, step.config, drafter=drafter)
+        if not isinstance(mtp_seats, MTPSeats) or mtp_seats.batch != batch or \
+                mtp_seats.state.capacity != state.capacity:
+            raise ValueError(f"MTP drafts need mtp_seats: an MTPSeats of {batch} seats and "
+                             f"capacity {state.capacity} (MTPSeats.create, filled with the "
+                             f"prompts' pairs by mtp_feed), got {type(mtp_seats).__name__}")
+        if history is not None:
+            check_history(history, batch, state.capacity, num_drafts)
+            history = jnp.asarray(history, jnp.int32)
+        return _draft_loop_jit(params, state, seats, sampling, history, mtp, mtp_seats,
+                               n_steps=int(n_steps), step=step, num_drafts=int(num_drafts),
+                               drafter=None)
     drafter = NGramDrafter() if drafter is None else drafter
     if not isinstance(drafter, NGramDrafter):
         raise NotImplementedError(
             f"drafts inside the decode loop come from the device n-gram drafter (a "
-            f"fo_jax.drafting.NGramDrafter), got {type(drafter).__name__}: MTP drafts run in "
-            "fo_jax.generate.generate(..., draft='mtp')")
-    width = state.capacity
+            f"fo_jax.drafting.NGramDrafter), got {type(drafter).__name__}; for MTP drafts "
+            "pass mtp= (the MTP parameters) and mtp_seats= (an MTPSeats) instead")
+    check_history(history, batch, state.capacity, num_drafts)
+    return _draft_loop_jit(params, state, seats, sampling, jnp.asarray(history, jnp.int32),
+                           None, None, n_steps=int(n_steps), step=step,
+                           num_drafts=int(num_drafts), drafter=drafter)
+
+
+def check_history(history, batch: int, width: int, num_drafts: int) -> None:
+    """Raise unless history is an integer [batch, width] array."""
     if (history is None or getattr(history, "shape", None) != (batch, width)
             or not jnp.issubdtype(history.dtype, jnp.integer)):
         got = None if history is None else (f"{getattr(history, 'dtype', type(history))}"
@@ -483,9 +640,26 @@ def decode_loop(params, state, seats: Seats, n_steps: int, sampling: Sampling, *
         raise ValueError(f"num_drafts={num_drafts} needs history: an int32 [{batch}, {width}] "
                          "array (each request's prompt and sampled tokens, the state's "
                          f"capacity wide), got {got}")
-    return _draft_loop_jit(params, state, seats, sampling, jnp.asarray(history, jnp.int32),
-                           n_steps=int(n_steps), step=step, num_drafts=int(num_drafts),
-                           drafter=drafter)
+
+
+def check_mtp_drafting(mtp, config: ModelConfig, *, drafter=None) -> None:
+    """Raise unless MTP drafting can run: MTP parameters of `config` (which has an MTP layer,
+    num_nextn_predict_layers >= 1) and no n-gram drafter besides."""
+    from fo_jax.model.mtp import check_mtp_params
+
+    if drafter is not None:
+        raise ValueError(f"drafts come from the MTP layer (mtp=...) or from a drafter "
+                         f"({type(drafter).__name__}), not both: drop one")
+    if config.num_nextn_predict_layers < 1:
+        raise ValueError(f"MTP drafts need the model's multi-token-prediction layer, but config "
+                         f"{config.name!r} has num_nextn_predict_layers="
+                         f"{config.num_nextn_predict_layers}: use n-gram drafts, or a model "
+                         "with an MTP layer (a DeepSeek-V3.2 / GLM-5 checkpoint)")
+    if mtp is None:
+        raise ValueError("MTP drafts need the MTP parameters: load them with "
+                         "load_checkpoint(..., mtp=True) (or fo_jax.model.mtp.init_mtp_params)"
+                         " and pass them as mtp=")
+    check_mtp_params(mtp, config)
 
 
 def check_drafting(num_drafts, config: ModelConfig) -> None:
@@ -635,10 +809,13 @@ def draft_step_tokens(fed, logits, lengths, seats: Seats, sampling: Sampling, ca
 
 
 @functools.partial(jax.jit, static_argnames=("n_steps", "step", "num_drafts", "drafter"),
-                   donate_argnames=("state", "history"))
-def _draft_loop_jit(params, state, seats: Seats, sampling: Sampling, history, *, n_steps: int,
-                    step, num_drafts: int, drafter: NGramDrafter):
-    batch, width = history.shape
+                   donate_argnames=("state", "history", "mtp_seats"))
+def _draft_loop_jit(params, state, seats: Seats, sampling: Sampling, history, mtp, mtp_seats,
+                    *, n_steps: int, step, num_drafts: int, drafter: NGramDrafter | None):
+    """The loop with drafts: n-gram ones from `history` (mtp None), or MTP ones from
+    `mtp_seats` (history None, or appended to as with n-gram drafts)."""
+    batch = seats.tokens.shape[0]
+    width = state.capacity
     ways = num_drafts + 1
     capacity = state.capacity
     rows = jnp.arange(batch)[:, None]
@@ -646,26 +823,38 @@ def _draft_loop_jit(params, state, seats: Seats, sampling: Sampling, history, *,
     zeros = jnp.zeros((batch,), jnp.int32)
     out0 = jnp.full((batch, n_steps * ways), -1, jnp.int32)
     counts0 = jnp.zeros((batch, n_steps), jnp.int32)
+    drafts0 = jnp.zeros((batch, n_steps, num_drafts), jnp.int32)
+    config = step.config
 
     def cond(carry):
         i, _, seats, *_ = carry
         return (i < n_steps) & ~jnp.all(seats.done)
 
     def body(carry):
-        i, state, seats, history, out, counts, fed, accepted, proposed, stats = carry
+        (i, state, seats, history, mtp_seats, out, counts, drafted, fed, accepted, proposed,
+         stats) = carry
         active = ~seats.done
         lengths = state.lengths  # n: stored tokens; the history holds n + 1
-        drafts = ngram_drafts(history, lengths + 1, num_drafts, max_ngram=drafter.max_ngram,
-                              min_ngram=drafter.min_ngram)
+        if mtp_seats is None:
+            drafts = ngram_drafts(history, lengths + 1, num_drafts,
+                                  max_ngram=drafter.max_ngram, min_ngram=drafter.min_ngram)
+        else:
+            drafts, chained = mtp_drafts(params, mtp, mtp_seats, active, num_drafts,
+                                         config=config)
         tokens_in = jnp.concatenate([seats.tokens[:, None], drafts], axis=1)  # [B, W]
-        logits, state, step_stats = step(params, state, tokens_in, active)
+        logits, state, step_stats, *hidden = step(params, state, tokens_in, active,
+                                                  return_hidden=mtp_seats is not None)
         tokens, count, keys = draft_step_tokens(tokens_in, logits, lengths, seats, sampling,
                                                 capacity, active)
         # Keep the fed tokens of the yielded ones (the last yielded is fed next step).
         state = step.rollback(state, state.lengths - (lengths + count))
+        if mtp_seats is not None:  # the kept pairs (h_{n+j}, tokens[j]), j < count
+            mtp_seats = mtp_observe(params, mtp, mtp_seats, chained, hidden[0], tokens, count,
+                                    lengths, active, config=config)
         keep = cols < count[:, None]
-        history = history.at[rows, jnp.where(keep, lengths[:, None] + 1 + cols, width)].set(
-            tokens, mode="drop")
+        if history is not None:
+            history = history.at[rows, jnp.where(keep, lengths[:, None] + 1 + cols,
+                                                 width)].set(tokens, mode="drop")
         out = out.at[rows, jnp.where(keep, fed[:, None] + cols, out.shape[1])].set(
             tokens, mode="drop")
         last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
@@ -679,12 +868,14 @@ def _draft_loop_jit(params, state, seats: Seats, sampling: Sampling, history, *,
         if stats is not None:
             stats = stats.add(step_stats)
         counts = jax.lax.dynamic_update_slice(counts, count[:, None], (0, i))
-        return (i + 1, state, seats, history, out, counts, fed + count, accepted, proposed,
-                stats)
+        drafted = jax.lax.dynamic_update_slice(drafted, drafts[:, None], (0, i, 0))
+        return (i + 1, state, seats, history, mtp_seats, out, counts, drafted, fed + count,
+                accepted, proposed, stats)
 
-    carry = (jnp.asarray(0, jnp.int32), state, seats, history, out0, counts0, zeros, zeros,
-             zeros, step.zero_stats(batch, ways))
-    (num_steps, state, seats, history, out, counts, fed, accepted, proposed,
-     stats) = jax.lax.while_loop(cond, body, carry)
+    carry = (jnp.asarray(0, jnp.int32), state, seats, history, mtp_seats, out0, counts0,
+             drafts0, zeros, zeros, zeros, step.zero_stats(batch, ways))
+    (num_steps, state, seats, history, mtp_seats, out, counts, drafted, fed, accepted,
+     proposed, stats) = jax.lax.while_loop(cond, body, carry)
     return LoopOutput(tokens=out, fed=fed, num_steps=num_steps, stats=stats, accepted=accepted,
-                      proposed=proposed, history=history, counts=counts), state, seats
+                      proposed=proposed, history=history, counts=counts, drafts=drafted,
+                      mtp_seats=mtp_seats), state, seats

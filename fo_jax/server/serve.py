@@ -82,9 +82,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "request goes ahead of shorter ones (-1: no aging)")
     parser.add_argument("--decode-steps-per-call", type=int, default=1)
     parser.add_argument("--num-drafts", type=int, default=0,
-                        help="n-gram drafts per request and decode step, verified on the device "
+                        help="drafts per request and decode step, verified on the device "
                              "(speculative sampling at temperature > 0; 0 = none; at most the "
                              "model's max_ways - 1)")
+    parser.add_argument("--drafter", choices=("ngram", "mtp"), default="ngram",
+                        help="with --num-drafts: n-gram lookup in each request's history, or "
+                             "the model's MTP layer (a --model-dir Hugging Face checkpoint "
+                             "with num_nextn_predict_layers >= 1; a preset's random weights "
+                             "get a random one)")
     parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--devices", type=int, default=None,
                         help="serve data-parallel on this many local devices: one engine per "
@@ -230,6 +235,26 @@ def warm_up(engine) -> None:
         engine.reset_figures()
 
 
+def _check_mtp_flags(args, config, load, num_drafts: int, *, devices) -> None:
+    """Raise unless --drafter mtp can run with these flags (before any weight is read)."""
+    from fo_jax.checkpoints import load_checkpoint
+
+    if num_drafts < 1:
+        raise ValueError("--drafter mtp needs --num-drafts >= 1")
+    if config.num_nextn_predict_layers < 1:
+        raise ValueError(f"--drafter mtp needs a model with an MTP layer "
+                         f"(num_nextn_predict_layers >= 1); {config.name!r} has none: use "
+                         "--drafter ngram")
+    if load is not None and getattr(load, "func", None) is not load_checkpoint:
+        raise ValueError("--drafter mtp needs the MTP layers of a Hugging Face checkpoint "
+                         "(--model-dir of one with num_nextn_predict_layers >= 1)")
+    if args.prefix_cache:
+        raise ValueError("--drafter mtp cannot run with --prefix-cache (a cached prefix is not "
+                         "prefilled: no hidden states for the MTP layer)")
+    if devices is not None:
+        raise ValueError("--drafter mtp runs on one device: drop --devices")
+
+
 def build_engine(args):
     """(engine, config, tokenizer, offload config or None) from the flags of
     `add_engine_arguments`, every flag checked before the weights are read."""
@@ -264,6 +289,9 @@ def build_engine(args):
         check_drafting(num_drafts, config)
     except ValueError as err:
         raise ValueError(f"--num-drafts {num_drafts}: {err}") from None
+    drafter = getattr(args, "drafter", "ngram")
+    if drafter == "mtp":
+        _check_mtp_flags(args, config, load, num_drafts, devices=getattr(args, "devices", None))
     capacity = min(config.max_seq_len, 2048) if args.capacity is None else args.capacity
     offload = None
     if args.offload:
@@ -278,11 +306,18 @@ def build_engine(args):
         offload.validate_for(config)
     devices = _devices(args)
     _check_param_memory(config, args.max_param_gb)
-    if load is not None:
+    mtp = None
+    if load is not None and drafter == "mtp":
+        _, params, mtp = load(mtp=True)
+    elif load is not None:
         params = load()[1]
     else:
         params = (load_params(args.weights, config) if args.weights
                   else dsa.init_params(config, jax.random.key(args.seed)))
+        if drafter == "mtp":  # a preset's random weights: a random MTP layer too
+            from fo_jax.model.mtp import init_mtp_params
+
+            mtp = init_mtp_params(config, jax.random.key(args.seed + 1))
     pool = {}
     device_gb, reserve = getattr(args, "device_gb", None), getattr(args, "reserve", "full")
     if (args.host_pool_gb is not None or args.prefix_cache or device_gb is not None
@@ -302,7 +337,7 @@ def build_engine(args):
                   prefill_chunk=args.prefill_chunk, tokenizer=tokenizer,
                   order=getattr(args, "queue_order", "fifo"), num_drafts=num_drafts,
                   max_wait_steps=_max_wait_steps(args),
-                  **pool)
+                  **pool, **({"drafter": "mtp", "mtp": mtp} if drafter == "mtp" else {}))
     if devices is None:
         return Engine(params, config, **kwargs), config, tokenizer, offload
     from fo_jax.engine.data_parallel import DataParallelEngine

@@ -92,3 +92,37 @@ def test_engine_flags_reach_the_engine():
     engine = build_engine(args)[0]
     assert (engine.device_bytes, engine.reserve, engine.order, engine.num_drafts,
             engine.max_wait_steps) == (500_000_000, "prompt", "shortest", 2, None)
+
+
+def test_mtp_drafter_flag_loads_the_checkpoints_mtp_layer(capsys, tmp_path):
+    """--drafter mtp: a Hugging Face checkpoint's MTP layer (the parity fixture, with a
+    tokenizer) reaches the engine; refused (before any weight is read) without drafts, for a
+    model without an MTP layer and with the prefix cache."""
+    import pathlib
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    fixture = pathlib.Path(__file__).parent.parent / "fixtures" / "parity" / "deepseek_v32"
+    parity = tmp_path / "deepseek_v32"
+    parity.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (parity / name).symlink_to(fixture / name)
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(parity / "tokenizer.json"))  # 2 ids: within the vocabulary of 256
+    parity = str(parity)
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    engine = build_engine(parser.parse_args(["--model-dir", parity, "--capacity", "64",
+                                             "--num-drafts", "1", "--drafter", "mtp"]))[0]
+    assert engine.drafter == "mtp" and engine.num_drafts == 1 and "eh_proj" in engine.mtp
+    for flags, message in (
+            (["--model-dir", parity], "--drafter mtp needs --num-drafts >= 1"),
+            (["--model", "tiny", "--num-drafts", "1"],
+             "--drafter mtp needs a model with an MTP layer (num_nextn_predict_layers >= 1); "
+             "'tiny' has none: use --drafter ngram"),
+            (["--model-dir", parity, "--num-drafts", "1", "--offload", "--prefix-cache"],
+             "--drafter mtp cannot run with --prefix-cache (a cached prefix is not prefilled: "
+             "no hidden states for the MTP layer)")):
+        assert cli.main(["bench-serve", *flags, "--drafter", "mtp"]) == 2
+        assert message in capsys.readouterr().err
