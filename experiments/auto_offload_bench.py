@@ -9,17 +9,22 @@ At a fixed device budget for the seats' KV state (`--device-budget-mb`), four en
   resident long    `Engine`, resident, as many seats of `--capacity` tokens as the budget holds;
   offloaded        `Engine`, offloaded, as many seats of `--capacity` as the budget holds;
   auto             `AutoEngine`: `--resident-share` of the budget in resident seats of `--short`
-                   tokens, the rest in offloaded seats of `--capacity`.
+                   tokens, the rest in offloaded seats of `--capacity`;
+  auto one-way     the same without moving requests back (an offloaded request stays there
+                   when a resident seat frees: the engine before moves went both ways).
 
-Two workloads, all requests arriving at once, greedy:
+Three workloads, all requests arriving at once, greedy:
   small batch: as many requests as the auto engine's resident seats, each fitting a short seat
     (prompt + output <= short): the auto engine runs resident only, with no host traffic;
   large batch: `--large` requests whose outputs outgrow a short seat: the auto engine starts
     them resident, moves them to offloaded seats when they outgrow them, and serves many more
     at once than the resident engine of long seats (a resident engine of short seats cannot
-    serve them at all).
+    serve them at all);
+  mixed: `--mixed` requests alternating small and large ones (more than the resident seats):
+    small ones placed offloaded because the resident seats were taken move back as these free.
 Per cell: seats, peak running requests, output tokens/s and its ratio to the auto engine's in
-the same run (these machines are noisy), migrations, and whether every request's tokens equal
+the same run (these machines are noisy), moves out and back, host-to-device kB, offloaded misses
+per offloaded decode step, and whether every request's tokens equal
 the resident long engine's (the switch is lossless). Each cell runs its workload once untimed
 (compiling every program) and then timed.
 
@@ -48,7 +53,15 @@ from fo_jax.model.dsa import init_params  # noqa: E402
 from fo_jax.offload.config import OffloadConfig  # noqa: E402
 from fo_jax.offload.state import device_bytes_formula  # noqa: E402
 
-CELLS = ("auto", "resident short", "resident long", "offloaded")
+CELLS = ("auto", "auto one-way", "resident short", "resident long", "offloaded")
+
+
+class OneWayAutoEngine(AutoEngine):
+    """AutoEngine without moves back (offloaded -> resident): the baseline of "auto"."""
+
+    def _move_back(self) -> int:
+        return 0
+
 OUT = os.path.join(os.path.dirname(__file__), "results", "auto_offload", "auto_offload.jsonl")
 
 
@@ -100,6 +113,8 @@ def main(argv=None):
     parser.add_argument("--resident-share", type=float, default=0.25,
                         help="share of the budget the auto engine gives resident seats")
     parser.add_argument("--large", type=int, default=12, help="requests of the large batch")
+    parser.add_argument("--mixed", type=int, default=24,
+                        help="requests of the mixed batch (small and large alternating)")
     parser.add_argument("--small-prompt", type=int, nargs=2, default=[16, 32])
     parser.add_argument("--small-output", type=int, nargs=2, default=[16, 24])
     parser.add_argument("--large-prompt", type=int, nargs=2, default=[32, 64])
@@ -113,11 +128,13 @@ def main(argv=None):
     if args.smoke:
         args.capacity, args.short, args.hot_slots, args.page_size = 64, 16, 8, 4
         args.device_budget_mb, args.large, args.prefill_chunk = 0.03, 6, 8
+        args.mixed = 8
         args.resident_share = 0.3
         args.small_prompt, args.small_output = [4, 6], [3, 5]
         args.large_prompt, args.large_output = [4, 8], [14, 20]
         args.steps_per_call = 2
-        args.cells = ["auto", "resident short", "resident long"]  # fewer programs to compile
+        args.cells = ["auto", "auto one-way", "resident short", "resident long"]  # fewer
+        # programs to compile
     config = get_config(args.model).replace(max_ways=1)
     if args.smoke:
         config = config.replace(num_layers=1, indexer_layers=(0,), index_topk=4)
@@ -130,17 +147,18 @@ def main(argv=None):
     auto_res = int(args.resident_share * budget) // short_b
     auto_off = (budget - auto_res * short_b) // off_b
     seats = {"resident short": auto_res, "resident long": budget // long_b,
-             "offloaded": budget // off_b, "auto": (auto_res, auto_off)}
+             "offloaded": budget // off_b, "auto": (auto_res, auto_off),
+             "auto one-way": (auto_res, auto_off)}
     if min(auto_res, auto_off, seats["resident long"]) < 1:
         raise SystemExit(f"the budget {budget} B holds no seat of a tier (resident short "
                          f"{short_b} B, long {long_b} B, offloaded {off_b} B): raise it")
     kw = dict(decode_steps_per_call=args.steps_per_call, prefill_chunk=args.prefill_chunk)
 
     def make(cell):
-        if cell == "auto":
-            return AutoEngine(params, config, resident_seats=auto_res,
-                              resident_capacity=args.short, offload=offload,
-                              offload_seats=auto_off, **kw)
+        if cell.startswith("auto"):
+            kind = AutoEngine if cell == "auto" else OneWayAutoEngine
+            return kind(params, config, resident_seats=auto_res, resident_capacity=args.short,
+                        offload=offload, offload_seats=auto_off, **kw)
         if cell == "offloaded":
             return Engine(params, config, seats=seats[cell], offload=offload, **kw)
         cap = args.short if cell == "resident short" else args.capacity
@@ -149,14 +167,19 @@ def main(argv=None):
     workloads = {
         "small": requests(auto_res, args.small_prompt, args.small_output, config.vocab_size, 0),
         "large": requests(args.large, args.large_prompt, args.large_output, config.vocab_size,
-                          1)}
+                          1),
+        "mixed": [r for pair in zip(
+            requests(args.mixed // 2, args.small_prompt, args.small_output, config.vocab_size, 2),
+            requests(args.mixed - args.mixed // 2, args.large_prompt, args.large_output,
+                     config.vocab_size, 3)) for r in pair]}
     meta = run_metadata()
     print(f"auto offload: {config.name}, device budget {budget / 1e6:g} MB: resident seat "
           f"{short_b / 1e3:.1f} kB of {args.short} tokens / {long_b / 1e3:.1f} kB of "
           f"{args.capacity}; offloaded seat {off_b / 1e3:.1f} kB (C = {args.hot_slots}, Z = "
           f"{args.page_size}); N = {args.steps_per_call} steps per call; greedy")
     print(f"{'workload':9s}{'cell':16s}{'seats':>8s}{'peak run':>9s}{'tok/s':>9s}"
-          f"{'vs auto':>9s}{'moves':>7s}{'H2D kB':>9s}{'same tokens':>13s}")
+          f"{'vs auto':>9s}{'out':>5s}{'back':>5s}{'H2D kB':>9s}{'miss/step':>10s}"
+          f"{'same tokens':>13s}")
     rows = []
     for name, reqs in workloads.items():
         results = {}
@@ -167,14 +190,22 @@ def main(argv=None):
             engine = make(cell)
             if not args.smoke:
                 serve(engine, reqs)  # untimed: compiles every program
-            counted = engine.offloaded if cell == "auto" else engine  # offload statistics
+            auto = cell.startswith("auto")
+            counted = engine.offloaded if auto else engine  # offload statistics
             counted.stats = None
-            if cell == "auto":
+            steps0 = counted.counters["decode_steps"]
+            if auto:
                 engine.counters = dict.fromkeys(engine.counters, 0)
             fig = serve(engine, reqs)
-            fig["migrations"] = engine.counters["migrations"] if cell == "auto" else 0
+            fig["migrations"] = engine.counters["migrations"] if auto else 0
+            fig["moved_back"] = engine.counters["moved_back"] if auto else 0
             fig["h2d_bytes"] = (0.0 if counted.stats is None
                                 else float(np.sum(counted.stats.h2d_bytes)))
+            fig["misses"] = (0 if counted.stats is None
+                             else int(np.sum(counted.stats.misses)))
+            fig["offloaded_decode_steps"] = (counted.counters["decode_steps"] - steps0
+                                             if counted.pool is not None or auto else 0)
+            fig["misses_per_step"] = fig["misses"] / max(fig["offloaded_decode_steps"], 1)
             results[cell] = fig
         base = results["auto"]["tokens_per_s"]
         want = results["resident long"]["tokens"] if "resident long" in results else None
@@ -190,7 +221,8 @@ def main(argv=None):
             same = want is None or fig["tokens"] == want
             print(f"{name:9s}{cell:16s}{n_txt:>8s}{fig['peak_running']:>9d}"
                   f"{fig['tokens_per_s']:>9.1f}{fig['tokens_per_s'] / base:>9.2f}"
-                  f"{fig['migrations']:>7d}{fig['h2d_bytes'] / 1e3:>9.1f}"
+                  f"{fig['migrations']:>5d}{fig['moved_back']:>5d}"
+                  f"{fig['h2d_bytes'] / 1e3:>9.1f}{fig['misses_per_step']:>10.1f}"
                   f"{'yes' if same else 'NO':>13s}")
             rows.append({**meta, "model": config.name, "workload": name, "cell": cell,
                          "seats": n_txt, "served": True, "device_budget_bytes": budget,

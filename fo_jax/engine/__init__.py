@@ -6,7 +6,8 @@ on-device sampling, stop checks and summed statistics in one program.
 `fo_jax.engine.data_parallel`: R engines on R devices behind one request stream
 (`DataParallelEngine`), each request placed on a rank by a `fo_jax.placement` rule.
 `fo_jax.engine.auto`: automatic offload (`AutoEngine`): short resident seats while a request
-fits them, offloaded seats once it outgrows them (a lossless move).
+fits them, offloaded seats once it outgrows them, and back when a short seat frees (lossless
+moves).
 `fo_jax.engine.pages`: host-side page bookkeeping: a page pool with reference counts
 (`PagePool`), a prefix cache of full pages (`PrefixCache`), each request's pages and page-table
 row (`RequestPages`).

@@ -1,5 +1,5 @@
 """Automatic offload: requests run resident while their KV fits a short seat, and move to
-offloaded decoding only when memory requires it.
+offloaded decoding only when memory requires it (and back when a short seat frees).
 
     engine = AutoEngine(params, config, resident_seats=4, resident_capacity=512,
                         offload=OffloadConfig(hot_slots=64, page_size=16, capacity=8192),
@@ -10,30 +10,54 @@ offloaded decoding only when memory requires it.
 Two tiers, each an `fo_jax.engine.Engine`: a resident engine of `resident_seats` seats of
 `resident_capacity` tokens (what the device budget allows for their whole KV and indexer
 keys), and an offloaded engine of `offload_seats` seats of `offload.capacity` tokens (the KV in
-the host pool, on the device only hot caches and indexer-key pages). Each `step()`:
+the host pool, on the device only hot caches and indexer-key pages). Both get the same engine
+settings (`num_drafts` included: one decode call then stores up to T = decode_steps_per_call x
+(num_drafts + 1) tokens per request). A resident seat can take a request whose length (prompt
++ tokens sampled - 1: the last token is not fed yet) leaves room for its next decode call
+(length + T < resident_capacity) or whose whole output fits (prompt + max_tokens - 1 <=
+resident_capacity). Each `step()`:
 
-  1. migrates: a resident request whose next decode call could fill its seat (length +
-     `decode_steps_per_call` >= resident_capacity) while it may still sample more leaves the
-     resident engine (`Engine._export_seat`: its seat's rows [L, S_r, D+R] and indexer keys
-     [G, S_r, N], its last token, PRNG key and count) and takes an offloaded seat
-     (`Engine._import_seat`: pages reserved, its `length` rows written into them once,
-     O(L length) rows, its hot cache and maps built from them by `join_seats`, O(L (C + 2Z))).
-     With no offloaded seat or pages free, it waits parked (its rows stay on the device: a
-     parked request still counts as a resident seat taken, so the device holds at most
-     `resident_seats` seats' rows) and goes before any new request;
-  2. places waiting requests, in order: on a free resident seat when its prompt leaves room
-     for the first decode call (prompt + decode_steps_per_call < resident_capacity) or its
-     whole output fits (prompt + max_tokens - 1 <= resident_capacity); else on a free
-     offloaded seat (a prompt longer than a resident seat goes there directly);
-  3. steps both engines.
+  1. migrates: a resident request that a resident seat can no longer take (its next decode
+     call could fill the seat while it may still sample more) leaves the resident engine
+     (`Engine._export_seat`: its seat's rows [L, S_r, D+R] and indexer keys [G, S_r, N], its
+     last token, PRNG key and count) and takes an offloaded seat (`Engine._import_seat`:
+     pages reserved, its `length` rows written into them once, O(L length) rows, its hot
+     cache and maps built from them by `join_seats`, O(L (C + 2Z))). With no offloaded seat
+     or pages free, it waits parked (its rows stay on the device: a parked request still
+     counts as a resident seat taken, so the device holds at most `resident_seats` seats'
+     rows) and goes before any new request;
+  2. places waiting requests, in order: on a free resident seat when one can take it (the
+     rule above); else on a free offloaded seat (a prompt longer than a resident seat goes
+     there directly);
+  3. moves back: an offloaded request (decoding) that a resident seat can take, placed there
+     because the resident seats were all taken, takes a resident seat that step 2 left free
+     (`_export_seat` on the offloaded engine: its `length` rows read from its host pages and
+     its indexer keys from the key pool, O(L S_r) rows host to device, its pages released at
+     once; `_import_seat` on the resident one: O(L S_r) rows written), the one with the most
+     tokens to decode there first; the offloaded seats this frees go to waiting requests in
+     the same step. Waiting requests come first because a new request seated resident costs
+     no copy and prefills with no host traffic, where moving back copies a seat and the new
+     request would then prefill offloaded; a resident seat the queue does not use is better
+     spent on an offloaded request (no misses for the rest of its output, its pages and
+     offloaded seat freed) than left empty;
+  4. steps both engines.
+
+No ping-pong: the rule that moves a request back is the one that keeps it resident, so it is
+never moved out before its next decode call; it moves out only once its length no longer
+leaves room for a call, and from then on its length (which only grows) never lets it back.
+So a request moves at most twice (offloaded -> resident -> offloaded) and only one placed
+offloaded moves back.
 
 A batch that fits the resident tier runs there alone: no host traffic, no misses, the
 resident engine's own programs (the offloaded engine holds no request and runs no program).
-The switch is lossless: the offloaded decode equals the resident one bit for bit, and the
-moved request keeps its PRNG key and count, so its tokens equal its solo resident run's
-(tests/engine/test_auto.py). Costs: placement and the migration check O(seats) on the host per
-step; a migration copies one seat's rows once (O(L S_r) device rows out, O(L length) into the
-pool) and is done at most once per request.
+The moves are lossless: the offloaded decode equals the resident one bit for bit, the host
+pages hold every row the offloaded decode stored, and the moved request keeps its PRNG key,
+count and (with drafts) its history (prompt + tokens, set again at its new seat), so its
+tokens equal those of the same engine serving it alone, and, without drafts, its solo
+resident run's (tests/engine/test_auto.py). `counters`: "placed_resident",
+"placed_offloaded", "migrations" (resident -> offloaded), "parked", "moved_back" (offloaded ->
+resident). Costs: placement, the migration and move-back checks O(seats) on the host per
+step (O(seats log seats) to order the ones moving back); a move copies one seat's rows once.
 """
 
 from __future__ import annotations
@@ -88,13 +112,15 @@ class AutoEngine:
                                 num_pages=num_pages, host_pool_bytes=host_pool_bytes,
                                 **engine_kwargs)
         self.n_steps = self.resident.n_steps
+        # The most tokens one decode call stores per request: N steps of D + 1 ways.
+        self.call_tokens = self.n_steps * (self.resident.num_drafts + 1)
         self._waiting: list[_Request] = []
         self._parked: list[SeatExport] = []
         self._tier: dict[str, str] = {}  # id -> its place (see `tier_of`)
         self._finished: dict[str, _Request] = {}  # cancelled before reaching an engine
         self._ids = itertools.count()
         self.counters = {"placed_resident": 0, "placed_offloaded": 0, "migrations": 0,
-                         "parked": 0, "requests_cancelled": 0}
+                         "parked": 0, "moved_back": 0, "requests_cancelled": 0}
 
     # Requests ------------------------------------------------------------------------------
 
@@ -191,6 +217,8 @@ class AutoEngine:
         self._migrate()
         self._unpark()
         self._place()
+        if self._move_back() and self._waiting:
+            self._place()  # the offloaded seats the moves freed
         outputs = []
         for name in ("resident", "offloaded"):
             engine = getattr(self, name)
@@ -199,19 +227,19 @@ class AutoEngine:
         return outputs
 
     def _fits_resident(self, req: _Request) -> bool:
-        """The request's prompt leaves room for its first decode call on a resident seat, or
-        its whole output fits there (it never has to move)."""
+        """A resident seat can take the request (placed, or moved back from the offloaded
+        tier): its length leaves room for its next decode call (`call_tokens`: N steps of D + 1
+        ways), or its whole output fits there (it never has to move). Its length: the prompt
+        (waiting), else prompt + tokens sampled - 1 (the last token is not fed yet). O(1)."""
         cap, n = self.resident.capacity, len(req.prompt)
-        return n + self.n_steps < cap or n + req.max_tokens - 1 <= cap
+        length = n + max(len(req.tokens) - 1, 0)
+        return length + self.call_tokens < cap or n + req.max_tokens - 1 <= cap
 
     def _must_move(self, req: _Request) -> bool:
-        """A resident request whose next decode call could fill its seat before it is done.
-        Its length is prompt + tokens sampled - 1 (the last token is not fed yet). O(1)."""
-        cap, n = self.resident.capacity, len(req.prompt)
-        if n + req.max_tokens - 1 <= cap:
-            return False  # its whole output fits: it never fills the seat early
-        length = n + len(req.tokens) - 1
-        return length + self.n_steps >= cap
+        """A resident request whose next decode call could fill its seat before it is done
+        (the negation of `_fits_resident` for a decoding request: one moved back by it is not
+        moved out before a decode call). O(1)."""
+        return not self._fits_resident(req)
 
     def _migrate(self) -> None:
         """Resident requests about to outgrow their seat leave it (parked until seated)."""
@@ -233,14 +261,42 @@ class AutoEngine:
             self._tier[moved.request.request_id] = "offloaded"
             self.counters["migrations"] += 1
 
+    def _free_resident(self) -> int:
+        """Resident seats neither occupied, nor promised to a request queued there, nor held
+        by a parked request's rows."""
+        return (self.resident.seats - self.resident.num_running()
+                - self.resident.num_waiting() - len(self._parked))
+
+    def _move_back(self) -> int:
+        """Offloaded requests that a resident seat can take (`_fits_resident`) move to the
+        resident seats `_place` left free: exported from the offloaded engine (its rows read
+        from its host pages, its pages released), imported into a resident seat. The ones
+        with the most tokens to decode there go first (fewest left to the offloaded tier).
+        Returns how many moved. O(seats log seats) on the host; O(L S_r) rows per move."""
+        free = self._free_resident()
+        if free <= 0 or not self.offloaded.num_running():
+            return 0
+        room = self.resident.capacity
+        ready = [r for r in self.offloaded._occupant
+                 if r is not None and r.prefilled == len(r.prompt) and r.tokens
+                 and r.finish_reason is None and self._fits_resident(r)]
+        ready.sort(key=lambda r: -min(r.max_tokens - len(r.tokens),
+                                      room - len(r.prompt) - len(r.tokens)))
+        for req in ready[:free]:
+            moved = self.offloaded._export_seat(req.request_id, rows=room)
+            if not self.resident._import_seat(moved):  # a free seat was counted
+                raise AssertionError(f"no free resident seat for {req.request_id!r}")
+            self._tier[req.request_id] = "resident"
+            self.counters["moved_back"] += 1
+        return min(free, len(ready))
+
     def _free_offloaded(self) -> int:
         return self.offloaded.seats - self.offloaded.num_running() - self.offloaded.num_waiting()
 
     def _place(self) -> None:
         """Waiting requests in order: a free resident seat if it fits there, else a free
         offloaded seat; one that can go nowhere yet stays (later ones may still go)."""
-        free_resident = (self.resident.seats - self.resident.num_running()
-                         - self.resident.num_waiting() - len(self._parked))
+        free_resident = self._free_resident()
         free_offloaded = 0 if self._parked else self._free_offloaded()
         for req in list(self._waiting):
             if free_resident > 0 and self._fits_resident(req):

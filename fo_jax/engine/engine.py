@@ -178,8 +178,9 @@ from fo_jax.offload.config import OffloadConfig
 from fo_jax.engine.admission import ORDERS, RESERVES, MemoryCosts, RequestRefused
 from fo_jax.engine.metrics import MetricsLog
 from fo_jax.engine.pages import NO_PAGE, PagePool, PoolExhausted, PrefixCache, RequestPages
-from fo_jax.offload.host import in_host_memory, write_back_rows
-from fo_jax.offload.state import DecodeState, committed, write_pool_keys
+from fo_jax.offload.host import in_host_memory, load_history, write_back_rows
+from fo_jax.offload.state import (DecodeState, committed, read_pool_keys,
+                                  write_pool_keys)
 
 FINISH_REASONS = ("stop", "length", "cancelled")
 DRAFTERS = ("ngram", "mtp")
@@ -1352,15 +1353,17 @@ class Engine:
         self._requests[req.request_id] = req
         self._waiting.append(req)
 
-    def _export_seat(self, request_id: str) -> SeatExport:
-        """Take a decoding request out of this resident engine, with what its decode needs:
-        the seat's KV rows [L, S, D+R] and indexer keys [G, S, N] (the first `length` are its
-        tokens), its last token, PRNG key and tokens generated. The seat is freed at once (the
-        request counts as neither finished nor cancelled here) and the id forgotten.
-        O(L S (D+R) + G S N) device copy of one seat, S this engine's capacity."""
-        if self.pool is not None:
-            raise ValueError("_export_seat moves a request off the resident path; this engine "
-                             "is offloaded")
+    def _export_seat(self, request_id: str, rows: int | None = None) -> SeatExport:
+        """Take a decoding request out of this engine, with what its decode needs: its KV rows
+        [L, S, D+R] and indexer keys [G, S, N] (the first `length` are its tokens), its last
+        token, PRNG key and tokens generated. The seat is freed at once (the request counts as
+        neither finished nor cancelled here) and the id forgotten.
+
+        Resident: the seat's rows, S = this engine's capacity (`rows` unused): O(L S (D+R) +
+        G S N) device copy. Offloaded: its first ceil(rows / Z) pages read from the host pool
+        and the indexer-key pool through its page-table row, S = that many pages' tokens
+        (`rows` is required: at least its length; the seat it goes to), O(L S (D+R)) host to
+        device + O(G S N) device rows; then its pages are released."""
         req = self._requests.get(request_id)
         if req is None:
             raise KeyError(f"no request {request_id!r}")
@@ -1368,37 +1371,63 @@ class Engine:
             raise ValueError(f"request {request_id!r} is not decoding (queued, prefilling or "
                              "finished): only a request past its prompt moves")
         b = req.seat
-        kv, keys, length = _seat_rows(self.state.kv, self.state.index_keys, self.state.lengths,
-                                      jnp.asarray(b, jnp.int32))
-        out = SeatExport(request=req, kv=kv, index_keys=keys, length=int(length),
+        if self.pool is None:
+            kv, keys, length = _seat_rows(self.state.kv, self.state.index_keys,
+                                          self.state.lengths, jnp.asarray(b, jnp.int32))
+            length = int(length)
+        else:
+            length = self._stored_tokens(req)
+            if rows is None or not length <= rows <= self.capacity:
+                raise ValueError(f"_export_seat of an offloaded request of {length} stored "
+                                 f"tokens needs rows in [{length}, {self.capacity}] (the rows "
+                                 f"its new seat takes), got {rows!r}")
+            pages = -(-int(rows) // self.offload.page_size)
+            kv, keys = _page_rows(self.state.host.kv, self.state.index_keys,
+                                  jnp.asarray(req.pages.table_row()[:pages]),
+                                  access=self.offload.host_access)
+        out = SeatExport(request=req, kv=kv, index_keys=keys, length=length,
                          token=int(self._seats.tokens[b]),
                          key_data=np.asarray(jax.random.key_data(self._seats.keys)[b]),
                          generated=int(self._seats.generated[b]),
                          mtp=None if self._mtp is None else self._save_mtp(b))
         self._vacate(b)
+        if req.pages is not None:
+            req.pages.release()
+            req.pages = None
         del self._requests[request_id]
         req.seat = None
         return out
 
     def _import_seat(self, moved: SeatExport) -> bool:
-        """Seat a request `_export_seat` took from a resident engine on this offloaded one:
-        reserve its pages (prompt + max_tokens, as admission does), write its first `length`
-        KV rows and indexer keys into them through its page-table row (O(L length) rows, once),
-        set its length and row, build its hot rows, maps and policy state from the host rows
-        (`join_seats`: O(L seats (C + 2Z))), and its sampling row. False (nothing changed)
-        when no seat is free or the pool cannot reserve the pages yet."""
-        if self.pool is None:
-            raise ValueError("_import_seat seats a request on the offloaded path; this engine "
-                             "is resident")
+        """Seat a request `_export_seat` took from another engine. Offloaded: reserve its pages
+        (prompt + max_tokens, as admission does), write its first `length` KV rows and indexer
+        keys into them through its page-table row (O(L length) rows, once), set its length and
+        row, build its hot rows, maps and policy state from the host rows (`join_seats`: O(L
+        seats (C + 2Z))). Resident: write its first `length` rows into the seat's KV and
+        indexer keys (O(L S) rows; its length must be below this engine's capacity). Then its
+        last token, PRNG key, count and sampling row (and, with drafts, its history). False
+        (nothing changed) when no seat is free or the pool cannot reserve the pages yet."""
         req = moved.request
         if req.request_id in self._requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         if (self._mtp is None) != (moved.mtp is None):
             raise ValueError("a request moves between engines that both draft with the MTP "
                              "layer (drafter='mtp') or neither")
+        if self.pool is None and moved.length >= self.capacity:
+            raise ValueError(f"a request of {moved.length} stored tokens does not fit a "
+                             f"resident seat of {self.capacity} tokens (it needs room for the "
+                             "token it feeds next)")
         free = [b for b, r in enumerate(self._occupant) if r is None]
         if not free:
             return False
+        if self.pool is None:
+            b = free[0]
+            kv, keys = _write_resident_seat(self.state.kv, self.state.index_keys, moved.kv,
+                                            moved.index_keys, jnp.asarray(b, jnp.int32),
+                                            jnp.asarray(moved.length, jnp.int32))
+            self.state = dataclasses.replace(self.state, kv=kv, index_keys=keys)
+            self._set_seats({b: (moved.length, None)})
+            return self._seat_moved(b, moved, None)
         pages = RequestPages(self.pool, self.max_pages)
         try:
             pages.grow(self._reserved_tokens(len(req.prompt), req.max_tokens))
@@ -1418,6 +1447,12 @@ class Engine:
         mask[b] = True
         self.state = offload_prefill.join_seats(self.state, mask, config=self.config,
                                                 offload=self.offload)
+        return self._seat_moved(b, moved, pages)
+
+    def _seat_moved(self, b: int, moved: SeatExport, pages) -> bool:
+        """`_import_seat`'s last part: seat b decodes `moved.request` from its last token,
+        PRNG key and count, with its sampling row (and, with drafts, its history). O(B S)."""
+        req = moved.request
         self._restore_seats({b: (moved.token, moved.generated, moved.key_data)})
         if moved.mtp is not None:
             self._restore_mtp(b, moved.mtp)
@@ -1432,11 +1467,12 @@ class Engine:
 
 @dataclasses.dataclass(frozen=True)
 class SeatExport:
-    """A decoding request leaving a resident engine (`Engine._export_seat`).
+    """A decoding request leaving an engine (`Engine._export_seat`).
 
     Attributes:
       request: its bookkeeping (prompt, tokens so far, sampling settings, times).
-      kv: [L, S, D+R] its seat's KV rows (S the resident capacity; rows >= length unused).
+      kv: [L, S, D+R] its KV rows (S: the resident capacity, or the pages' tokens read from an
+        offloaded engine; rows >= length unused).
       index_keys: [G, S, N] its indexer keys.
       length: tokens stored (prompt + tokens sampled - 1: the last one is not fed yet).
       token: its last sampled token; key_data: its PRNG key's data; generated: tokens sampled.
@@ -1486,6 +1522,38 @@ def _seat_rows(kv, index_keys, lengths, seat):
     [G, S, N], and its length. O(L S) rows copied."""
     return (jax.lax.dynamic_index_in_dim(kv, seat, 1, keepdims=False),
             jax.lax.dynamic_index_in_dim(index_keys, seat, 1, keepdims=False), lengths[seat])
+
+
+@functools.partial(jax.jit, static_argnames=("access",))
+def _page_rows(host_kv, key_pool, row, *, access: str):
+    """One request's rows read through its first pages row [p]: host_kv [L, F, Z, D+R] ->
+    [L, p Z, D+R] on the device (`load_history`: whole pages, host to device), key_pool [G, F,
+    Z, N] -> [G, p Z, N]. O(L p Z) rows moved."""
+    on_host = in_host_memory(host_kv)
+    table = row[None]
+    kv = jnp.stack([load_history(host_kv, table, layer, history_pages=row.shape[0],
+                                 on_host=on_host, access=access)[0]
+                    for layer in range(host_kv.shape[0])])
+    keys = jnp.stack([read_pool_keys(key_pool, table, g)[0] for g in range(key_pool.shape[0])])
+    return kv, keys
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _write_resident_seat(kv, index_keys, seat_kv, seat_keys, seat, length):
+    """Seat `seat` of a resident state with its first `length` rows from seat_kv [L, S', D+R]
+    and seat_keys [G, S', N] (kv [L, B, S, D+R], index_keys [G, B, S, N]; rows >= length keep
+    what they held: never read). O(L S) rows written; the state is donated."""
+    s = kv.shape[2]
+    width = min(s, seat_kv.shape[1])
+    positions = jnp.arange(s, dtype=jnp.int32)
+
+    def put(old, new):
+        new = jnp.pad(new[:, :width], ((0, 0), (0, s - width), (0, 0))).astype(old.dtype)
+        cur = jax.lax.dynamic_index_in_dim(old, seat, 1, keepdims=False)
+        rows = jnp.where((positions < length)[None, :, None], new, cur)
+        return jax.lax.dynamic_update_index_in_dim(old, rows, seat, 1)
+
+    return put(kv, seat_kv), put(index_keys, seat_keys)
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))

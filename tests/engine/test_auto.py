@@ -131,3 +131,108 @@ def test_bad_settings_and_requests_are_refused():
     with pytest.raises(ValueError, match="'a' is already in use"):
         engine.add_request(_prompt(0, 4), request_id="a")
     assert engine.num_waiting() == 1 and engine.tier_of(rid) == "waiting"
+
+
+def test_a_request_placed_offloaded_moves_back_when_a_resident_seat_frees():
+    """The resident seat is taken, so a request that fits it (prompt 4 + 10 tokens <= 16)
+    starts offloaded; when the seat frees, it moves back (its rows read from its host pages,
+    its pages released at once) and ends there. A greedy and a sampled one: both keep the
+    tokens of their solo resident run bit for bit (the offloaded decode equals the resident
+    one, and the moved request keeps its key and count)."""
+    for temperature, seed in ((0.0, 0), (0.9, 3)):
+        engine = _auto()
+        first = engine.add_request(_prompt(10, 5), max_tokens=3)
+        back = engine.add_request(_prompt(11, 4), max_tokens=10, temperature=temperature,
+                                  seed=seed)
+        engine.step()
+        assert [engine.tier_of(r) for r in (first, back)] == ["resident", "offloaded"]
+        held = []
+        while engine.tier_of(back) == "offloaded" and engine.has_unfinished():
+            held.append(engine.pool_occupancy()["held"])
+            engine.step()
+        assert engine.tier_of(back) == "resident" and max(held) > 0
+        assert _empty_pool(engine)  # its pages went back to the pool with the move
+        tiers = _drive(engine)
+        assert tiers[back] == ["resident"]  # no move out again: its whole output fits
+        outputs = engine.run()
+        assert (outputs[back].token_ids, outputs[back].finish_reason) == _solo(
+            tuple(_prompt(11, 4)), 10, temperature, seed)
+        assert outputs[first].token_ids == _solo(tuple(_prompt(10, 5)), 3)[0]
+        assert engine.counters["moved_back"] == 1 == engine.all_counters()["moved_back"]
+        assert engine.counters["migrations"] == 0
+
+
+def test_staggered_stream_moves_both_ways_and_keeps_every_token():
+    """Requests arrive over the steps: one placed offloaded (the resident seat busy) moves
+    back when it frees, outgrows the short seat and moves out again (parked while the
+    offloaded seat is busy: once back, it is not moved out before its next decode call);
+    a long prompt goes offloaded; later ones start resident and one of them moves out. Every
+    request's tokens equal its solo resident run's bit for bit, the offloaded state's
+    invariants hold at every step, and the pool is empty at the end."""
+    engine = _auto()
+    arrivals = {0: [(_prompt(20, 5), 6, 0.0, 0), (_prompt(21, 3), 20, 0.0, 0)],
+                3: [(_prompt(22, 18), 6, 0.0, 0)],
+                5: [(_prompt(23, 4), 5, 0.7, 2)],
+                8: [(_prompt(24, 6), 14, 0.0, 0)]}
+    specs, tiers, step = {}, {}, 0
+    while step <= max(arrivals) or engine.has_unfinished():
+        for prompt, max_tokens, temperature, seed in arrivals.get(step, []):
+            rid = engine.add_request(prompt, max_tokens=max_tokens, temperature=temperature,
+                                     seed=seed)
+            specs[rid] = (tuple(prompt), max_tokens, temperature, seed)
+        for rid, tier in engine._tier.items():
+            if tiers.setdefault(rid, [])[-1:] != [tier]:
+                tiers[rid].append(tier)
+        engine.step()
+        check_invariants(engine.offloaded.state, config=CONFIG, offload=OFFLOAD,
+                         seats=engine.offloaded.decoding_seats())
+        step += 1
+    outputs = engine.run()
+    ids = list(specs)
+    assert tiers[ids[1]] == ["waiting", "offloaded", "resident", "parked", "offloaded"]
+    assert tiers[ids[2]] == ["waiting", "offloaded"]
+    assert tiers[ids[4]] == ["waiting", "resident", "offloaded"]
+    for rid, spec in specs.items():
+        assert (outputs[rid].token_ids, outputs[rid].finish_reason) == _solo(*spec), rid
+    assert {k: engine.counters[k] for k in ("moved_back", "migrations", "placed_offloaded")} \
+        == {"moved_back": 1, "migrations": 2, "placed_offloaded": 2}
+    assert _empty_pool(engine)
+
+
+def test_drafts_go_to_both_tiers_and_move_with_the_request():
+    """AutoEngine(num_drafts=2): both tiers verify n-gram drafts (steps of 3 ways, so one
+    decode call stores up to 2 x 3 tokens: a request moves out before a call could fill its
+    short seat, not only before 2 tokens could). One request drafts its way out of the
+    resident seat, one placed offloaded moves back into it (its history rebuilt there:
+    prompt + tokens), one ends offloaded. Every request's tokens equal those of the same
+    engine serving it alone bit for bit (alone, the last two never leave the resident seat:
+    the offloaded drafting decode equals the resident one)."""
+    config = CONFIG.replace(max_ways=3)
+    offload = OffloadConfig(hot_slots=12, page_size=4, capacity=CAPACITY, policy="ring")
+    params = init_params(config, jax.random.key(0))
+
+    def auto():
+        return AutoEngine(params, config, resident_seats=1, resident_capacity=SHORT,
+                          offload=offload, offload_seats=2, num_drafts=2, **KW)
+
+    engine = auto()
+    assert engine.resident.num_drafts == engine.offloaded.num_drafts == 2
+    specs = [([129] * 5, 20), (_prompt(32, 4), 13), (_prompt(45, 3) * 2, 11)]
+    ids = [engine.add_request(p, max_tokens=m) for p, m in specs]
+    tiers = _drive(engine, check=False)
+    outputs = engine.run()
+    assert tiers[ids[0]] == ["waiting", "resident", "offloaded"]
+    assert tiers[ids[1]] == ["waiting", "offloaded", "resident"]
+    assert tiers[ids[2]] == ["waiting", "offloaded"]
+    assert len(outputs[ids[0]].token_ids) == 20  # moved out in time: no early "length"
+    for rid, (prompt, max_tokens) in zip(ids, specs):
+        solo = auto()
+        solo_id = solo.add_request(prompt, max_tokens=max_tokens)
+        solo_tiers = _drive(solo, check=False)
+        want = solo.run()[solo_id]
+        assert solo_tiers[solo_id][-1] == ("offloaded" if rid == ids[0] else "resident")
+        assert (outputs[rid].token_ids, outputs[rid].finish_reason) == (
+            want.token_ids, want.finish_reason), rid
+    assert engine.counters["moved_back"] == 1 and engine.counters["migrations"] == 1
+    assert engine.all_counters()["draft_accepted"] > 0
+    assert _empty_pool(engine)
