@@ -59,6 +59,12 @@ class AutoEngine:
         request (prompt + output) and must be >= resident_capacity.
       offload_seats: seats of the offloaded tier.
       num_pages, host_pool_bytes: the offloaded tier's pool (see `Engine`).
+      prefix_cache: both tiers reuse the prompt prefixes of earlier requests on their tier:
+        the resident tier copies cached blocks into the seat (`Engine`'s prefix store), the
+        offloaded tier maps cached pages (needs prefill_chunk a multiple of
+        offload.page_size).
+      prefix_cache_bytes, prefix_cache_memory: the resident tier's prefix store (see
+        `Engine`); the offloaded tier's cache lives in its pool.
       Every other keyword (decode_steps_per_call, prefill_chunk, tokenizer, max_stop_ids,
       query_block, implementation, ...) goes to both engines.
     Raises:
@@ -68,7 +74,8 @@ class AutoEngine:
     def __init__(self, params, config: ModelConfig, *, resident_seats: int,
                  resident_capacity: int, offload: OffloadConfig, offload_seats: int,
                  num_pages: int | None = None, host_pool_bytes: int | None = None,
-                 **engine_kwargs: Any):
+                 prefix_cache: bool = False, prefix_cache_bytes: int | None = None,
+                 prefix_cache_memory: str = "device", **engine_kwargs: Any):
         if not isinstance(offload, OffloadConfig):
             raise ValueError(f"offload must be an OffloadConfig (the long tier), got "
                              f"{type(offload).__name__}")
@@ -77,16 +84,17 @@ class AutoEngine:
             raise ValueError(f"resident_capacity={resident_capacity!r} must be an int in "
                              f"[1, offload.capacity={offload.capacity}]: a request outgrowing "
                              "its resident seat moves to a longer offloaded one")
-        for name in ("prefix_cache", "capacity", "seats", "offload"):
+        for name in ("capacity", "seats", "offload"):
             if name in engine_kwargs:
                 raise ValueError(f"{name} is not an AutoEngine setting (give resident_seats, "
                                  "resident_capacity, offload and offload_seats)")
         self.config = config
         self.resident = Engine(params, config, seats=resident_seats, capacity=resident_capacity,
-                               **engine_kwargs)
+                               prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes,
+                               prefix_cache_memory=prefix_cache_memory, **engine_kwargs)
         self.offloaded = Engine(params, config, seats=offload_seats, offload=offload,
                                 num_pages=num_pages, host_pool_bytes=host_pool_bytes,
-                                **engine_kwargs)
+                                prefix_cache=prefix_cache, **engine_kwargs)
         self.n_steps = self.resident.n_steps
         self._waiting: list[_Request] = []
         self._parked: list[SeatExport] = []

@@ -158,6 +158,8 @@ from fo_jax.offload.config import OffloadConfig
 from fo_jax.engine.admission import ORDERS, RESERVES, MemoryCosts, RequestRefused
 from fo_jax.engine.metrics import MetricsLog
 from fo_jax.engine.pages import NO_PAGE, PagePool, PoolExhausted, PrefixCache, RequestPages
+from fo_jax.engine.resident_prefix import MEMORIES as RESIDENT_PREFIX_MEMORIES
+from fo_jax.engine.resident_prefix import ResidentPrefixStore, block_bytes
 from fo_jax.offload.host import in_host_memory, write_back_rows
 from fo_jax.offload.state import DecodeState, committed, write_pool_keys
 
@@ -343,7 +345,8 @@ class Engine:
                  prefix_cache: bool = False, device_bytes: int | None = None,
                  order: str = "fifo", reserve: str = "full", metrics_path: str | None = None,
                  metrics_every: int = 16, num_drafts: int = 0,
-                 max_wait_steps: int | None = 256):
+                 max_wait_steps: int | None = 256, prefix_cache_bytes: int | None = None,
+                 prefix_cache_memory: str = "device"):
         for name, value in (("seats", seats), ("decode_steps_per_call", decode_steps_per_call),
                             ("prefill_chunk", prefill_chunk), ("max_stop_ids", max_stop_ids),
                             ("metrics_every", metrics_every)):
@@ -368,11 +371,12 @@ class Engine:
         self.pool = self.prefix = None
         self.max_pages = 1  # P, page-table row width (offloaded; unused on the resident path)
         if offload is None and (num_pages is not None or host_pool_bytes is not None
-                                or prefix_cache or device_bytes is not None
-                                or reserve != "full"):
-            raise ValueError("num_pages, host_pool_bytes, prefix_cache, device_bytes and "
-                             "reserve='prompt' need the offloaded path (an OffloadConfig): the "
-                             "resident state keeps each seat's KV apart")
+                                or device_bytes is not None or reserve != "full"):
+            raise ValueError("num_pages, host_pool_bytes, device_bytes and reserve='prompt' "
+                             "need the offloaded path (an OffloadConfig): the resident state "
+                             "keeps each seat's KV apart")
+        self.prefix_store = self._prefix_store(prefix_cache, prefix_cache_bytes,
+                                               prefix_cache_memory)
         if order not in ORDERS:
             raise ValueError(f"order={order!r} must be one of {ORDERS}")
         if max_wait_steps is not None and (not isinstance(max_wait_steps, numbers.Integral)
@@ -462,6 +466,47 @@ class Engine:
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "step_s": 0.0}
         self.metrics = None if metrics_path is None else MetricsLog(
             self, path=metrics_path, every=metrics_every)
+
+    def _prefix_store(self, prefix_cache: bool, size, memory) -> ResidentPrefixStore | None:
+        """The resident path's prefix store (None offloaded or without prefix_cache): blocks
+        of one prefill chunk (a reused prefix is whole chunks anyway: a finer block would be
+        useful only with the rest of its chunk), `size` bytes (default: the blocks of one
+        seat, capacity // prefill_chunk), in `memory`. Settings checked first."""
+        if (size is not None or memory != "device") and not prefix_cache:
+            raise ValueError("prefix_cache_bytes and prefix_cache_memory need prefix_cache=True")
+        if self.offload is not None:
+            if size is not None or memory != "device":
+                raise ValueError("prefix_cache_bytes and prefix_cache_memory size the resident "
+                                 "path's prefix store; offloaded, the prefix cache keeps pages "
+                                 "of the pool: size it with num_pages or host_pool_bytes")
+            return None
+        if not prefix_cache:
+            return None
+        if memory not in RESIDENT_PREFIX_MEMORIES:
+            raise ValueError(f"prefix_cache_memory={memory!r} must be one of "
+                             f"{RESIDENT_PREFIX_MEMORIES}")
+        if self.chunk >= self.capacity:
+            raise ValueError(f"prefix_cache on the resident path reuses whole prefill chunks, "
+                             f"but prefill_chunk={self.chunk} leaves none before the last token "
+                             f"of a prompt in a seat of {self.capacity} tokens: lower "
+                             "prefill_chunk")
+        per_block = block_bytes(self.config, self.chunk)
+        if size is None:
+            blocks = self.capacity // self.chunk
+        else:
+            if not isinstance(size, numbers.Integral) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"prefix_cache_bytes={size!r} must be an int >= 1 (bytes of "
+                                 "cached prefix rows), or None")
+            blocks = int(size) // per_block
+            if blocks < 1:
+                raise ValueError(
+                    f"prefix_cache_bytes={size} holds no block of {self.chunk} tokens "
+                    f"({per_block} bytes: KV rows of {self.config.num_layers} layers and "
+                    f"indexer keys of {self.config.num_groups} group"
+                    f"{'s' if self.config.num_groups > 1 else ''}): raise it, or lower "
+                    "prefill_chunk")
+        return ResidentPrefixStore(self.config, block_tokens=self.chunk, num_blocks=blocks,
+                                   memory=memory)
 
     # Requests ------------------------------------------------------------------------------
 
@@ -701,6 +746,8 @@ class Engine:
             if had_pages:
                 kept.append(req)
             else:
+                if self.prefix_store is not None and not req.tokens:
+                    self._reuse_prefix(req, b)
                 req.prefilled = req.cached_tokens
             started[b] = req
         if started:
@@ -710,6 +757,15 @@ class Engine:
         if kept:
             self.counters["resumed_without_recompute"] += len(kept)
             self._rejoin([r for r in kept if r.prefilled == len(r.prompt)])
+
+    def _reuse_prefix(self, req: _Request, b: int) -> None:
+        """Resident: copy the request's longest cached prefix of whole prefill chunks into
+        seat b (`ResidentPrefixStore`: one program, O(L prefix) rows); its prefill starts
+        there. O(prompt) hashing."""
+        slots, cached = self.prefix_store.lookup(req.prompt, chunk=self.chunk)
+        self.state = self.prefix_store.write(self.state, b, slots)
+        req.cached_tokens = cached
+        self.counters["prefix_hit_tokens"] += cached
 
     def _fits(self, req: _Request) -> bool:
         """Whether the request can take a seat now (its pages reserved, or the kept ones
@@ -951,6 +1007,10 @@ class Engine:
             if self.prefix is not None:  # pages of prefilled tokens are final: a request
                 # admitted from now on may map them (O(prefilled) hashing per chunk)
                 self.prefix.insert(req.prompt[:req.prefilled], req.pages.pages)
+        if self.prefix_store is not None:  # resident: the blocks this chunk completed
+            self.prefix_store.insert(self.state, [
+                (r.seat, r.prompt[:r.prefilled], r.prefilled - int(num_new[r.seat]))
+                for r in requests])
         done = [r for r in requests if r.prefilled == len(r.prompt)]
         if done:
             self._join(done, logits, num_new, moved)
