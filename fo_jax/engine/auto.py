@@ -27,6 +27,16 @@ the host pool, on the device only hot caches and indexer-key pages). Each `step(
      offloaded seat (a prompt longer than a resident seat goes there directly);
   3. steps both engines.
 
+With `prefix_cache=True` both tiers reuse prompt prefixes (whole prefill chunks), each from
+the prompts it prefilled itself: the resident tier copies cached rows into the seat from its
+prefix store (`fo_jax.engine.resident_prefix`, `prefix_cache_bytes` / `prefix_cache_memory`),
+the offloaded tier maps cached pool pages (`fo_jax.engine.pages.PrefixCache`); placement does
+not change, so a request benefits on whichever tier it lands. A moved request's pages are not
+registered in the offloaded cache: its rows were computed by the resident prefill, which is
+bitwise the offloaded prefill on CPU but not on every accelerator (README, "Status and
+limits"), so a later offloaded request mapping them could differ from its run from scratch by
+an ulp; its prompt's blocks stay findable in the resident store.
+
 A batch that fits the resident tier runs there alone: no host traffic, no misses, the
 resident engine's own programs (the offloaded engine holds no request and runs no program).
 The switch is lossless: the offloaded decode equals the resident one bit for bit, and the

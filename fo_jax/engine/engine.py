@@ -23,12 +23,17 @@ recompiling. Each `step()`:
      that could not fit even alone (pool or device bytes) is refused by `add_request` with the
      figures. With `prefix_cache`, the longest cached prefix of whole prefill chunks of its
      prompt is mapped from earlier requests' pages (`fo_jax.engine.pages.PrefixCache`) and not
-     prefilled again. The seat's length starts at the cached tokens (what the previous
-     occupant left in the seat is never read: reads stop at the length);
+     prefilled again; resident, the seats' KV is apart, so those rows are copied into the seat
+     from a prefix store of whole chunks (`fo_jax.engine.resident_prefix`: the same chain
+     hash, a byte budget, least recently released first eviction; one program of O(L prefix)
+     rows). The seat's length starts at the cached tokens (what the previous occupant left in
+     the seat is never read: reads stop at the length);
   2. runs one prefill chunk for every seat that is prefilling (one program for all of them,
      `prefill_chunk` tokens per seat; the others take 0 tokens and are not written); a seat
      whose prompt is complete samples its first token from the chunk's logits and joins the
      decode batch (`fo_jax.offload.prefill.join_seats`: its hot rows, maps and policy state);
+     resident with the prefix cache, the chunks the program completed are copied into the
+     prefix store (one program for all seats; blocks already cached are not);
   3. (reserve="prompt") grows the decoding requests' pages for the call, preempting the
      youngest request when they cannot be had (below);
   4. runs `decode_steps_per_call` decode steps of the running seats in one program
@@ -122,8 +127,7 @@ tokens in the groups its W-way steps stored them (one W-way step per group, the 
 back), so its KV is the one it had, bit for bit. With reserve="prompt", a call may store up to
 `decode_steps_per_call` x (D + 1) tokens per request, and that is what is grown before it.
 
-Not here yet: device_bytes, reserve="prompt", preemption and prefix reuse on the resident
-path; MTP drafts in the decode loop (`num_drafts` drafts by n-gram lookup only;
+Not here yet: device_bytes, reserve="prompt" and preemption on the resident path; MTP drafts in the decode loop (`num_drafts` drafts by n-gram lookup only;
 `fo_jax.generate` drafts with the MTP layer from the host); speculative sampling (a request at
 temperature > 0 takes one token per step).
 """
@@ -304,9 +308,19 @@ class Engine:
         indexer-key pools (default seats x capacity / page_size: every seat full at once).
       host_pool_bytes: offloaded: size the pools in bytes of host KV instead (the planner's
         bytes per page, `fo_jax.engine.admission.MemoryCosts`; as vLLM's host pool setting).
-      prefix_cache: offloaded: map cached pages of earlier prompts (needs prefill_chunk a
-        multiple of page_size: a reused prefix ends where a chunk ends, so the rest of the
-        prompt is computed exactly as from scratch: the tokens do not change).
+      prefix_cache: reuse the prefixes of earlier prompts, whole prefill chunks of them (a
+        reused prefix ends where a chunk ends, so the rest of the prompt is computed exactly
+        as from scratch: the KV rows and tokens do not change, bit for bit). Offloaded: map
+        their cached pages (needs prefill_chunk a multiple of page_size). Resident: copy their
+        rows into the seat from a prefix store (`fo_jax.engine.resident_prefix`) of blocks of
+        one prefill chunk (needs prefill_chunk < capacity).
+      prefix_cache_bytes: resident: the prefix store's bytes of KV rows and indexer keys
+        (`block_bytes(config, prefill_chunk)` per block; whole blocks; least recently released
+        blocks evicted first). Default: one seat's blocks (capacity // prefill_chunk).
+      prefix_cache_memory: resident: where the store's blocks live: "device" (default: the
+        copy into a seat is one device program; the store counts on the device budget) or
+        "pinned_host" (off the device budget; one host-to-device move of the prefix rows per
+        admission).
       metrics_path: append a JSON line of counters here every `metrics_every` steps
         (`fo_jax.engine.metrics.MetricsLog`, kept as `self.metrics`; counters are summed on
         the device between reads). A caller may set `self.metrics` to its own log instead.
@@ -746,7 +760,7 @@ class Engine:
             if had_pages:
                 kept.append(req)
             else:
-                if self.prefix_store is not None and not req.tokens:
+                if self.prefix_store is not None:
                     self._reuse_prefix(req, b)
                 req.prefilled = req.cached_tokens
             started[b] = req
