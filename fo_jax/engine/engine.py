@@ -127,9 +127,10 @@ tokens in the groups its W-way steps stored them (one W-way step per group, the 
 back), so its KV is the one it had, bit for bit. With reserve="prompt", a call may store up to
 `decode_steps_per_call` x (D + 1) tokens per request, and that is what is grown before it.
 
-Not here yet: device_bytes, reserve="prompt" and preemption on the resident path; MTP drafts in the decode loop (`num_drafts` drafts by n-gram lookup only;
-`fo_jax.generate` drafts with the MTP layer from the host); speculative sampling (a request at
-temperature > 0 takes one token per step).
+Not here yet: device_bytes, reserve="prompt" and preemption on the resident path; MTP drafts
+in the decode loop (`num_drafts` drafts by n-gram lookup only; `fo_jax.generate` drafts with
+the MTP layer from the host); speculative sampling (a request at temperature > 0 takes one
+token per step).
 """
 
 from __future__ import annotations
@@ -162,8 +163,7 @@ from fo_jax.offload.config import OffloadConfig
 from fo_jax.engine.admission import ORDERS, RESERVES, MemoryCosts, RequestRefused
 from fo_jax.engine.metrics import MetricsLog
 from fo_jax.engine.pages import NO_PAGE, PagePool, PoolExhausted, PrefixCache, RequestPages
-from fo_jax.engine.resident_prefix import MEMORIES as RESIDENT_PREFIX_MEMORIES
-from fo_jax.engine.resident_prefix import ResidentPrefixStore, block_bytes
+from fo_jax.engine.resident_prefix import ResidentPrefixStore
 from fo_jax.offload.host import in_host_memory, write_back_rows
 from fo_jax.offload.state import DecodeState, committed, write_pool_keys
 
@@ -482,10 +482,8 @@ class Engine:
             self, path=metrics_path, every=metrics_every)
 
     def _prefix_store(self, prefix_cache: bool, size, memory) -> ResidentPrefixStore | None:
-        """The resident path's prefix store (None offloaded or without prefix_cache): blocks
-        of one prefill chunk (a reused prefix is whole chunks anyway: a finer block would be
-        useful only with the rest of its chunk), `size` bytes (default: the blocks of one
-        seat, capacity // prefill_chunk), in `memory`. Settings checked first."""
+        """The resident path's prefix store (`ResidentPrefixStore.for_engine`); None offloaded
+        or without prefix_cache. Settings checked first."""
         if (size is not None or memory != "device") and not prefix_cache:
             raise ValueError("prefix_cache_bytes and prefix_cache_memory need prefix_cache=True")
         if self.offload is not None:
@@ -496,31 +494,8 @@ class Engine:
             return None
         if not prefix_cache:
             return None
-        if memory not in RESIDENT_PREFIX_MEMORIES:
-            raise ValueError(f"prefix_cache_memory={memory!r} must be one of "
-                             f"{RESIDENT_PREFIX_MEMORIES}")
-        if self.chunk >= self.capacity:
-            raise ValueError(f"prefix_cache on the resident path reuses whole prefill chunks, "
-                             f"but prefill_chunk={self.chunk} leaves none before the last token "
-                             f"of a prompt in a seat of {self.capacity} tokens: lower "
-                             "prefill_chunk")
-        per_block = block_bytes(self.config, self.chunk)
-        if size is None:
-            blocks = self.capacity // self.chunk
-        else:
-            if not isinstance(size, numbers.Integral) or isinstance(size, bool) or size < 1:
-                raise ValueError(f"prefix_cache_bytes={size!r} must be an int >= 1 (bytes of "
-                                 "cached prefix rows), or None")
-            blocks = int(size) // per_block
-            if blocks < 1:
-                raise ValueError(
-                    f"prefix_cache_bytes={size} holds no block of {self.chunk} tokens "
-                    f"({per_block} bytes: KV rows of {self.config.num_layers} layers and "
-                    f"indexer keys of {self.config.num_groups} group"
-                    f"{'s' if self.config.num_groups > 1 else ''}): raise it, or lower "
-                    "prefill_chunk")
-        return ResidentPrefixStore(self.config, block_tokens=self.chunk, num_blocks=blocks,
-                                   memory=memory)
+        return ResidentPrefixStore.for_engine(self.config, prefill_chunk=self.chunk,
+                                              capacity=self.capacity, size=size, memory=memory)
 
     # Requests ------------------------------------------------------------------------------
 

@@ -99,6 +99,43 @@ class ResidentPrefixStore:
         self._keys: list = [None] * self.num_blocks  # slot -> [G, T, N]
         self.blocks_written = 0  # blocks copied into the store (insertions)
 
+    @classmethod
+    def for_engine(cls, config: ModelConfig, *, prefill_chunk: int, capacity: int,
+                   size: int | None, memory: str = "device") -> "ResidentPrefixStore":
+        """The store of a resident `Engine(prefix_cache=True, prefix_cache_bytes=size,
+        prefix_cache_memory=memory)`: blocks of one prefill chunk (a reused prefix is whole
+        chunks anyway: a finer block would be of use only with the rest of its chunk, and the
+        offloaded cache's rule, prefill_chunk a multiple of the block, holds by construction),
+        as many as `size` bytes hold (default: one seat's, capacity // prefill_chunk).
+
+        Raises:
+          ValueError: a bad memory or size, or a chunk that leaves no whole chunk before the
+            last token of a prompt that fits a seat.
+        """
+        if memory not in MEMORIES:
+            raise ValueError(f"prefix_cache_memory={memory!r} must be one of {MEMORIES}")
+        if prefill_chunk >= capacity:
+            raise ValueError(f"prefix_cache on the resident path reuses whole prefill chunks, "
+                             f"but prefill_chunk={prefill_chunk} leaves none before the last "
+                             f"token of a prompt in a seat of {capacity} tokens: lower "
+                             "prefill_chunk")
+        per_block = block_bytes(config, prefill_chunk)
+        if size is None:
+            blocks = capacity // prefill_chunk
+        else:
+            if not isinstance(size, numbers.Integral) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"prefix_cache_bytes={size!r} must be an int >= 1 (bytes of "
+                                 "cached prefix rows), or None")
+            blocks = int(size) // per_block
+            if blocks < 1:
+                groups = config.num_groups
+                raise ValueError(
+                    f"prefix_cache_bytes={size} holds no block of {prefill_chunk} tokens "
+                    f"({per_block} bytes: KV rows of {config.num_layers} layers and indexer "
+                    f"keys of {groups} group{'s' if groups > 1 else ''}): raise it, or lower "
+                    "prefill_chunk")
+        return cls(config, block_tokens=prefill_chunk, num_blocks=blocks, memory=memory)
+
     def occupancy(self) -> dict:
         """Blocks cached (evictable), held (being copied), free and total; bytes cached and
         total; blocks evicted so far. O(1)."""

@@ -190,7 +190,7 @@ REQUEST = st.tuples(st.sampled_from([0, 1, 2]), st.integers(0, 10**6), st.intege
 PREFIXES = ([], SYSTEM, SYSTEM[:8] + _prompt(98, 8))
 
 
-@settings(max_examples=3, deadline=None,
+@settings(max_examples=6, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(requests=st.lists(REQUEST, min_size=2, max_size=5),
        arrivals=st.lists(st.integers(0, 4), min_size=5, max_size=5),
