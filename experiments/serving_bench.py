@@ -17,8 +17,10 @@ Ratios are to the first cell of the same run (these machines are noisy).
     python experiments/serving_bench.py --smoke                 # seconds; run by the tests
 
 With `--shared-prefix F` (default 0.8) a second workload gives F of the prompts one
-`--prefix-len`-token system prompt before their own tokens, served offloaded with and without
-the prefix cache (`Engine(prefix_cache=True)`): prompt tokens prefilled, TTFT, throughput.
+`--prefix-len`-token system prompt before their own tokens, served with and without the prefix
+cache (`Engine(prefix_cache=True)`) on each path of `--prefix-paths` (offloaded: cached pages
+mapped; resident: cached rows copied into the seat from a prefix store of one seat's rows, on
+top of the budget's seats): prompt tokens prefilled, TTFT, throughput.
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ def main(argv=None):
                              "(0: skip that workload)")
     parser.add_argument("--prefix-len", type=int, default=512,
                         help="prefix workload: tokens of the shared system prompt")
+    parser.add_argument("--prefix-paths", nargs="+", choices=("offload", "resident"),
+                        default=["offload", "resident"],
+                        help="prefix workload: the paths served with and without the cache")
     parser.add_argument("--workloads", nargs="+", choices=("poisson", "shared_prefix"),
                         default=["poisson", "shared_prefix"])
     parser.add_argument("--out", default=None, help="append JSON lines here")
@@ -89,7 +94,7 @@ def main(argv=None):
         args.model, args.capacity, args.page_size, args.requests = "tiny", 64, 4, 5
         args.prompt_len, args.output_len, args.prefill_chunk = [4, 16], [2, 6], 8
         args.rate, args.device_budget_mb, args.steps_per_call = 50.0, 0.2, [1, 4]
-        args.prefix_len = 8
+        args.prefix_len, args.prefix_paths = 8, ["offload"]
     config = get_config(args.model).replace(max_ways=1)
     if args.capacity > config.max_seq_len:
         config = config.replace(max_seq_len=args.capacity)
@@ -138,28 +143,35 @@ def main(argv=None):
 
 
 def _prefix_cells(args, config, params, offload, budget, meta):
-    """The shared-prefix workload, offloaded, without and with the prefix cache."""
+    """The shared-prefix workload on each of `--prefix-paths`, without and with the prefix
+    cache (resident: a prefix store of one seat's rows, the engine's default)."""
     requests = workload(args, config.vocab_size, seed=1, shared=args.shared_prefix)
-    seats = int(min(args.max_seats, budget // seat_bytes(config, "offload", args.capacity,
-                                                         offload)))
     n = max(args.steps_per_call)
     print(f"\nshared prefix: {args.shared_prefix:.0%} of {args.requests} prompts start with the "
-          f"same {args.prefix_len} tokens; offloaded, {seats} seats, N={n}")
-    print(f"{'cell':22s}{'prefilled':>10s}{'cached':>8s}{'tok/s':>9s}{'TTFT p50/p99 s':>17s}")
+          f"same {args.prefix_len} tokens; N={n}")
+    print(f"{'cell':30s}{'seats':>6s}{'prefilled':>10s}{'cached':>8s}{'tok/s':>9s}"
+          f"{'TTFT p50/p99 s':>17s}")
     rows, chunk = [], args.prefill_chunk - args.prefill_chunk % offload.page_size
-    for cache in (False, True):
-        engine = Engine(params, config, seats=seats, capacity=args.capacity, offload=offload,
-                        decode_steps_per_call=n, prefill_chunk=max(chunk, offload.page_size),
-                        prefix_cache=cache)
-        fig = run_workload(engine, requests)
-        cached = fig["cached_tokens"]
-        name = f"prefix cache {'on' if cache else 'off'}"
-        print(f"{name:22s}{fig['prefill_tokens']:>10d}{cached:>8d}{fig['tokens_per_s']:>9.1f}"
-              f"{fig['ttft_p50']:>8.2f}/{fig['ttft_p99']:<8.2f}")
-        rows.append({**meta, "model": config.name, "path": "offload", "workload": "shared_prefix",
-                     "prefix_cache": cache, "shared_fraction": args.shared_prefix,
-                     "prefix_len": args.prefix_len, "steps_per_call": n, "seats": seats,
-                     "cached_tokens": cached, **fig})
+    for path in args.prefix_paths:
+        seats = int(min(args.max_seats, budget // seat_bytes(config, path, args.capacity,
+                                                             offload)))
+        if seats < 1:
+            print(f"{path}: one seat does not fit the budget; skipped")
+            continue
+        for cache in (False, True):
+            engine = Engine(params, config, seats=seats, capacity=args.capacity,
+                            offload=offload if path == "offload" else None,
+                            decode_steps_per_call=n,
+                            prefill_chunk=max(chunk, offload.page_size), prefix_cache=cache)
+            fig = run_workload(engine, requests)
+            cached = fig["cached_tokens"]
+            name = f"{path}, prefix cache {'on' if cache else 'off'}"
+            print(f"{name:30s}{seats:>6d}{fig['prefill_tokens']:>10d}{cached:>8d}"
+                  f"{fig['tokens_per_s']:>9.1f}{fig['ttft_p50']:>8.2f}/{fig['ttft_p99']:<8.2f}")
+            rows.append({**meta, "model": config.name, "path": path,
+                         "workload": "shared_prefix", "prefix_cache": cache,
+                         "shared_fraction": args.shared_prefix, "prefix_len": args.prefix_len,
+                         "steps_per_call": n, "seats": seats, "cached_tokens": cached, **fig})
     return rows
 
 

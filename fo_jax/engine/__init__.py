@@ -11,6 +11,8 @@ moves).
 `fo_jax.engine.pages`: host-side page bookkeeping: a page pool with reference counts
 (`PagePool`), a prefix cache of full pages (`PrefixCache`), each request's pages and page-table
 row (`RequestPages`).
+`fo_jax.engine.resident_prefix`: prefix reuse on the resident path: whole chunks of earlier
+prompts' KV rows, copied into a new request's seat (`ResidentPrefixStore`).
 `fo_jax.engine.admission`: admission by memory with the planner's bytes (`MemoryCosts`,
 `Admission`): admit / wait / refuse, the waiting queue, the preemption victim.
 `fo_jax.engine.metrics`: counters summed on the device, read every N steps into JSON lines
@@ -42,10 +44,11 @@ from fo_jax.engine.loop import (
 )
 from fo_jax.engine.metrics import MetricsLog
 from fo_jax.engine.pages import NO_PAGE, PagePool, PoolExhausted, PrefixCache, RequestPages
+from fo_jax.engine.resident_prefix import ResidentPrefixStore
 
 __all__ = ["NO_PAGE", "Admission", "AutoEngine", "DataParallelEngine", "Decision", "Engine",
            "LoopOutput", "LoopStats", "MTPSeats", "MemoryCosts", "MetricsLog", "OffloadedStep",
            "PagePool",
            "PoolExhausted", "PrefixCache", "Request", "RequestOutput", "RequestPages",
-           "RequestRefused", "ResidentStep", "Sampling", "Seats", "Verdict", "decode_loop",
-           "mtp_feed", "sample_tokens"]
+           "RequestRefused", "ResidentPrefixStore", "ResidentStep", "Sampling", "Seats",
+           "Verdict", "decode_loop", "mtp_feed", "sample_tokens"]

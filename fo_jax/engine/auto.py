@@ -48,6 +48,16 @@ leaves room for a call, and from then on its length (which only grows) never let
 So a request moves at most twice (offloaded -> resident -> offloaded) and only one placed
 offloaded moves back.
 
+With `prefix_cache=True` both tiers reuse prompt prefixes (whole prefill chunks), each from
+the prompts it prefilled itself: the resident tier copies cached rows into the seat from its
+prefix store (`fo_jax.engine.resident_prefix`, `prefix_cache_bytes` / `prefix_cache_memory`),
+the offloaded tier maps cached pool pages (`fo_jax.engine.pages.PrefixCache`); placement does
+not change, so a request benefits on whichever tier it lands. A moved request's pages are not
+registered in the offloaded cache: its rows were computed by the resident prefill, which is
+bitwise the offloaded prefill on CPU but not on every accelerator (README, "Status and
+limits"), so a later offloaded request mapping them could differ from its run from scratch by
+an ulp; its prompt's blocks stay findable in the resident store.
+
 A batch that fits the resident tier runs there alone: no host traffic, no misses, the
 resident engine's own programs (the offloaded engine holds no request and runs no program).
 The moves are lossless: the offloaded decode equals the resident one bit for bit, the host
@@ -83,6 +93,12 @@ class AutoEngine:
         request (prompt + output) and must be >= resident_capacity.
       offload_seats: seats of the offloaded tier.
       num_pages, host_pool_bytes: the offloaded tier's pool (see `Engine`).
+      prefix_cache: both tiers reuse the prompt prefixes of earlier requests on their tier:
+        the resident tier copies cached blocks into the seat (`Engine`'s prefix store), the
+        offloaded tier maps cached pages (needs prefill_chunk a multiple of
+        offload.page_size).
+      prefix_cache_bytes, prefix_cache_memory: the resident tier's prefix store (see
+        `Engine`); the offloaded tier's cache lives in its pool.
       Every other keyword (decode_steps_per_call, prefill_chunk, tokenizer, max_stop_ids,
       query_block, implementation, ...) goes to both engines.
     Raises:
@@ -92,7 +108,8 @@ class AutoEngine:
     def __init__(self, params, config: ModelConfig, *, resident_seats: int,
                  resident_capacity: int, offload: OffloadConfig, offload_seats: int,
                  num_pages: int | None = None, host_pool_bytes: int | None = None,
-                 **engine_kwargs: Any):
+                 prefix_cache: bool = False, prefix_cache_bytes: int | None = None,
+                 prefix_cache_memory: str = "device", **engine_kwargs: Any):
         if not isinstance(offload, OffloadConfig):
             raise ValueError(f"offload must be an OffloadConfig (the long tier), got "
                              f"{type(offload).__name__}")
@@ -101,16 +118,17 @@ class AutoEngine:
             raise ValueError(f"resident_capacity={resident_capacity!r} must be an int in "
                              f"[1, offload.capacity={offload.capacity}]: a request outgrowing "
                              "its resident seat moves to a longer offloaded one")
-        for name in ("prefix_cache", "capacity", "seats", "offload"):
+        for name in ("capacity", "seats", "offload"):
             if name in engine_kwargs:
                 raise ValueError(f"{name} is not an AutoEngine setting (give resident_seats, "
                                  "resident_capacity, offload and offload_seats)")
         self.config = config
         self.resident = Engine(params, config, seats=resident_seats, capacity=resident_capacity,
-                               **engine_kwargs)
+                               prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes,
+                               prefix_cache_memory=prefix_cache_memory, **engine_kwargs)
         self.offloaded = Engine(params, config, seats=offload_seats, offload=offload,
                                 num_pages=num_pages, host_pool_bytes=host_pool_bytes,
-                                **engine_kwargs)
+                                prefix_cache=prefix_cache, **engine_kwargs)
         self.n_steps = self.resident.n_steps
         # The most tokens one decode call stores per request: N steps of D + 1 ways.
         self.call_tokens = self.n_steps * (self.resident.num_drafts + 1)

@@ -23,12 +23,17 @@ recompiling. Each `step()`:
      that could not fit even alone (pool or device bytes) is refused by `add_request` with the
      figures. With `prefix_cache`, the longest cached prefix of whole prefill chunks of its
      prompt is mapped from earlier requests' pages (`fo_jax.engine.pages.PrefixCache`) and not
-     prefilled again. The seat's length starts at the cached tokens (what the previous
-     occupant left in the seat is never read: reads stop at the length);
+     prefilled again; resident, the seats' KV is apart, so those rows are copied into the seat
+     from a prefix store of whole chunks (`fo_jax.engine.resident_prefix`: the same chain
+     hash, a byte budget, least recently released first eviction; one program of O(L prefix)
+     rows). The seat's length starts at the cached tokens (what the previous occupant left in
+     the seat is never read: reads stop at the length);
   2. runs one prefill chunk for every seat that is prefilling (one program for all of them,
      `prefill_chunk` tokens per seat; the others take 0 tokens and are not written); a seat
      whose prompt is complete samples its first token from the chunk's logits and joins the
      decode batch (`fo_jax.offload.prefill.join_seats`: its hot rows, maps and policy state);
+     resident with the prefix cache, the chunks the program completed are copied into the
+     prefix store (one program for all seats; blocks already cached are not);
   3. (reserve="prompt") grows the decoding requests' pages for the call, preempting the
      youngest request when they cannot be had (below);
   4. runs `decode_steps_per_call` decode steps of the running seats in one program
@@ -141,8 +146,7 @@ steps, are those of its uninterrupted run, so its tokens are too, bit for bit; a
 by `AutoEngine` carries its MTP state the same way. Not with `prefix_cache` (refused): a prefix
 mapped from the cache is not prefilled, so the hidden states its MTP pairs need do not exist.
 
-Not here yet: device_bytes, reserve="prompt", preemption and prefix reuse on the resident
-path.
+Not here yet: device_bytes, reserve="prompt" and preemption on the resident path.
 """
 
 from __future__ import annotations
@@ -178,6 +182,7 @@ from fo_jax.offload.config import OffloadConfig
 from fo_jax.engine.admission import ORDERS, RESERVES, MemoryCosts, RequestRefused
 from fo_jax.engine.metrics import MetricsLog
 from fo_jax.engine.pages import NO_PAGE, PagePool, PoolExhausted, PrefixCache, RequestPages
+from fo_jax.engine.resident_prefix import ResidentPrefixStore
 from fo_jax.offload.host import in_host_memory, load_history, write_back_rows
 from fo_jax.offload.state import (DecodeState, committed, read_pool_keys,
                                   write_pool_keys)
@@ -325,9 +330,19 @@ class Engine:
         indexer-key pools (default seats x capacity / page_size: every seat full at once).
       host_pool_bytes: offloaded: size the pools in bytes of host KV instead (the planner's
         bytes per page, `fo_jax.engine.admission.MemoryCosts`; as vLLM's host pool setting).
-      prefix_cache: offloaded: map cached pages of earlier prompts (needs prefill_chunk a
-        multiple of page_size: a reused prefix ends where a chunk ends, so the rest of the
-        prompt is computed exactly as from scratch: the tokens do not change).
+      prefix_cache: reuse the prefixes of earlier prompts, whole prefill chunks of them (a
+        reused prefix ends where a chunk ends, so the rest of the prompt is computed exactly
+        as from scratch: the KV rows and tokens do not change, bit for bit). Offloaded: map
+        their cached pages (needs prefill_chunk a multiple of page_size). Resident: copy their
+        rows into the seat from a prefix store (`fo_jax.engine.resident_prefix`) of blocks of
+        one prefill chunk (needs prefill_chunk < capacity).
+      prefix_cache_bytes: resident: the prefix store's bytes of KV rows and indexer keys
+        (`block_bytes(config, prefill_chunk)` per block; whole blocks; least recently released
+        blocks evicted first). Default: one seat's blocks (capacity // prefill_chunk).
+      prefix_cache_memory: resident: where the store's blocks live: "device" (default: the
+        copy into a seat is one device program; the store counts on the device budget) or
+        "pinned_host" (off the device budget; one host-to-device move of the prefix rows per
+        admission).
       metrics_path: append a JSON line of counters here every `metrics_every` steps
         (`fo_jax.engine.metrics.MetricsLog`, kept as `self.metrics`; counters are summed on
         the device between reads). A caller may set `self.metrics` to its own log instead.
@@ -373,7 +388,8 @@ class Engine:
                  order: str = "fifo", reserve: str = "full", metrics_path: str | None = None,
                  metrics_every: int = 16, num_drafts: int = 0,
                  max_wait_steps: int | None = 256, drafter: str = "ngram",
-                 mtp: dict | None = None):
+                 mtp: dict | None = None, prefix_cache_bytes: int | None = None,
+                 prefix_cache_memory: str = "device"):
         for name, value in (("seats", seats), ("decode_steps_per_call", decode_steps_per_call),
                             ("prefill_chunk", prefill_chunk), ("max_stop_ids", max_stop_ids),
                             ("metrics_every", metrics_every)):
@@ -398,11 +414,12 @@ class Engine:
         self.pool = self.prefix = None
         self.max_pages = 1  # P, page-table row width (offloaded; unused on the resident path)
         if offload is None and (num_pages is not None or host_pool_bytes is not None
-                                or prefix_cache or device_bytes is not None
-                                or reserve != "full"):
-            raise ValueError("num_pages, host_pool_bytes, prefix_cache, device_bytes and "
-                             "reserve='prompt' need the offloaded path (an OffloadConfig): the "
-                             "resident state keeps each seat's KV apart")
+                                or device_bytes is not None or reserve != "full"):
+            raise ValueError("num_pages, host_pool_bytes, device_bytes and reserve='prompt' "
+                             "need the offloaded path (an OffloadConfig): the resident state "
+                             "keeps each seat's KV apart")
+        self.prefix_store = self._prefix_store(prefix_cache, prefix_cache_bytes,
+                                               prefix_cache_memory)
         if order not in ORDERS:
             raise ValueError(f"order={order!r} must be one of {ORDERS}")
         if max_wait_steps is not None and (not isinstance(max_wait_steps, numbers.Integral)
@@ -522,6 +539,22 @@ class Engine:
                              "mapped from the cache is not prefilled, so there are no hidden "
                              "states to feed the MTP layer for it; use drafter='ngram' with "
                              "prefix_cache, or drop prefix_cache")
+
+    def _prefix_store(self, prefix_cache: bool, size, memory) -> ResidentPrefixStore | None:
+        """The resident path's prefix store (`ResidentPrefixStore.for_engine`); None offloaded
+        or without prefix_cache. Settings checked first."""
+        if (size is not None or memory != "device") and not prefix_cache:
+            raise ValueError("prefix_cache_bytes and prefix_cache_memory need prefix_cache=True")
+        if self.offload is not None:
+            if size is not None or memory != "device":
+                raise ValueError("prefix_cache_bytes and prefix_cache_memory size the resident "
+                                 "path's prefix store; offloaded, the prefix cache keeps pages "
+                                 "of the pool: size it with num_pages or host_pool_bytes")
+            return None
+        if not prefix_cache:
+            return None
+        return ResidentPrefixStore.for_engine(self.config, prefill_chunk=self.chunk,
+                                              capacity=self.capacity, size=size, memory=memory)
 
     # Requests ------------------------------------------------------------------------------
 
@@ -761,6 +794,8 @@ class Engine:
             if had_pages:
                 kept.append(req)
             else:
+                if self.prefix_store is not None:
+                    self._reuse_prefix(req, b)
                 req.prefilled = req.cached_tokens
             started[b] = req
         if started:
@@ -771,6 +806,15 @@ class Engine:
         if kept:
             self.counters["resumed_without_recompute"] += len(kept)
             self._rejoin([r for r in kept if r.prefilled == len(r.prompt)])
+
+    def _reuse_prefix(self, req: _Request, b: int) -> None:
+        """Resident: copy the request's longest cached prefix of whole prefill chunks into
+        seat b (`ResidentPrefixStore`: one program, O(L prefix) rows); its prefill starts
+        there. O(prompt) hashing."""
+        slots, cached = self.prefix_store.lookup(req.prompt, chunk=self.chunk)
+        self.state = self.prefix_store.write(self.state, b, slots)
+        req.cached_tokens = cached
+        self.counters["prefix_hit_tokens"] += cached
 
     def _fits(self, req: _Request) -> bool:
         """Whether the request can take a seat now (its pages reserved, or the kept ones
@@ -1022,6 +1066,10 @@ class Engine:
             if self.prefix is not None:  # pages of prefilled tokens are final: a request
                 # admitted from now on may map them (O(prefilled) hashing per chunk)
                 self.prefix.insert(req.prompt[:req.prefilled], req.pages.pages)
+        if self.prefix_store is not None:  # resident: the blocks this chunk completed
+            self.prefix_store.insert(self.state, [
+                (r.seat, r.prompt[:r.prefilled], r.prefilled - int(num_new[r.seat]))
+                for r in requests])
         done = [r for r in requests if r.prefilled == len(r.prompt)]
         if done:
             self._join(done, logits, num_new, moved)

@@ -361,9 +361,11 @@ def preemption_families(counters: dict):
 
 
 def prefix_hits_family(counters: dict):
-    """`fojax_prefix_cache_hit_tokens` (a counter): prompt tokens mapped from the prefix cache."""
+    """`fojax_prefix_cache_hit_tokens` (a counter): prompt tokens served from the prefix cache
+    (offloaded: cached pages mapped; resident: cached rows copied into the seat)."""
     return counter_family("fojax_prefix_cache_hit_tokens",
-                          "Prompt tokens mapped from the prefix cache (not prefilled)",
+                          "Prompt tokens served from the prefix cache (cached pages mapped, "
+                          "or cached rows copied into the seat; not prefilled)",
                           counters.get("prefix_hit_tokens", 0))
 
 

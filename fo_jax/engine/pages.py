@@ -314,12 +314,15 @@ class PrefixCache:
             hashes.append(parent)
         return hashes
 
-    def match(self, tokens) -> tuple[np.ndarray, int]:
+    def match(self, tokens, *, count: bool = True) -> tuple[np.ndarray, int]:
         """The longest cached prefix of full pages of `tokens`.
 
         Returns `(pages, num_tokens)`: the pages (int32 [n]) holding tokens [0, n * Z), each
         incref'd for the caller (who releases them with the rest of its pages), and
-        `num_tokens = n * Z`. O(len(tokens)) hashing + O(n).
+        `num_tokens = n * Z`. `count`: add the lookup to the hit-rate figures
+        (`num_lookup_tokens`, `num_hit_tokens`); False for a lookup that serves no request (a
+        caller finding what is cached before it inserts the rest). O(len(tokens)) hashing +
+        O(n).
         """
         tokens = _as_tokens(tokens)
         z = self.page_size
@@ -331,8 +334,9 @@ class PrefixCache:
                 break
             pages.append(page)
         self.pool.incref(pages)
-        self.num_lookup_tokens += len(tokens) // z * z
-        self.num_hit_tokens += len(pages) * z
+        if count:
+            self.num_lookup_tokens += len(tokens) // z * z
+            self.num_hit_tokens += len(pages) * z
         return np.asarray(pages, dtype=np.int32), len(pages) * z
 
     def insert(self, tokens, pages: Sequence[int]) -> int:

@@ -66,7 +66,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --offload: host KV pool shared by the seats, in GB (default "
                              "every seat full at once)")
     parser.add_argument("--prefix-cache", action="store_true",
-                        help="with --offload: reuse the pages of earlier prompts' prefixes")
+                        help="reuse earlier prompts' prefixes: offloaded, their pool pages; "
+                             "resident, their KV rows, copied from a prefix store in device "
+                             "memory")
+    parser.add_argument("--prefix-cache-gb", type=float, default=None,
+                        help="with --prefix-cache, resident: the prefix store's size in GB "
+                             "(default: one seat's rows)")
     parser.add_argument("--device-gb", type=float, default=None,
                         help="with --offload: device budget of request state in GB (hot caches, "
                              "indexer-key pages, prefill buffers: the planner's arithmetic); "
@@ -320,18 +325,26 @@ def build_engine(args):
             mtp = init_mtp_params(config, jax.random.key(args.seed + 1))
     pool = {}
     device_gb, reserve = getattr(args, "device_gb", None), getattr(args, "reserve", "full")
-    if (args.host_pool_gb is not None or args.prefix_cache or device_gb is not None
-            or reserve != "full"):
+    if args.host_pool_gb is not None or device_gb is not None or reserve != "full":
         if offload is None:
-            raise ValueError("--host-pool-gb, --prefix-cache, --device-gb and --reserve prompt "
-                             "need --offload")
+            raise ValueError("--host-pool-gb, --device-gb and --reserve prompt need --offload")
         if args.host_pool_gb is not None:
             pool["host_pool_bytes"] = int(args.host_pool_gb * 1e9)
         if device_gb is not None:
             if device_gb <= 0:
                 raise ValueError(f"--device-gb must be > 0, got {device_gb}")
             pool["device_bytes"] = max(1, int(device_gb * 1e9))
-        pool["prefix_cache"], pool["reserve"] = args.prefix_cache, reserve
+        pool["reserve"] = reserve
+    pool["prefix_cache"] = args.prefix_cache
+    prefix_gb = getattr(args, "prefix_cache_gb", None)
+    if prefix_gb is not None:
+        if offload is not None or not args.prefix_cache:
+            raise ValueError("--prefix-cache-gb sizes the resident prefix store: it needs "
+                             "--prefix-cache without --offload (offloaded, cached prefixes "
+                             "live in the host pool: --host-pool-gb)")
+        if prefix_gb <= 0:
+            raise ValueError(f"--prefix-cache-gb must be > 0, got {prefix_gb}")
+        pool["prefix_cache_bytes"] = max(1, int(prefix_gb * 1e9))
     kwargs = dict(seats=args.seats, capacity=capacity, offload=offload,
                   decode_steps_per_call=args.decode_steps_per_call,
                   prefill_chunk=args.prefill_chunk, tokenizer=tokenizer,

@@ -65,9 +65,14 @@ def test_bench_serve_offloaded_with_prefix_cache(tmp_path, capsys):
 def test_bench_serve_refuses_bad_flags_first(capsys):
     assert cli.main(["bench-serve", "--rate", "0"]) == 2
     assert "rate=0.0 > 0" in capsys.readouterr().err
-    assert cli.main(["bench-serve", "--prefix-cache"]) == 2
-    want = ("--host-pool-gb, --prefix-cache, --device-gb and --reserve prompt need --offload")
+    assert cli.main(["bench-serve", "--model", "tiny", "--host-pool-gb", "1"]) == 2
+    want = ("--host-pool-gb, --device-gb and --reserve prompt need --offload")
     assert want in capsys.readouterr().err
+    for flags in (["--prefix-cache-gb", "1"], ["--offload", "--prefix-cache",
+                                               "--prefix-cache-gb", "1"]):
+        assert cli.main(["bench-serve", "--model", "tiny", *flags]) == 2
+        assert ("--prefix-cache-gb sizes the resident prefix store: it needs --prefix-cache "
+                "without --offload") in capsys.readouterr().err
     for flags in (["--device-gb", "1"], ["--reserve", "prompt"]):
         assert cli.main(["bench-serve", "--model", "tiny", *flags]) == 2
         assert want in capsys.readouterr().err
@@ -92,6 +97,10 @@ def test_engine_flags_reach_the_engine():
     engine = build_engine(args)[0]
     assert (engine.device_bytes, engine.reserve, engine.order, engine.num_drafts,
             engine.max_wait_steps) == (500_000_000, "prompt", "shortest", 2, None)
+    args = parser.parse_args(["--model", "tiny", "--capacity", "64", "--prefill-chunk", "16",
+                              "--prefix-cache", "--prefix-cache-gb", "0.0001"])
+    engine = build_engine(args)[0]  # resident: a prefix store of 100 kB
+    assert engine.prefix_store.num_blocks == 100_000 // engine.prefix_store.block_bytes
 
 
 def test_mtp_drafter_flag_loads_the_checkpoints_mtp_layer(capsys, tmp_path):

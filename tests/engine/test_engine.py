@@ -277,9 +277,8 @@ def test_prefix_reuse_skips_the_shared_chunks():
 
 def test_pool_settings_and_sizes_are_checked():
     for kwargs in (dict(num_pages=8), dict(reserve="prompt"), dict(device_bytes=10**6)):
-        with pytest.raises(ValueError, match="num_pages, host_pool_bytes, prefix_cache, "
-                                             "device_bytes and reserve='prompt' need the "
-                                             "offloaded path"):
+        with pytest.raises(ValueError, match="num_pages, host_pool_bytes, device_bytes and "
+                                             "reserve='prompt' need the offloaded path"):
             _engine("resident", **kwargs)
     with pytest.raises(ValueError, match="give num_pages or host_pool_bytes, not both"):
         _engine("ring", num_pages=8, host_pool_bytes=10**6)
