@@ -802,7 +802,7 @@ class Engine:
             self._set_seats({b: (self._stored_tokens(r),
                                  None if r.pages is None else r.pages.table_row())
                              for b, r in started.items()})
-            self._start_mtp(list(started.values()), kept)
+            self._start_mtp(list(started.values()))
         if kept:
             self.counters["resumed_without_recompute"] += len(kept)
             self._rejoin([r for r in kept if r.prefilled == len(r.prompt)])
@@ -999,6 +999,7 @@ class Engine:
         req.prefilled = req.cached_tokens = 0
         if not req.tokens:  # it prefills again from the start: so does its MTP state
             req.mtp_saved = None
+
     def _set_seats(self, seats: dict) -> None:
         """Set seat b's length (and page-table row, offloaded) to seats[b] = (length, row)."""
         mask = np.zeros((self.seats,), bool)
@@ -1096,7 +1097,7 @@ class Engine:
                                  committed(jnp.asarray(nxt)), committed(jnp.asarray(count)),
                                  config=self.config, query_block=self.query_block)
 
-    def _start_mtp(self, started: list[_Request], kept: list[_Request]) -> None:
+    def _start_mtp(self, started: list[_Request]) -> None:
         """MTP drafts: each admitted request's MTP state. One preempted with its pages kept, or
         after it sampled, takes back the MTP state it had (`_save_mtp`: its pairs are those
         of the tokens its seat stores again, and the MTP layer's cache is never dropped,
@@ -1105,7 +1106,7 @@ class Engine:
             return
         fresh = []
         for req in started:
-            if req.mtp_saved is not None and (req in kept or req.tokens):
+            if req.mtp_saved is not None:  # `_drop_kept` cleared it if the prompt prefills again
                 self._restore_mtp(req.seat, req.mtp_saved)
             else:
                 fresh.append(req.seat)
@@ -1471,8 +1472,7 @@ class Engine:
         if self.pool is None:
             b = free[0]
             kv, keys = _write_resident_seat(self.state.kv, self.state.index_keys, moved.kv,
-                                            moved.index_keys, jnp.asarray(b, jnp.int32),
-                                            jnp.asarray(moved.length, jnp.int32))
+                                            moved.index_keys, jnp.asarray(b, jnp.int32))
             self.state = dataclasses.replace(self.state, kv=kv, index_keys=keys)
             self._set_seats({b: (moved.length, None)})
             return self._seat_moved(b, moved, None)
@@ -1587,19 +1587,16 @@ def _page_rows(host_kv, key_pool, row, *, access: str):
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
-def _write_resident_seat(kv, index_keys, seat_kv, seat_keys, seat, length):
-    """Seat `seat` of a resident state with its first `length` rows from seat_kv [L, S', D+R]
-    and seat_keys [G, S', N] (kv [L, B, S, D+R], index_keys [G, B, S, N]; rows >= length keep
-    what they held: never read). O(L S) rows written; the state is donated."""
-    s = kv.shape[2]
-    width = min(s, seat_kv.shape[1])
-    positions = jnp.arange(s, dtype=jnp.int32)
+def _write_resident_seat(kv, index_keys, seat_kv, seat_keys, seat):
+    """Seat `seat` of a resident state with its first min(S, S') rows from seat_kv [L, S',
+    D+R] and seat_keys [G, S', N] (kv [L, B, S, D+R], index_keys [G, B, S, N]; the rows past
+    the request's length are never read). O(L S) rows written; the state is donated."""
+    width = min(kv.shape[2], seat_kv.shape[1])
+    zero = jnp.zeros((), jnp.int32)
 
     def put(old, new):
-        new = jnp.pad(new[:, :width], ((0, 0), (0, s - width), (0, 0))).astype(old.dtype)
-        cur = jax.lax.dynamic_index_in_dim(old, seat, 1, keepdims=False)
-        rows = jnp.where((positions < length)[None, :, None], new, cur)
-        return jax.lax.dynamic_update_index_in_dim(old, rows, seat, 1)
+        rows = new[:, None, :width].astype(old.dtype)
+        return jax.lax.dynamic_update_slice(old, rows, (zero, seat, zero, zero))
 
     return put(kv, seat_kv), put(index_keys, seat_keys)
 
