@@ -14,6 +14,11 @@ share one page table):
     device, per prompt page while prefilling  num_buffers * Z * (D + R) * bytes
     host, per page                            Z * L * (D + R) * bytes
 
+With the page pool in device memory (`OffloadConfig(host_memory_kind="device")`: the paged KV
+on the device) a page's KV is device memory too: a page held costs its indexer keys + its KV
+rows of the device budget and none of the host budget (`MemoryCosts.held_page_device_bytes`,
+`held_page_host_bytes`); the seat and prefill figures do not change.
+
 A request of prompt p and at most m new tokens maps ceil((p + m) / Z) pages at the end. The
 ledger charges every request for all of its pages, shared prefix pages included (counted once
 per request mapping them): the real use is never above the ledger, so an admitted request never
@@ -53,7 +58,7 @@ import enum
 from collections.abc import Hashable
 
 from fo_jax.config import ModelConfig
-from fo_jax.offload.config import check_hot_slots, check_num_buffers
+from fo_jax.offload.config import MEMORY_KINDS, check_hot_slots, check_num_buffers
 from fo_jax.plan import offload_request_bytes
 
 ORDERS = ("fifo", "shortest")
@@ -87,6 +92,8 @@ class MemoryCosts:
       page_device_bytes: indexer keys + token_to_slot of one page, device.
       page_host_bytes: KV of one page in every layer, host.
       page_prefill_bytes: prefill-buffer rows of one prompt page, device, while prefilling.
+      pool_memory: where the KV page pool lives: "pinned_host" (offloaded: a page's KV is host
+        memory) or "device" (the paged KV on the device: a page's KV is device memory too).
     """
 
     page_size: int
@@ -97,17 +104,27 @@ class MemoryCosts:
     page_device_bytes: int
     page_host_bytes: int
     page_prefill_bytes: int
+    pool_memory: str = "pinned_host"
+
+    def __post_init__(self):
+        if self.pool_memory not in MEMORY_KINDS:
+            raise ValueError(f"pool_memory={self.pool_memory!r} must be one of {MEMORY_KINDS} "
+                             "(where the KV page pool lives)")
 
     @classmethod
     def from_config(cls, config: ModelConfig, *, page_size: int, hot_slots: int,
-                    num_buffers: int = 4) -> MemoryCosts:
+                    num_buffers: int = 4, pool_memory: str = "pinned_host") -> MemoryCosts:
         """The costs of `config` served with pages of `page_size` tokens and `hot_slots` hot
-        slots, from `fo_jax.plan.offload_request_bytes`.
+        slots, from `fo_jax.plan.offload_request_bytes`, with the page pool in `pool_memory`
+        ("pinned_host", or "device": `OffloadConfig.host_memory_kind`).
 
         Raises:
-          ValueError: page_size < 1, or hot_slots / num_buffers break the decode or prefill
-            rule (`check_hot_slots`, `check_num_buffers`).
+          ValueError: page_size < 1, hot_slots / num_buffers break the decode or prefill
+            rule (`check_hot_slots`, `check_num_buffers`), or an unknown pool_memory.
         """
+        if pool_memory not in MEMORY_KINDS:
+            raise ValueError(f"pool_memory={pool_memory!r} must be one of {MEMORY_KINDS} "
+                             "(where the KV page pool lives)")
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
         _check_int("page_size", page_size, 1)
@@ -126,11 +143,44 @@ class MemoryCosts:
             page_device_bytes=page.index_keys + page.token_to_slot,
             page_host_bytes=page.host_kv,
             page_prefill_bytes=page.prefill_buffers,
+            pool_memory=pool_memory,
         )
 
     def pages(self, num_tokens: int) -> int:
         """Pages holding `num_tokens` tokens: ceil(num_tokens / Z)."""
         return _pages(num_tokens, self.page_size)
+
+    @property
+    def pool_on_device(self) -> bool:
+        """The KV page pool lives in device memory (the paged KV on the device)."""
+        return self.pool_memory == "device"
+
+    @property
+    def held_page_device_bytes(self) -> int:
+        """Device bytes of one page held: its indexer keys and slot map, + its KV rows of every
+        layer (Z * L * (D + R) * bytes) when the pool is on the device."""
+        return self.page_device_bytes + (self.page_host_bytes if self.pool_on_device else 0)
+
+    @property
+    def held_page_host_bytes(self) -> int:
+        """Host bytes of one page held: its KV rows of every layer; 0 with the pool on the
+        device."""
+        return 0 if self.pool_on_device else self.page_host_bytes
+
+    @property
+    def page_label(self) -> str:
+        """What a page's device bytes are, for messages."""
+        return "KV and indexer-key pages" if self.pool_on_device else "indexer-key pages"
+
+    def device_need(self, prompt_len: int, pages: int, *,
+                    prefilling: bool = True) -> tuple[int, int, int]:
+        """(seat, prefill buffers, pages): the device bytes of one request of `prompt_len`
+        prompt tokens holding `pages` pages: hot cache + tails + slot map of its seat, prefill
+        layer buffers for its prompt pages (0 once `prefilling` is over), and `pages` x
+        `held_page_device_bytes`. The one place the engine and the ledger add device bytes
+        up. O(1)."""
+        prefill = self.pages(prompt_len) * self.page_prefill_bytes if prefilling else 0
+        return self.seat_device_bytes, prefill, pages * self.held_page_device_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,15 +329,16 @@ class Admission:
         return self.costs.pages(min(tokens, request.context))
 
     def _seat_bytes(self, request: Request, prefilling: bool) -> int:
-        prefill = self.costs.pages(request.prompt_len) * self.costs.page_prefill_bytes
-        return self.costs.seat_device_bytes + (prefill if prefilling else 0)
+        seat, prefill, _ = self.costs.device_need(request.prompt_len, 0, prefilling=prefilling)
+        return seat + prefill
 
     def need(self, request: Request) -> tuple[int, int]:
         """(device, host) bytes a new `request` takes when admitted: its seat, its prefill
         buffers and the pages `reserve` charges at admission."""
         pages = self._initial_pages(request)
-        return (self._seat_bytes(request, prefilling=True) + pages * self.costs.page_device_bytes,
-                pages * self.costs.page_host_bytes)
+        return (self._seat_bytes(request, prefilling=True)
+                + pages * self.costs.held_page_device_bytes,
+                pages * self.costs.held_page_host_bytes)
 
     def decide(self, request: Request) -> Decision:
         """Admit now, wait or refuse `request` (not yet known to this admission). O(1)."""
@@ -299,15 +350,15 @@ class Admission:
                 f"the model's max_seq_len={costs.max_context}"))
         # Alone on an idle engine, at its largest: all its pages and its prefill buffers.
         pages = costs.pages(request.context)
-        prefill = costs.pages(request.prompt_len) * costs.page_prefill_bytes
-        alone_device = costs.seat_device_bytes + prefill + pages * costs.page_device_bytes
-        alone_host = pages * costs.page_host_bytes
+        seat, prefill, page_bytes = costs.device_need(request.prompt_len, pages)
+        alone_device = seat + prefill + page_bytes
+        alone_host = pages * costs.held_page_host_bytes
         if alone_device > self.device_budget_bytes or alone_host > self.host_budget_bytes:
             return Decision(Verdict.REFUSE, 0, 0, (
                 f"request {request.request_id!r} can never fit: {request.context} tokens "
                 f"({pages} pages of {costs.page_size}) need {_b(alone_device)} of device memory"
                 f" (seat {_b(costs.seat_device_bytes)} + prefill buffers {_b(prefill)} + "
-                f"indexer-key pages {_b(pages * costs.page_device_bytes)}) against a budget of "
+                f"{costs.page_label} {_b(page_bytes)}) against a budget of "
                 f"{_b(self.device_budget_bytes)}, and {_b(alone_host)} of host memory (KV pages)"
                 f" against a budget of {_b(self.host_budget_bytes)}; shorten the prompt or "
                 "max_new_tokens, or raise the budgets"))
@@ -433,8 +484,8 @@ class Admission:
             raise ValueError(f"grow of request {request_id!r} to {num_tokens} tokens, beyond "
                              f"prompt_len + max_new_tokens = {request.context}")
         more = max(0, self.costs.pages(num_tokens) - entry.pages)
-        device = more * self.costs.page_device_bytes
-        host = more * self.costs.page_host_bytes
+        device = more * self.costs.held_page_device_bytes
+        host = more * self.costs.held_page_host_bytes
         if (self._device + device > self.device_budget_bytes
                 or self._host + host > self.host_budget_bytes):
             return False
@@ -482,6 +533,6 @@ class Admission:
             self._resume.remove(request_id)
         else:
             self._waiting.remove(request_id)
-        self._device -= entry.pages * self.costs.page_device_bytes
-        self._host -= entry.pages * self.costs.page_host_bytes
+        self._device -= entry.pages * self.costs.held_page_device_bytes
+        self._host -= entry.pages * self.costs.held_page_host_bytes
         del self._entries[request_id]

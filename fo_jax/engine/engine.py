@@ -415,9 +415,14 @@ class Engine:
         self.max_pages = 1  # P, page-table row width (offloaded; unused on the resident path)
         if offload is None and (num_pages is not None or host_pool_bytes is not None
                                 or device_bytes is not None or reserve != "full"):
-            raise ValueError("num_pages, host_pool_bytes, device_bytes and reserve='prompt' "
-                             "need the offloaded path (an OffloadConfig): the resident state "
-                             "keeps each seat's KV apart")
+            raise ValueError(
+                "num_pages, host_pool_bytes, device_bytes and reserve='prompt' need a page "
+                "pool (an OffloadConfig): the resident path (offload=None) has fixed seats of "
+                "`capacity` tokens each, allocated once, so nothing runs out mid-decode and "
+                "there is nothing to admit or preempt by bytes; for admission and preemption "
+                "by device bytes with the KV on the device, use the paged device pool, "
+                "offload=OffloadConfig(..., host_memory_kind='device') (or 'pinned_host' to "
+                "offload the KV to host memory)")
         self.prefix_store = self._prefix_store(prefix_cache, prefix_cache_bytes,
                                                prefix_cache_memory)
         if order not in ORDERS:
@@ -452,7 +457,8 @@ class Engine:
             self.max_pages = self.capacity // z
             self.costs = MemoryCosts.from_config(
                 config, page_size=z, hot_slots=offload.hot_slots,
-                num_buffers=min(4, config.num_layers) if num_buffers is None else num_buffers)
+                num_buffers=min(4, config.num_layers) if num_buffers is None else num_buffers,
+                pool_memory=offload.host_memory_kind)
             if host_pool_bytes is not None:  # the planner's bytes of one page (every layer)
                 page_bytes = self.costs.page_host_bytes
                 num_pages = int(host_pool_bytes) // page_bytes
@@ -592,9 +598,10 @@ class Engine:
                         f"prompt of {prompt_np.size} tokens + max_tokens={max_tokens} can never "
                         f"fit device_bytes={self.device_bytes:,}: alone it needs "
                         f"{seat + prefill + pages:,} bytes of device memory (seat hot cache "
-                        f"{seat:,} + prefill buffers {prefill:,} + indexer-key pages "
-                        f"{pages:,} for {need} pages of {self.pool.page_size} tokens); "
-                        "shorten the prompt or max_tokens, or raise device_bytes")
+                        f"{seat:,} + prefill buffers {prefill:,} + {self.costs.page_label} "
+                        f"{pages:,} for {need} pages of {self.pool.page_size} tokens"
+                        f"{', the pool in device memory' if self.costs.pool_on_device else ''})"
+                        "; shorten the prompt or max_tokens, or raise device_bytes")
         _check_sampling_values(np.asarray([temperature]), np.asarray([top_p]))
         if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
             raise ValueError(f"seed={seed!r} must be an int")
@@ -726,28 +733,29 @@ class Engine:
                    + self.n_steps * (self.num_drafts + 1), full)
 
     def _device_need(self, prompt_len: int, pages: int) -> tuple[int, int, int]:
-        """(seat, prefill buffers, indexer-key pages): device bytes of a request of
-        `prompt_len` prompt tokens holding `pages` pages, while prefilling (the planner's
-        arithmetic, `MemoryCosts`). O(1)."""
-        c = self.costs
-        return (c.seat_device_bytes, c.pages(prompt_len) * c.page_prefill_bytes,
-                pages * c.page_device_bytes)
+        """(seat, prefill buffers, pages): device bytes of a request of `prompt_len` prompt
+        tokens holding `pages` pages, while prefilling (`MemoryCosts.device_need`: indexer
+        keys per page, + KV rows with the pool on the device). O(1)."""
+        return self.costs.device_need(prompt_len, pages)
+
+    def _seat_bytes(self, req: _Request) -> int:
+        """Device bytes seat-bound to a running request: its seat (hot cache, tails, slot
+        map), + its prefill buffers while prefilling; what preempting it frees besides its
+        pages. O(1)."""
+        seat, prefill, _ = self.costs.device_need(
+            len(req.prompt), 0, prefilling=req.prefilled < len(req.prompt))
+        return seat + prefill
 
     def device_bytes_used(self) -> int | None:
-        """Device bytes of request state by the planner's arithmetic: hot cache of every
-        occupied seat + prefill buffers of the prefilling ones + indexer keys of every page
-        held (a shared page once; cached pages mapped by none are evictable: not counted).
-        None on the resident path. O(seats)."""
+        """Device bytes of request state by the planner's arithmetic (`MemoryCosts`): hot
+        cache of every occupied seat + prefill buffers of the prefilling ones + every page
+        held (a shared page once; cached pages mapped by none are evictable: not counted): its
+        indexer keys, and its KV rows too when the pool is on the device
+        (`MemoryCosts.held_page_device_bytes`). None on the resident path. O(seats)."""
         if self.costs is None:
             return None
-        c = self.costs
-        used = self.pool.num_held * c.page_device_bytes
-        for req in self._occupant:
-            if req is not None:
-                used += c.seat_device_bytes
-                if req.prefilled < len(req.prompt):
-                    used += c.pages(len(req.prompt)) * c.page_prefill_bytes
-        return used
+        used = self.pool.num_held * self.costs.held_page_device_bytes
+        return used + sum(self._seat_bytes(r) for r in self._occupant if r is not None)
 
     def _queue(self) -> list[_Request]:
         """The waiting requests in admission order: preempted ones first (in arrival order:
@@ -872,8 +880,8 @@ class Engine:
             seat, prefill, _ = self._device_need(len(req.prompt), 0)
             if req.prefilled == len(req.prompt):
                 prefill = 0
-            if (self.device_bytes_used() + seat + prefill + need * self.costs.page_device_bytes
-                    > self.device_bytes):
+            if (self.device_bytes_used() + seat + prefill
+                    + need * self.costs.held_page_device_bytes > self.device_bytes):
                 return False
         req.pages.grow(tokens)
         return True
@@ -943,20 +951,26 @@ class Engine:
                 if need == 0:
                     break
                 pool_ok = need <= self.pool.num_available
-                bytes_ok = (self.device_bytes is None or self.device_bytes_used()
-                            + need * self.costs.page_device_bytes <= self.device_bytes)
-                if pool_ok and bytes_ok:
+                short = (0 if self.device_bytes is None else self.device_bytes_used()
+                         + need * self.costs.held_page_device_bytes - self.device_bytes)
+                if pool_ok and short <= 0:
                     req.pages.grow(self._tokens_needed(req))
                     rows[req.seat] = req.pages.table_row()
                     break
                 running = [r for r in self._occupant if r is not None]
                 kept = [r for r in self._waiting if r.pages is not None]
                 victim = max(running, key=lambda r: r.admitted)
-                if kept and (not pool_ok or len(running) == 1):
+                # With the pool on the device, bytes short are pages short: kept pages hold
+                # device bytes nobody decodes with, so they go first too.
+                if kept and (not pool_ok or self.costs.pool_on_device or len(running) == 1):
                     self._drop_kept(max(kept, key=lambda r: r.admitted))
                     continue
+                # Keep the victim's pages when they do not stand in the way: the pool has the
+                # pages and, with it on the device, freeing the victim's seat covers the bytes.
+                keep = pool_ok and (not self.costs.pool_on_device
+                                    or self._seat_bytes(victim) >= short)
                 rows.pop(victim.seat, None)
-                self._preempt(victim, keep_pages=pool_ok)
+                self._preempt(victim, keep_pages=keep)
         if rows:
             self._set_rows(rows)
 

@@ -4,6 +4,7 @@ resume first), growth under reserve="prompt"; and a random schedule of the ledge
 the page pool and prefix cache: an admitted request never finds the pool short, and everything
 returns to zero."""
 
+import dataclasses
 import re
 
 import pytest
@@ -52,6 +53,35 @@ def test_costs_are_the_planners():
         MemoryCosts.from_config(config, page_size=16, hot_slots=8)
     with pytest.raises(ValueError, match=re.escape("page_size must be an int >= 1, got 0")):
         MemoryCosts.from_config(config, page_size=0, hot_slots=64)
+
+
+def test_a_device_pool_charges_kv_pages_to_the_device():
+    """With the page pool in device memory a page held costs its indexer keys + its KV rows
+    of the device budget (10 + 1,000 B) and nothing of the host budget."""
+    costs = dataclasses.replace(COSTS, pool_memory="device")
+    admission = Admission(costs, device_budget_bytes=3500, host_budget_bytes=0, max_seats=2)
+    a = Request("a", prompt_len=6, max_new_tokens=2)  # 2 pages; prompt 2 pages
+    assert admission.need(a) == (100 + 2 * 5 + 2 * 1010, 0)
+    admission.submit(a)
+    assert admission.schedule() == [a]
+    admission.finish_prefill("a")
+    assert admission.used_device_bytes == 100 + 2 * 1010 and admission.used_host_bytes == 0
+    big = Request("big", prompt_len=8, max_new_tokens=4)  # 3 pages: 100 + 10 + 3,030
+    assert admission.decide(big) == Decision(Verdict.WAIT, 3140, 0, (
+        "request 'big' waits: it needs 3,140 B of device memory (1,380 B free) and 0 B of host "
+        "memory (0 B free), and a seat (1 of 2 free)"))
+    huge = Request("huge", prompt_len=8, max_new_tokens=8)  # 4 pages: 100 + 10 + 4,040
+    with pytest.raises(RequestRefused, match=re.escape(
+            "request 'huge' can never fit: 16 tokens (4 pages of 4) need 4,150 B of device "
+            "memory (seat 100 B + prefill buffers 10 B + KV and indexer-key pages 4,040 B) "
+            "against a budget of 3,500 B")):
+        admission.submit(huge)
+    admission.finish("a")
+    assert (admission.used_device_bytes, admission.used_host_bytes) == (0, 0)
+    with pytest.raises(ValueError, match=re.escape(
+            "pool_memory='hbm' must be one of ('pinned_host', 'device') (where the KV page pool "
+            "lives)")):
+        dataclasses.replace(COSTS, pool_memory="hbm")
 
 
 def test_admit_wait_refuse():

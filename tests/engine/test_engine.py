@@ -277,8 +277,14 @@ def test_prefix_reuse_skips_the_shared_chunks():
 
 def test_pool_settings_and_sizes_are_checked():
     for kwargs in (dict(num_pages=8), dict(reserve="prompt"), dict(device_bytes=10**6)):
-        with pytest.raises(ValueError, match="num_pages, host_pool_bytes, device_bytes and "
-                                             "reserve='prompt' need the offloaded path"):
+        with pytest.raises(ValueError, match=re.escape(
+                "num_pages, host_pool_bytes, device_bytes and reserve='prompt' need a page pool"
+                " (an OffloadConfig): the resident path (offload=None) has fixed seats of "
+                "`capacity` tokens each, allocated once, so nothing runs out mid-decode and "
+                "there is nothing to admit or preempt by bytes; for admission and preemption "
+                "by device bytes with the KV on the device, use the paged device pool, "
+                "offload=OffloadConfig(..., host_memory_kind='device') (or 'pinned_host' to "
+                "offload the KV to host memory)")):
             _engine("resident", **kwargs)
     with pytest.raises(ValueError, match="give num_pages or host_pool_bytes, not both"):
         _engine("ring", num_pages=8, host_pool_bytes=10**6)
