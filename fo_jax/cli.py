@@ -6,6 +6,7 @@
     fo-jax plan (--model glm52 | --model-dir DIR) --context 128000 [--budget-gb 29]
                 [--hot-slots 16384]
     fo-jax serve [--model-dir DIR] [--port 8000] [--seats N --offload ...]   (fo_jax.server)
+                 [--offload --pool-memory device --device-gb G --reserve prompt]
     fo-jax bench-serve [--offload --prefix-cache ...] [--requests 16 --rate 4 ...]
                        [--metrics-jsonl PATH --metrics-every 16]
 
@@ -517,7 +518,7 @@ def _cmd_bench_serve(args) -> int:
     import json
 
     from fo_jax.engine.bench import poisson_workload, run_workload, summary_lines
-    from fo_jax.server.serve import build_engine
+    from fo_jax.server.serve import build_engine, path_name
 
     if not 0 <= args.shared_prefix <= 1:
         raise ValueError(f"--shared-prefix {args.shared_prefix} must be a fraction in [0, 1]")
@@ -537,7 +538,7 @@ def _cmd_bench_serve(args) -> int:
                          "--prefix-len")
     figures = run_workload(engine, requests, metrics_path=args.metrics_jsonl,
                            metrics_every=args.metrics_every)
-    print(f"bench-serve: {config.name}, {'offloaded' if offload else 'resident'}, "
+    print(f"bench-serve: {config.name}, {path_name(offload)}, "
           f"{engine.seats} seats of {engine.capacity} tokens, {engine.n_steps} decode steps "
           "per call")
     for line in summary_lines(figures):
@@ -548,6 +549,8 @@ def _cmd_bench_serve(args) -> int:
     if args.out:
         with open(args.out, "a") as f:
             f.write(json.dumps({"model": config.name, "offload": offload is not None,
+                                "pool_memory": None if offload is None
+                                else offload.host_memory_kind,
                                 "seats": engine.seats, "capacity": engine.capacity,
                                 **figures}) + "\n")
     return 0

@@ -17,7 +17,8 @@ recompiling. Each `step()`:
      admitted once the pool can reserve its pages (`reserve`, below) and, with `device_bytes`,
      once its device bytes fit the budget (the planner's arithmetic,
      `fo_jax.engine.admission.MemoryCosts`: hot cache and tails per occupied seat + indexer
-     keys per page held + prefill layer buffers per prompt page while prefilling; counted
+     keys per page held (+ the page's KV rows when the pool lives on the device, below) +
+     prefill layer buffers per prompt page while prefilling; counted
      from the pool's held pages, so a shared prefix page counts once, where the
      `fo_jax.engine.admission.Admission` ledger, not used here, charges it per request); a request
      that could not fit even alone (pool or device bytes) is refused by `add_request` with the
@@ -78,6 +79,14 @@ pages for that call, oldest first. When they cannot be had, what is short decide
     buffers while prefilling) are freed, its host KV and indexer-key pages stay held (their
     bytes still count). When the growing request is alone in the seats, nothing is left to
     preempt: the pages waiting requests kept are dropped, youngest first.
+  * device bytes with the pool on the device (`OffloadConfig(host_memory_kind="device")`:
+    the paged KV on the device, each page held counting its KV rows as device bytes too):
+    device bytes and pool pages are the same memory, so a shortage of bytes is one of
+    pages: the pages waiting requests kept are dropped first (youngest first), then the
+    youngest running request is preempted, keeping its pages only when freeing its seat's
+    bytes covers what is short (keeping them then costs no more than the preemption frees;
+    else keeping them would hold the very bytes the growing request needs, and a round
+    more would drop them anyway), else dropping them.
 
 A preempted request keeps its sampled tokens and PRNG key (no token is lost or changed) and
 waits at the head of the queue (preempted requests first, in arrival order). One that kept
@@ -105,7 +114,10 @@ The engine always progresses. The oldest running request always gets its pages: 
 are short, every round removes a running request younger than it or a waiting request's kept
 pages (finitely many), and once it is alone in the seats with no kept pages waiting, every
 page held is its own and it fits (`add_request` refused any request whose seat, prefill
-buffers and pages for prompt + max_tokens do not fit alone). Kept pages never block the
+buffers and pages for prompt + max_tokens do not fit alone, the pages' KV rows counted when
+the pool is on the device). With the pool on the device a victim that keeps its pages
+leaves the growing request short of nothing (its seat's bytes covered the shortfall), and
+its kept pages are the first thing dropped in a later round: the argument is unchanged. Kept pages never block the
 queue for good: when its head does not fit and no seat is occupied (nothing would ever free
 them), the pages the other waiting requests kept are dropped, youngest first, until it fits
 (it fits alone); while a request runs, it ends and frees its seat and pages. New requests
@@ -146,7 +158,16 @@ steps, are those of its uninterrupted run, so its tokens are too, bit for bit; a
 by `AutoEngine` carries its MTP state the same way. Not with `prefix_cache` (refused): a prefix
 mapped from the cache is not prefilled, so the hidden states its MTP pairs need do not exist.
 
-Not here yet: device_bytes, reserve="prompt" and preemption on the resident path.
+Three ways to hold the KV. Resident (`offload=None`): fixed seats of `capacity` contiguous
+rows, sized once: the fastest path for a batch that fits; nothing in it can run out
+mid-decode, so admission by bytes, reserve="prompt" and preemption have nothing to do there
+(`device_bytes`, `reserve`, `num_pages` are refused with a message saying so). The paged
+device pool (`OffloadConfig(host_memory_kind="device")`): the offloaded engine with its page
+pool in device memory; device bytes follow the pages requests hold (the pool itself is one
+array of `num_pages` pages, allocated once, as vLLM's block pool: size it to the budget),
+with admission, reserve="prompt" and preemption by `device_bytes` as above. Offloaded
+(`host_memory_kind="pinned_host"`): the same engine with the pool in host memory; the device
+holds the seats' hot caches and the indexer-key pages.
 """
 
 from __future__ import annotations
@@ -347,8 +368,9 @@ class Engine:
         (`fo_jax.engine.metrics.MetricsLog`, kept as `self.metrics`; counters are summed on
         the device between reads). A caller may set `self.metrics` to its own log instead.
       device_bytes: offloaded: the device budget of request state, the planner's arithmetic
-        (`MemoryCosts`): hot cache and tails per running seat + indexer keys per page held +
-        prefill layer buffers per prompt page while prefilling (weights and activations not
+        (`MemoryCosts`): hot cache and tails per running seat + indexer keys per page held
+        (+ its KV rows with the pool on the device, `host_memory_kind="device"`) + prefill
+        layer buffers per prompt page while prefilling (weights and activations not
         counted). A request that can never fit it is refused by `add_request`; one that does
         not fit now waits. None: no device limit beyond the seats and the pool.
       order: the waiting queue: "fifo" (arrival order) or "shortest" (by prompt + max_tokens,
@@ -362,8 +384,9 @@ class Engine:
         request never needs a page: no preemption); "prompt" reserves the prompt and the next
         decode call, and grows each running request's pages before every decode call,
         preempting the youngest running request when they cannot be had: dropping its pages
-        when the pool is short, keeping them (its seat freed) when only device_bytes is (see
-        the module doc).
+        when the pool is short, keeping them (its seat freed) when only device_bytes is (with
+        the pool on the device, only when freeing its seat covers the bytes; see the module
+        doc).
       num_drafts: D >= 0 drafts per request and decode step, verified on the device
         (`decode_loop(..., num_drafts=D)`: steps of W = D + 1 <= config.max_ways ways;
         greedy requests keep the confirmed drafts, sampled ones do speculative sampling);
@@ -937,8 +960,10 @@ class Engine:
         kept (youngest first), else preempt the youngest running request dropping its pages;
         only `device_bytes` short: preempt the youngest running request keeping its pages
         (its seat's bytes are freed), or, when the request is alone in the seats, drop the
-        pages a waiting request kept (youngest first). A request that is itself the youngest
-        is preempted. O(seats + queue + pages allocated) per preemption or drop."""
+        pages a waiting request kept (youngest first); with the pool on the device (bytes
+        short are pages short): drop the kept pages first, then preempt the youngest running
+        request, keeping its pages only when its seat's bytes cover the shortfall. A request
+        that is itself the youngest is preempted. O(seats + queue + pages allocated) per preemption or drop."""
         if self.pool is None or self.reserve == "full":
             return
         rows = {}

@@ -55,13 +55,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seats", type=int, default=4, help="requests decoded at once")
     parser.add_argument("--capacity", type=int, default=None,
                         help="tokens per seat, prompt + output (default: min(max_seq_len, 2048))")
-    parser.add_argument("--offload", action="store_true", help="KV cache in host memory")
+    parser.add_argument("--offload", action="store_true",
+                        help="a paged KV pool shared by the seats, in host memory (offloaded; "
+                             "--pool-memory device: in device memory)")
     parser.add_argument("--hot-slots", type=int, default=None,
                         help="with --offload: hot-cache slots per layer (default: top-k x max "
                              "ways)")
     parser.add_argument("--page-size", type=int, default=16, help="with --offload: host page")
     parser.add_argument("--policy", default=None,
                         help="with --offload: eviction policy ring (default), lru, random, clock")
+    parser.add_argument("--pool-memory", default=None, metavar="{pinned_host,device}",
+                        help="with --offload: where the KV page pool lives: pinned_host "
+                             "(default: offloaded to host memory) or device (the paged KV on the "
+                             "device: its pages count against --device-gb, with admission and "
+                             "preemption by bytes)")
     parser.add_argument("--host-pool-gb", type=float, default=None,
                         help="with --offload: host KV pool shared by the seats, in GB (default "
                              "every seat full at once)")
@@ -269,7 +276,8 @@ def build_engine(args):
     from fo_jax.engine import Engine
     from fo_jax.engine.loop import check_drafting
     from fo_jax.model import dsa
-    from fo_jax.offload.config import OffloadConfig, check_hot_slots, min_hot_slots
+    from fo_jax.offload.config import (MEMORY_KINDS, OffloadConfig, check_hot_slots,
+                                       min_hot_slots)
     from fo_jax.tokenizer import ByteTokenizer
     from fo_jax.weights import load_params
 
@@ -284,9 +292,14 @@ def build_engine(args):
         if value < (0 if flag == "max_queue" else 1):
             raise ValueError(f"--{flag.replace('_', '-')} must be >= "
                              f"{0 if flag == 'max_queue' else 1}, got {value}")
+    pool_memory = getattr(args, "pool_memory", None)
+    if pool_memory is not None and pool_memory not in MEMORY_KINDS:
+        raise ValueError(f"--pool-memory {pool_memory}: choose pinned_host (the KV pages in host "
+                         "memory: offloaded) or device (the paged KV on the device, its pages "
+                         "counted against --device-gb)")
     if not args.offload:
-        for flag in ("policy", "hot_slots"):
-            if getattr(args, flag) is not None:
+        for flag in ("policy", "hot_slots", "pool_memory"):
+            if getattr(args, flag, None) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} applies to the offloaded path "
                                  "only: add --offload")
     num_drafts = getattr(args, "num_drafts", 0)
@@ -307,7 +320,8 @@ def build_engine(args):
             check_hot_slots(args.hot_slots, config)
         hot = min_hot_slots(config) if args.hot_slots is None else args.hot_slots
         offload = OffloadConfig(hot_slots=hot, page_size=args.page_size, capacity=capacity,
-                                policy=args.policy or "ring")
+                                policy=args.policy or "ring",
+                                host_memory_kind=pool_memory or "pinned_host")
         offload.validate_for(config)
     devices = _devices(args)
     _check_param_memory(config, args.max_param_gb)
@@ -392,6 +406,14 @@ def _devices(args):
     return local[:count]
 
 
+def path_name(offload) -> str:
+    """How the engine holds the KV, for the banners: "resident", "paged, pool on the device"
+    or "offloaded"."""
+    if offload is None:
+        return "resident"
+    return "paged, pool on the device" if offload.host_memory_kind == "device" else "offloaded"
+
+
 def run(args) -> int:
     """`fo-jax serve` (flags: `add_arguments`)."""
     if args.metrics_every < 1:
@@ -412,7 +434,7 @@ def run(args) -> int:
     server = make_server(served, host=args.host, port=args.port, log_level=args.log_level,
                          shutdown_timeout=args.shutdown_timeout)
     ranks = "" if args.devices is None else f" x {args.devices} devices"
-    print(f"fo-jax serve: {name} ({'offloaded' if offload else 'resident'}, {args.seats} "
+    print(f"fo-jax serve: {name} ({path_name(offload)}, {args.seats} "
           f"seats{ranks} "
           f"of {capacity} tokens) on http://{args.host}:{args.port}/v1", flush=True)
     server.run()
@@ -447,4 +469,4 @@ def final_report(served: Served) -> str:
 
 
 __all__ = ["Served", "ServerThread", "add_arguments", "add_engine_arguments", "build_engine",
-           "build_served", "final_report", "make_server", "run", "warm_up"]
+           "build_served", "final_report", "make_server", "path_name", "run", "warm_up"]

@@ -78,6 +78,13 @@ def test_bench_serve_refuses_bad_flags_first(capsys):
         assert want in capsys.readouterr().err
     assert cli.main(["bench-serve", "--model", "tiny", "--offload", "--device-gb", "0"]) == 2
     assert "--device-gb must be > 0, got 0.0" in capsys.readouterr().err
+    assert cli.main(["bench-serve", "--model", "tiny", "--offload", "--pool-memory", "hbm"]) == 2
+    assert ("--pool-memory hbm: choose pinned_host (the KV pages in host memory: offloaded) or "
+            "device (the paged KV on the device, its pages counted against --device-gb)"
+            ) in capsys.readouterr().err
+    assert cli.main(["bench-serve", "--model", "tiny", "--pool-memory", "device"]) == 2
+    assert ("--pool-memory applies to the offloaded path only: add --offload"
+            ) in capsys.readouterr().err
     assert cli.main(["bench-serve", "--model", "tiny", "--num-drafts", "4"]) == 2
     assert ("--num-drafts 4: num_drafts=4 makes steps of W = 5 ways, but config 'tiny' allows "
             "at most max_ways=4: use num_drafts <= 3, or a config with max_ways >= 5"
@@ -97,6 +104,11 @@ def test_engine_flags_reach_the_engine():
     engine = build_engine(args)[0]
     assert (engine.device_bytes, engine.reserve, engine.order, engine.num_drafts,
             engine.max_wait_steps) == (500_000_000, "prompt", "shortest", 2, None)
+    assert engine.offload.host_memory_kind == "pinned_host"
+    args = parser.parse_args(["--model", "tiny", "--offload", "--capacity", "64",
+                              "--pool-memory", "device", "--device-gb", "0.5"])
+    engine = build_engine(args)[0]  # the paged KV on the device: its pages are device bytes
+    assert engine.offload.host_memory_kind == "device" and engine.costs.pool_on_device
     args = parser.parse_args(["--model", "tiny", "--capacity", "64", "--prefill-chunk", "16",
                               "--prefix-cache", "--prefix-cache-gb", "0.0001"])
     engine = build_engine(args)[0]  # resident: a prefix store of 100 kB
