@@ -1,9 +1,16 @@
-"""Serving benchmark: the engine under a Poisson stream of requests, offloaded vs resident at
-the same device memory, and N decode steps per program vs 1.
+"""Serving benchmark: the engine under a Poisson stream of requests, resident vs paged on the
+device vs offloaded at the same device memory, and N decode steps per program vs 1.
 
-For each cell the engine (`fo_jax.engine.Engine`) gets as many seats as a device budget
-holds (`--device-budget-mb`: the resident seat holds its whole KV and indexer keys, the
-offloaded seat C + 2Z rows per layer plus its indexer keys and maps), and serves the same
+For each cell the engine (`fo_jax.engine.Engine`) gets what a device budget holds
+(`--device-budget-mb`): resident, as many seats as it holds (a seat holds its whole KV and
+indexer keys); offloaded, as many seats (C + 2Z rows per layer plus its indexer keys and maps;
+the KV pool in host memory); paged on the device ("paged_device": the offloaded engine with its
+page pool in device memory, `OffloadConfig(host_memory_kind="device")`), as many seats as the
+budget holds with the pages of the workload's mean request each (at most `--max-seats`; the
+pool holds at least one seat's capacity) and a pool of the pages the rest of the budget holds
+(KV + indexer keys per page), with admission and preemption by bytes
+(`device_bytes` = the budget, reserve="prompt"): its concurrency follows the tokens the
+requests hold, not their capacity. Each serves the same
 workload: `--requests` requests arriving as a Poisson process of `--rate` requests per second,
 random prompts of `--prompt-len` tokens and outputs of `--output-len` tokens (uniform in each
 range), greedy. The host clock drives arrivals, so a cell whose steps are slower sees more
@@ -26,6 +33,7 @@ top of the budget's seats): prompt tokens prefilled, TTFT, throughput.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import jax
@@ -36,11 +44,34 @@ from common import run_metadata, write_jsonl  # noqa: E402
 
 from fo_jax import resident  # noqa: E402
 from fo_jax.config import get_config  # noqa: E402
-from fo_jax.engine import Engine  # noqa: E402
+from fo_jax.engine import Engine, MemoryCosts  # noqa: E402
 from fo_jax.engine.bench import poisson_workload, run_workload  # noqa: E402
 from fo_jax.model.dsa import init_params  # noqa: E402
 from fo_jax.offload.config import OffloadConfig  # noqa: E402
 from fo_jax.offload.state import device_bytes_formula  # noqa: E402
+
+
+PATHS = ("resident", "paged_device", "offload")
+
+
+def paged_device_layout(config, offload: OffloadConfig, budget: int, max_seats: int,
+                        mean_tokens: int):
+    """(seats, pages, costs) of the paged device pool in `budget` bytes: as many seats as the
+    budget holds with the pages of `mean_tokens` tokens each (the workload's mean prompt +
+    output: what a request holds on average), at most `max_seats`, fewer so that the pool
+    holds at least one seat's capacity; the pool gets the pages of KV + indexer keys the rest
+    of the budget holds (`MemoryCosts` with pool_memory="device"). (0, 0, costs) when one seat
+    and its capacity do not fit. O(max_seats)."""
+    costs = MemoryCosts.from_config(config, page_size=offload.page_size,
+                                    hot_slots=offload.hot_slots, num_buffers=2,
+                                    pool_memory="device")
+    per_page, full = costs.held_page_device_bytes, offload.capacity // offload.page_size
+    mean = costs.seat_device_bytes + costs.pages(mean_tokens) * per_page
+    for seats in range(min(max_seats, max(1, budget // mean)), 0, -1):
+        pages = (budget - seats * costs.seat_device_bytes) // per_page
+        if pages >= full:
+            return seats, int(pages), costs
+    return 0, 0, costs
 
 
 def seat_bytes(config, path: str, capacity: int, offload: OffloadConfig | None) -> int:
@@ -86,6 +117,8 @@ def main(argv=None):
                         help="prefix workload: the paths served with and without the cache")
     parser.add_argument("--workloads", nargs="+", choices=("poisson", "shared_prefix"),
                         default=["poisson", "shared_prefix"])
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS),
+                        help="poisson workload: the paths measured")
     parser.add_argument("--out", default=None, help="append JSON lines here")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -109,18 +142,29 @@ def main(argv=None):
           f"{args.prompt_len[0]}-{args.prompt_len[1]}, outputs {args.output_len[0]}-"
           f"{args.output_len[1]} tokens, greedy; C = {hot} when offloaded")
     print(f"{'cell':22s}{'seats':>6s}{'mean/peak run':>15s}{'tok/s':>9s}{'ratio':>7s}"
-          f"{'TTFT p50/p99 s':>17s}{'TPOT p50 ms':>13s}{'prog/tok':>10s}{'host share':>12s}")
+          f"{'TTFT p50/p99 s':>17s}{'TPOT p50 ms':>13s}{'prog/tok':>10s}{'host share':>12s}"
+          f"{'preempt':>9s}")
     rows, base = [], None
-    for path in ("resident", "offload") if "poisson" in args.workloads else ():
-        per_seat = seat_bytes(config, path, args.capacity, offload)
-        seats = min(args.max_seats, budget // per_seat)
+    for path in args.paths if "poisson" in args.workloads else ():
+        kwargs, pages = {}, None
+        if path == "paged_device":
+            mean_tokens = (sum(args.prompt_len) + sum(args.output_len)) // 2
+            seats, pages, costs = paged_device_layout(config, offload, budget, args.max_seats,
+                                                      mean_tokens)
+            per_seat = costs.seat_device_bytes
+            kwargs = dict(offload=dataclasses.replace(offload, host_memory_kind="device"),
+                          num_pages=pages, device_bytes=budget, reserve="prompt",
+                          num_buffers=2)
+        else:
+            per_seat = seat_bytes(config, path, args.capacity, offload)
+            seats = min(args.max_seats, budget // per_seat)
+            kwargs = dict(offload=None if path == "resident" else offload)
         if seats < 1:
-            print(f"{path}: one seat needs {per_seat / 1e6:.2f} MB > the budget; skipped")
+            print(f"{path}: one seat (and its capacity) needs more than the budget; skipped")
             continue
         for n in args.steps_per_call:
             engine = Engine(params, config, seats=int(seats), capacity=args.capacity,
-                            offload=None if path == "resident" else offload,
-                            decode_steps_per_call=n, prefill_chunk=args.prefill_chunk)
+                            decode_steps_per_call=n, prefill_chunk=args.prefill_chunk, **kwargs)
             fig = run_workload(engine, requests)
             base = base or fig["tokens_per_s"]
             name = f"{path} N={n}"
@@ -128,12 +172,14 @@ def main(argv=None):
             print(f"{name:22s}{seats:>6d}{fig['mean_running']:>9.2f}/{fig['peak_running']:<5d}"
                   f"{fig['tokens_per_s']:>9.1f}{fig['tokens_per_s'] / base:>7.2f}"
                   f"{fig['ttft_p50']:>8.2f}/{fig['ttft_p99']:<8.2f}{tpot:>13s}"
-                  f"{fig['programs_per_token']:>10.3f}{fig['host_share']:>12.3f}")
+                  f"{fig['programs_per_token']:>10.3f}{fig['host_share']:>12.3f}"
+                  f"{engine.counters['preemptions']:>9d}")
             rows.append({**meta, "model": config.name, "path": path, "steps_per_call": n,
-                         "workload": "poisson",
+                         "workload": "poisson", "pool_size": pages,
+                         "preemptions": engine.counters["preemptions"],
                          "seats": int(seats), "seat_device_bytes": int(per_seat),
                          "device_budget_bytes": budget, "capacity": args.capacity,
-                         "hot_slots": hot if path == "offload" else None,
+                         "hot_slots": hot if path != "resident" else None,
                          "requests": args.requests, "rate": args.rate,
                          "ratio": fig["tokens_per_s"] / base, **fig})
     if args.shared_prefix > 0 and "shared_prefix" in args.workloads:

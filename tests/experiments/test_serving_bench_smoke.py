@@ -1,4 +1,5 @@
-"""The serving benchmark's smoke mode: both paths, two steps-per-call settings, as JSON lines."""
+"""The serving benchmark's smoke mode: the three paths (resident, paged on the device,
+offloaded), two steps-per-call settings, as JSON lines."""
 
 import json
 
@@ -8,25 +9,30 @@ def test_smoke(load_experiment, tmp_path, capsys):
     rows = load_experiment("serving_bench").main(["--smoke", "--out", str(out)])
     printed = capsys.readouterr().out
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(lines) == len(rows) == 6
+    assert len(lines) == len(rows) == 8
     prefix = [r for r in lines if r["workload"] == "shared_prefix"]
     lines = [r for r in lines if r["workload"] == "poisson"]
     assert {(r["path"], r["steps_per_call"]) for r in lines} == {
-        (p, n) for p in ("resident", "offload") for n in (1, 4)}
+        (p, n) for p in ("resident", "paged_device", "offload") for n in (1, 4)}
     by_path = {r["path"]: r for r in lines}
     # The same device budget holds more offloaded seats than resident ones.
     assert by_path["offload"]["seats"] > by_path["resident"]["seats"]
     assert by_path["offload"]["seat_device_bytes"] < by_path["resident"]["seat_device_bytes"]
+    # Paged on the device: seats for the mean request and a pool of the budget's pages.
+    paged = by_path["paged_device"]
+    assert paged["pool_size"] > 0 and paged["seats"] > by_path["resident"]["seats"]
     for r in lines:
         assert r["output_tokens"] > 0 and r["tokens_per_s"] > 0
         assert 0 <= r["host_share"] <= 1 and r["peak_running"] >= 1
         assert r["ttft_p50"] <= r["ttft_p99"]
     # More decode steps per program: fewer decode programs for the same tokens.
-    for path in ("resident", "offload"):
+    for path in ("resident", "paged_device", "offload"):
         n1, n4 = (next(r for r in lines if r["path"] == path and r["steps_per_call"] == n)
                   for n in (1, 4))
         assert n4["decode_calls"] < n1["decode_calls"]
         assert n4["output_tokens"] == n1["output_tokens"]  # the same greedy tokens
+    for n in (1, 4):  # every path: the same greedy tokens
+        assert len({r["output_tokens"] for r in lines if r["steps_per_call"] == n}) == 1
     assert "host share" in printed
     # The shared-prefix workload: the cache serves prompt tokens, fewer are prefilled, and the
     # greedy tokens do not change.
