@@ -120,11 +120,9 @@ class MemoryCosts:
 
         Raises:
           ValueError: page_size < 1, hot_slots / num_buffers break the decode or prefill
-            rule (`check_hot_slots`, `check_num_buffers`), or an unknown pool_memory.
+            rule (`check_hot_slots`, `check_num_buffers`), or an unknown pool_memory
+            (`__post_init__`).
         """
-        if pool_memory not in MEMORY_KINDS:
-            raise ValueError(f"pool_memory={pool_memory!r} must be one of {MEMORY_KINDS} "
-                             "(where the KV page pool lives)")
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
         _check_int("page_size", page_size, 1)

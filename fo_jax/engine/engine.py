@@ -117,10 +117,11 @@ page held is its own and it fits (`add_request` refused any request whose seat, 
 buffers and pages for prompt + max_tokens do not fit alone, the pages' KV rows counted when
 the pool is on the device). With the pool on the device a victim that keeps its pages
 leaves the growing request short of nothing (its seat's bytes covered the shortfall), and
-its kept pages are the first thing dropped in a later round: the argument is unchanged. Kept pages never block the
-queue for good: when its head does not fit and no seat is occupied (nothing would ever free
-them), the pages the other waiting requests kept are dropped, youngest first, until it fits
-(it fits alone); while a request runs, it ends and frees its seat and pages. New requests
+its kept pages are the first thing dropped in a later round: the argument is unchanged.
+Kept pages never block the queue for good: when its head does not fit and no seat is
+occupied (nothing would ever free them), the pages the other waiting requests kept are
+dropped, youngest first, until it fits (it fits alone); while a request runs, it ends and
+frees its seat and pages. New requests
 never overtake preempted ones, so every request runs. A request can be preempted again after
 it resumes (under a tight device budget, a request that kept its pages may be preempted
 again by a later call's growth: it loses no work, only its join).
@@ -963,7 +964,8 @@ class Engine:
         pages a waiting request kept (youngest first); with the pool on the device (bytes
         short are pages short): drop the kept pages first, then preempt the youngest running
         request, keeping its pages only when its seat's bytes cover the shortfall. A request
-        that is itself the youngest is preempted. O(seats + queue + pages allocated) per preemption or drop."""
+        that is itself the youngest is preempted. O(seats + queue + pages allocated) per
+        preemption or drop."""
         if self.pool is None or self.reserve == "full":
             return
         rows = {}
