@@ -65,7 +65,8 @@ def test_the_costs_count_kv_pages_on_the_device():
     with pytest.raises(ValueError, match=re.escape(
             "pool_memory='hbm' must be one of ('pinned_host', 'device') (where the KV page "
             "pool lives)")):
-        MemoryCosts.from_config(CONFIG, page_size=4, hot_slots=8, pool_memory="hbm")
+        MemoryCosts.from_config(CONFIG, page_size=4, hot_slots=8, num_buffers=2,
+                                pool_memory="hbm")
 
 
 def test_kv_pages_count_against_device_bytes():
