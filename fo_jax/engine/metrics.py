@@ -30,6 +30,9 @@ float32 stay exact at any run length) and writes one record:
      "requests": [{"request_id", "prompt_tokens", "output_tokens", "finish_reason",
                    "ttft_s", "tpot_s"} of each request that finished since the last record]}
 
+With the pool in device memory (`host_memory_kind="device"`) "pool_bytes" names its KV pages
+"device_kv" instead of "host_kv".
+
 hits + tail_hits + misses of a group are its selections (every selected token is exactly one
 of them); union counts the rows copied into each layer of the group. Offload counters are
 absent on the resident path (no `LoopStats`). Preemptions are read from
@@ -119,9 +122,10 @@ def group_totals(stats) -> dict:
 
 
 def page_bytes(engine) -> dict:
-    """Bytes of one pool page: {"host_kv": KV of every layer, on the host,
-    "device_index_keys": indexer keys and slot maps, on the device} (the planner's
-    `MemoryCosts`); {} on the resident path or for an engine without an offload config."""
+    """Bytes of one pool page: {"host_kv": KV of every layer, on the host ("device_kv" with
+    the pool in device memory, `host_memory_kind="device"`), "device_index_keys": indexer keys
+    and slot maps, on the device} (the planner's `MemoryCosts`); {} on the resident path or for
+    an engine without an offload config."""
     offload, config = getattr(engine, "offload", None), getattr(engine, "config", None)
     if offload is None or config is None or getattr(engine, "pool", None) is None:
         return {}
@@ -130,7 +134,8 @@ def page_bytes(engine) -> dict:
     costs = MemoryCosts.from_config(config, page_size=offload.page_size,
                                     hot_slots=offload.hot_slots,
                                     num_buffers=min(4, config.num_layers))
-    return {"host_kv": costs.page_host_bytes, "device_index_keys": costs.page_device_bytes}
+    kv = "device_kv" if offload.host_memory_kind == "device" else "host_kv"
+    return {kv: costs.page_host_bytes, "device_index_keys": costs.page_device_bytes}
 
 
 def pool_bytes(pages: dict | None, per_page: dict) -> dict | None:
@@ -321,8 +326,9 @@ def pool_bytes_family(pool: dict):
     from prometheus_client.core import GaugeMetricFamily
 
     family = GaugeMetricFamily(
-        "fojax_pool_bytes", "Bytes of the shared page pools (host_kv: KV pages in host memory; "
-        "device_index_keys: indexer-key pages on the device) by state", labels=["pool", "state"])
+        "fojax_pool_bytes", "Bytes of the shared page pools (host_kv: KV pages in host memory, or "
+        "device_kv: in device memory; device_index_keys: indexer-key pages on the device) by "
+        "state", labels=["pool", "state"])
     for name, states in pool.items():
         for state, value in states.items():
             family.add_metric([name, state], value)

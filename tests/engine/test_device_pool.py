@@ -14,6 +14,7 @@ import pytest
 from fo_jax.config import get_config
 from fo_jax.engine.admission import MemoryCosts, RequestRefused
 from fo_jax.engine.engine import Engine
+from fo_jax.engine.metrics import page_bytes
 from fo_jax.model.dsa import init_params
 from fo_jax.offload.config import OffloadConfig
 
@@ -86,6 +87,7 @@ def test_kv_pages_count_against_device_bytes():
     for rid, prompt in zip(ids, prompts):
         assert tuple(outputs[rid].token_ids) == _solo(tuple(prompt), 7)
     assert engine.pool_occupancy()["held"] == 0 and engine.device_bytes_used() == 0
+    assert page_bytes(engine) == {"device_kv": 640, "device_index_keys": 144}  # metrics' names
     engine = _engine(device_bytes=4000)
     with pytest.raises(RequestRefused, match=re.escape(
             "prompt of 1 tokens + max_tokens=7 can never fit device_bytes=4,000: alone it needs "
