@@ -181,6 +181,7 @@ from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.engine.admission import ORDERS, RESERVES, MemoryCosts, RequestRefused
 from fo_jax.engine.metrics import MetricsLog
+from fo_jax.engine.mtp_prefix import MTPPrefixStore, mtp_block_bytes
 from fo_jax.engine.pages import NO_PAGE, PagePool, PoolExhausted, PrefixCache, RequestPages
 from fo_jax.engine.resident_prefix import ResidentPrefixStore
 from fo_jax.offload.host import in_host_memory, load_history, write_back_rows
@@ -249,6 +250,7 @@ class _Request:
     # by each decode step (a replay feeds the same groups: the same W-way programs)
     queued_at: int = 0  # the engine step it arrived at (aging of order="shortest")
     mtp_saved: Any = None  # MTP drafts: its seat's MTP rows when preempted (`_save_mtp`)
+    mtp_blocks: Any = None  # MTP drafts + prefix cache: its mapped prefix's MTP rows (admitted)
 
     def output(self, new: list[int]) -> RequestOutput:
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
@@ -419,7 +421,7 @@ class Engine:
                              "need the offloaded path (an OffloadConfig): the resident state "
                              "keeps each seat's KV apart")
         self.prefix_store = self._prefix_store(prefix_cache, prefix_cache_bytes,
-                                               prefix_cache_memory)
+                                               prefix_cache_memory, mtp=drafter == "mtp")
         if order not in ORDERS:
             raise ValueError(f"order={order!r} must be one of {ORDERS}")
         if max_wait_steps is not None and (not isinstance(max_wait_steps, numbers.Integral)
@@ -439,7 +441,7 @@ class Engine:
         except ValueError as err:
             raise ValueError(f"{err} (Engine(num_drafts=...))") from None
         self.num_drafts = int(num_drafts)
-        self._check_drafter(drafter, mtp, prefix_cache)
+        self._check_drafter(drafter, mtp)
         self.drafter, self.mtp = drafter, mtp
         self.order, self.reserve = order, reserve
         self.max_wait_steps = max_wait_steps
@@ -455,6 +457,8 @@ class Engine:
                 num_buffers=min(4, config.num_layers) if num_buffers is None else num_buffers)
             if host_pool_bytes is not None:  # the planner's bytes of one page (every layer)
                 page_bytes = self.costs.page_host_bytes
+                if prefix_cache and drafter == "mtp":  # + its MTP rows (`MTPPrefixStore`)
+                    page_bytes += mtp_block_bytes(config, z)
                 num_pages = int(host_pool_bytes) // page_bytes
                 if num_pages < 1:
                     raise ValueError(f"host_pool_bytes={host_pool_bytes} holds no page of {z} "
@@ -495,6 +499,14 @@ class Engine:
                          if self.num_drafts and self.mtp is None else None)
         self._mtp = (committed(MTPSeats.create(config, batch=batch, capacity=self.capacity))
                      if self.mtp is not None else None)
+        # MTP drafts with the prefix cache: the MTP rows of the cached chunks, beside the main
+        # cache (offloaded: in the host pages' memory; resident: the prefix store's).
+        self.mtp_prefix = None
+        if self.mtp is not None and prefix_cache:
+            self.mtp_prefix = MTPPrefixStore(
+                self.prefix if self.pool is not None else self.prefix_store.cache,
+                chunk=self.chunk, memory=(offload.host_memory_kind if offload is not None
+                                          else self.prefix_store.memory))
         self._sampling_rows = [self._sampling_row(None)] * batch
         self._sampling = None  # rebuilt when a seat's request changes
         self._occupant: list[_Request | None] = [None] * batch
@@ -516,7 +528,7 @@ class Engine:
         self.metrics = None if metrics_path is None else MetricsLog(
             self, path=metrics_path, every=metrics_every)
 
-    def _check_drafter(self, drafter, mtp, prefix_cache: bool) -> None:
+    def _check_drafter(self, drafter, mtp) -> None:
         """Raise unless `drafter` names a drafter this engine can run with `mtp`."""
         if drafter not in DRAFTERS:
             raise ValueError(f"drafter={drafter!r} must be one of {DRAFTERS} (where the drafts "
@@ -534,15 +546,12 @@ class Engine:
             check_mtp_drafting(mtp, self.config)
         except ValueError as err:
             raise ValueError(f"drafter='mtp': {err}") from None
-        if prefix_cache:
-            raise ValueError("drafter='mtp' cannot run with prefix_cache: a prompt prefix "
-                             "mapped from the cache is not prefilled, so there are no hidden "
-                             "states to feed the MTP layer for it; use drafter='ngram' with "
-                             "prefix_cache, or drop prefix_cache")
 
-    def _prefix_store(self, prefix_cache: bool, size, memory) -> ResidentPrefixStore | None:
-        """The resident path's prefix store (`ResidentPrefixStore.for_engine`); None offloaded
-        or without prefix_cache. Settings checked first."""
+    def _prefix_store(self, prefix_cache: bool, size, memory, *,
+                      mtp: bool) -> ResidentPrefixStore | None:
+        """The resident path's prefix store (`ResidentPrefixStore.for_engine`; with MTP drafts
+        its blocks' bytes count the MTP rows too); None offloaded or without prefix_cache.
+        Settings checked first."""
         if (size is not None or memory != "device") and not prefix_cache:
             raise ValueError("prefix_cache_bytes and prefix_cache_memory need prefix_cache=True")
         if self.offload is not None:
@@ -554,7 +563,8 @@ class Engine:
         if not prefix_cache:
             return None
         return ResidentPrefixStore.for_engine(self.config, prefill_chunk=self.chunk,
-                                              capacity=self.capacity, size=size, memory=memory)
+                                              capacity=self.capacity, size=size, memory=memory,
+                                              mtp=mtp)
 
     # Requests ------------------------------------------------------------------------------
 
@@ -812,9 +822,24 @@ class Engine:
         seat b (`ResidentPrefixStore`: one program, O(L prefix) rows); its prefill starts
         there. O(prompt) hashing."""
         slots, cached = self.prefix_store.lookup(req.prompt, chunk=self.chunk)
+        keep = self._mtp_prefix(req, cached) // self.prefix_store.block_tokens
+        self.prefix_store.pool.decref(slots[keep:][::-1])
+        slots, cached = slots[:keep], keep * self.prefix_store.block_tokens
         self.state = self.prefix_store.write(self.state, b, slots)
         req.cached_tokens = cached
         self.counters["prefix_hit_tokens"] += cached
+
+    def _mtp_prefix(self, req: _Request, cached: int) -> int:
+        """MTP drafts with the prefix cache: of the `cached` tokens (whole chunks) the main
+        cache found for the request, those whose MTP rows are stored with the prompt's own
+        next tokens (`MTPPrefixStore.lookup`: its blocks kept on the request for `_start_mtp`);
+        all of them without MTP drafts, or for a request that takes back its saved MTP state.
+        O(prompt) hashing."""
+        req.mtp_blocks = None
+        if self.mtp_prefix is None or req.mtp_saved is not None or not cached:
+            return cached
+        n, req.mtp_blocks = self.mtp_prefix.lookup(req.prompt, chunks=cached // self.chunk)
+        return n * self.chunk
 
     def _fits(self, req: _Request) -> bool:
         """Whether the request can take a seat now (its pages reserved, or the kept ones
@@ -836,9 +861,10 @@ class Engine:
         matched, cached = np.zeros((0,), np.int32), 0
         if self.prefix is not None:
             matched, cached = self.prefix.match(req.prompt[:-1])
-            keep = cached // self.chunk * self.chunk // self.pool.page_size
+            cached = self._mtp_prefix(req, cached // self.chunk * self.chunk)
+            keep = cached // self.pool.page_size
             self.pool.decref(matched[keep:].tolist())
-            matched, cached = matched[:keep], keep * self.pool.page_size
+            matched = matched[:keep]
         pages = RequestPages(self.pool, self.max_pages, prefix_pages=matched.tolist(),
                              prefix_tokens=cached)
         try:
@@ -1076,6 +1102,10 @@ class Engine:
             self._join(done, logits, num_new, moved)
         if feed:  # after the join: a prompt's last pair takes its first sampled token
             self._feed_mtp(feed, hidden[0], tokens, num_new)
+        if self.mtp_prefix is not None:  # the MTP rows of the chunks completed (final now)
+            self.mtp_prefix.insert(self._mtp, [
+                (r.seat, r.prompt, r.prefilled - int(num_new[r.seat]), r.prefilled,
+                 r.tokens[0] if r.tokens else None) for r in requests])
 
     # MTP drafts: each seat's MTP state -------------------------------------------------------
 
@@ -1108,9 +1138,11 @@ class Engine:
         for req in started:
             if req.mtp_saved is not None:  # `_drop_kept` cleared it if the prompt prefills again
                 self._restore_mtp(req.seat, req.mtp_saved)
+            elif req.mtp_blocks:  # its mapped prefix's MTP rows, from the cache
+                self._mtp = self.mtp_prefix.write(self._mtp, req.seat, req.mtp_blocks)
             else:
                 fresh.append(req.seat)
-            req.mtp_saved = None
+            req.mtp_saved = req.mtp_blocks = None
         if fresh:
             mask = np.zeros((self.seats,), bool)
             mask[fresh] = True
