@@ -33,7 +33,8 @@ recompiling. Each `step()`:
      whose prompt is complete samples its first token from the chunk's logits and joins the
      decode batch (`fo_jax.offload.prefill.join_seats`: its hot rows, maps and policy state);
      resident with the prefix cache, the chunks the program completed are copied into the
-     prefix store (one program for all seats; blocks already cached are not);
+     prefix store (one program for all seats; blocks already cached are not); with MTP drafts
+     and the prefix cache, their MTP rows too, once fed (`fo_jax.engine.mtp_prefix`);
   3. (reserve="prompt") grows the decoding requests' pages for the call, preempting the
      youngest request when they cannot be had (below);
   4. runs `decode_steps_per_call` decode steps of the running seats in one program
@@ -143,8 +144,23 @@ at admission. A preempted request's seat MTP state (O(length) rows of one layer:
 KV) is copied to the host and written back when it resumes, with its pages kept or dropped
 (the replay rebuilds the main KV only): nothing is recomputed, and its drafts, hence its W-way
 steps, are those of its uninterrupted run, so its tokens are too, bit for bit; a request moved
-by `AutoEngine` carries its MTP state the same way. Not with `prefix_cache` (refused): a prefix
-mapped from the cache is not prefilled, so the hidden states its MTP pairs need do not exist.
+by `AutoEngine` carries its MTP state the same way. With `prefix_cache`, a prefix mapped from
+the cache is not prefilled, so the hidden states its MTP pairs need do not exist: its MTP rows
+come from the cache too (`fo_jax.engine.mtp_prefix.MTPPrefixStore`, beside the main cache: the
+MTP rows of each cached prefill chunk, keyed by the chunk's chain hash and the token after it,
+which its last pair took). They are a function of the tokens up to and including that next
+token, computed by the same chunk programs, so they are those the request's own prefill would
+compute, bit for bit (a pair recomputed alone would differ in the last bits on CPU: never
+done). A request maps the longest prefix of whole chunks whose main blocks and MTP blocks are
+all cached with its own next tokens (a prefix followed by another token than the stored one
+maps a chunk fewer, prefills that chunk and stores its MTP rows for its token: the latest
+replaces the block), and one program copies the MTP rows into its seat's MTP state, whose
+length starts at the cached tokens. After each prefill chunk (and its feed), the chunks it
+completed store their MTP rows, where the main cache holds them; a block is dropped with its
+chunk's last main page, so the MTP rows count in the cache's budget: resident, in the prefix
+store's block bytes (`prefix_cache_bytes`); offloaded, in a page's bytes with
+`host_pool_bytes` (they live in the host pages' memory: one host-to-device move of the prefix's
+MTP rows per admission, 1/L of the main KV of the same tokens).
 
 Not here yet: device_bytes, reserve="prompt" and preemption on the resident path.
 """
@@ -331,16 +347,19 @@ class Engine:
       num_pages: offloaded: pages of `offload.page_size` tokens in the shared host-KV and
         indexer-key pools (default seats x capacity / page_size: every seat full at once).
       host_pool_bytes: offloaded: size the pools in bytes of host KV instead (the planner's
-        bytes per page, `fo_jax.engine.admission.MemoryCosts`; as vLLM's host pool setting).
+        bytes per page, `fo_jax.engine.admission.MemoryCosts`; as vLLM's host pool setting;
+        with drafter="mtp" and prefix_cache, + a page's MTP rows, `mtp_block_bytes`).
       prefix_cache: reuse the prefixes of earlier prompts, whole prefill chunks of them (a
         reused prefix ends where a chunk ends, so the rest of the prompt is computed exactly
         as from scratch: the KV rows and tokens do not change, bit for bit). Offloaded: map
         their cached pages (needs prefill_chunk a multiple of page_size). Resident: copy their
         rows into the seat from a prefix store (`fo_jax.engine.resident_prefix`) of blocks of
-        one prefill chunk (needs prefill_chunk < capacity).
+        one prefill chunk (needs prefill_chunk < capacity). With drafter="mtp", the MTP
+        layer's rows of the cached chunks are kept and reused too (module doc).
       prefix_cache_bytes: resident: the prefix store's bytes of KV rows and indexer keys
-        (`block_bytes(config, prefill_chunk)` per block; whole blocks; least recently released
-        blocks evicted first). Default: one seat's blocks (capacity // prefill_chunk).
+        (`block_bytes(config, prefill_chunk, mtp=drafter == "mtp")` per block; whole blocks;
+        least recently released blocks evicted first). Default: one seat's blocks
+        (capacity // prefill_chunk).
       prefix_cache_memory: resident: where the store's blocks live: "device" (default: the
         copy into a seat is one device program; the store counts on the device budget) or
         "pinned_host" (off the device budget; one host-to-device move of the prefix rows per
@@ -372,8 +391,8 @@ class Engine:
         0: one token per step.
       drafter: with num_drafts > 0, "ngram" (prompt lookup in each seat's history, prompt +
         sampled tokens, kept on the device) or "mtp" (the model's multi-token-prediction
-        layer, `mtp` its parameters: each seat's MTP state is kept on the device; see the
-        module doc).
+        layer, `mtp` its parameters: each seat's MTP state is kept on the device; with
+        prefix_cache, a mapped prefix's MTP rows come from the cache; see the module doc).
       mtp: drafter="mtp": the MTP parameters (`load_checkpoint(..., mtp=True)` or
         `fo_jax.model.mtp.init_mtp_params`) of a config with num_nextn_predict_layers >= 1.
     Raises:

@@ -37,6 +37,10 @@ Where the blocks live (`memory`):
                  block inserted: O(L T (D+R) + G T N) bytes per block, against a whole forward
                  pass of its T tokens that the reuse saves.
 
+With MTP drafts (`for_engine(mtp=True)`), the MTP layer's rows of each block's chunk are kept
+beside it by an `fo_jax.engine.mtp_prefix.MTPPrefixStore` on this store's cache (dropped with
+the block) and counted in `block_bytes`.
+
 Blocks are separate arrays (no pool array updated in place), so neither memory needs a scatter
 into host memory (`fo_jax.offload.host` says why that is fragile on accelerators).
 
