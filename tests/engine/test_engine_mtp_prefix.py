@@ -45,8 +45,12 @@ def _mtp():
 
 
 def _engine(path, prefix_cache=True, **kwargs):
+    """path: "resident", "resident-pinned" (the prefix store in pinned host memory) or "ring"
+    (offloaded: the MTP rows of cached chunks in pinned host memory, as the host pages)."""
     offload = None
-    if path != "resident":
+    if path == "resident-pinned" and prefix_cache:
+        kwargs["prefix_cache_memory"] = "pinned_host"
+    if path == "ring":
         offload = OffloadConfig(hot_slots=12, page_size=4, capacity=CAPACITY, policy="ring")
         kwargs.setdefault("num_pages", 24)
     return Engine(_params(), CONFIG, seats=3, capacity=CAPACITY, offload=offload,
@@ -66,7 +70,7 @@ SYSTEM = [96] * 6 + _prompt(99, 10)  # two prefill chunks
 def _solo(path, prompt, max_tokens):
     """The request alone on the same engine without the prefix cache: its tokens, and its
     seat's MTP state right after its prefill (rows [0, length), length, draft, h')."""
-    engine = _engine(path, prefix_cache=False)
+    engine = _engine(path.split("-")[0], prefix_cache=False)
     rid = engine.add_request(list(prompt), max_tokens=max_tokens)
     seen = _watch(engine)
     out = engine.run()[rid]
@@ -109,6 +113,11 @@ def _check(engine):
     else:
         engine.prefix_store.check()
     engine.mtp_prefix.check()
+    memory = "pinned_host"
+    if engine.prefix_store is not None:
+        memory = engine.prefix_store.memory
+    for _, kv, keys in engine.mtp_prefix._blocks.values():
+        assert kv.sharding.memory_kind == keys.sharding.memory_kind == memory
 
 
 @pytest.mark.parametrize("path", ["resident", "ring"])
@@ -151,7 +160,7 @@ def test_shared_prefix_requests_with_mtp_drafts_equal_their_solo_runs(path):
         assert engine.pool_occupancy()["held"] == 0
 
 
-@pytest.mark.parametrize("path", ["resident", "ring"])
+@pytest.mark.parametrize("path", ["resident", "resident-pinned", "ring"])
 def test_a_prefix_followed_by_another_token_maps_one_chunk_fewer(path):
     """The second chunk's MTP rows take the token after it: a request whose prompt goes on
     with another token than the stored one maps one chunk (main KV and MTP rows), prefills
@@ -191,3 +200,22 @@ def test_mtp_rows_count_in_the_prefix_budget():
     page = probe.costs.page_host_bytes + mtp_block_bytes(CONFIG, 4)
     engine = _engine("ring", num_pages=None, host_pool_bytes=10 * page)
     assert engine.pool.num_pages == 10
+
+
+def test_mtp_blocks_are_evicted_with_their_chunks():
+    """Resident, a prefix store of two blocks: a prompt of two other chunks evicts the system
+    prompt's blocks, and their MTP rows go with them (every MTP block's chunk is cached);
+    the system prompt is then prefilled again, its tokens still the solo run's."""
+    per_block = block_bytes(CONFIG, CHUNK, mtp=True)
+    engine = _engine("resident", prefix_cache_bytes=2 * per_block)
+    hits = []
+    for prompt in (SYSTEM + [96] * 3, _prompt(7, 19), SYSTEM + [96] * 3):
+        hit = engine.counters["prefix_hit_tokens"]
+        rid = engine.add_request(prompt, max_tokens=3)
+        out = engine.run()[rid]
+        _check(engine)
+        assert tuple(out.token_ids) == _solo("resident", tuple(prompt), 3)[0]
+        assert engine.mtp_prefix.num_blocks == 2
+        hits.append(engine.counters["prefix_hit_tokens"] - hit)
+    assert hits == [0, 0, 0]
+    assert engine.prefix_store.cache.num_evicted == 4
