@@ -480,9 +480,10 @@ class Engine:
                     page_bytes += mtp_block_bytes(config, z)
                 num_pages = int(host_pool_bytes) // page_bytes
                 if num_pages < 1:
+                    mtp_layer = " and the MTP layer" if prefix_cache and drafter == "mtp" else ""
                     raise ValueError(f"host_pool_bytes={host_pool_bytes} holds no page of {z} "
                                      f"tokens ({page_bytes} bytes over {config.num_layers} "
-                                     "layers): raise it")
+                                     f"layers{mtp_layer}): raise it")
             num_pages = self.seats * self.max_pages if num_pages is None else num_pages
             if not isinstance(num_pages, numbers.Integral) or num_pages < 1:
                 raise ValueError(f"num_pages={num_pages!r} must be an int >= 1 (pages of "

@@ -88,7 +88,7 @@ class MTPPrefixStore:
             raise ValueError("this PrefixCache already has a store of MTP rows: one per cache")
         self.cache, self.chunk, self.memory = cache, int(chunk), memory
         self._pages_per_chunk = self.chunk // cache.page_size
-        self._blocks: dict[bytes, tuple[int, jax.Array, jax.Array]] = {}  # hash -> (next, kv, keys)
+        self._blocks: dict[bytes, tuple] = {}  # chain hash -> (next token, kv, keys)
         self.blocks_written = 0  # blocks copied into the store (new or replaced)
         cache.on_drop = self._drop
 
