@@ -133,7 +133,7 @@ def test_mtp_drafter_flag_loads_the_checkpoints_mtp_layer(capsys, tmp_path):
         assert cli.main(["bench-serve", *flags, "--drafter", "mtp"]) == 2
         assert message in capsys.readouterr().err
     # With the prefix cache (offloaded or resident): the MTP rows of cached chunks are kept
-    # beside it (tests/engine/test_engine_mtp_prefix.py runs such engines).
+    # beside it (tests/engine/test_engine_mtp.py runs such engines).
     for flags in (["--offload", "--hot-slots", "64"], []):
         engine = build_engine(parser.parse_args([
             "--model-dir", parity, "--capacity", "64", "--prefill-chunk", "16", "--num-drafts",
