@@ -491,3 +491,24 @@ def test_mtp_blocks_are_evicted_with_their_chunks():
         hits.append(engine.counters["prefix_hit_tokens"] - hit)
     assert hits == [0, 0, 0]
     assert engine.prefix_store.cache.num_evicted == 4
+
+
+def test_a_preempted_request_maps_the_prefix_again():
+    """Offloaded, reserve="prompt" in the 16-page pool, three requests sharing a chunk,
+    admitted together (nothing cached yet): the older ones' growth preempts the youngest
+    with its pages dropped; it maps the cached chunk when it resumes (its MTP state comes
+    back as saved) and replays; every request gets its solo tokens; no page is left held."""
+    engine = _prefix_engine("ring", reserve="prompt")
+    specs = [(SYSTEM[:8] + [96] * 2, 20), (SYSTEM[:8] + [96] + _prompt(2, 1), 20),
+             (SYSTEM[:8] + [96] + _prompt(3, 2), 20)]
+    ids = [engine.add_request(p, max_tokens=m) for p, m in specs]
+    while engine.has_unfinished():
+        engine.step()
+        _check(engine)
+    outputs = engine.run()
+    for rid, (prompt, max_tokens) in zip(ids, specs):
+        assert tuple(outputs[rid].token_ids) == _solo("ring", tuple(prompt), max_tokens)[0]
+    c = engine.counters
+    assert c["preemptions"] > c["preemptions_kept_pages"] == 0 and c["replayed_tokens"] > 0
+    assert c["prefix_hit_tokens"] > 0
+    assert engine.pool_occupancy()["held"] == 0
