@@ -281,7 +281,9 @@ class PrefixCache:
     the least recently released one. Releasing a request's pages last page first puts a chain's
     deepest pages ahead of their ancestors; in any case evicting a page also drops its cached
     descendants (unreachable without it): a refcount-0 descendant goes to the free list, a held
-    one stays with its holders and is freed when they release it.
+    one stays with its holders and is freed when they release it. `on_drop`, when set, is called
+    with the chain hash of every page dropped (what is kept beside a page, as the MTP rows of
+    `fo_jax.engine.mtp_prefix`, goes with it).
 
     Costs: `match` and `insert` are O(len(tokens)) (hashing) + O(pages); eviction is O(pages
     dropped).
