@@ -13,6 +13,9 @@ moves).
 row (`RequestPages`).
 `fo_jax.engine.resident_prefix`: prefix reuse on the resident path: whole chunks of earlier
 prompts' KV rows, copied into a new request's seat (`ResidentPrefixStore`).
+`fo_jax.engine.mtp_prefix`: with MTP drafts and the prefix cache, the MTP layer's rows of the
+cached chunks, kept beside the main cache and copied into a new request's MTP state
+(`MTPPrefixStore`).
 `fo_jax.engine.admission`: admission by memory with the planner's bytes (`MemoryCosts`,
 `Admission`): admit / wait / refuse, the waiting queue, the preemption victim.
 `fo_jax.engine.metrics`: counters summed on the device, read every N steps into JSON lines
@@ -44,10 +47,11 @@ from fo_jax.engine.loop import (
 )
 from fo_jax.engine.metrics import MetricsLog
 from fo_jax.engine.pages import NO_PAGE, PagePool, PoolExhausted, PrefixCache, RequestPages
+from fo_jax.engine.mtp_prefix import MTPPrefixStore
 from fo_jax.engine.resident_prefix import ResidentPrefixStore
 
 __all__ = ["NO_PAGE", "Admission", "AutoEngine", "DataParallelEngine", "Decision", "Engine",
-           "LoopOutput", "LoopStats", "MTPSeats", "MemoryCosts", "MetricsLog", "OffloadedStep",
+           "LoopOutput", "LoopStats", "MTPPrefixStore", "MTPSeats", "MemoryCosts", "MetricsLog", "OffloadedStep",
            "PagePool",
            "PoolExhausted", "PrefixCache", "Request", "RequestOutput", "RequestPages",
            "RequestRefused", "ResidentPrefixStore", "ResidentStep", "Sampling", "Seats",

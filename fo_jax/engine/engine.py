@@ -34,7 +34,8 @@ recompiling. Each `step()`:
      whose prompt is complete samples its first token from the chunk's logits and joins the
      decode batch (`fo_jax.offload.prefill.join_seats`: its hot rows, maps and policy state);
      resident with the prefix cache, the chunks the program completed are copied into the
-     prefix store (one program for all seats; blocks already cached are not);
+     prefix store (one program for all seats; blocks already cached are not); with MTP drafts
+     and the prefix cache, their MTP rows too, once fed (`fo_jax.engine.mtp_prefix`);
   3. (reserve="prompt") grows the decoding requests' pages for the call, preempting the
      youngest request when they cannot be had (below);
   4. runs `decode_steps_per_call` decode steps of the running seats in one program
@@ -156,8 +157,23 @@ at admission. A preempted request's seat MTP state (O(length) rows of one layer:
 KV) is copied to the host and written back when it resumes, with its pages kept or dropped
 (the replay rebuilds the main KV only): nothing is recomputed, and its drafts, hence its W-way
 steps, are those of its uninterrupted run, so its tokens are too, bit for bit; a request moved
-by `AutoEngine` carries its MTP state the same way. Not with `prefix_cache` (refused): a prefix
-mapped from the cache is not prefilled, so the hidden states its MTP pairs need do not exist.
+by `AutoEngine` carries its MTP state the same way. With `prefix_cache`, a prefix mapped from
+the cache is not prefilled, so the hidden states its MTP pairs need do not exist: its MTP rows
+come from the cache too (`fo_jax.engine.mtp_prefix.MTPPrefixStore`, beside the main cache: the
+MTP rows of each cached prefill chunk, keyed by the chunk's chain hash and the token after it,
+which its last pair took). They are a function of the tokens up to and including that next
+token, computed by the same chunk programs, so they are those the request's own prefill would
+compute, bit for bit (a pair recomputed alone would differ in the last bits on CPU: never
+done). A request maps the longest prefix of whole chunks whose main blocks and MTP blocks are
+all cached with its own next tokens (a prefix followed by another token than the stored one
+maps a chunk fewer, prefills that chunk and stores its MTP rows for its token: the latest
+replaces the block), and one program copies the MTP rows into its seat's MTP state, whose
+length starts at the cached tokens. After each prefill chunk (and its feed), the chunks it
+completed store their MTP rows, where the main cache holds them; a block is dropped with its
+chunk's last main page, so the MTP rows count in the cache's budget: resident, in the prefix
+store's block bytes (`prefix_cache_bytes`); offloaded, in a page's bytes with
+`host_pool_bytes` (they live in the host pages' memory: one host-to-device move of the prefix's
+MTP rows per admission, 1/L of the main KV of the same tokens).
 
 Three ways to hold the KV. Resident (`offload=None`): fixed seats of `capacity` contiguous
 rows, sized once: the fastest path for a batch that fits; nothing in it can run out
@@ -203,6 +219,7 @@ from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.engine.admission import ORDERS, RESERVES, MemoryCosts, RequestRefused
 from fo_jax.engine.metrics import MetricsLog
+from fo_jax.engine.mtp_prefix import MTPPrefixStore, mtp_block_bytes
 from fo_jax.engine.pages import NO_PAGE, PagePool, PoolExhausted, PrefixCache, RequestPages
 from fo_jax.engine.resident_prefix import ResidentPrefixStore
 from fo_jax.offload.host import in_host_memory, load_history, write_back_rows
@@ -271,6 +288,7 @@ class _Request:
     # by each decode step (a replay feeds the same groups: the same W-way programs)
     queued_at: int = 0  # the engine step it arrived at (aging of order="shortest")
     mtp_saved: Any = None  # MTP drafts: its seat's MTP rows when preempted (`_save_mtp`)
+    mtp_blocks: Any = None  # MTP drafts + prefix cache: its mapped prefix's MTP rows (admitted)
 
     def output(self, new: list[int]) -> RequestOutput:
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
@@ -351,16 +369,19 @@ class Engine:
       num_pages: offloaded: pages of `offload.page_size` tokens in the shared host-KV and
         indexer-key pools (default seats x capacity / page_size: every seat full at once).
       host_pool_bytes: offloaded: size the pools in bytes of host KV instead (the planner's
-        bytes per page, `fo_jax.engine.admission.MemoryCosts`; as vLLM's host pool setting).
+        bytes per page, `fo_jax.engine.admission.MemoryCosts`; as vLLM's host pool setting;
+        with drafter="mtp" and prefix_cache, + a page's MTP rows, `mtp_block_bytes`).
       prefix_cache: reuse the prefixes of earlier prompts, whole prefill chunks of them (a
         reused prefix ends where a chunk ends, so the rest of the prompt is computed exactly
         as from scratch: the KV rows and tokens do not change, bit for bit). Offloaded: map
         their cached pages (needs prefill_chunk a multiple of page_size). Resident: copy their
         rows into the seat from a prefix store (`fo_jax.engine.resident_prefix`) of blocks of
-        one prefill chunk (needs prefill_chunk < capacity).
+        one prefill chunk (needs prefill_chunk < capacity). With drafter="mtp", the MTP
+        layer's rows of the cached chunks are kept and reused too (module doc).
       prefix_cache_bytes: resident: the prefix store's bytes of KV rows and indexer keys
-        (`block_bytes(config, prefill_chunk)` per block; whole blocks; least recently released
-        blocks evicted first). Default: one seat's blocks (capacity // prefill_chunk).
+        (`block_bytes(config, prefill_chunk, mtp=drafter == "mtp")` per block; whole blocks;
+        least recently released blocks evicted first). Default: one seat's blocks
+        (capacity // prefill_chunk).
       prefix_cache_memory: resident: where the store's blocks live: "device" (default: the
         copy into a seat is one device program; the store counts on the device budget) or
         "pinned_host" (off the device budget; one host-to-device move of the prefix rows per
@@ -394,8 +415,8 @@ class Engine:
         0: one token per step.
       drafter: with num_drafts > 0, "ngram" (prompt lookup in each seat's history, prompt +
         sampled tokens, kept on the device) or "mtp" (the model's multi-token-prediction
-        layer, `mtp` its parameters: each seat's MTP state is kept on the device; see the
-        module doc).
+        layer, `mtp` its parameters: each seat's MTP state is kept on the device; with
+        prefix_cache, a mapped prefix's MTP rows come from the cache; see the module doc).
       mtp: drafter="mtp": the MTP parameters (`load_checkpoint(..., mtp=True)` or
         `fo_jax.model.mtp.init_mtp_params`) of a config with num_nextn_predict_layers >= 1.
     Raises:
@@ -448,7 +469,7 @@ class Engine:
                 "offload=OffloadConfig(..., host_memory_kind='device') (or 'pinned_host' to "
                 "offload the KV to host memory)")
         self.prefix_store = self._prefix_store(prefix_cache, prefix_cache_bytes,
-                                               prefix_cache_memory)
+                                               prefix_cache_memory, mtp=drafter == "mtp")
         if order not in ORDERS:
             raise ValueError(f"order={order!r} must be one of {ORDERS}")
         if max_wait_steps is not None and (not isinstance(max_wait_steps, numbers.Integral)
@@ -468,7 +489,7 @@ class Engine:
         except ValueError as err:
             raise ValueError(f"{err} (Engine(num_drafts=...))") from None
         self.num_drafts = int(num_drafts)
-        self._check_drafter(drafter, mtp, prefix_cache)
+        self._check_drafter(drafter, mtp)
         self.drafter, self.mtp = drafter, mtp
         self.order, self.reserve = order, reserve
         self.max_wait_steps = max_wait_steps
@@ -485,11 +506,14 @@ class Engine:
                 pool_memory=offload.host_memory_kind)
             if host_pool_bytes is not None:  # the planner's bytes of one page (every layer)
                 page_bytes = self.costs.page_host_bytes
+                if prefix_cache and drafter == "mtp":  # + its MTP rows (`MTPPrefixStore`)
+                    page_bytes += mtp_block_bytes(config, z)
                 num_pages = int(host_pool_bytes) // page_bytes
                 if num_pages < 1:
+                    mtp_layer = " and the MTP layer" if prefix_cache and drafter == "mtp" else ""
                     raise ValueError(f"host_pool_bytes={host_pool_bytes} holds no page of {z} "
                                      f"tokens ({page_bytes} bytes over {config.num_layers} "
-                                     "layers): raise it")
+                                     f"layers{mtp_layer}): raise it")
             num_pages = self.seats * self.max_pages if num_pages is None else num_pages
             if not isinstance(num_pages, numbers.Integral) or num_pages < 1:
                 raise ValueError(f"num_pages={num_pages!r} must be an int >= 1 (pages of "
@@ -525,6 +549,14 @@ class Engine:
                          if self.num_drafts and self.mtp is None else None)
         self._mtp = (committed(MTPSeats.create(config, batch=batch, capacity=self.capacity))
                      if self.mtp is not None else None)
+        # MTP drafts with the prefix cache: the MTP rows of the cached chunks, beside the main
+        # cache (offloaded: in the host pages' memory; resident: the prefix store's).
+        self.mtp_prefix = None
+        if self.mtp is not None and prefix_cache:
+            self.mtp_prefix = MTPPrefixStore(
+                self.prefix if self.pool is not None else self.prefix_store.cache,
+                chunk=self.chunk, memory=(offload.host_memory_kind if offload is not None
+                                          else self.prefix_store.memory))
         self._sampling_rows = [self._sampling_row(None)] * batch
         self._sampling = None  # rebuilt when a seat's request changes
         self._occupant: list[_Request | None] = [None] * batch
@@ -546,7 +578,7 @@ class Engine:
         self.metrics = None if metrics_path is None else MetricsLog(
             self, path=metrics_path, every=metrics_every)
 
-    def _check_drafter(self, drafter, mtp, prefix_cache: bool) -> None:
+    def _check_drafter(self, drafter, mtp) -> None:
         """Raise unless `drafter` names a drafter this engine can run with `mtp`."""
         if drafter not in DRAFTERS:
             raise ValueError(f"drafter={drafter!r} must be one of {DRAFTERS} (where the drafts "
@@ -564,15 +596,12 @@ class Engine:
             check_mtp_drafting(mtp, self.config)
         except ValueError as err:
             raise ValueError(f"drafter='mtp': {err}") from None
-        if prefix_cache:
-            raise ValueError("drafter='mtp' cannot run with prefix_cache: a prompt prefix "
-                             "mapped from the cache is not prefilled, so there are no hidden "
-                             "states to feed the MTP layer for it; use drafter='ngram' with "
-                             "prefix_cache, or drop prefix_cache")
 
-    def _prefix_store(self, prefix_cache: bool, size, memory) -> ResidentPrefixStore | None:
-        """The resident path's prefix store (`ResidentPrefixStore.for_engine`); None offloaded
-        or without prefix_cache. Settings checked first."""
+    def _prefix_store(self, prefix_cache: bool, size, memory, *,
+                      mtp: bool) -> ResidentPrefixStore | None:
+        """The resident path's prefix store (`ResidentPrefixStore.for_engine`; with MTP drafts
+        its blocks' bytes count the MTP rows too); None offloaded or without prefix_cache.
+        Settings checked first."""
         if (size is not None or memory != "device") and not prefix_cache:
             raise ValueError("prefix_cache_bytes and prefix_cache_memory need prefix_cache=True")
         if self.offload is not None:
@@ -584,7 +613,8 @@ class Engine:
         if not prefix_cache:
             return None
         return ResidentPrefixStore.for_engine(self.config, prefill_chunk=self.chunk,
-                                              capacity=self.capacity, size=size, memory=memory)
+                                              capacity=self.capacity, size=size, memory=memory,
+                                              mtp=mtp)
 
     # Requests ------------------------------------------------------------------------------
 
@@ -844,9 +874,24 @@ class Engine:
         seat b (`ResidentPrefixStore`: one program, O(L prefix) rows); its prefill starts
         there. O(prompt) hashing."""
         slots, cached = self.prefix_store.lookup(req.prompt, chunk=self.chunk)
+        keep = self._mtp_prefix(req, cached) // self.prefix_store.block_tokens
+        self.prefix_store.pool.decref(slots[keep:][::-1])
+        slots, cached = slots[:keep], keep * self.prefix_store.block_tokens
         self.state = self.prefix_store.write(self.state, b, slots)
         req.cached_tokens = cached
         self.counters["prefix_hit_tokens"] += cached
+
+    def _mtp_prefix(self, req: _Request, cached: int) -> int:
+        """MTP drafts with the prefix cache: of the `cached` tokens (whole chunks) the main
+        cache found for the request, those whose MTP rows are stored with the prompt's own
+        next tokens (`MTPPrefixStore.lookup`: its blocks kept on the request for `_start_mtp`);
+        all of them without MTP drafts, or for a request that takes back its saved MTP state.
+        O(prompt) hashing."""
+        req.mtp_blocks = None
+        if self.mtp_prefix is None or req.mtp_saved is not None or not cached:
+            return cached
+        n, req.mtp_blocks = self.mtp_prefix.lookup(req.prompt, chunks=cached // self.chunk)
+        return n * self.chunk
 
     def _fits(self, req: _Request) -> bool:
         """Whether the request can take a seat now (its pages reserved, or the kept ones
@@ -868,9 +913,10 @@ class Engine:
         matched, cached = np.zeros((0,), np.int32), 0
         if self.prefix is not None:
             matched, cached = self.prefix.match(req.prompt[:-1])
-            keep = cached // self.chunk * self.chunk // self.pool.page_size
+            cached = self._mtp_prefix(req, cached // self.chunk * self.chunk)
+            keep = cached // self.pool.page_size
             self.pool.decref(matched[keep:].tolist())
-            matched, cached = matched[:keep], keep * self.pool.page_size
+            matched = matched[:keep]
         pages = RequestPages(self.pool, self.max_pages, prefix_pages=matched.tolist(),
                              prefix_tokens=cached)
         try:
@@ -1117,6 +1163,10 @@ class Engine:
             self._join(done, logits, num_new, moved)
         if feed:  # after the join: a prompt's last pair takes its first sampled token
             self._feed_mtp(feed, hidden[0], tokens, num_new)
+        if self.mtp_prefix is not None:  # the MTP rows of the chunks completed (final now)
+            self.mtp_prefix.insert(self._mtp, [
+                (r.seat, r.prompt, r.prefilled - int(num_new[r.seat]), r.prefilled,
+                 r.tokens[0] if r.tokens else None) for r in requests])
 
     # MTP drafts: each seat's MTP state -------------------------------------------------------
 
@@ -1149,9 +1199,11 @@ class Engine:
         for req in started:
             if req.mtp_saved is not None:  # `_drop_kept` cleared it if the prompt prefills again
                 self._restore_mtp(req.seat, req.mtp_saved)
+            elif req.mtp_blocks:  # its mapped prefix's MTP rows, from the cache
+                self._mtp = self.mtp_prefix.write(self._mtp, req.seat, req.mtp_blocks)
             else:
                 fresh.append(req.seat)
-            req.mtp_saved = None
+            req.mtp_saved = req.mtp_blocks = None
         if fresh:
             mask = np.zeros((self.seats,), bool)
             mask[fresh] = True

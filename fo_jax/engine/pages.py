@@ -281,7 +281,9 @@ class PrefixCache:
     the least recently released one. Releasing a request's pages last page first puts a chain's
     deepest pages ahead of their ancestors; in any case evicting a page also drops its cached
     descendants (unreachable without it): a refcount-0 descendant goes to the free list, a held
-    one stays with its holders and is freed when they release it.
+    one stays with its holders and is freed when they release it. `on_drop`, when set, is called
+    with the chain hash of every page dropped (what is kept beside a page, as the MTP rows of
+    `fo_jax.engine.mtp_prefix`, goes with it).
 
     Costs: `match` and `insert` are O(len(tokens)) (hashing) + O(pages); eviction is O(pages
     dropped).
@@ -299,12 +301,24 @@ class PrefixCache:
         self.num_evicted = 0  # pages dropped from the cache by evictions (with descendants)
         self.num_lookup_tokens = 0  # tokens passed to match, in full pages (the hit-rate base)
         self.num_hit_tokens = 0  # tokens match found cached
+        # Called with the chain hash of every page the cache drops (an eviction and its
+        # descendants): what is kept beside a page goes with it (`fo_jax.engine.mtp_prefix`).
+        self.on_drop = None
         pool._on_evict = self._evict
 
     @property
     def num_pages(self) -> int:
         """Pages registered (held or not). O(1)."""
         return len(self._page_of)
+
+    def hashes(self, tokens) -> list[bytes]:
+        """The chain hash of each full page of `tokens` (what the cache keys page i by).
+        O(len(tokens)) hashing."""
+        return self._hashes(_as_tokens(tokens))
+
+    def holds(self, chain_hash: bytes) -> bool:
+        """Whether a page with this chain hash is cached (held or not). O(1)."""
+        return chain_hash in self._page_of
 
     def _hashes(self, tokens: np.ndarray) -> list[bytes]:
         z = self.page_size
@@ -403,6 +417,8 @@ class PrefixCache:
             del self._parent[h]
             self.pool.unmark_cached(dropped)
             self.num_evicted += 1
+            if self.on_drop is not None:
+                self.on_drop(h)
 
     def check(self) -> None:
         """Raises AssertionError unless the cache and its pool agree. O(cached pages): tests

@@ -37,6 +37,10 @@ Where the blocks live (`memory`):
                  block inserted: O(L T (D+R) + G T N) bytes per block, against a whole forward
                  pass of its T tokens that the reuse saves.
 
+With MTP drafts (`for_engine(mtp=True)`), the MTP layer's rows of each block's chunk are kept
+beside it by an `fo_jax.engine.mtp_prefix.MTPPrefixStore` on this store's cache (dropped with
+the block) and counted in `block_bytes`.
+
 Blocks are separate arrays (no pool array updated in place), so neither memory needs a scatter
 into host memory (`fo_jax.offload.host` says why that is fragile on accelerators).
 
@@ -59,16 +63,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from fo_jax.config import ModelConfig
+from fo_jax.engine.mtp_prefix import mtp_block_bytes
 from fo_jax.engine.pages import PagePool, PrefixCache
 
 MEMORIES = ("device", "pinned_host")
 
 
-def block_bytes(config: ModelConfig, block_tokens: int) -> int:
+def block_bytes(config: ModelConfig, block_tokens: int, *, mtp: bool = False) -> int:
     """Bytes of one block of T tokens: KV rows of every layer [L, T, D+R] + indexer keys of
-    every group [G, T, N], in the KV dtype."""
+    every group [G, T, N], in the KV dtype; with `mtp`, + the MTP layer's rows of the same
+    tokens ([T, D+R] + [T, N], `fo_jax.engine.mtp_prefix.mtp_block_bytes`)."""
     per_token = config.num_layers * config.kv_width + config.num_groups * config.index_head_dim
-    return int(block_tokens) * per_token * config.jnp_kv_dtype.itemsize
+    extra = mtp_block_bytes(config, block_tokens) if mtp else 0
+    return int(block_tokens) * per_token * config.jnp_kv_dtype.itemsize + extra
 
 
 class ResidentPrefixStore:
@@ -79,12 +86,15 @@ class ResidentPrefixStore:
       block_tokens: T, tokens per block; a reused prefix is whole blocks.
       num_blocks: blocks the store holds at most (the least recently released are evicted).
       memory: "device" or "pinned_host", where the blocks live.
+      mtp: a block also holds the MTP layer's rows of its chunk (MTP drafts: an
+        `fo_jax.engine.mtp_prefix.MTPPrefixStore` on this store's cache keeps them): they
+        count in `block_bytes`.
     Raises:
       ValueError: bad settings.
     """
 
     def __init__(self, config: ModelConfig, *, block_tokens: int, num_blocks: int,
-                 memory: str = "device"):
+                 memory: str = "device", mtp: bool = False):
         for name, value in (("block_tokens", block_tokens), ("num_blocks", num_blocks)):
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
@@ -92,7 +102,7 @@ class ResidentPrefixStore:
             raise ValueError(f"prefix_cache_memory={memory!r} must be one of {MEMORIES}")
         self.config, self.memory = config, memory
         self.block_tokens, self.num_blocks = int(block_tokens), int(num_blocks)
-        self.block_bytes = block_bytes(config, self.block_tokens)
+        self.block_bytes = block_bytes(config, self.block_tokens, mtp=mtp)
         self.pool = PagePool(self.num_blocks, self.block_tokens)
         self.cache = PrefixCache(self.pool)
         self._kv: list = [None] * self.num_blocks  # slot -> [L, T, D+R]
@@ -101,12 +111,14 @@ class ResidentPrefixStore:
 
     @classmethod
     def for_engine(cls, config: ModelConfig, *, prefill_chunk: int, capacity: int,
-                   size: int | None, memory: str = "device") -> "ResidentPrefixStore":
+                   size: int | None, memory: str = "device",
+                   mtp: bool = False) -> "ResidentPrefixStore":
         """The store of a resident `Engine(prefix_cache=True, prefix_cache_bytes=size,
         prefix_cache_memory=memory)`: blocks of one prefill chunk (a reused prefix is whole
         chunks anyway: a finer block would be of use only with the rest of its chunk, and the
         offloaded cache's rule, prefill_chunk a multiple of the block, holds by construction),
-        as many as `size` bytes hold (default: one seat's, capacity // prefill_chunk).
+        as many as `size` bytes hold (default: one seat's, capacity // prefill_chunk). `mtp`
+        (MTP drafts): a block's bytes count the MTP layer's rows of its chunk too.
 
         Raises:
           ValueError: a bad memory or size, or a chunk that leaves no whole chunk before the
@@ -119,7 +131,7 @@ class ResidentPrefixStore:
                              f"but prefill_chunk={prefill_chunk} leaves none before the last "
                              f"token of a prompt in a seat of {capacity} tokens: lower "
                              "prefill_chunk")
-        per_block = block_bytes(config, prefill_chunk)
+        per_block = block_bytes(config, prefill_chunk, mtp=mtp)
         if size is None:
             blocks = capacity // prefill_chunk
         else:
@@ -132,9 +144,11 @@ class ResidentPrefixStore:
                 raise ValueError(
                     f"prefix_cache_bytes={size} holds no block of {prefill_chunk} tokens "
                     f"({per_block} bytes: KV rows of {config.num_layers} layers and indexer "
-                    f"keys of {groups} group{'s' if groups > 1 else ''}): raise it, or lower "
+                    f"keys of {groups} group{'s' if groups > 1 else ''}"
+                    f"{', and the MTP layer' if mtp else ''}): raise it, or lower "
                     "prefill_chunk")
-        return cls(config, block_tokens=prefill_chunk, num_blocks=blocks, memory=memory)
+        return cls(config, block_tokens=prefill_chunk, num_blocks=blocks, memory=memory,
+                   mtp=mtp)
 
     def occupancy(self) -> dict:
         """Blocks cached (evictable), held (being copied), free and total; bytes cached and

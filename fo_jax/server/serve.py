@@ -260,9 +260,6 @@ def _check_mtp_flags(args, config, load, num_drafts: int, *, devices) -> None:
     if load is not None and getattr(load, "func", None) is not load_checkpoint:
         raise ValueError("--drafter mtp needs the MTP layers of a Hugging Face checkpoint "
                          "(--model-dir of one with num_nextn_predict_layers >= 1)")
-    if args.prefix_cache:
-        raise ValueError("--drafter mtp cannot run with --prefix-cache (a cached prefix is not "
-                         "prefilled: no hidden states for the MTP layer)")
     if devices is not None:
         raise ValueError("--drafter mtp runs on one device: drop --devices")
 

@@ -117,8 +117,8 @@ def test_engine_flags_reach_the_engine():
 
 def test_mtp_drafter_flag_loads_the_checkpoints_mtp_layer(capsys, tmp_path):
     """--drafter mtp: a Hugging Face checkpoint's MTP layer (the parity fixture, with a
-    tokenizer) reaches the engine; refused (before any weight is read) without drafts, for a
-    model without an MTP layer and with the prefix cache."""
+    tokenizer) reaches the engine; refused (before any weight is read) without drafts and for a
+    model without an MTP layer; with the prefix cache, both paths build."""
     import pathlib
 
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -141,9 +141,13 @@ def test_mtp_drafter_flag_loads_the_checkpoints_mtp_layer(capsys, tmp_path):
             (["--model-dir", parity], "--drafter mtp needs --num-drafts >= 1"),
             (["--model", "tiny", "--num-drafts", "1"],
              "--drafter mtp needs a model with an MTP layer (num_nextn_predict_layers >= 1); "
-             "'tiny' has none: use --drafter ngram"),
-            (["--model-dir", parity, "--num-drafts", "1", "--offload", "--prefix-cache"],
-             "--drafter mtp cannot run with --prefix-cache (a cached prefix is not prefilled: "
-             "no hidden states for the MTP layer)")):
+             "'tiny' has none: use --drafter ngram")):
         assert cli.main(["bench-serve", *flags, "--drafter", "mtp"]) == 2
         assert message in capsys.readouterr().err
+    # With the prefix cache (offloaded or resident): the MTP rows of cached chunks are kept
+    # beside it (tests/engine/test_engine_mtp.py runs such engines).
+    for flags in (["--offload", "--hot-slots", "64"], []):
+        engine = build_engine(parser.parse_args([
+            "--model-dir", parity, "--capacity", "64", "--prefill-chunk", "16", "--num-drafts",
+            "1", "--drafter", "mtp", "--prefix-cache", *flags]))[0]
+        assert engine.drafter == "mtp" and engine.mtp_prefix is not None

@@ -2,7 +2,8 @@
 loop's drafts are those of the host `fo_jax.drafting.MTPDrafter` for the same history; an
 engine drafting with the MTP layer gives every request the tokens it gets alone in the same
 engine, bit for bit (offloaded: the resident engine's), through staggered arrivals, preemption
-with dropped pages (replay) and with kept pages; bad settings are refused with clear messages.
+with dropped pages (replay) and with kept pages, and with the prefix cache (the MTP rows of a
+mapped prefix from the cache, bit for bit); bad settings are refused with clear messages.
 
 The MTP layer: random parameters plus a copy of the input token (eh_proj passes the token's
 embedding through, the head reads it back), so its drafts repeat the last token more often than
@@ -24,8 +25,10 @@ from fo_jax import resident
 from fo_jax.config import get_config
 from fo_jax.engine import loop as engine_loop
 from fo_jax.engine.engine import Engine
+from fo_jax.engine.mtp_prefix import mtp_block_bytes
 from fo_jax.engine.loop import (MTPSeats, OffloadedStep, ResidentStep, Sampling, Seats,
                                 decode_loop, mtp_feed_jit)
+from fo_jax.engine.resident_prefix import block_bytes
 from fo_jax.model.dsa import init_params
 from fo_jax.model.mtp import init_mtp_params
 from fo_jax.offload.config import OffloadConfig
@@ -38,6 +41,7 @@ CONFIG = get_config("tiny").replace(num_layers=2, indexer_layers=(0,), max_ways=
                                     num_nextn_predict_layers=1)
 CAPACITY = 32
 DRAFTS = 2
+CHUNK = 8  # prefill_chunk
 
 
 @functools.cache
@@ -258,16 +262,10 @@ def test_preempted_mtp_requests_resume_with_their_mtp_state():
                                     r"drafter='mtp': pass drafter='mtp', or drop mtp"),
     (dict(drafter="mtp", num_drafts=2, mtp={"enorm": 0}),
      r"drafter='mtp': MTP params: missing \["),
-    (dict(drafter="mtp", num_drafts=2, mtp="MTP", offload=True, prefix_cache=True),
-     r"drafter='mtp' cannot run with prefix_cache: a prompt prefix mapped from the cache is "
-     r"not prefilled, so there are no hidden states to feed the MTP layer for it; use "
-     r"drafter='ngram' with prefix_cache, or drop prefix_cache"),
 ])
 def test_bad_mtp_settings_are_refused(kwargs, message):
     if kwargs.get("mtp") == "MTP":
         kwargs["mtp"] = _mtp()
-    if kwargs.pop("offload", False):
-        kwargs["offload"] = _offload()
     with pytest.raises(ValueError, match=message):
         Engine(_params(), CONFIG, seats=2, capacity=CAPACITY, prefill_chunk=8, **kwargs)
 
@@ -318,3 +316,199 @@ def test_mtp_draft_loop_carries_both_states_in_place():
                          (mtp_seats, ("state.lengths", "draft", "hidden"))):
         hlo_checks.assert_no_state_copies(compiled, tree, ignore=ignore)
         hlo_checks.assert_donation_aliased(compiled, tree, ignore=ignore)
+
+
+# MTP drafts with the prefix cache (fo_jax.engine.mtp_prefix): a request that maps a cached
+# prefix also gets its MTP layer rows from the cache (stored per prefill chunk, keyed by the
+# chunk's chain hash and the token after it), bit for bit those a prefill from scratch
+# computes, so its drafts and tokens are those of its run alone without the cache; its prefill
+# drops by the reused tokens, no page or block leaks, and a prefix followed by another next
+# token than the stored one maps one chunk fewer. (In this file: the programs are those of the
+# tests above, compiled once.)
+
+
+def _prefix_engine(path, **kwargs):
+    """An engine of `_engine` with the prefix cache. path: "resident", "resident-pinned" (the
+    prefix store in pinned host memory) or "ring" (offloaded: the MTP rows of cached chunks
+    in pinned host memory, as the host pages)."""
+    if path == "resident-pinned":
+        path, kwargs["prefix_cache_memory"] = "resident", "pinned_host"
+    return _engine(path, prefix_cache=True, **kwargs)
+
+
+def _prompt(seed, length):
+    return np.random.default_rng(seed).integers(0, CONFIG.vocab_size, length).tolist()
+
+
+SYSTEM = [96] * 6 + _prompt(99, 10)  # two prefill chunks
+
+
+@functools.cache
+def _solo(path, prompt, max_tokens):
+    """The request alone on the same engine without the prefix cache: its tokens, and its
+    seat's MTP state right after its prefill (rows [0, length), length, draft, h')."""
+    engine = _engine(path.split("-")[0])
+    rid = engine.add_request(list(prompt), max_tokens=max_tokens)
+    seen = _watch(engine)
+    out = engine.run()[rid]
+    return tuple(out.token_ids), seen[rid]
+
+
+def _watch(engine):
+    """Record each request's seat MTP state right after the prefill program that completes
+    its prompt (and, with a mapped prefix, its MTP rows right after admission)."""
+    seen, prefill, start = {}, engine._prefill, engine._start_mtp
+
+    def watched_prefill(moved):
+        before = [r for r in engine._occupant if r is not None and r.prefilled < len(r.prompt)]
+        prefill(moved)
+        for req in before:
+            if req.prefilled == len(req.prompt):
+                seen[req.request_id] = engine._save_mtp(req.seat)
+
+    def watched_start(started):
+        start(started)
+        for req in started:
+            if req.cached_tokens:
+                seen["admitted", req.request_id] = engine._save_mtp(req.seat)
+
+    engine._prefill, engine._start_mtp = watched_prefill, watched_start
+    return seen
+
+
+def _check(engine):
+    if engine.pool is not None:
+        engine.pool.check()
+        engine.prefix.check()
+        assert engine.pool.num_held == len({p for r in engine._occupant if r is not None
+                                            for p in r.pages.pages.tolist()})
+    else:
+        engine.prefix_store.check()
+    engine.mtp_prefix.check()
+    memory = "pinned_host"
+    if engine.prefix_store is not None:
+        memory = engine.prefix_store.memory
+    for _, kv, keys in engine.mtp_prefix._blocks.values():
+        assert kv.sharding.memory_kind == keys.sharding.memory_kind == memory
+
+
+@pytest.mark.parametrize("path", ["resident", "ring"])
+def test_shared_prefix_requests_with_mtp_drafts_equal_their_solo_runs(path):
+    """Three requests share a 16-token system prompt (two chunks) and the token after it,
+    arriving while the first
+    prefills and decodes: the later ones map both chunks (main KV and MTP rows) and prefill
+    only the rest; their MTP rows right after admission are the solo prefill's rows of the
+    prefix, their MTP state after the prefill the solo one's, their tokens their solo runs',
+    bit for bit; drafts were accepted; no page or block is left held."""
+    engine = _prefix_engine(path)
+    seen = _watch(engine)
+    # The same token after the system prompt: the second chunk's MTP rows are shared too.
+    specs = [(SYSTEM + [96] * 3, 8), (SYSTEM + [96] + _prompt(2, 6), 6),
+             (SYSTEM + [96] + _prompt(3, 2), 6)]
+    arrivals, ids, step = [0, 2, 3], {}, 0
+    while len(ids) < len(specs) or engine.has_unfinished():
+        for i, at in enumerate(arrivals):
+            if at == step:
+                ids[i] = engine.add_request(specs[i][0], max_tokens=specs[i][1])
+        engine.step()
+        _check(engine)
+        step += 1
+    outputs = engine.run()
+    for i, (prompt, max_tokens) in enumerate(specs):
+        tokens, mtp_state = _solo(path, tuple(prompt), max_tokens)
+        assert tuple(outputs[ids[i]].token_ids) == tokens, i
+        _assert_same_mtp(seen[ids[i]], mtp_state)
+        if i:
+            kv, keys, length, _, _ = seen["admitted", ids[i]]
+            assert length == 16
+            np.testing.assert_array_equal(kv, mtp_state[0][:16])
+            np.testing.assert_array_equal(keys, mtp_state[1][:16])
+    c = engine.counters
+    assert c["prefix_hit_tokens"] == 2 * 16
+    assert c["prefill_tokens"] == sum(len(p) for p, _ in specs) - 2 * 16
+    assert c["draft_accepted"] > 0
+    assert engine.mtp_prefix.num_blocks == 2
+    if path != "resident":
+        assert engine.pool_occupancy()["held"] == 0
+
+
+@pytest.mark.parametrize("path", ["resident", "resident-pinned", "ring"])
+def test_a_prefix_followed_by_another_token_maps_one_chunk_fewer(path):
+    """The second chunk's MTP rows take the token after it: a request whose prompt goes on
+    with another token than the stored one maps one chunk (main KV and MTP rows), prefills
+    the second chunk again and stores its MTP rows for its own next token (the latest
+    replaces the stored ones), so the next request of that kind maps both chunks, and one
+    going on with the first token now maps one. Tokens equal the solo runs throughout."""
+    engine = _prefix_engine(path)
+    x, y = _prompt(5, 4), _prompt(6, 4)
+    assert x[0] != y[0]
+    hits = []
+    for prompt in (SYSTEM + x, SYSTEM + x[:1] + y[1:], SYSTEM + y, SYSTEM + y[::-1],
+                   SYSTEM + x):
+        hit, prefilled = engine.counters["prefix_hit_tokens"], engine.counters["prefill_tokens"]
+        rid = engine.add_request(prompt, max_tokens=4)
+        out = engine.run()[rid]
+        _check(engine)
+        assert tuple(out.token_ids) == _solo(path, tuple(prompt), 4)[0]
+        hits.append(engine.counters["prefix_hit_tokens"] - hit)
+        assert engine.counters["prefill_tokens"] - prefilled == len(prompt) - hits[-1]
+    # y[::-1] starts with y[-1]: another token than y[0] unless they agree.
+    assert hits == [0, 16, 8, 16 if y[-1] == y[0] else 8, 8]
+    # The main cache did match both chunks every time.
+    cache = engine.prefix if engine.pool is not None else engine.prefix_store.cache
+    assert cache.num_hit_tokens == 4 * 16
+
+
+def test_mtp_rows_count_in_the_prefix_budget():
+    """Resident: a block of the prefix store holds the MTP layer's rows of its chunk too, and
+    its bytes count in prefix_cache_bytes; offloaded, host_pool_bytes counts a page's MTP rows
+    beside its KV."""
+    per_block = block_bytes(CONFIG, CHUNK) + mtp_block_bytes(CONFIG, CHUNK)
+    assert mtp_block_bytes(CONFIG, CHUNK) == CHUNK * (CONFIG.kv_width + CONFIG.index_head_dim) * 4
+    engine = _prefix_engine("resident", prefix_cache_bytes=3 * per_block - 1)
+    assert engine.prefix_store.num_blocks == 2
+    assert engine.prefix_store.block_bytes == per_block
+    probe = _engine("ring", num_pages=1)
+    page = probe.costs.page_host_bytes + mtp_block_bytes(CONFIG, 4)
+    engine = _prefix_engine("ring", num_pages=None, host_pool_bytes=10 * page)
+    assert engine.pool.num_pages == 10
+
+
+def test_mtp_blocks_are_evicted_with_their_chunks():
+    """Resident, a prefix store of two blocks: a prompt of two other chunks evicts the system
+    prompt's blocks, and their MTP rows go with them (every MTP block's chunk is cached);
+    the system prompt is then prefilled again, its tokens still the solo run's."""
+    per_block = block_bytes(CONFIG, CHUNK, mtp=True)
+    engine = _prefix_engine("resident", prefix_cache_bytes=2 * per_block)
+    hits = []
+    for prompt in (SYSTEM + [96] * 3, _prompt(7, 19), SYSTEM + [96] * 3):
+        hit = engine.counters["prefix_hit_tokens"]
+        rid = engine.add_request(prompt, max_tokens=3)
+        out = engine.run()[rid]
+        _check(engine)
+        assert tuple(out.token_ids) == _solo("resident", tuple(prompt), 3)[0]
+        assert engine.mtp_prefix.num_blocks == 2
+        hits.append(engine.counters["prefix_hit_tokens"] - hit)
+    assert hits == [0, 0, 0]
+    assert engine.prefix_store.cache.num_evicted == 4
+
+
+def test_a_preempted_request_maps_the_prefix_again():
+    """Offloaded, reserve="prompt" in the 16-page pool, three requests sharing a chunk,
+    admitted together (nothing cached yet): the older ones' growth preempts the youngest
+    with its pages dropped; it maps the cached chunk when it resumes (its MTP state comes
+    back as saved) and replays; every request gets its solo tokens; no page is left held."""
+    engine = _prefix_engine("ring", reserve="prompt")
+    specs = [(SYSTEM[:8] + [96] * 2, 20), (SYSTEM[:8] + [96] + _prompt(2, 1), 20),
+             (SYSTEM[:8] + [96] + _prompt(3, 2), 20)]
+    ids = [engine.add_request(p, max_tokens=m) for p, m in specs]
+    while engine.has_unfinished():
+        engine.step()
+        _check(engine)
+    outputs = engine.run()
+    for rid, (prompt, max_tokens) in zip(ids, specs):
+        assert tuple(outputs[rid].token_ids) == _solo("ring", tuple(prompt), max_tokens)[0]
+    c = engine.counters
+    assert c["preemptions"] > c["preemptions_kept_pages"] == 0 and c["replayed_tokens"] > 0
+    assert c["prefix_hit_tokens"] > 0
+    assert engine.pool_occupancy()["held"] == 0
