@@ -1,8 +1,11 @@
 """DataParallelEngine (fo_jax.engine.data_parallel): a request stream on 4 simulated devices
 in a subprocess (dp_engine_cases.py: tokens bit for bit those of a single-device Engine, the
 placement rule followed, arrays and host pools on their rank's device, pools empty at the
-end); in this process (one device, listed twice: two ranks) the refusals and the placement
-bookkeeping, without stepping."""
+end); with MTP drafts on 2 simulated devices in another (dp_mtp_cases.py: tokens bit for bit
+those of one Engine with the same MTP drafter, offloaded and resident, each rank's MTP layer
+on its device, draft counters summed; `serve --devices 2 --drafter mtp` builds it); in this
+process (one device, listed twice: two ranks) the refusals and the placement bookkeeping,
+without stepping."""
 
 import functools
 import os
@@ -19,21 +22,30 @@ from fo_jax.offload.config import OffloadConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASES = os.path.join(ROOT, "tests", "engine", "dp_engine_cases.py")
+MTP_CASES = os.path.join(ROOT, "tests", "engine", "dp_mtp_cases.py")
 CONFIG = get_config("tiny").replace(num_layers=2, indexer_layers=(0,), max_ways=1,
                                     index_topk=4)
 OFFLOAD = OffloadConfig(hot_slots=8, page_size=4, capacity=32, policy="ring")
 
 
-def test_stream_on_four_devices():
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+def _run_cases(script, devices):
+    flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    # subprocess.run kills the child when the time is up; ~45 s of CPU on a quiet machine.
-    proc = subprocess.run([sys.executable, CASES], env=env, cwd=ROOT, capture_output=True,
+    # subprocess.run kills the child when the time is up.
+    proc = subprocess.run([sys.executable, script], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     assert "ALL OK" in proc.stdout, output[-6000:]
+
+
+def test_stream_on_four_devices():
+    _run_cases(CASES, 4)  # ~45 s of CPU on a quiet machine
+
+
+def test_mtp_drafts_on_two_devices():
+    _run_cases(MTP_CASES, 2)  # ~45 s of CPU on a quiet machine
 
 
 @functools.cache
@@ -187,3 +199,27 @@ def test_server_driver_over_two_ranks():
     assert not engine.has_unfinished() and engine._placed == {}  # released by the driver
     assert driver.snapshot.pool["total"] == 32 and driver.snapshot.pool["held"] == 0
     assert driver.snapshot.counters["requests_finished"] >= 3
+
+
+def test_cli_mtp_drafter_with_devices(capsys, tmp_path):
+    """--devices with --drafter mtp is served (test_mtp_drafts_on_two_devices), but not with
+    --prefix-cache: refused before any weight is read, as without --devices."""
+    import pathlib
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from fo_jax import cli
+
+    fixture = pathlib.Path(ROOT) / "tests" / "fixtures" / "parity" / "deepseek_v32"
+    parity = tmp_path / "deepseek_v32"
+    parity.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (parity / name).symlink_to(fixture / name)
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(parity / "tokenizer.json"))
+    flags = ["--model-dir", str(parity), "--devices", "1", "--drafter", "mtp", "--num-drafts",
+             "1", "--offload", "--capacity", "32"]
+    assert cli.main(["bench-serve", *flags, "--prefix-cache"]) == 2
+    assert ("--drafter mtp cannot run with --prefix-cache (a cached prefix is not prefilled: "
+            "no hidden states for the MTP layer)") in capsys.readouterr().err
