@@ -132,7 +132,7 @@ class DataParallelEngine:
             with jax.default_device(device):
                 if device not in on_device:
                     on_device[device] = (jax.device_put(params, device),
-                                         None if mtp is None else jax.device_put(mtp, device))
+                                         _arrays_to(mtp, device))
                 rank_params, rank_mtp = on_device[device]
                 self.engines.append(Engine(rank_params, config, mtp=rank_mtp,
                                            **engine_kwargs))
@@ -427,6 +427,13 @@ class DataParallelEngine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _arrays_to(tree, device: jax.Device):
+    """`tree` with its array leaves (jax or numpy) copied to `device`; its other leaves (None,
+    or what the `Engine` refuses with its own message) as they are."""
+    return jax.tree.map(lambda x: jax.device_put(x, device)
+                        if isinstance(x, (jax.Array, np.ndarray)) else x, tree)
 
 
 def _seat_ids(engine: Engine) -> list[str | None]:

@@ -76,6 +76,8 @@ def _engine(placement=None, offload=OFFLOAD, **kwargs):
                                    "log per engine); read counters, stats and imbalance() "
                                    "instead"),
     (dict(seats=0), "seats=0 must be an int >= 1"),  # the Engine's own
+    (dict(mtp="MTP"), "mtp (the MTP parameters) is read only with drafter='mtp': pass "
+                      "drafter='mtp', or drop mtp"),  # the Engine's, not a failed copy
 ])
 def test_refused_settings(kwargs, message):
     kwargs.setdefault("seats", 1)
