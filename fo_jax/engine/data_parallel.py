@@ -16,6 +16,13 @@ data-parallel replica). Nothing crosses devices: a request is placed on one rank
 alone on one device (bit for bit: every program has the same shapes whoever sits in the other
 seats, see `fo_jax.engine.engine`).
 
+Drafts run per rank as in one `Engine` (`num_drafts`, `drafter`): with MTP drafts
+(`drafter="mtp", mtp=...`) the MTP parameters are copied to every device as the weights are
+(one copy per device) and each rank keeps its own seats' MTP state, so a request's tokens are
+still those of one `Engine` with the same drafter serving it alone, bit for bit (offloaded and
+resident); `counters` sums the ranks' `draft_proposed` / `draft_accepted` with the rest. With
+`prefix_cache` too, each rank keeps the MTP rows of the chunks it cached (see `Engine`).
+
 `step()` steps every rank that has work at once, one thread per rank (jax releases the GIL
 while a device runs; in one thread the ranks would take turns, since each `Engine.step`
 waits for its own tokens), and returns the union of their outputs. The step ends when the
@@ -84,8 +91,9 @@ class DataParallelEngine:
       placement: a rule of `fo_jax.placement.RULES`, or None for the default (least_misses
         offloaded, least_context resident).
       **engine_kwargs: `Engine`'s arguments (seats, capacity, offload, ...), for every rank:
-        `seats` and `num_pages` are per rank. `metrics_path` is not supported (one log per
-        engine: read `counters` / `imbalance()` instead).
+        `seats` and `num_pages` are per rank; `mtp` (the MTP parameters) is copied to every
+        device, as the weights are. `metrics_path` is not supported (one log per engine:
+        read `counters` / `imbalance()` instead).
     Raises:
       ValueError: bad devices or placement, and every `Engine` refusal, before anything is
         allocated on a second device.
@@ -117,12 +125,16 @@ class DataParallelEngine:
                              "engine); read counters, stats and imbalance() instead")
         self.devices, self.placement = devices, placement
         self.engines: list[Engine] = []
-        on_device = {}
+        mtp = engine_kwargs.pop("mtp", None)
+        on_device = {}  # device: (weights, MTP parameters or None), one copy per device
         for device in devices:
             with jax.default_device(device):
                 if device not in on_device:
-                    on_device[device] = jax.device_put(params, device)
-                self.engines.append(Engine(on_device[device], config, **engine_kwargs))
+                    on_device[device] = (jax.device_put(params, device),
+                                         _arrays_to(mtp, device))
+                rank_params, rank_mtp = on_device[device]
+                self.engines.append(Engine(rank_params, config, mtp=rank_mtp,
+                                           **engine_kwargs))
         first = self.engines[0]
         self.config, self.offload, self.tokenizer = first.config, first.offload, first.tokenizer
         self.capacity, self.chunk, self.n_steps = first.capacity, first.chunk, first.n_steps
@@ -414,6 +426,13 @@ class DataParallelEngine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _arrays_to(tree, device: jax.Device):
+    """`tree` with its array leaves (jax or numpy) copied to `device`; its other leaves (None,
+    or what the `Engine` refuses with its own message) as they are."""
+    return jax.tree.map(lambda x: jax.device_put(x, device)
+                        if isinstance(x, (jax.Array, np.ndarray)) else x, tree)
 
 
 def _seat_ids(engine: Engine) -> list[str | None]:

@@ -101,7 +101,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --num-drafts: n-gram lookup in each request's history, or "
                              "the model's MTP layer (a --model-dir Hugging Face checkpoint "
                              "with num_nextn_predict_layers >= 1; a preset's random weights "
-                             "get a random one)")
+                             "get a random one; with --devices, one copy per device)")
     parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--devices", type=int, default=None,
                         help="serve data-parallel on this many local devices: one engine per "
@@ -247,7 +247,7 @@ def warm_up(engine) -> None:
         engine.reset_figures()
 
 
-def _check_mtp_flags(args, config, load, num_drafts: int, *, devices) -> None:
+def _check_mtp_flags(args, config, load, num_drafts: int) -> None:
     """Raise unless --drafter mtp can run with these flags (before any weight is read)."""
     from fo_jax.checkpoints import load_checkpoint
 
@@ -260,8 +260,6 @@ def _check_mtp_flags(args, config, load, num_drafts: int, *, devices) -> None:
     if load is not None and getattr(load, "func", None) is not load_checkpoint:
         raise ValueError("--drafter mtp needs the MTP layers of a Hugging Face checkpoint "
                          "(--model-dir of one with num_nextn_predict_layers >= 1)")
-    if devices is not None:
-        raise ValueError("--drafter mtp runs on one device: drop --devices")
 
 
 def build_engine(args):
@@ -306,7 +304,7 @@ def build_engine(args):
         raise ValueError(f"--num-drafts {num_drafts}: {err}") from None
     drafter = getattr(args, "drafter", "ngram")
     if drafter == "mtp":
-        _check_mtp_flags(args, config, load, num_drafts, devices=getattr(args, "devices", None))
+        _check_mtp_flags(args, config, load, num_drafts)
     capacity = min(config.max_seq_len, 2048) if args.capacity is None else args.capacity
     offload = None
     if args.offload:

@@ -1,8 +1,11 @@
 """DataParallelEngine (fo_jax.engine.data_parallel): a request stream on 4 simulated devices
 in a subprocess (dp_engine_cases.py: tokens bit for bit those of a single-device Engine, the
 placement rule followed, arrays and host pools on their rank's device, pools empty at the
-end); in this process (one device, listed twice: two ranks) the refusals and the placement
-bookkeeping, without stepping."""
+end); with MTP drafts on 2 simulated devices in another (dp_mtp_cases.py: tokens bit for bit
+those of one Engine with the same MTP drafter, offloaded and resident, each rank's MTP layer
+on its device, draft counters summed; `serve --devices 2 --drafter mtp` builds it); in this
+process (one device, listed twice: two ranks) the refusals and the placement bookkeeping,
+without stepping."""
 
 import functools
 import os
@@ -19,21 +22,30 @@ from fo_jax.offload.config import OffloadConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASES = os.path.join(ROOT, "tests", "engine", "dp_engine_cases.py")
+MTP_CASES = os.path.join(ROOT, "tests", "engine", "dp_mtp_cases.py")
 CONFIG = get_config("tiny").replace(num_layers=2, indexer_layers=(0,), max_ways=1,
                                     index_topk=4)
 OFFLOAD = OffloadConfig(hot_slots=8, page_size=4, capacity=32, policy="ring")
 
 
-def test_stream_on_four_devices():
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+def _run_cases(script, devices):
+    flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    # subprocess.run kills the child when the time is up; ~45 s of CPU on a quiet machine.
-    proc = subprocess.run([sys.executable, CASES], env=env, cwd=ROOT, capture_output=True,
+    # subprocess.run kills the child when the time is up.
+    proc = subprocess.run([sys.executable, script], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     assert "ALL OK" in proc.stdout, output[-6000:]
+
+
+def test_stream_on_four_devices():
+    _run_cases(CASES, 4)  # ~45 s of CPU on a quiet machine
+
+
+def test_mtp_drafts_on_two_devices():
+    _run_cases(MTP_CASES, 2)  # ~45 s of CPU on a quiet machine
 
 
 @functools.cache
@@ -64,6 +76,8 @@ def _engine(placement=None, offload=OFFLOAD, **kwargs):
                                    "log per engine); read counters, stats and imbalance() "
                                    "instead"),
     (dict(seats=0), "seats=0 must be an int >= 1"),  # the Engine's own
+    (dict(mtp="MTP"), "mtp (the MTP parameters) is read only with drafter='mtp': pass "
+                      "drafter='mtp', or drop mtp"),  # the Engine's, not a failed copy
 ])
 def test_refused_settings(kwargs, message):
     kwargs.setdefault("seats", 1)
@@ -187,3 +201,33 @@ def test_server_driver_over_two_ranks():
     assert not engine.has_unfinished() and engine._placed == {}  # released by the driver
     assert driver.snapshot.pool["total"] == 32 and driver.snapshot.pool["held"] == 0
     assert driver.snapshot.counters["requests_finished"] >= 3
+
+
+def test_cli_mtp_drafter_with_devices_and_prefix_cache(tmp_path):
+    """--devices with --drafter mtp is served (test_mtp_drafts_on_two_devices), with
+    --prefix-cache too: each rank keeps the MTP rows of its cached chunks
+    (tests/engine/test_engine_mtp.py checks such an engine's tokens)."""
+    import argparse
+    import pathlib
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from fo_jax.server.serve import add_engine_arguments, build_engine
+
+    fixture = pathlib.Path(ROOT) / "tests" / "fixtures" / "parity" / "deepseek_v32"
+    parity = tmp_path / "deepseek_v32"
+    parity.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (parity / name).symlink_to(fixture / name)
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(parity / "tokenizer.json"))
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    engine = build_engine(parser.parse_args([
+        "--model-dir", str(parity), "--devices", "1", "--drafter", "mtp", "--num-drafts", "1",
+        "--offload", "--hot-slots", "64", "--capacity", "64", "--prefill-chunk", "16",
+        "--prefix-cache"]))[0]
+    assert isinstance(engine, DataParallelEngine) and len(engine.engines) == 1
+    rank = engine.engines[0]
+    assert rank.drafter == "mtp" and rank.mtp_prefix is not None
