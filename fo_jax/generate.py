@@ -11,8 +11,9 @@ token per request; `generate` samples (greedy at temperature 0, else temperature
 PRNG key). With a drafter (`draft="ngram"` or `"mtp"`, `fo_jax.drafting`) a generation
 verifies W - 1 drafted tokens per step and rolls the rejected ones back (`engine.rollback`):
 greedy, the same tokens in fewer steps; sampled, speculative sampling (the decode loop's rule,
-`fo_jax.engine.loop.speculative_tokens`): tokens of the same distribution. With `decode_steps_per_call=N > 1` it runs N steps per compiled call
-instead (`fo_jax.engine.decode_loop`: sampling on the device, the same tokens).
+`fo_jax.engine.loop.speculative_tokens`): tokens of the same distribution. With
+`decode_steps_per_call=N > 1` it runs N steps per compiled call instead
+(`fo_jax.engine.decode_loop`: sampling on the device, the same tokens).
 Offload statistics are summed on the device step by step (no host sync per step). Engines keep
 each request's length on the host and refuse a step past capacity before it runs; with
 `check=True` (debug; `fo-jax generate --check`) they read the whole state back after the
