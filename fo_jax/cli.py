@@ -79,10 +79,11 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="prompt tokens per prefill call (default 2048: "
                           "fo_jax.generate.PREFILL_CHUNK)")
     gen.add_argument("--draft", default="none", choices=("none", "ngram", "mtp"),
-                     help="speculative decoding (greedy only): drafts from prompt lookup "
-                          "(ngram) or the model's MTP layer (mtp: a --model-dir HF checkpoint "
-                          "with MTP layers, resident path only), verified by W-way decode "
-                          "steps; the tokens are those of --draft none")
+                     help="speculative decoding: drafts from prompt lookup (ngram) or the "
+                          "model's MTP layer (mtp: a --model-dir HF checkpoint with MTP "
+                          "layers), verified by W-way decode steps; at --temperature 0 the "
+                          "tokens are those of --draft none, above it speculative sampling "
+                          "draws tokens of the same distribution")
     gen.add_argument("--num-drafts", type=int, default=None,
                      help="with --draft: drafts per step (default: the model's max_ways - 1)")
     gen.add_argument("--decode-steps-per-call", type=int, default=1,
@@ -341,7 +342,7 @@ def _cmd_generate(args) -> int:
     gen.check_sampling(args.temperature, args.top_p)
     if args.draft == "none" and args.num_drafts is not None:
         raise ValueError("--num-drafts applies with --draft ngram or mtp only")
-    _, num_drafts = gen.check_draft(args.draft, args.num_drafts, args.temperature, config)
+    _, num_drafts = gen.check_draft(args.draft, args.num_drafts, config)
     if args.draft == "mtp":
         from fo_jax.checkpoints import load_checkpoint
 

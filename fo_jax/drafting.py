@@ -6,8 +6,9 @@
 A drafter sees each request's history (prompt + every token generated so far, the last one not
 yet fed to the model) and proposes `num_drafts` tokens to follow it. `fo_jax.generate` feeds
 [last token, drafts...] as the W = 1 + num_drafts ways of one decode step and keeps the longest
-prefix of drafts equal to the model's greedy choices (see `generate`): a drafter changes how
-many tokens a step yields, never which tokens.
+prefix of drafts equal to the model's greedy choices at temperature 0, or the drafts that
+speculative sampling accepts above it (see `generate`): a drafter changes how many tokens a
+step yields, never which tokens (greedy) or their distribution (sampled).
 
   * `NGramDrafter` (prompt lookup): finds the most recent earlier occurrence of the history's
     last n tokens (n from `max_ngram` down to `min_ngram`) and proposes what followed it. Needs
@@ -228,9 +229,10 @@ class MTPDrafter:
             hid = self._hidden if hid is None else jnp.where(here[:, None], self._hidden, hid)
         self._draft, self._hidden = draft, hid
 
-    def observe(self, hidden, greedy, keep) -> None:
-        """After a verification step: hidden [B, W, E] of the W fed tokens, greedy [B, W] the
-        model's tokens after each, keep [B] how many fed tokens were kept (0: none)."""
+    def observe(self, hidden, tokens, keep) -> None:
+        """After a verification step: hidden [B, W, E] of the W fed tokens, tokens [B, W] the
+        tokens generated after each (greedy or sampled; read for the kept ones only), keep [B]
+        how many fed tokens were kept (0: none)."""
         if self.state is None:
             raise ValueError("MTPDrafter.observe before start: the generation loop calls "
                              "start after the prefill")
@@ -238,7 +240,7 @@ class MTPDrafter:
 
         self.state = rollback(self.state, self.state.lengths - self._real)
         keep = np.asarray(keep, np.int32)
-        logits, out = self._run(hidden, greedy, keep)
+        logits, out = self._run(hidden, tokens, keep)
         self._take(logits, out, keep - 1)
 
     def propose(self, histories: Sequence[Sequence[int]], num_drafts: int) -> np.ndarray:

@@ -8,10 +8,12 @@
 An engine prefills a ragged batch of prompts (in chunks of `prefill_chunk` tokens, default
 `PREFILL_CHUNK`: a long prompt never runs as one program) and then takes decode steps of one
 token per request; `generate` samples (greedy at temperature 0, else temperature + top-p with a
-PRNG key). With a drafter (`draft="ngram"` or `"mtp"`, `fo_jax.drafting`) a greedy generation
+PRNG key). With a drafter (`draft="ngram"` or `"mtp"`, `fo_jax.drafting`) a generation
 verifies W - 1 drafted tokens per step and rolls the rejected ones back (`engine.rollback`):
-the same tokens in fewer steps. With `decode_steps_per_call=N > 1` it runs N steps per compiled call
-instead (`fo_jax.engine.decode_loop`: sampling on the device, the same tokens).
+greedy, the same tokens in fewer steps; sampled, speculative sampling (the decode loop's rule,
+`fo_jax.engine.loop.speculative_tokens`): tokens of the same distribution. With
+`decode_steps_per_call=N > 1` it runs N steps per compiled call instead
+(`fo_jax.engine.decode_loop`: sampling on the device, the same tokens).
 Offload statistics are summed on the device step by step (no host sync per step). Engines keep
 each request's length on the host and refuse a step past capacity before it runs; with
 `check=True` (debug; `fo-jax generate --check`) they read the whole state back after the
@@ -42,6 +44,7 @@ from fo_jax.engine.loop import (
     Sampling,
     Seats,
     decode_loop,
+    speculative_tokens,
 )
 from fo_jax.offload import decode as offload_decode
 from fo_jax.offload import prefill as offload_prefill
@@ -565,13 +568,13 @@ def pad_prompts(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     return tokens, lengths
 
 
-def check_draft(draft, num_drafts, temperature, config, engine=None):
+def check_draft(draft, num_drafts, config, engine=None):
     """The drafter and W - 1 drafts per step a generation runs with: (drafter or None, n).
 
     draft: "none", "ngram", "mtp" (`fo_jax.drafting.make_drafter`; "mtp" needs the `engine`
-    it drafts for) or a Drafter object; num_drafts: None for config.max_ways - 1. Drafts are
-    verified greedily, so a drafter needs temperature 0 (speculative sampling is not
-    implemented).
+    it drafts for) or a Drafter object; num_drafts: None for config.max_ways - 1. Any
+    temperature goes with a drafter: drafts are verified greedily at temperature 0 and by
+    speculative sampling above (`generate`).
     """
     if draft == "mtp" and engine is None and config.num_nextn_predict_layers >= 1:
         drafter = "mtp"  # checked without an engine (the CLI, before loading): built later
@@ -588,10 +591,6 @@ def check_draft(draft, num_drafts, temperature, config, engine=None):
             raise ValueError(f"num_drafts={num_drafts!r} needs a drafter: pass draft='ngram' "
                              "(or 'mtp'), or leave num_drafts None")
         return None, 0
-    if temperature != 0:
-        raise ValueError(f"draft={getattr(drafter, 'name', draft)!r} verifies drafts greedily "
-                         f"and needs temperature=0, got temperature={temperature!r}: "
-                         "speculative sampling is not implemented; use draft='none' to sample")
     most = config.max_ways - 1
     num_drafts = most if num_drafts is None else num_drafts
     if (not isinstance(num_drafts, (int, np.integer)) or isinstance(num_drafts, bool)
@@ -627,12 +626,18 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
       progress: show a progress bar.
       draft: "none", "ngram" (prompt lookup), "mtp" (the model's MTP layer: a ResidentEngine
         built with `mtp=`; `fo_jax.drafting.MTPDrafter`) or a `fo_jax.drafting.Drafter`.
-        With a drafter (greedy only), each step feeds [last token, num_drafts drafts] as W
-        ways, keeps the longest prefix of drafts equal to the greedy tokens plus the next
-        greedy token, and rolls the rest back (`engine.rollback`): the tokens are those of
-        W = 1 greedy decoding (each way's logits equal a W = 1 step's up to float rounding,
-        so only a near-tie of the two largest logits could tell them apart), in fewer steps
-        when drafts are accepted.
+        With a drafter, each step feeds [last token, num_drafts drafts] as W ways and
+        rolls back what it does not keep (`engine.rollback`). Greedy (temperature 0): it
+        keeps the longest prefix of drafts equal to the greedy tokens plus the next greedy
+        token: the tokens are those of W = 1 greedy decoding (each way's logits equal a
+        W = 1 step's up to float rounding, so only a near-tie of the two largest logits
+        could tell them apart), in fewer steps when drafts are accepted. Sampled
+        (temperature > 0): speculative sampling, the decode loop's rule
+        (`fo_jax.engine.loop.speculative_tokens`): a draft d is accepted with probability
+        p(d), p the nucleus distribution `sample` draws from at the way before it; the first
+        rejection samples p without d, renormalized; after num_drafts acceptances a bonus
+        token is sampled. The tokens follow the distribution of sampling without drafts,
+        token by token, but are other draws than a draft="none" run with the same key.
       num_drafts: drafts per step, default config.max_ways - 1.
       on_rollback: with a drafter, called as on_rollback(step, keep [B]) after each step's
         rollback (keep[b]: tokens fed to request b that were kept).
@@ -652,7 +657,7 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
     if max_new_tokens < 1:
         raise ValueError(f"{max_new_tokens=} must be >= 1")
     check_sampling(temperature, top_p)
-    drafter, num_drafts = check_draft(draft, num_drafts, temperature, config, engine)
+    drafter, num_drafts = check_draft(draft, num_drafts, config, engine)
     check_decode_steps_per_call(decode_steps_per_call)
     if decode_steps_per_call > 1 and on_step is not None:
         raise ValueError("on_step sees the logits of every step; a decode loop of "
@@ -697,7 +702,8 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
     if drafter is not None:
         generated, extra = _speculate(engine, drafter, num_drafts, prompts,
                                       np.asarray(next_tokens), max_new_tokens, on_step,
-                                      on_rollback, bar, stop_tokens)
+                                      on_rollback, bar, stop_tokens, temperature=temperature,
+                                      top_p=top_p, key=key)
     elif decode_steps_per_call == 1:
         for step in range(max_new_tokens - 1):
             if stop_tokens and stopped.all():
@@ -745,17 +751,23 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
 
 def _speculate(engine, drafter, num_drafts: int, prompts, first: np.ndarray,
                max_new_tokens: int, on_step, on_rollback, bar,
-               stop_tokens: tuple[int, ...] = ()) -> tuple[np.ndarray, dict]:
-    """The greedy draft-and-verify loop of `generate`: (tokens [B, N], drafting figures).
+               stop_tokens: tuple[int, ...] = (), *, temperature: float = 0.0,
+               top_p: float = 1.0, key: jax.Array | None = None) -> tuple[np.ndarray, dict]:
+    """The draft-and-verify loop of `generate`: (tokens [B, N], drafting figures).
 
     Per step, request b (n_b tokens stored, c_b generated, the last not yet fed) is fed
-    [last, d_1 .. d_D] at positions n_b .. n_b + D; with g the greedy tokens of the W ways and
-    a_b the longest prefix with d_i = g_i, it keeps e_b = min(a_b + 1, N - c_b) fed tokens and
-    generates g_1 .. g_{e_b}: exactly the tokens W = 1 greedy decoding generates one per step.
+    [last, d_1 .. d_D] at positions n_b .. n_b + D. Greedy (temperature 0): with g the greedy
+    tokens of the W ways and a_b the longest prefix with d_i = g_i, it keeps e_b = min(a_b + 1,
+    N - c_b) fed tokens and generates g_1 .. g_{e_b}: exactly the tokens W = 1 greedy decoding
+    generates one per step. Sampled (temperature > 0): a_b drafts accepted and the token after
+    them by speculative sampling (`fo_jax.engine.loop.speculative_tokens`, one key for the
+    batch: `key` split once per step, as `generate` does without drafts), the same cut e_b.
     A request already done (c_b = N) keeps nothing. Ways past the engine's capacity are dropped
-    (only a done request's or a rejected draft's position can be): the capacity W = 1 needs is
-    enough. With `stop_tokens` the loop ends once every request has generated one (the tokens
-    past that column are those never generated: zeros).
+    (only a done request's or a rejected draft's position can be; the ways a kept token reads
+    are within capacity, so their unspecified logits decide nothing): the capacity W = 1
+    needs is enough. With `stop_tokens` the loop ends once every request has generated one
+    (the tokens past that column are those never generated: zeros). Host work per step:
+    O(B W) besides the drafter; the sampled verification is one jitted call of O(B W V log V).
     """
     config = engine.config
     needs_hidden = getattr(drafter, "needs_hidden", False)
@@ -766,6 +778,8 @@ def _speculate(engine, drafter, num_drafts: int, prompts, first: np.ndarray,
     rows = np.arange(batch)
     emitted, accepted_total, proposed, request_steps = 0, 0, 0, 0
     step = 0
+    sampling = (Sampling.create(batch, temperature=temperature, top_p=top_p)
+                if temperature > 0 else None)
     while np.any(count < max_new_tokens):
         if stop_tokens and all(np.isin(generated[b, :count[b]], stop_tokens).any()
                                for b in range(batch)):
@@ -786,17 +800,23 @@ def _speculate(engine, drafter, num_drafts: int, prompts, first: np.ndarray,
             logits = engine.step(fed, drop_past_capacity=True)
         if on_step is not None:
             on_step(step, fed, logits)
-        greedy = np.asarray(jnp.argmax(logits, axis=-1)).astype(np.int32)  # [B, W]
-        accepted = np.cumprod(drafts == greedy[:, :-1], axis=1).sum(axis=1)
+        if sampling is None:
+            tokens = np.asarray(jnp.argmax(logits, axis=-1)).astype(np.int32)  # [B, W]
+            accepted = np.cumprod(drafts == tokens[:, :-1], axis=1).sum(axis=1)
+        else:
+            tokens, accepted, key = _speculative_tokens(
+                jnp.asarray(fed, jnp.int32), logits, key, sampling, jnp.asarray(remaining > 0))
+            tokens, accepted = np.asarray(tokens), np.asarray(accepted)
         keep = np.minimum(accepted + 1, remaining)
         engine.rollback(keep)
         if needs_hidden:
-            # The MTP layer's pairs (h_i, t_{i+1}) of the kept positions: t_{i+1} = greedy.
-            drafter.observe(hidden, greedy, keep)
+            # The MTP layer's pairs (h_i, t_{i+1}) of the kept positions: t_{i+1} the token
+            # generated after position i.
+            drafter.observe(hidden, tokens, keep)
         if on_rollback is not None:
             on_rollback(step, keep)
         for b in range(batch):
-            generated[b, count[b]:count[b] + keep[b]] = greedy[b, :keep[b]]
+            generated[b, count[b]:count[b] + keep[b]] = tokens[b, :keep[b]]
         active = remaining > 0
         emitted += int(keep.sum())
         accepted_total += int(np.sum(keep[active] - 1))
@@ -813,6 +833,10 @@ def _speculate(engine, drafter, num_drafts: int, prompts, first: np.ndarray,
         "accepted_drafts": accepted_total,
         "proposed_drafts": proposed,
     }
+
+
+# The decode loop's verification (one program per shape): the same rule, jitted once here.
+_speculative_tokens = jax.jit(speculative_tokens)
 
 
 def _progress(total: int, enabled: bool):

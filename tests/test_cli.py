@@ -141,13 +141,21 @@ def test_generate_with_ngram_drafts_checks_bitwise_and_reports_tokens_per_step(c
     assert f"bitwise equal to the resident model's over {steps.group(2)} decode steps" in out
 
 
+def test_generate_with_ngram_drafts_samples(capsys):
+    # Drafts at temperature > 0: speculative sampling (fo_jax.generate.generate).
+    code = main(["generate", "--model", "tiny", "--draft", "ngram", "--temperature", "0.8",
+                 "--top-p", "0.9", "--max-new-tokens", "4", "--prompt", "abcabc",
+                 "--num-drafts", "1", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "path: resident" in out and "generated: 4 tokens" in out
+    assert re.search(r"drafts: ngram, 1 per step: [0-9.]+ tokens per step over \d+ steps", out)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["generate", "--model", "tiny", "--draft", "mtp"],
      "draft='mtp' needs the multi-token-prediction layer of the model (num_nextn_predict_layers "
      "of a DeepSeek-V3.2 / GLM-5 checkpoint); model 'tiny' has no MTP layer loaded"),
-    (["generate", "--model", "tiny", "--draft", "ngram", "--temperature", "0.5"],
-     "draft='ngram' verifies drafts greedily and needs temperature=0, got temperature=0.5: "
-     "speculative sampling is not implemented; use draft='none' to sample"),
     (["generate", "--model", "tiny", "--draft", "ngram", "--num-drafts", "9"],
      "num_drafts=9 must be an int in [1, max_ways - 1 = 3] of config 'tiny'"),
     (["generate", "--model", "tiny", "--draft", "ngram", "--decode-steps-per-call", "2"],

@@ -1,4 +1,5 @@
-"""Speculative decoding: the n-gram drafter, rollback of rejected drafts, greedy verification."""
+"""Speculative decoding: the n-gram drafter, rollback of rejected drafts, greedy verification,
+speculative sampling offloaded and resident."""
 
 import jax
 import numpy as np
@@ -192,12 +193,35 @@ def test_greedy_with_drafts_gives_the_w1_greedy_tokens(params):
     assert got.extra["decode_steps"] == extra["verify_steps"]
 
 
-def test_drafts_are_refused_with_sampling_and_bad_counts(params):
+def test_sampled_drafting_offloaded_equals_resident(params):
+    """Speculative sampling (temperature > 0), the same key: the offloaded engine (checking its
+    invariants after every step and rollback) yields the resident engine's tokens bit for bit,
+    over steps that accept drafts and steps that reject them (every third draft of request 0
+    is wrong: p(d) ~ 0), the resident capacity exactly what W = 1 needs; another key, other
+    tokens. At temperature 0.1 the greedy continuation is likely enough that most right
+    drafts are accepted."""
+    prompts, new = PROMPTS, NEW
+    engines = _engines(params)
+    want = gen.generate(engines["resident"](), prompts, max_new_tokens=new)
+    kwargs = dict(max_new_tokens=new, temperature=0.1, top_p=0.9, key=jax.random.key(4))
+    runs = {name: gen.generate(make(), prompts,
+                               draft=OracleDrafter(prompts, want.tokens, wrong=[3, 1000]),
+                               **kwargs)
+            for name, make in engines.items()}
+    np.testing.assert_array_equal(runs["offload"].tokens, runs["resident"].tokens)
+    np.testing.assert_array_equal(runs["offload"].context_length,
+                                  runs["resident"].context_length)
+    extra = runs["offload"].extra
+    assert 0 < extra["accepted_drafts"] < extra["proposed_drafts"] - 3, extra
+    assert extra["verify_steps"] < new - 1
+    other = gen.generate(engines["resident"](), prompts,
+                         draft=OracleDrafter(prompts, want.tokens, wrong=[3, 1000]),
+                         **dict(kwargs, key=jax.random.key(5), temperature=1.0))
+    assert not np.array_equal(other.tokens, runs["resident"].tokens)
+
+
+def test_bad_draft_counts_are_refused(params):
     engine = gen.ResidentEngine(params, CONFIG, batch=1, capacity=32)
-    with pytest.raises(ValueError, match=r"draft='ngram' verifies drafts greedily and needs "
-                                         r"temperature=0, got temperature=0.7: speculative "
-                                         r"sampling is not implemented"):
-        gen.generate(engine, [[1, 2]], max_new_tokens=4, temperature=0.7, draft="ngram")
     with pytest.raises(ValueError, match=r"num_drafts=4 must be an int in \[1, max_ways - 1 = "
                                          r"3\] of config 'tiny'"):
         gen.generate(engine, [[1, 2]], max_new_tokens=4, draft="ngram", num_drafts=4)

@@ -203,3 +203,36 @@ def test_an_mtp_layer_that_copies_the_model_is_accepted_on_repeats(model):
               f"{extra['proposed_drafts']} in {extra['verify_steps']} steps")
         assert extra["verify_steps"] == -(-(NEW - 1) // (num_drafts + 1)) == steps
         assert extra["accepted_drafts"] == 2 * (NEW - 1 - steps)
+
+
+def test_sampled_mtp_drafting_offloaded_equals_resident_and_feeds_the_sampled_tokens(model):
+    """MTP drafts at temperature > 0 (speculative sampling): the offloaded engine yields the
+    resident engine's tokens bit for bit for the same key (num_drafts=2: the offloaded
+    programs of the greedy test above). The MTP layer is fed the pairs of the tokens
+    generated (sampled, mostly not the argmax): what `observe` is given for the kept
+    positions, step after step, is each request's generated tokens after the first."""
+    config, params, mtp = model
+    offload = OffloadConfig(hot_slots=config.index_topk * config.max_ways, page_size=8,
+                            capacity=48)
+    kwargs = dict(max_new_tokens=NEW, temperature=1.0, top_p=0.95, key=jax.random.key(7),
+                  num_drafts=2)
+    engine = _engine(model)
+    drafter = make_drafter("mtp", config, engine=engine)
+    observed = [[] for _ in PROMPTS]
+    observe = drafter.observe
+
+    def recording(hidden, tokens, keep):
+        for b, k in enumerate(np.asarray(keep)):
+            observed[b] += np.asarray(tokens)[b, :k].tolist()
+        observe(hidden, tokens, keep)
+
+    drafter.observe = recording
+    got = gen.generate(engine, PROMPTS, draft=drafter, **kwargs)
+    offloaded = gen.generate(gen.OffloadEngine(params, config, offload=offload, batch=2,
+                                               mtp=mtp), PROMPTS, draft="mtp", **kwargs)
+    np.testing.assert_array_equal(offloaded.tokens, got.tokens)
+    np.testing.assert_array_equal(offloaded.context_length, got.context_length)
+    assert offloaded.extra["verify_steps"] == got.extra["verify_steps"]
+    np.testing.assert_array_equal(np.asarray(observed), got.tokens[:, 1:])
+    greedy = gen.generate(_engine(model), PROMPTS, max_new_tokens=NEW)
+    assert np.mean(got.tokens != greedy.tokens) > 0.5

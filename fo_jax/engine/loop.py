@@ -751,6 +751,7 @@ def speculative_tokens(fed, logits, keys, sampling: Sampling, active):
     token is sampled from p_D. So its tokens follow p token by token, as one-token steps'
     do (tests/engine/test_speculative.py checks the law of the first two tokens), but they
     are other random draws: not those of a num_drafts=0 loop with the same key.
+    (`fo_jax.generate.generate` verifies its host drafter's drafts with this same function.)
 
     Keys, per step: one key per request ([B]): each active request splits its key once,
     (next key, step key), as `sample_tokens` does (an inactive request's key stays), and the

@@ -1,7 +1,7 @@
 """Drafts inside the jitted decode loop (fo_jax.engine.loop, fo_jax.engine.engine): the device
 n-gram drafter proposes what the host NGramDrafter proposes; a loop with drafts yields the
-tokens of host-driven drafting (`fo_jax.generate.generate(..., draft="ngram")`) and of W = 1
-greedy decoding, in fewer steps; an engine with drafts gives every request the tokens it gets
+tokens of host-driven drafting (`fo_jax.generate.generate(..., draft="ngram")`, greedy or
+sampled with the same key) and of W = 1 greedy decoding, in fewer steps; an engine with drafts gives every request the tokens it gets
 alone in the same engine, bit for bit, and never yields past max_tokens or a stop token."""
 
 import functools
@@ -60,19 +60,31 @@ def test_device_drafter_equals_the_host_drafter(ngram):
 MAX_NEW = 12
 
 
+# The sampled variant: what `generate(..., temperature=..., top_p=..., key=SAMPLED_KEY)` runs.
+SAMPLED = dict(temperature=0.3, top_p=0.9)
+SAMPLED_KEY = 3
+
+
 @functools.cache
-def _loop(path):
+def _loop(path, sampled=False):
     """Prefill PROMPTS (fo_jax.generate's engine), then decode_loop with drafts, 4 steps per
     call, until both are done: (tokens [2, MAX_NEW], batch steps, accepted, proposed). (The
-    offloaded loop runs in the engine tests below.)"""
+    offloaded loop runs in the engine tests below.) sampled: at SAMPLED settings, the first
+    token and the loop's key as `generate` has them from jax.random.key(SAMPLED_KEY)."""
     engine = (gen.ResidentEngine(_params(), CONFIG, batch=2, capacity=CAPACITY)
               if path == "resident" else
               gen.OffloadEngine(_params(), CONFIG, offload=_offload(), batch=2))
     tokens, lengths = gen.pad_prompts(PROMPTS)
-    first = np.asarray(jnp.argmax(engine.prefill(tokens, lengths), axis=-1), np.int32)
-    sampling = Sampling.create(2, max_new_tokens=MAX_NEW)
-    seats = Seats.create(first, jax.random.key(0), sampling=sampling, lengths=lengths,
-                         capacity=CAPACITY)
+    logits = engine.prefill(tokens, lengths)
+    if sampled:
+        key, sub = jax.random.split(jax.random.key(SAMPLED_KEY))
+        first = np.asarray(gen.sample(logits, sub, **SAMPLED))
+        sampling = Sampling.create(2, max_new_tokens=MAX_NEW, **SAMPLED)
+    else:
+        key = jax.random.key(0)
+        first = np.asarray(jnp.argmax(logits, axis=-1), np.int32)
+        sampling = Sampling.create(2, max_new_tokens=MAX_NEW)
+    seats = Seats.create(first, key, sampling=sampling, lengths=lengths, capacity=CAPACITY)
     history = np.zeros((2, CAPACITY), np.int32)
     for b, p in enumerate(PROMPTS):
         history[b, :len(p) + 1] = p + [int(first[b])]
@@ -115,6 +127,21 @@ def test_loop_with_drafts_yields_the_greedy_tokens_in_fewer_steps():
     assert steps < MAX_NEW - 1
     print(f"{steps} steps for {MAX_NEW - 1} tokens per request "
           f"({steps / (MAX_NEW - 1):.2f} steps/token), {accepted}/{proposed} drafts accepted")
+
+
+def test_sampled_loop_with_drafts_yields_host_drafting_tokens():
+    """At temperature > 0 the host `generate` verifies its drafts with the loop's rule
+    (`speculative_tokens`, one key for the batch split once per step): the loop and host
+    drafting yield the same tokens for the same key (the logits of the two W-way programs
+    agree but for the last bits, which decide nothing here), not the greedy ones."""
+    got, steps, accepted, proposed = _loop("resident", sampled=True)
+    engine = gen.ResidentEngine(_params(), CONFIG, batch=2, capacity=CAPACITY)
+    host = gen.generate(engine, PROMPTS, max_new_tokens=MAX_NEW, draft="ngram",
+                        num_drafts=DRAFTS, key=jax.random.key(SAMPLED_KEY), **SAMPLED)
+    np.testing.assert_array_equal(host.tokens, got)
+    assert host.extra["verify_steps"] == steps
+    assert host.extra["accepted_drafts"] == accepted > 0
+    assert not np.array_equal(got, _loop("resident")[0])
 
 
 def test_a_step_yields_the_confirmed_drafts_cut_at_stop_max_tokens_and_capacity():
