@@ -37,12 +37,10 @@ import dataclasses
 import sys
 
 import jax
-import numpy as np
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 from common import run_metadata, write_jsonl  # noqa: E402
 
-from fo_jax import resident  # noqa: E402
 from fo_jax.config import get_config  # noqa: E402
 from fo_jax.engine import Engine, MemoryCosts  # noqa: E402
 from fo_jax.engine.bench import poisson_workload, run_workload  # noqa: E402

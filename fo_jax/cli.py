@@ -318,7 +318,6 @@ def _cmd_generate(args) -> int:
     import numpy as np
 
     from fo_jax import generate as gen
-    from fo_jax.config import get_config
     from fo_jax.kernels import resolve_implementation
     from fo_jax.model import dsa
     from fo_jax.offload.config import OffloadConfig, check_hot_slots, min_hot_slots
