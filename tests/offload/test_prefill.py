@@ -402,9 +402,10 @@ def test_handoff_to_decode_state_and_decode_steps():
     rng = np.random.default_rng(3)
     batch = 2
     # 100 and 87 tokens in two chunks: tokens before the hot window live only in host pages,
-    # so decode steps miss and copy from the pages the prefill wrote.
-    chunks = [(_tokens(rng, (batch, 60), config), [60, 60]),
-              (_tokens(rng, (batch, 40), config), [40, 27])]
+    # so decode steps miss and copy from the pages the prefill wrote. Chunks of one width: the
+    # resident prefill compiles once.
+    chunks = [(_tokens(rng, (batch, 50), config), [50, 50]),
+              (_tokens(rng, (batch, 50), config), [50, 37])]
     rs = resident.ResidentState.create(config, batch=batch, capacity=128, fill=NAN)
     ps = PrefillState.create(config, batch=batch, capacity=128, page_size=8, fill=NAN)
     for tokens, num_new in chunks:
@@ -449,8 +450,8 @@ def test_handoff_with_a_permuted_table_and_decode_steps():
     offload = OffloadConfig(hot_slots=16, page_size=8, capacity=64)
     rng = np.random.default_rng(6)
     table, frames = _pool_table("permuted", 2, 8)
-    chunks = [(_tokens(rng, (2, 30), config), [30, 30]),
-              (_tokens(rng, (2, 20), config), [20, 13])]
+    chunks = [(_tokens(rng, (2, 25), config), [25, 25]),  # 50 and 43 tokens, one width
+              (_tokens(rng, (2, 25), config), [25, 18])]
     rs = resident.ResidentState.create(config, batch=2, capacity=64, fill=NAN)
     ps = PrefillState.create(config, batch=2, capacity=64, page_size=8, fill=NAN,
                              num_frames=frames, table=table)
