@@ -110,28 +110,65 @@ def param_bytes(config: ModelConfig) -> int:
 _ONES = {"norm", "attn_norm", "q_norm", "kv_norm", "ffn_norm", "k_norm_w"}
 _ZEROS = {"k_norm_b", "gate_bias"}
 
+# Compiled init programs by (leaf specs, key type, key sharding): kept here, not in jax's caches,
+# so that one survives `jax.clear_caches()` and serves every later config of the same shapes
+# (a test suite clears the caches after each module). A few programs at most; the oldest goes.
+_INIT_PROGRAMS: dict = {}
+_MAX_INIT_PROGRAMS = 8
 
-def init_params(config: ModelConfig, key: jax.Array) -> dict:
-    """Random parameters: normal(0, fan_in^-0.5) matrices, unit norms, zero biases."""
-    shapes = param_shapes(config)
+
+def _leaf_specs(config: ModelConfig):
+    """(treedef, ((kind, shape, dtype name), ...)) of `param_shapes(config)`; kind is "ones",
+    "zeros", "embed" (unit normal) or "matrix" (normal scaled by fan_in^-0.5)."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(
-        shapes, is_leaf=lambda x: isinstance(x, tuple))
-    keys = jax.random.split(key, len(leaves))
-    out = []
-    for (path, shape), leaf_key in zip(leaves, keys):
+        param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
+    specs = []
+    for path, shape in leaves:
         name = path[-1].key
-        dtype = param_dtype(tuple(k.key for k in path), config)
-        if name in _ONES:
+        kind = ("ones" if name in _ONES else "zeros" if name in _ZEROS
+                else "embed" if name == "embed" else "matrix")
+        dtype = jnp.dtype(param_dtype(tuple(k.key for k in path), config)).name
+        specs.append((kind, shape, dtype))
+    return treedef, tuple(specs)
+
+
+def _draw_leaves(specs: tuple, key: jax.Array) -> list:
+    """The leaves of `specs` in order: leaf i draws with the i-th of `split(key, len(specs))`.
+    Touches every parameter once ([sum of the leaves' sizes])."""
+    keys = jax.random.split(key, len(specs))
+    out = []
+    for (kind, shape, dtype), leaf_key in zip(specs, keys):
+        if kind == "ones":
             value = jnp.ones(shape, dtype)
-        elif name in _ZEROS:
+        elif kind == "zeros":
             value = jnp.zeros(shape, dtype)
-        elif name == "embed":
+        elif kind == "embed":
             value = jax.random.normal(leaf_key, shape, dtype)
         else:
-            fan_in = shape[-2]
-            value = jax.random.normal(leaf_key, shape, dtype) * fan_in ** -0.5
+            value = jax.random.normal(leaf_key, shape, dtype) * shape[-2] ** -0.5
         out.append(value)
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return out
+
+
+def init_params(config: ModelConfig, key: jax.Array) -> dict:
+    """Random parameters: normal(0, fan_in^-0.5) matrices, unit norms, zero biases.
+
+    The leaves of `param_shapes(config)` in flattening order draw with the keys of
+    `jax.random.split(key, number of leaves)`. One compiled program draws them all (its values
+    are bit for bit those of drawing each leaf eagerly); it is kept for later calls with the
+    same shapes and key type. Under a trace (jit, eval_shape) the draws are traced inline."""
+    treedef, specs = _leaf_specs(config)
+    if isinstance(key, jax.core.Tracer) or not isinstance(key, jax.Array):
+        return jax.tree_util.tree_unflatten(treedef, _draw_leaves(specs, key))
+    cache_key = (specs, key.shape, key.dtype, key.sharding,
+                 jax.config.jax_threefry_partitionable, jax.config.jax_enable_x64)
+    program = _INIT_PROGRAMS.get(cache_key)
+    if program is None:
+        program = jax.jit(_draw_leaves, static_argnums=0).lower(specs, key).compile()
+        if len(_INIT_PROGRAMS) >= _MAX_INIT_PROGRAMS:
+            _INIT_PROGRAMS.pop(next(iter(_INIT_PROGRAMS)))
+        _INIT_PROGRAMS[cache_key] = program
+    return jax.tree_util.tree_unflatten(treedef, program(key))
 
 
 class _Stack(nnx.Module):

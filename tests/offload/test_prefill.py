@@ -38,20 +38,22 @@ from fo_jax.offload.state import DecodeState, HostPages, to_memory_kind, tokens_
 
 NAN = float("nan")
 TINY = get_config("tiny")
-# Six layers in three groups of 2: every buffer count of the grid (3, 4, 6) fits.
-CONFIG = TINY.replace(num_layers=6, indexer_layers=(0, 2, 4), index_topk=8)
+# Six layers in two groups of 3: every buffer count of the grid (3, 4, 6) fits; two groups (a
+# group boundary) compile faster than three (groups are unrolled, layers of a group are a loop).
+CONFIG = TINY.replace(num_layers=6, indexer_layers=(0, 3), index_topk=8)
 # (distance, num_buffers) pairs of the grid {1, 2, 3} x {3, 4, 6} that are valid: d <= n - 2.
 VALID = [(1, 3), (1, 4), (2, 4), (1, 6), (2, 6), (3, 6)]
 
 
 @functools.cache
 def _base_params():
-    # Seven layers and three indexers: every random config below takes a prefix of them.
-    return init_params(TINY.replace(num_layers=7, indexer_layers=(0, 2, 4)), jax.random.key(0))
+    # Twelve layers and three indexers: every config below takes a prefix of them (one init).
+    return init_params(TINY.replace(num_layers=12, indexer_layers=(0, 4, 8)), jax.random.key(0))
 
 
 def _params_for(config):
-    """Parameters of `config` (a tiny variant of <= 7 layers, <= 3 groups), without init cost."""
+    """Parameters of `config` (a tiny variant of <= 12 layers, <= 3 groups), without init
+    cost."""
     base = _base_params()
     return {**base,
             "layers": jax.tree.map(lambda a: a[:config.num_layers], base["layers"]),
@@ -322,9 +324,10 @@ def test_compiled_prefill_holds_num_buffers_layers():
     # like any other), so temp(offload) - temp(resident) is the layer buffers. Both are the
     # programs `prefill` runs (state donated), not wrapped in an outer jit (which drops the
     # donation and copies the host pages).
-    # 12 layers of a 4096-token batch; 64 pages of history loaded per layer.
-    config = TINY.replace(num_layers=12, indexer_layers=(0, 4, 8), max_seq_len=4096)
-    params = init_params(config, jax.random.key(0))
+    # 12 layers in two groups (compiles faster than more) of a 4096-token batch; 64 pages of
+    # history loaded per layer.
+    config = TINY.replace(num_layers=12, indexer_layers=(0, 6), max_seq_len=4096)
+    params = _params_for(config)
     batch, capacity, page = 1, 4096, 16
     tokens = jnp.zeros((batch, 16), jnp.int32)
     one_layer = layer_bytes(config, batch=batch, capacity=capacity)
@@ -354,7 +357,7 @@ def test_compiled_prefill_temporaries_flat_in_prompt_length():
                      + c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)
                      + c.num_heads * c.kv_width + c.kv_width
                      + c.index_n_heads * (c.index_head_dim + 1) + 2 * c.index_topk)
-    params = init_params(config, jax.random.key(0))
+    params = _params_for(config)
     temp = {}
     for num_t in (256, 1024):
         state = PrefillState.create(config, batch=1, capacity=1024, page_size=16)
@@ -395,14 +398,15 @@ def test_compiled_prefill_updates_buffers_and_pages_in_place(params, dense, quer
 
 def test_handoff_to_decode_state_and_decode_steps():
     config = TINY  # top-k 16, max_ways 4: 64 hot slots
-    params = init_params(config, jax.random.key(3))
+    params = _params_for(config)
     offload = OffloadConfig(hot_slots=64, page_size=8, capacity=128)
     rng = np.random.default_rng(3)
     batch = 2
     # 100 and 87 tokens in two chunks: tokens before the hot window live only in host pages,
-    # so decode steps miss and copy from the pages the prefill wrote.
-    chunks = [(_tokens(rng, (batch, 60), config), [60, 60]),
-              (_tokens(rng, (batch, 40), config), [40, 27])]
+    # so decode steps miss and copy from the pages the prefill wrote. Chunks of one width: the
+    # resident prefill compiles once.
+    chunks = [(_tokens(rng, (batch, 50), config), [50, 50]),
+              (_tokens(rng, (batch, 50), config), [50, 37])]
     rs = resident.ResidentState.create(config, batch=batch, capacity=128, fill=NAN)
     ps = PrefillState.create(config, batch=batch, capacity=128, page_size=8, fill=NAN)
     for tokens, num_new in chunks:
@@ -443,12 +447,12 @@ def test_handoff_with_a_permuted_table_and_decode_steps():
     # Prefill into a permuted pool, hand off, decode: logits bitwise the resident path's; the
     # handed state equals DecodeState.from_resident with the same pool size and table.
     config = TINY.replace(num_layers=2, indexer_layers=(0,), index_topk=8, max_ways=2)
-    params = init_params(config, jax.random.key(4))
+    params = _params_for(config)
     offload = OffloadConfig(hot_slots=16, page_size=8, capacity=64)
     rng = np.random.default_rng(6)
     table, frames = _pool_table("permuted", 2, 8)
-    chunks = [(_tokens(rng, (2, 30), config), [30, 30]),
-              (_tokens(rng, (2, 20), config), [20, 13])]
+    chunks = [(_tokens(rng, (2, 25), config), [25, 25]),  # 50 and 43 tokens, one width
+              (_tokens(rng, (2, 25), config), [25, 18])]
     rs = resident.ResidentState.create(config, batch=2, capacity=64, fill=NAN)
     ps = PrefillState.create(config, batch=2, capacity=64, page_size=8, fill=NAN,
                              num_frames=frames, table=table)

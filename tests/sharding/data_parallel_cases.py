@@ -21,6 +21,7 @@ import io
 import os
 import re
 import sys
+import tempfile
 import time
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -453,14 +454,20 @@ def prefill_case(params, rng, *, ranks, batch, page, chunks, width):
     log(f"offloaded prefill ranks={ranks} B={batch} Z={page}: {chunks} chunks bitwise ok")
 
 
-def cli_case():
-    """`fo-jax generate --offload --devices 4` on the simulated devices (in this process)."""
+def cli_case(rng, directory):
+    """`fo-jax generate --offload --devices 4` on the simulated devices (in this process), with
+    numpy-drawn weights from a file (`--weights`: no init program compiled; the CLI's own init
+    runs in tests/test_cli.py)."""
     from fo_jax import cli
+    from fo_jax.weights import save_params
 
+    config = get_config("tiny")
+    weights = os.path.join(directory, "tiny.safetensors")
+    save_params(weights, jax.device_get(random_params(config, rng)), config)
     out = io.StringIO()
     argv = ["generate", "--model", "tiny", "--offload", "--devices", "4", "--batch", "4",
             "--max-new-tokens", "3", "--prompt", "abc", "--page-size", "4", "--no-progress",
-            "--decode-steps-per-call", "2"]
+            "--decode-steps-per-call", "2", "--weights", weights]
     with contextlib.redirect_stdout(out):
         code = cli.main(argv)
     text = out.getvalue()
@@ -551,7 +558,8 @@ def main(argv):
     prefill_case(params, rng, ranks=2, batch=4, page=4, chunks=2, width=6)
     loop_case(params, rng, ranks=4, batch=8, steps=6)
     loop_case(params, rng, ranks=2, batch=4, steps=4, resident_path=True)
-    cli_case()
+    with tempfile.TemporaryDirectory() as directory:
+        cli_case(rng, directory)
     log("ALL OK")
 
 
