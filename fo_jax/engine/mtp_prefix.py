@@ -171,7 +171,7 @@ class MTPPrefixStore:
         if not targets:
             return 0
         st = mtp_seats.state
-        kv, keys = _read_blocks(st.kv, st.index_keys, np.asarray(seats, np.int32),
+        kv, keys = read_blocks(st.kv, st.index_keys, np.asarray(seats, np.int32),
                                 np.asarray(starts, np.int32), block=t)
         if self.memory != "device":
             kv, keys = jax.device_put((kv, keys), _sharding(st.kv, self.memory))
@@ -211,9 +211,11 @@ def _write_blocks(mtp_seats, kv_blocks, key_blocks, seat):
 
 
 @functools.partial(jax.jit, static_argnames=("block",))
-def _read_blocks(kv, index_keys, seats, starts, *, block: int):
-    """The blocks of rows [starts[i], starts[i] + T) of seats[i], i < M, of kv [1, B, S, D+R]
-    and index_keys [1, B, S, N]: M arrays [1, T, D+R] and M arrays [1, T, N]. O(M T) rows."""
+def read_blocks(kv, index_keys, seats, starts, *, block: int):
+    """The blocks of rows [starts[i], starts[i] + T) of seats[i], i < M, of kv [L, B, S, D+R]
+    and index_keys [G, B, S, N] (L = G = 1 for the MTP layer's state; the model's layers and
+    groups for a resident state, `fo_jax.engine.resident_prefix`): M arrays [L, T, D+R] and M
+    arrays [G, T, N]. O((L + G) M T) rows copied."""
     zero = jnp.zeros((), jnp.int32)
     out_kv, out_keys = [], []
     for i in range(seats.shape[0]):

@@ -63,10 +63,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fo_jax.config import ModelConfig
-from fo_jax.engine.mtp_prefix import mtp_block_bytes
+from fo_jax.engine.mtp_prefix import MEMORIES, mtp_block_bytes, read_blocks
 from fo_jax.engine.pages import PagePool, PrefixCache
-
-MEMORIES = ("device", "pinned_host")
 
 
 def block_bytes(config: ModelConfig, block_tokens: int, *, mtp: bool = False) -> int:
@@ -232,7 +230,7 @@ class ResidentPrefixStore:
                 targets.append(slot)
             held.append(pages)
         if targets:
-            kv, keys = _read_blocks(state.kv, state.index_keys, np.asarray(seats, np.int32),
+            kv, keys = read_blocks(state.kv, state.index_keys, np.asarray(seats, np.int32),
                                     np.asarray(starts, np.int32), block=z)
             if self.memory != "device":
                 kv, keys = jax.device_put((kv, keys), _sharding(state.kv, self.memory))
@@ -261,21 +259,6 @@ def _write_blocks(kv, index_keys, kv_blocks, key_blocks, seat):
     return (jax.lax.dynamic_update_slice(kv, rows.astype(kv.dtype), (zero, seat, zero, zero)),
             jax.lax.dynamic_update_slice(index_keys, keys.astype(index_keys.dtype),
                                          (zero, seat, zero, zero)))
-
-
-@functools.partial(jax.jit, static_argnames=("block",))
-def _read_blocks(kv, index_keys, seats, starts, *, block: int):
-    """The blocks of rows [starts[i], starts[i] + T) of seats[i], i < M: M arrays
-    [L, T, D+R] and M arrays [G, T, N]. O(L M T) rows copied."""
-    zero = jnp.zeros((), jnp.int32)
-    out_kv, out_keys = [], []
-    for i in range(seats.shape[0]):
-        at = (zero, seats[i], starts[i], zero)
-        out_kv.append(jax.lax.dynamic_slice(
-            kv, at, (kv.shape[0], 1, block, kv.shape[3]))[:, 0])
-        out_keys.append(jax.lax.dynamic_slice(
-            index_keys, at, (index_keys.shape[0], 1, block, index_keys.shape[3]))[:, 0])
-    return tuple(out_kv), tuple(out_keys)
 
 
 __all__ = ["MEMORIES", "ResidentPrefixStore", "block_bytes"]
