@@ -81,7 +81,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: one seat's rows)")
     parser.add_argument("--device-gb", type=float, default=None,
                         help="with --offload: device budget of request state in GB (hot caches, "
-                             "indexer-key pages, prefill buffers: the planner's arithmetic); "
+                             "indexer-key pages, prefill buffers, and the KV pages with "
+                             "--pool-memory device: the planner's arithmetic); "
                              "requests wait for it, one that never fits is refused")
     parser.add_argument("--reserve", choices=("full", "prompt"), default="full",
                         help="with --offload: pages reserved at admission: prompt + max_tokens "
