@@ -38,6 +38,8 @@ def printable(text: str) -> str:
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from fo_jax.offload.config import HOST_ACCESS
+
     parser = argparse.ArgumentParser(prog="fo-jax", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -72,9 +74,10 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--page-size", type=int, default=16, help="host page / tail block tokens")
     gen.add_argument("--policy", default=None,
                      help="with --offload: eviction policy ring (default), lru, random or clock")
-    gen.add_argument("--host-access", default=None, choices=("gather", "slices"),
-                     help="with --offload: how host pages are read and written (default "
-                          "gather; see fo_jax.offload.host)")
+    gen.add_argument("--host-access", default=None, choices=HOST_ACCESS,
+                     help="with --offload: how host pages are read and written (default: "
+                          "ffi on a GPU with the CUDA host-copy library, else gather; see "
+                          "fo_jax.offload.host)")
     gen.add_argument("--prefill-chunk", type=int, default=None,
                      help="prompt tokens per prefill call (default 2048: "
                           "fo_jax.generate.PREFILL_CHUNK)")
@@ -398,7 +401,7 @@ def _cmd_generate(args) -> int:
     if args.offload:
         hot = min_hot_slots(config) if args.hot_slots is None else args.hot_slots
         offload = OffloadConfig(hot_slots=hot, page_size=page, capacity=capacity,
-                                policy=policy, host_access=args.host_access or "gather",
+                                policy=policy, host_access=args.host_access,
                                 host_memory_kind="device" if args.interpret else "pinned_host")
         offload.validate_for(config)
     mtp = None

@@ -764,7 +764,7 @@ def sharded_decode_loop(params, state, seats, n_steps: int, sampling, *, mesh: M
 def sharded_prefill(params, state, tokens, num_new=None, *, mesh: Mesh, config: ModelConfig,
                     num_buffers: int | None = None, distance: int | None = None,
                     history_pages: int | None = None, check: bool = True,
-                    host_access: str = "gather", query_block: int | None = None, rules=None):
+                    host_access: str | None = None, query_block: int | None = None, rules=None):
     """The offloaded prefill (`fo_jax.offload.prefill.prefill`), data-parallel over `data`:
     (logits [B, T, V], new PrefillState). state: a PrefillState placed by `shard_state`
     (rank-local page ids; donated). Each rank runs the layer buffers [n, B/D, S, D+R] of its

@@ -3,13 +3,42 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
+import warnings
 
 from fo_jax.config import INT32_MAX, ModelConfig
 
 POLICIES = ("ring", "lru", "random", "clock")
 MEMORY_KINDS = ("pinned_host", "device")
-HOST_ACCESS = ("gather", "slices")
+HOST_ACCESS = ("gather", "slices", "ffi")
+
+
+def default_host_access(backend: str | None = None) -> str:
+    """The host access used when none is named: "ffi" on a GPU when the CUDA host-copy library
+    is found (fo_jax.offload.ffi.library), else "gather". On a GPU without the library it warns
+    once, naming the fallback and how to build the library. CPU (and TPU) default to "gather":
+    XLA compiles plain gathers there without host compute (a CPU has one memory)."""
+    import jax
+
+    backend = backend or jax.default_backend()
+    if backend not in ("gpu", "cuda"):
+        return "gather"
+    from fo_jax.offload.ffi.library import available
+
+    if available(backend):
+        return "ffi"
+    _warn_no_library()
+    return "gather"
+
+
+@functools.cache
+def _warn_no_library():
+    warnings.warn("host_access defaults to 'gather' on this GPU: the CUDA host-copy library "
+                  "was not found, so XLA runs the host gathers and scatters as host compute "
+                  "(several times slower). Build it with `python -m fo_jax.offload.ffi cuda` "
+                  "(no GPU needed) and point $FO_JAX_CUDA_LIBRARY at it, or pass "
+                  "host_access='gather' to silence this", stacklevel=3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +61,11 @@ class OffloadConfig:
         not K * W.
       seed: seed of the random policy.
       host_access: how rows move between host pages and the device (fo_jax.offload.host):
-        "gather" (gathers / scatters on the host array) or "slices" (one dynamic slice / dynamic
-        update slice per row, with explicit memory-space moves). Same bits; which one compiles
-        and is fast on an accelerator is what experiments/accelerator_check.py measures.
+        "gather" (gathers / scatters on the host array), "slices" (one dynamic slice / dynamic
+        update slice per row, with explicit memory-space moves) or "ffi" (fo_jax's own copy
+        targets, fo_jax.offload.ffi: on a GPU the only thing that touches host memory). Same
+        bits. None (default): `default_host_access()`, "ffi" on a GPU with the CUDA host-copy
+        library, else "gather".
     """
 
     hot_slots: int
@@ -44,9 +75,11 @@ class OffloadConfig:
     host_memory_kind: str = "pinned_host"
     miss_chunk: int = 64
     seed: int = 0
-    host_access: str = "gather"
+    host_access: str | None = None
 
     def __post_init__(self):
+        if self.host_access is None:
+            object.__setattr__(self, "host_access", default_host_access())
         for field in ("hot_slots", "page_size", "capacity", "miss_chunk"):
             value = as_int(getattr(self, field))
             if value is None or value < 1:

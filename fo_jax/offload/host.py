@@ -1,7 +1,9 @@
 """Every read and write of host memory, in one place, behind one setting.
 
-Host pages are `[L, B, P, Z, D+R]` (token t of request b, layer l at [l, b, t // Z, t % Z]) in
-`pinned_host` memory. Four accesses move KV rows between them and the device:
+Host pages are one pool `[L, F, Z, D+R]` in `pinned_host` memory that requests share: token t
+of request b, layer l, lives at [l, table[b, t // Z], t % Z] through the page table [B, P]
+(int32 on the device, -1 for pages not held). Four accesses move KV rows between the pool and
+the device:
 
   host_gather_rows  decode: one layer's missed rows, host -> device (also the prefill -> decode
                     handoff's hot rows, `fo_jax.offload.prefill.to_decode_state`)
@@ -9,49 +11,54 @@ Host pages are `[L, B, P, Z, D+R]` (token t of request b, layer l at [l, b, t //
   load_history      prefill: one layer's first pages of every request, host -> device
   write_back_rows   prefill: the chunk's new rows of one layer, device -> host
 
-The rows move in two ways (`HOST_ACCESS`), chosen by `OffloadConfig.host_access` for decode and
-the handoff, and by `prefill(..., host_access=...)` for the prefill (the offloaded engine passes
-its OffloadConfig's setting to both):
+The rows move in one of three ways (`HOST_ACCESS`), chosen by `OffloadConfig.host_access` for
+decode and the handoff, and by `prefill(..., host_access=...)` for the prefill (the offloaded
+engine passes its OffloadConfig's setting to both; None resolves by backend,
+`fo_jax.offload.config.default_host_access`):
 
+  "ffi"     fo_jax's own copy targets (`fo_jax.offload.ffi`): one custom call per access that
+            takes the pool itself and a row list computed on the device; reads return device
+            rows, writes update the pool in place (aliased). On a GPU (CUDA target) the kernel
+            reads and writes the pinned pool directly, and no other op touches host memory
+            (`fo_jax.hlo_checks.host_memory_faults` checks the lowered programs); on a CPU a
+            C++ target with the same semantics runs it, so every bitwise test covers it.
+            The default on a GPU with the CUDA library.
   "gather"  one `lax.gather` on the host array per chunk of `chunk` miss rows, with indices
             moved to host memory, then one move of those rows to the device; writes are one
             `lax.scatter` into the host array with indices and rows moved to host memory.
+            The default elsewhere.
   "slices"  only `lax.dynamic_slice` / `lax.dynamic_update_slice` of single rows with explicit
             memory-space moves: a loop whose trip count is the number of rows that move (the
             misses, not M; the valid written rows, not T), each trip one dynamic slice of one
             host row moved to the device (reads), or one device row moved to host memory and
             written with a dynamic update slice whose operands all live in host memory (writes).
 
-Both give the same bits (tests/offload/test_host.py runs every function, the decode step and the
-prefill under both). Their costs differ: "slices" pays one loop trip (a few tiny device ops and
-one row-sized copy) per row, which suits decode (misses and W new rows per layer) but makes the
-prefill write-back B T trips per layer; if an accelerator compiles only "slices" and the
-write-back is then slow, the next step is a page-granular write of each request's contiguous
-run of new rows. `load_history` moves whole pages: one gather of pages ("gather") or one
-dynamic slice per page ("slices"), since a request's pages need not be contiguous in the pool.
-
-Every access goes through the page table [B, P] (see the "Page tables" note below): host pages
-are one pool [L, F, Z, D+R] that requests share.
+All three give the same bits (tests/offload/test_host.py runs every function, the decode step
+and the prefill under each). Their costs differ. On an H200 (jax 0.11.2), XLA ran "gather"'s
+gathers and scatters as host compute (misses 5.3 GB/s, write-through 0.8, prefill write-back
+0.96) and "slices" at one tiny DMA per row (0.07 GB/s); "ffi" exists to move rows at link
+bandwidth. `load_history` moves whole pages: one gather of pages ("gather"), one dynamic slice
+per page ("slices") or one page per item of the copy ("ffi"), since a request's pages need not
+be contiguous in the pool.
 
 What is known about accelerators (design brief, section 5; none of it shows on a CPU, whose
 compiler drops memory spaces and compiles every move to nothing):
 
   - XLA's host-offloading pass (`host_offloader.cc`) walks down from a host array: pure moves
-    (bitcast, copy, async start/done) stay DMAs; a `dynamic-slice` / `slice` whose result moves
-    to the device becomes a real DMA of just that slice (the pattern "slices" is built from);
-    ANY other op on host memory, a gather included, is turned into host compute (XLA warns of
-    "very high overhead"): "gather" may run its gathers on the host CPU.
+    (bitcast, copy, async start/done), loops, calls and custom calls pass; a `dynamic-slice` /
+    `slice` whose result moves to the device becomes a real DMA of just that slice (the
+    pattern "slices" is built from); ANY other op on host memory, a gather included, is turned
+    into host compute (XLA warns of "very high overhead").
   - A scatter with dynamic indices into a `pinned_host` array hits an open XLA CHECK failure
     (openxla/xla#34565): "gather"'s writes may not compile on an accelerator.
   - On GPU the verifier rejects a dynamic-update-slice that changes memory space
     (openxla/xla#47362): "slices" moves each row to host memory before its dynamic update
-    slice, so operand, update and result share one memory space; whether every XLA version
-    accepts that is not verified.
+    slice, so operand, update and result share one memory space.
   - Eager indexing of a host array fails (jax#34041): every access here runs inside `jit`.
   - XLA's pinned host pool on GPU is capped at 64 GB by default
     (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` raises it).
 
-`experiments/accelerator_check.py` compiles both settings at real sizes on an accelerator and
+`experiments/accelerator_check.py` compiles every setting at real sizes on an accelerator and
 reports compile success, bitwise equality and GB/s against a bulk `jax.device_put`, so that the
 first accelerator run can pick the setting that compiles and is fast without touching anything
 else.
@@ -63,6 +70,7 @@ import jax
 import jax.numpy as jnp
 
 from fo_jax.offload.config import HOST_ACCESS
+from fo_jax.offload.ffi import gather_items, scatter_items
 
 # Moves ----------------------------------------------------------------------------------------
 
@@ -187,6 +195,22 @@ def _write_slices(host_kv, table, first_layer, rows, positions, on_host: bool):
     return jax.lax.fori_loop(0, num_n * count, body, host_kv)
 
 
+# "ffi" helpers --------------------------------------------------------------------------------
+
+
+def _item_index(table, layer, tokens, valid, page: int):
+    """[..., 2] int32 (layer, pool row) of each token's row for `fo_jax.offload.ffi`, (-1, -1)
+    where `valid` is false or the token's page is not held (the copy skips those entries).
+    `table` [B, P]; `tokens` and `valid` [B, ...]; `layer` [] or tokens' shape."""
+    batch = tokens.shape[0]
+    b = jnp.arange(batch, dtype=jnp.int32).reshape((batch,) + (1,) * (tokens.ndim - 1))
+    frame = _frame(table, b, tokens, page)
+    valid = valid & (frame >= 0)
+    layers = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), tokens.shape)
+    index = jnp.stack([layers, frame * page + tokens % page], axis=-1).astype(jnp.int32)
+    return jnp.where(valid[..., None], index, -1)
+
+
 # Decode: miss gather, write-through ------------------------------------------------------------
 
 
@@ -210,6 +234,11 @@ def host_gather_rows(host_kv, table, layer, tokens, count, *, chunk: int, on_hos
     check_host_access(access)
     batch, size = tokens.shape
     num_l, frames, page, width = host_kv.shape
+    if access == "ffi":
+        tokens = tokens.astype(jnp.int32)
+        live = jnp.arange(size, dtype=jnp.int32)[None, :] < count.astype(jnp.int32)[:, None]
+        index = _item_index(table, layer, tokens, live & (tokens >= 0), page)
+        return gather_items(host_kv, index.reshape(batch * size, 2)).reshape(batch, size, width)
     if access == "slices":
         count = jnp.clip(count.astype(jnp.int32), 0, size)
         ends = jnp.cumsum(count)
@@ -255,6 +284,14 @@ def host_write_rows(host_kv, table, rows_kv, positions, *, on_host: bool,
     if access == "slices":
         return _write_slices(host_kv, table, 0, rows_kv, positions, on_host)
     num_l, num_frames, page, _ = host_kv.shape
+    if access == "ffi":
+        base = _item_index(table, 0, positions.astype(jnp.int32),
+                           jnp.ones(positions.shape, bool), page)  # [B, T, 2]
+        layers = jnp.arange(num_l, dtype=jnp.int32)[:, None, None]
+        index = jnp.stack([jnp.where(base[..., 0] >= 0, layers, -1),
+                           jnp.broadcast_to(base[..., 1], (num_l,) + base.shape[:2])], axis=-1)
+        rows = rows_kv.astype(host_kv.dtype).reshape(-1, 1, rows_kv.shape[3])
+        return scatter_items(host_kv, rows, index.reshape(-1, 2))
     batch = positions.shape[0]
     shape = (num_l,) + positions.shape  # [L, B, T]
     positions = positions.astype(jnp.int32)
@@ -293,6 +330,10 @@ def load_history(host_kv, table, layer, *, history_pages: int, on_host: bool,
     batch = table.shape[0]
     frames = jnp.maximum(jnp.asarray(table)[:, :history_pages], 0)  # [B, history_pages]
     layer = jnp.asarray(layer, jnp.int32)
+    if access == "ffi":  # one item per page: Z consecutive pool rows
+        index = jnp.stack([jnp.broadcast_to(layer, frames.shape), frames * page], axis=-1)
+        got = gather_items(host_kv, index.reshape(-1, 2).astype(jnp.int32), item_rows=page)
+        return got.reshape(batch, history_pages * page, width)
     if access == "slices":
         def body(i, out):
             b, p = i // history_pages, i % history_pages
@@ -335,6 +376,11 @@ def write_back_rows(host_kv, table, layer, rows, write_pos, *, on_host: bool,
     if access == "slices":
         return _write_slices(host_kv, table, layer, rows[None], write_pos, on_host)
     num_frames, page = host_kv.shape[1], host_kv.shape[2]
+    if access == "ffi":
+        write_pos = write_pos.astype(jnp.int32)
+        index = _item_index(table, layer, write_pos, jnp.ones(write_pos.shape, bool), page)
+        return scatter_items(host_kv, rows.astype(host_kv.dtype).reshape(-1, 1, rows.shape[-1]),
+                             index.reshape(-1, 2))
     batch = write_pos.shape[0]
     write_pos = write_pos.astype(jnp.int32)
     frames = _frame(table, jnp.arange(batch, dtype=jnp.int32)[:, None], write_pos, page)

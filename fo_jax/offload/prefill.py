@@ -62,7 +62,12 @@ import numpy as np
 from fo_jax.config import ModelConfig
 from fo_jax.model.attention import dense_attention, softmax_scale, sparse_attention
 from fo_jax.model.forward import forward, over_query_blocks, xla_select
-from fo_jax.offload.config import MEMORY_KINDS, OffloadConfig, check_num_buffers
+from fo_jax.offload.config import (
+    MEMORY_KINDS,
+    OffloadConfig,
+    check_num_buffers,
+    default_host_access,
+)
 from fo_jax.offload.host import (
     check_host_access,
     host_gather_rows,
@@ -415,7 +420,7 @@ def history_pages_for(lengths, page_size: int, num_pages: int) -> int:
 def prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelConfig,
             num_buffers: int | None = None, distance: int | None = None, onload_layer_map=None,
             dense: bool = False, history_pages: int | None = None, poison: bool = False,
-            check: bool = True, host_access: str = "gather",
+            check: bool = True, host_access: str | None = None,
             query_block: int | None = QUERY_BLOCK, return_hidden: bool = False):
     """Append a chunk of T tokens per request with offloaded KV; (logits [B, T, V], new state)
     (with `return_hidden`: and the last hidden states [B, T, E] before the final norm, as
@@ -439,9 +444,10 @@ def prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelC
         `state.lengths`); host token ids are always checked (in numpy, before any cast), traced
         values never. Checked or not, nothing is written past capacity (tokens beyond it are
         dropped in the program).
-      host_access: how the chunk's rows are written back to host pages, "gather" or "slices"
-        (see fo_jax.offload.host; the same bits either way). A prefill feeding an offloaded
-        decode should use its `OffloadConfig.host_access` (the offloaded engine does).
+      host_access: how history pages are loaded and the chunk's rows written back, "gather",
+        "slices" or "ffi" (see fo_jax.offload.host; the same bits either way); None:
+        `default_host_access()`. A prefill feeding an offloaded decode should use its
+        `OffloadConfig.host_access` (the offloaded engine does).
       query_block: selection and attention run over blocks of this many queries (temporaries
         bounded by the block, not by T; see `fo_jax.resident.prefill`); None: all T at once.
     Raises:
@@ -458,7 +464,7 @@ def prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelC
 def lower_prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelConfig,
                   num_buffers: int | None = None, distance: int | None = None,
                   onload_layer_map=None, dense: bool = False, history_pages: int | None = None,
-                  poison: bool = False, check: bool = True, host_access: str = "gather",
+                  poison: bool = False, check: bool = True, host_access: str | None = None,
                   query_block: int | None = QUERY_BLOCK):
     """The program `prefill` runs with these arguments, lowered (donation included): for
     checks of its compiled HLO and `memory_analysis()`. Same arguments and checks as `prefill`;
@@ -476,6 +482,7 @@ def _prefill_arguments(params, state: PrefillState, tokens, num_new, *, config: 
                        check, host_access, query_block):
     """Validate `prefill`'s arguments: (positional args, static kwargs) of `_prefill_jit`."""
     check_query_block(query_block)
+    host_access = default_host_access() if host_access is None else host_access
     check_host_access(host_access)
     if num_buffers is None:
         num_buffers = min(4, config.num_layers)

@@ -24,6 +24,7 @@ from fo_jax.model.dsa import init_params
 from fo_jax.offload import decode as offload_decode
 from fo_jax.offload import host
 from fo_jax.offload.config import HOST_ACCESS, OffloadConfig
+from fo_jax.offload.ffi import export_checks
 from fo_jax.offload.invariants import check_invariants
 from fo_jax.offload.prefill import PrefillState, prefill, to_decode_state
 from fo_jax.offload.state import DecodeState, to_memory_kind
@@ -216,13 +217,15 @@ def test_slices_use_only_dynamic_slices_on_host_memory(access):
     control = {"while", "scan", "pjit", "jit", "device_put", "reshape"}
     if access == "slices":
         assert ops - control == {"dynamic_slice", "dynamic_update_slice"}, ops
+    elif access == "ffi":  # only our copies touch host memory
+        assert ops - control == {"ffi_call"}, ops
     else:
         assert {"gather", "scatter"} <= ops, ops
 
 
 def test_a_bad_setting_is_refused():
     with pytest.raises(ValueError, match=r"host_access='dma'; choose one of \('gather', "
-                                         r"'slices'\)"):
+                                         r"'slices', 'ffi'\)"):
         OffloadConfig(hot_slots=16, host_access="dma")
     state = PrefillState.create(TINY, batch=1, capacity=16, page_size=4)
     with pytest.raises(ValueError, match=r"host_access='dma'; choose one of"):
@@ -231,12 +234,13 @@ def test_a_bad_setting_is_refused():
     assert not state.host.kv.is_deleted()
 
 
-# The decode step and the prefill, bit for bit, under "slices" ---------------------------------
+# The decode step and the prefill, bit for bit, under "slices" and "ffi" ------------------------
 
 
-def test_decode_steps_bitwise_resident_with_slices():
+@pytest.mark.parametrize("access", ["slices", "ffi"])
+def test_decode_steps_bitwise_resident(access):
     config = TINY.replace(num_layers=2, indexer_layers=(0,), index_topk=8, max_ways=2)
-    offload = OffloadConfig(hot_slots=16, page_size=8, capacity=96, host_access="slices")
+    offload = OffloadConfig(hot_slots=16, page_size=8, capacity=96, host_access=access)
     params = init_params(config, jax.random.key(0))
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, config.vocab_size, (2, 80), dtype=np.int32)
@@ -257,10 +261,11 @@ def test_decode_steps_bitwise_resident_with_slices():
     assert misses > 0  # rows did come from host pages
 
 
-def test_prefill_and_handoff_bitwise_with_slices():
+@pytest.mark.parametrize("access", ["slices", "ffi"])
+def test_prefill_and_handoff_bitwise(access):
     # Two layers in two buffers; one chunk shape and a fixed history_pages: one compile each.
     config = TINY.replace(num_layers=2, indexer_layers=(0,), index_topk=8, max_ways=1)
-    offload = OffloadConfig(hot_slots=16, page_size=4, capacity=32, host_access="slices")
+    offload = OffloadConfig(hot_slots=16, page_size=4, capacity=32, host_access=access)
     params = init_params(config, jax.random.key(1))
     rng = np.random.default_rng(1)
     chunks = [(rng.integers(0, 256, (2, 10), dtype=np.int32), [10, 9]),
@@ -303,12 +308,14 @@ def test_cross_lowers_for_cuda(access):
                                                      on_host=True, access=access), (pages,)),
     }
     for name, (fn, args) in functions.items():
-        exported = jax.export.export(jax.jit(fn), platforms=("cuda",))(*args)
+        exported = jax.export.export(jax.jit(fn), platforms=("cuda",),
+                                     disabled_checks=export_checks())(*args)
         assert "pinned_host" in exported.mlir_module(), name
     config = TINY.replace(max_ways=1, index_topk=4)
     offload = OffloadConfig(hot_slots=8, page_size=4, capacity=32, host_access=access)
     state = DecodeState.create(config, offload, batch=1)
-    jax.export.export(offload_decode._decode_jit, platforms=("cuda",))(
+    jax.export.export(offload_decode._decode_jit, platforms=("cuda",),
+                      disabled_checks=export_checks())(
         init_params(config, jax.random.key(0)), state, jnp.zeros((1, 1), jnp.int32),
         config=config, offload=offload)
 
