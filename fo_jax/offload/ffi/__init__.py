@@ -4,6 +4,7 @@
 from fo_jax.offload.ffi.copies import (
     gather_items,
     gather_items_reference,
+    read_bulk,
     scatter_items,
     scatter_items_reference,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "export_checks",
     "gather_items",
     "gather_items_reference",
+    "read_bulk",
     "scatter_items",
     "scatter_items_reference",
 ]

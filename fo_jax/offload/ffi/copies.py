@@ -27,6 +27,7 @@ from fo_jax.offload.ffi.library import ensure_registered
 
 GATHER = "fo_jax_host_gather"
 SCATTER = "fo_jax_host_scatter"
+BULK = "fo_jax_host_read_bulk"
 
 
 def _check(pool, index, item_rows: int) -> None:
@@ -63,6 +64,22 @@ def scatter_items(pool, rows, index, *, item_rows: int = 1):
         pool, rows, index, item_rows=np.int64(item_rows))
 
 
+def read_bulk(pool, *, layer: int, row: int, rows: int):
+    """[rows, W] device rows pool[layer, row : row + rows] (the pool seen as [L, F Z, W]) in
+    one contiguous copy: the copy engine on a GPU. For benchmarks: the baseline of the same
+    bytes that `gather_items` is measured against; `gather_items` with one item of `rows`
+    rows gives the same bits."""
+    if pool.ndim != 4:
+        raise ValueError(f"pool must be [L, F, Z, W], got shape {pool.shape}")
+    if not (0 <= layer < pool.shape[0] and 0 <= row and rows >= 1
+            and row + rows <= pool.shape[1] * pool.shape[2]):
+        raise ValueError(f"rows {row}..{row + rows} of layer {layer} are not inside the pool "
+                         f"{pool.shape} seen as [L, F Z, W]")
+    ensure_registered()
+    out = jax.ShapeDtypeStruct((rows, pool.shape[3]), pool.dtype)
+    return jax.ffi.ffi_call(BULK, out)(pool, layer=np.int64(layer), row=np.int64(row))
+
+
 def _item_rows(pool, index, item_rows: int):
     """(layer, row) [R, item_rows] of every row of every item, and whether the entry is valid."""
     num_l, rows_per_layer = pool.shape[0], pool.shape[1] * pool.shape[2]
@@ -92,5 +109,5 @@ def scatter_items_reference(pool, rows, index, *, item_rows: int = 1):
     return flat.reshape(pool.shape)
 
 
-__all__ = ["gather_items", "gather_items_reference", "scatter_items",
+__all__ = ["gather_items", "gather_items_reference", "read_bulk", "scatter_items",
            "scatter_items_reference"]

@@ -46,6 +46,7 @@ CUDA_NAME = "libfo_jax_host_copy_cuda.so"
 TARGETS = {
     "fo_jax_host_gather": {"cpu": "FoJaxHostGatherCpu", "CUDA": "FoJaxHostGatherCuda"},
     "fo_jax_host_scatter": {"cpu": "FoJaxHostScatterCpu", "CUDA": "FoJaxHostScatterCuda"},
+    "fo_jax_host_read_bulk": {"cpu": "FoJaxHostReadBulkCpu", "CUDA": "FoJaxHostReadBulkCuda"},
 }
 CPU_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC")
 # SASS for sm_90 (H100 / H200) and PTX for newer GPUs; PTX from a newer toolkit than the driver

@@ -6,6 +6,11 @@
 //   fo_jax_host_scatter(pool, rows, index) -> pool (aliased)
 //                                              pool[layer, row : row + item_rows] = rows[i]
 //
+// and, for benchmarks only, one contiguous read in the fastest way the platform has (the copy
+// engine's cudaMemcpyAsync on a GPU): the baseline the two copies are measured against,
+//
+//   fo_jax_host_read_bulk(pool) -> out [n, W]  out = pool[layer, row : row + n]  (attributes)
+//
 // pool is [L, F, Z, W] (any dtype) seen as L layers of N = F Z rows of W values; index is
 // [R, 2] int32 in device memory. An entry whose item does not lie inside one layer (layer
 // outside [0, L), row < 0, row + item_rows > N: padding is written as -1) is skipped: the
@@ -64,6 +69,26 @@ inline ffi::ErrorOr<CopyShape> CheckShapes(const char* target, ffi::AnyBuffer po
         std::to_string(dense.size_bytes()) + " bytes; R * item_rows rows of the pool's W " +
         "values are " + std::to_string(want));
   return s;
+}
+
+// Checks a bulk read of out's rows at (layer, row); returns the byte offset in the pool.
+inline ffi::ErrorOr<int64_t> CheckBulk(ffi::AnyBuffer pool, ffi::AnyBuffer out, int64_t layer,
+                                       int64_t row) {
+  auto pd = pool.dimensions();
+  std::string name("fo_jax_host_read_bulk");
+  if (pd.size() != 4)
+    return ffi::Error::InvalidArgument(name + ": pool must be [L, F, Z, W], got " + Dims(pd));
+  if (out.element_type() != pool.element_type())
+    return ffi::Error::InvalidArgument(name + ": out and pool dtypes differ");
+  const int64_t row_bytes = static_cast<int64_t>(ffi::ByteWidth(pool.element_type())) * pd[3];
+  const int64_t rows = static_cast<int64_t>(out.size_bytes()) / row_bytes;
+  if (rows * row_bytes != static_cast<int64_t>(out.size_bytes()) || layer < 0 ||
+      layer >= pd[0] || row < 0 || row + rows > pd[1] * pd[2])
+    return ffi::Error::InvalidArgument(name + ": out " + Dims(out.dimensions()) +
+                                       " is not whole rows inside one layer of the pool " +
+                                       Dims(pd) + " at layer " + std::to_string(layer) +
+                                       ", row " + std::to_string(row));
+  return (layer * pd[1] * pd[2] + row) * row_bytes;
 }
 
 // Byte offset of item (layer, row) in the pool, or -1 if the entry is skipped.

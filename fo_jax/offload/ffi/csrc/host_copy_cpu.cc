@@ -47,6 +47,15 @@ ffi::Error Scatter(ffi::AnyBuffer pool, ffi::AnyBuffer rows, ffi::Buffer<ffi::S3
   return ffi::Error::Success();
 }
 
+ffi::Error ReadBulk(ffi::AnyBuffer pool, ffi::Result<ffi::AnyBuffer> out, int64_t layer,
+                    int64_t row) {
+  auto at = CheckBulk(pool, *out, layer, row);
+  if (at.has_error()) return at.error();
+  std::memcpy(out->untyped_data(), static_cast<const char*>(pool.untyped_data()) + at.value(),
+              out->size_bytes());
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace fo_jax
 
@@ -64,3 +73,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FoJaxHostScatterCpu, fo_jax::Scatter,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // index
                                   .Ret<xla::ffi::AnyBuffer>()                 // pool, aliased
                                   .Attr<int64_t>("item_rows"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FoJaxHostReadBulkCpu, fo_jax::ReadBulk,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()                 // pool
+                                  .Ret<xla::ffi::AnyBuffer>()                 // out
+                                  .Attr<int64_t>("layer")
+                                  .Attr<int64_t>("row"));

@@ -128,6 +128,20 @@ ffi::Error Scatter(cudaStream_t stream, ffi::AnyBuffer pool, ffi::AnyBuffer rows
                       index.typed_data(), shape.value(), target);
 }
 
+// The baseline: one contiguous copy by the copy engine (unified addressing: the pinned host
+// pointer is valid for cudaMemcpyDefault).
+ffi::Error ReadBulk(cudaStream_t stream, ffi::AnyBuffer pool, ffi::Result<ffi::AnyBuffer> out,
+                    int64_t layer, int64_t row) {
+  auto at = CheckBulk(pool, *out, layer, row);
+  if (at.has_error()) return at.error();
+  cudaError_t err = cudaMemcpyAsync(out->untyped_data(),
+                                    static_cast<const char*>(pool.untyped_data()) + at.value(),
+                                    out->size_bytes(), cudaMemcpyDefault, stream);
+  if (err != cudaSuccess)
+    return ffi::Error::Internal(std::string("fo_jax_host_read_bulk: ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace fo_jax
 
@@ -148,4 +162,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FoJaxHostScatterCuda, fo_jax::Scatter,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // index
                                   .Ret<xla::ffi::AnyBuffer>()              // pool, aliased
                                   .Attr<int64_t>("item_rows"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FoJaxHostReadBulkCuda, fo_jax::ReadBulk,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // pool
+                                  .Ret<xla::ffi::AnyBuffer>()              // out
+                                  .Attr<int64_t>("layer")
+                                  .Attr<int64_t>("row"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
