@@ -33,8 +33,12 @@ def _params():
     return init_params(CONFIG, jax.random.key(0))
 
 
-def _offload(policy="ring"):
-    return OffloadConfig(hot_slots=8, page_size=4, capacity=CAPACITY, policy=policy)
+def _offload(path="ring"):
+    """The offloaded engines' setting: `path` is a policy name, "+ffi" for fo_jax's own host
+    copies (fo_jax.offload.ffi) instead of the default host access."""
+    policy, _, access = path.partition("+")
+    return OffloadConfig(hot_slots=8, page_size=4, capacity=CAPACITY, policy=policy,
+                         host_access=access or None)
 
 
 def _engine(path="ring", *, n=2, seats=SEATS, tokenizer=None, **kwargs):
@@ -72,6 +76,11 @@ REQUEST = st.tuples(st.booleans(), st.integers(0, 10**6), st.integers(1, 9), st.
 # Preemption for sure: three requests growing in an 8-page pool (one at temperature 0.9).
 @example(requests=[(True, 1, 9, 8, 0.0, 0), (True, 2, 3, 8, 0.9, 1), (False, 3, 5, 8, 0.0, 0)],
          arrivals=[0, 0, 1, 0, 0, 0], cancels=[], path="ring",
+         pool=(True, "prompt", None))
+# The same through fo_jax's own host copies: every host access of the engine (prefill loads
+# and write-backs, misses, write-through, preemption's page reads) is an FFI copy.
+@example(requests=[(True, 1, 9, 8, 0.0, 0), (True, 2, 3, 8, 0.9, 1), (False, 3, 5, 8, 0.0, 0)],
+         arrivals=[0, 0, 1, 0, 0, 0], cancels=[(6, 1)], path="ring+ffi",
          pool=(True, "prompt", None))
 # Seats, not pages, short (6,150 device bytes: two decoding seats and 6 pages): the youngest
 # is preempted keeping its pages and resumes without recompute; the third (a shared prompt:
