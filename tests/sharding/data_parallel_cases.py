@@ -170,13 +170,14 @@ def random_decode_state(rng, config, *, batch, offload, lengths, permute):
 
 
 def decode_case(params, rng, *, ranks, batch, ways, policy, page, hot, steps, permute=False,
-                hlo=False, inactive=False):
+                hlo=False, inactive=False, host_access=None):
     config = CONFIG.replace(max_ways=ways)
     # One capacity and prompt size for every case: the handoff's eager ops compile once.
     lengths = [PROMPT] + rng.integers(1, PROMPT, batch - 1).tolist()
     capacity = 32
     assert PROMPT + steps * ways <= capacity
-    offload = OffloadConfig(hot_slots=hot, page_size=page, capacity=capacity, policy=policy)
+    offload = OffloadConfig(hot_slots=hot, page_size=page, capacity=capacity, policy=policy,
+                            host_access=host_access)
     state = random_decode_state(rng, config, batch=batch, offload=offload, lengths=lengths,
                                 permute=ranks if permute else False)
     mesh = sharding.make_mesh(ranks)
@@ -221,7 +222,8 @@ def decode_case(params, rng, *, ranks, batch, ways, policy, page, hot, steps, pe
         assert program._cache_size() == 1, program._cache_size()
     assert_state_equal(sharded, mesh, refs, ranks)
     log(f"decode ranks={ranks} B={batch} W={ways} policy={policy} Z={page} C={hot} "
-        f"permuted={permute} inactive seats={inactive}: {steps} steps bitwise ok (misses "
+        f"permuted={permute} inactive seats={inactive} host access {offload.host_access}: "
+        f"{steps} steps bitwise ok (misses "
         f"{int(np.asarray(stats.misses).sum())} in the last step)")
 
 
@@ -551,8 +553,9 @@ def main(argv):
     decode_case(params, rng, ranks=2, batch=8, ways=2, policy="clock", page=4, hot=16, steps=3,
                 permute=True, inactive=True)
     decode_case(params, rng, ranks=8, batch=8, ways=4, policy="lru", page=4, hot=16, steps=3)
+    # fo_jax's own host copies (FFI custom calls) inside each rank's program.
     decode_case(params, rng, ranks=2, batch=8, ways=3, policy="random", page=4, hot=16,
-                steps=3)
+                steps=3, host_access="ffi")
     expert_parallel_case(rng, expert=2, steps=2)
     resident_case(params, rng, ranks=4, batch=4, ways=2, steps=2)
     prefill_case(params, rng, ranks=2, batch=4, page=4, chunks=2, width=6)

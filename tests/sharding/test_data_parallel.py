@@ -2,7 +2,7 @@
 
 One subprocess runs every case of data_parallel_cases.py (XLA_FLAGS gives it 8 devices; this
 process, and the rest of the suite, keep one): the sharded offloaded decode (policies ring,
-clock, lru and random, W 1 to 4, 2 to 8 ranks, shuffled page tables), resident decode and
+clock, lru and random, W 1 to 4, 2 to 8 ranks, shuffled page tables, the FFI host copies), resident decode and
 offloaded prefill bit for bit against each rank's single-device run, the compiled program's
 shardings and memory kinds, no collective in its HLO, MoE experts split over `expert` (decode
 and prefill bit for bit, the experts' all-reduce the only collective), a zero-sized operand of a

@@ -30,6 +30,18 @@ SCATTER = "fo_jax_host_scatter"
 BULK = "fo_jax_host_read_bulk"
 
 
+def _like_pool(pool) -> jax.ShapeDtypeStruct:
+    """The scatter's result type: the pool's shape, dtype and memory space.
+
+    `jax.ShapeDtypeStruct.like(pool)` loses the host memory space inside `shard_map` (the
+    manual mesh's sharding it copies carries no memory kind and wins), and the result would be
+    typed as device memory: a pool-sized device buffer aliased to a host one. The private
+    `_memory_space` argument (the same in jax 0.11.2 and 0.12) is the only way to say it.
+    """
+    return jax.ShapeDtypeStruct(pool.shape, pool.dtype,
+                                _memory_space=jax.typeof(pool).memory_space)
+
+
 def _check(pool, index, item_rows: int) -> None:
     if pool.ndim != 4:
         raise ValueError(f"pool must be [L, F, Z, W], got shape {pool.shape}")
@@ -59,8 +71,7 @@ def scatter_items(pool, rows, index, *, item_rows: int = 1):
         raise ValueError(f"rows must be {want} {pool.dtype} (R, item_rows, W), got "
                          f"{rows.shape} {rows.dtype}")
     ensure_registered()
-    return jax.ffi.ffi_call(SCATTER, jax.ShapeDtypeStruct.like(pool),
-                            input_output_aliases={0: 0})(
+    return jax.ffi.ffi_call(SCATTER, _like_pool(pool), input_output_aliases={0: 0})(
         pool, rows, index, item_rows=np.int64(item_rows))
 
 
