@@ -86,7 +86,7 @@ def test_decode_step_in_place_at_batch_1_and_under_slices(batch, access):
     hlo_checks.assert_no_sort_over(compiled, HOT, what="C")
 
 
-@pytest.mark.parametrize("access", ["gather", "slices"])
+@pytest.mark.parametrize("access", ["gather", "slices", "ffi"])
 def test_decode_step_over_a_larger_pool_keeps_pools_and_table_in_place(access):
     # Pools [L, F=77, Z, D+R] (host) and [G, F, Z, N] (indexer keys) under a permuted table
     # [B, P] int32: the step reads and writes both pools through the table and must copy or
