@@ -3,10 +3,13 @@
 A directory holds config.json, model.safetensors.index.json ({"weight_map": {name: shard}})
 and the shards (or one model.safetensors). `load_checkpoint`:
 
-  1. reads config.json (`config_from_hf`) and every shard's header, and refuses before loading
-     anything: missing or extra tensors, wrong shapes or dtypes, FP8 weights without their
-     scales, truncated shards, an index naming tensors its shard lacks (each error names the
-     tensor, what was expected and what came);
+  1. reads config.json (`config_from_hf`), the index and every shard's header, and refuses
+     before loading anything: a malformed config.json, index or header (`safetensors_io`:
+     offsets that do not tile the data section included), missing or extra tensors (with the
+     config.json fields that place the indexers when those differ), wrong shapes or dtypes,
+     FP8 weights without their scales, truncated shards, an index naming tensors its shard
+     lacks (each error one line naming the file, the tensor or field, what was expected and
+     what came);
   2. allocates the stacked parameters once (host numpy, `config.dtype`) and fills them shard by
      shard, tensor by tensor (a tqdm bar per tensor): host memory holds the model once plus
      one tensor (and its float32 dequantised copy);
@@ -38,7 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from fo_jax.checkpoints.hf_config import config_from_hf, hf_quantization, read_hf_config
+from fo_jax.checkpoints.hf_config import (config_from_hf, hf_quantization, indexer_fields,
+                                          read_hf_config, read_json)
 from fo_jax.checkpoints.names import MTP_SHARED, Slot, mtp_layer, mtp_tensor_names, tensor_names
 from fo_jax.checkpoints.safetensors_io import SafetensorsFile, write_safetensors
 from fo_jax.config import ModelConfig
@@ -54,10 +58,17 @@ def _shards(directory: str) -> dict[str, list[str]]:
     """{shard file: [tensor names the index gives it]} ([] for a lone model.safetensors)."""
     index = os.path.join(directory, INDEX)
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = read_json(index, '{"weight_map": {tensor name: shard file name}}').get(
+            "weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f'{index}: "weight_map" must map tensor names to the names of '
+                             f"shard files in {directory}, got {weight_map!r:.80}")
         out: dict[str, list[str]] = {}
         for name, shard in weight_map.items():
+            if not (isinstance(shard, str) and shard and os.path.basename(shard) == shard
+                    and shard not in (".", "..")):
+                raise ValueError(f"{index}: weight_map[{name!r}]={shard!r:.80} must be the name "
+                                 f"of a shard file in {directory}")
             out.setdefault(shard, []).append(name)
         return out
     if os.path.exists(os.path.join(directory, SINGLE)):
@@ -133,6 +144,19 @@ def _mismatch(expected, found) -> str:
     return (f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, unexpected "
             f"{extra[:8]}{' ...' if len(extra) > 8 else ''}")
 
+def _indexer_hint(directory: str, config: ModelConfig, tensors) -> str:
+    """"; the checkpoint holds indexer tensors at layers ..., config ... puts indexers at ...
+    (config.json: the fields that say so)" when those layers differ, else ""."""
+    held = tuple(sorted({int(n.split(".")[2]) for n in tensors
+                         if n.startswith("model.layers.") and ".self_attn.indexer." in n}
+                        & set(range(config.num_layers))))
+    if held == config.indexer_layers:
+        return ""
+    return (f"; the checkpoint holds indexer tensors at layers {held}, config {config.name!r} "
+            f"puts indexers at layers {config.indexer_layers} (config.json: "
+            f"{indexer_fields(read_hf_config(directory))})")
+
+
 def inspect_checkpoint(directory: str | os.PathLike, config: ModelConfig, *,
                        mtp: bool = False) -> dict:
     """Check a checkpoint directory against `config` without reading tensor data.
@@ -174,7 +198,7 @@ def inspect_checkpoint(directory: str | os.PathLike, config: ModelConfig, *,
         raise ValueError(
             f"{directory}: checkpoint tensors do not match config {config.name!r} "
             f"({config.num_layers} layers, {config.n_routed_experts} experts, indexers at "
-            f"{config.indexer_layers}): {mismatch}")
+            f"{config.indexer_layers}): {mismatch}{_indexer_hint(directory, config, tensors)}")
     plan = {}
     for name in sorted(expected):
         path, file = found[name]

@@ -454,3 +454,40 @@ def test_yarn_factor_null_is_derived_as_transformers_does():
     assert config_from_hf(no_original, max_seq_len=16384).rope_original_seq_len == 8192
     both = dict(no_original, rope_scaling=dict(no_original["rope_scaling"], factor=None))
     assert config_from_hf(both).rope_factor == 1.0  # 8192 / 8192: plain RoPE
+
+
+def test_bad_index_files_are_refused_naming_the_file_and_entry(tmp_path):
+    _saved(tmp_path)
+    index = tmp_path / "model.safetensors.index.json"
+    for text, message in [
+            ("{", f"{index} is not valid JSON (Expecting property name"),
+            ("[]", f"{index}: expected a JSON object of {{\"weight_map\": {{tensor name: "
+                   "shard file name}}, got a list"),
+            ("{}", f"{index}: \"weight_map\" must map tensor names to the names of shard "
+                   f"files in {tmp_path}, got None"),
+            (json.dumps({"weight_map": {"lm_head.weight": 5}}),
+             f"{index}: weight_map['lm_head.weight']=5 must be the name of a shard file in "
+             f"{tmp_path}"),
+            (json.dumps({"weight_map": {"lm_head.weight": "../model.safetensors"}}),
+             f"{index}: weight_map['lm_head.weight']='../model.safetensors' must be the name "
+             "of a shard file")]:
+        index.write_text(text)
+        with pytest.raises(ValueError) as err:
+            load_checkpoint(tmp_path, MOE, progress=False)
+        assert str(err.value).startswith(message), (str(err.value), message)
+
+
+def test_an_indexer_layout_mismatch_names_the_config_fields(tmp_path):
+    # MOE's indexers are at layers 0 and 2 (indexer_types); with index_topk_freq=2 (and the
+    # default offset 2) config.json puts them at 0 and 1.
+    _saved(tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    del hf["indexer_types"]
+    (tmp_path / "config.json").write_text(json.dumps(dict(hf, index_topk_freq=2)))
+    with pytest.raises(ValueError) as err:
+        load_checkpoint(tmp_path, progress=False)
+    assert ("unexpected ['model.layers.2.self_attn.indexer.k_norm.bias'" in str(err.value)
+            and str(err.value).endswith(
+                f"; the checkpoint holds indexer tensors at layers (0, 2), config {MOE.name!r} "
+                "puts indexers at layers (0, 1) (config.json: index_topk_freq=2, "
+                "index_skip_topk_offset=2 (default))"))
