@@ -12,7 +12,10 @@ and the shards (or one model.safetensors). `load_checkpoint`:
      what came);
   2. allocates the stacked parameters once (host numpy, `config.dtype`) and fills them shard by
      shard, tensor by tensor (a tqdm bar per tensor): host memory holds the model once plus
-     one tensor (and its float32 dequantised copy);
+     one tensor (and its float32 dequantised copy); each tensor, as cast to its parameter's
+     dtype, must be finite (`all_finite`): inf or NaN in the file (0xff bytes, say), once
+     dequantised, or from a value too large for the dtype is refused naming the tensor, the
+     count and the first one, before anything reaches the device;
   3. moves the stacks to the device one at a time with `jax.device_put` (each host stack
      dropped after its copy): at most the model plus its largest stack at once (measured on
      CPU: a 132 MiB checkpoint peaks at +176 MiB of resident memory, +133 MiB after loading).
@@ -276,7 +279,11 @@ def load_checkpoint(directory: str | os.PathLike, config: ModelConfig | None = N
                 target = host
                 for key in slot.path:
                     target = target[key]
-                target[slot.index] = np.swapaxes(piece, -1, -2) if slot.transpose else piece
+                with np.errstate(over="ignore"):  # an overflow is reported just below
+                    target[slot.index] = np.swapaxes(piece, -1, -2) if slot.transpose else piece
+                if not all_finite(target[slot.index]):
+                    _refuse_non_finite(file.path, name, value, target.dtype,
+                                       scale_file is not None)
             del value
             bar.update(1)
     bar.close()
@@ -288,6 +295,55 @@ def load_checkpoint(directory: str | os.PathLike, config: ModelConfig | None = N
         return config, params, mtp_params
     check_params(params, config)
     return config, params
+
+
+# The bits of a float whose exponent bits are all set are inf or NaN: per float dtype, the
+# unsigned int of its width and the mask of its exponent bits.
+_EXPONENT = {np.dtype(np.float16): (np.uint16, 0x7C00),
+             np.dtype(jnp.bfloat16): (np.uint16, 0x7F80),
+             np.dtype(np.float32): (np.uint32, 0x7F800000),
+             np.dtype(np.float64): (np.uint64, 0x7FF0000000000000)}
+_CHUNK = 1 << 18  # values per step of `all_finite` (cache-sized)
+
+
+def all_finite(array: np.ndarray) -> bool:
+    """Whether every value of float `array` (float16, bfloat16, float32 or float64) is finite.
+
+    Reads its bits in cache-sized chunks: max(bits & exponent mask) == mask iff some value
+    has every exponent bit set (inf or NaN). Measured on one CPU core: 0.05 s per GB of
+    bfloat16, 0.08 s per GB of float32 (np.isfinite(...).all(): 0.35 s per GB of bfloat16).
+    """
+    uint, mask = _EXPONENT[array.dtype]
+    bits = np.ascontiguousarray(array).reshape(-1).view(uint)
+    scratch = np.empty(min(bits.size, _CHUNK), uint)
+    for i in range(0, bits.size, _CHUNK):
+        chunk = scratch[:len(bits[i:i + _CHUNK])]
+        np.bitwise_and(bits[i:i + _CHUNK], uint(mask), out=chunk)
+        if chunk.max() == mask:
+            return False
+    return True
+
+
+def _refuse_non_finite(path: str, name: str, value: np.ndarray, dtype, scaled: bool) -> None:
+    """Raise the ValueError for tensor `name` (`value`: its values in the file's layout, FP8
+    dequantised), which is not finite once cast to `dtype`: it holds inf or NaN, or values too
+    large for `dtype`. Names the count and the first one (error path: not timed)."""
+    value = value.astype(np.float32) if value.dtype.itemsize < 4 else value
+    bad = ~np.isfinite(value)
+    if bad.any():
+        what = "non-finite value" + ("s" if bad.sum() > 1 else "")
+        fix = (f" once dequantised with {name + SCALE!r}" if scaled else "") + (
+            ": a corrupt or mis-converted checkpoint (fo_jax loads finite weights only)")
+    else:
+        bad = np.abs(value) > float(jnp.finfo(dtype).max)
+        what = ("values that overflow" if bad.sum() > 1 else "value that overflows") + (
+            f" {np.dtype(dtype).name}")
+        fix = ": load it with a wider dtype (dtype='bfloat16' or 'float32')"
+    if not bad.any():  # not reached: a finite value within range casts to a finite one
+        raise ValueError(f"{path}: tensor {name!r} is not finite as {np.dtype(dtype).name}")
+    first = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(f"{path}: tensor {name!r} holds {int(bad.sum())} {what} (the first, "
+                     f"{float(value[first])}, at {list(first)}){fix}")
 
 
 def _to_device(host: dict) -> dict:

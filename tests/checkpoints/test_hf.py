@@ -456,6 +456,43 @@ def test_yarn_factor_null_is_derived_as_transformers_does():
     assert config_from_hf(both).rope_factor == 1.0  # 8192 / 8192: plain RoPE
 
 
+def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path):
+    weight_map = _saved(tmp_path)
+    name = "model.layers.0.self_attn.q_a_proj.weight"  # [32, 64] bfloat16, stored [out, in]
+    path = tmp_path / weight_map[name]
+    clean = SafetensorsFile(path).get(name)
+
+    def refused(value, config=MOE):
+        _edit(tmp_path, weight_map[name], lambda t: t.update({name: value}))
+        with pytest.raises(ValueError) as err:
+            load_checkpoint(tmp_path, config, progress=False)
+        assert str(err.value).startswith(f"{path}: tensor '{name}' ") and "\n" not in str(
+            err.value)
+        return str(err.value)
+
+    ones = np.frombuffer(b"\xff" * clean.nbytes, clean.dtype).reshape(clean.shape)
+    assert "holds 2048 non-finite values (the first, nan, at [0, 0]): a corrupt or " \
+           "mis-converted checkpoint" in refused(ones)  # 0xffff is a bfloat16 NaN
+    inf = clean.copy()
+    inf[3, 5] = -np.inf
+    assert "holds 1 non-finite value (the first, -inf, at [3, 5])" in refused(inf)
+    # Finite in the file (bfloat16) but not in the config's dtype (float16, max 65504).
+    big = clean.copy()
+    big[1, 2] = 1e5
+    assert ("holds 1 value that overflows float16 (the first, 99840.0, at [1, 2]): load it "
+            "with a wider dtype") in refused(big, MOE.replace(dtype="float16"))
+    # An FP8 weight whose e4m3 NaN byte (0x7f) survives dequantisation.
+    q = np.zeros(clean.shape, ml_dtypes.float8_e4m3fn)
+    q.view(np.uint8)[0, 1] = 0x7F
+    _edit(tmp_path, weight_map[name], lambda t: t.update(
+        {name + "_scale_inv": np.ones((1, 1), np.float32)}))
+    hf = json.loads((tmp_path / "config.json").read_text())
+    hf["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert "holds 1 non-finite value (the first, nan, at [0, 1]) once dequantised with " \
+           f"'{name}_scale_inv'" in refused(q)
+
+
 def test_bad_index_files_are_refused_naming_the_file_and_entry(tmp_path):
     _saved(tmp_path)
     index = tmp_path / "model.safetensors.index.json"
@@ -491,3 +528,17 @@ def test_an_indexer_layout_mismatch_names_the_config_fields(tmp_path):
                 f"; the checkpoint holds indexer tensors at layers (0, 2), config {MOE.name!r} "
                 "puts indexers at layers (0, 1) (config.json: index_topk_freq=2, "
                 "index_skip_topk_offset=2 (default))"))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_all_finite_finds_inf_and_nan_in_any_chunk(dtype):
+    from fo_jax.checkpoints.hf import all_finite
+    x = np.linspace(-1e3, 1e3, 3 * (1 << 18) + 8).astype(dtype)  # 4 chunks, the last ragged
+    assert all_finite(x) and all_finite(x.reshape(-1, 5)[:, ::2])  # strided: copied first
+    info = jax.numpy.finfo(dtype)
+    assert all_finite(np.array([info.max, -info.max, info.tiny, 0.0], dtype))
+    for bad in (np.nan, np.inf, -np.inf):
+        for at in (0, 1 << 18, x.size - 1):
+            y = x.copy()
+            y[at] = bad
+            assert not all_finite(y), (bad, at)
