@@ -57,8 +57,10 @@ SINGLE = "model.safetensors"
 SCALE = "_scale_inv"
 
 
-def _shards(directory: str) -> dict[str, list[str]]:
-    """{shard file: [tensor names the index gives it]} ([] for a lone model.safetensors)."""
+def shard_files(directory: str | os.PathLike) -> dict[str, list[str]]:
+    """{shard file: [tensor names the index gives it]} ([] for a lone model.safetensors);
+    ValueError naming the index file and the entry unless it is well formed."""
+    directory = os.fspath(directory)
     index = os.path.join(directory, INDEX)
     if os.path.exists(index):
         weight_map = read_json(index, '{"weight_map": {tensor name: shard file name}}').get(
@@ -171,7 +173,7 @@ def inspect_checkpoint(directory: str | os.PathLike, config: ModelConfig, *,
     directory = os.fspath(directory)
     block = hf_quantization(directory)
     found: dict[str, tuple[str, SafetensorsFile]] = {}
-    for shard, listed in _shards(directory).items():
+    for shard, listed in shard_files(directory).items():
         path = os.path.join(directory, shard)
         if not os.path.exists(path):
             raise FileNotFoundError(f"{directory}: shard {shard} (named by {INDEX}) is missing")
@@ -442,5 +444,5 @@ def _leaf(params: dict, slot: Slot):
     return leaf
 
 
-__all__ = ["dequantize_fp8", "inspect_checkpoint", "load_checkpoint", "read_hf_config",
-           "save_checkpoint", "to_hf_config"]
+__all__ = ["all_finite", "dequantize_fp8", "inspect_checkpoint", "load_checkpoint",
+           "read_hf_config", "save_checkpoint", "shard_files", "to_hf_config"]
