@@ -8,7 +8,7 @@ and the shards (or one model.safetensors). `load_checkpoint`:
      offsets that do not tile the data section included), missing or extra tensors (with the
      config.json fields that place the indexers when those differ), wrong shapes or dtypes,
      FP8 weights without their scales, truncated shards, an index naming tensors its shard
-     lacks (each error one line naming the file, the tensor or field, what was expected and
+     lacks, a tensor held by two shards (each error one line naming the file, the tensor or field, what was expected and
      what came);
   2. allocates the stacked parameters once (host numpy, `config.dtype`) and fills them shard by
      shard, tensor by tensor (a tqdm bar per tensor): host memory holds the model once plus
@@ -173,7 +173,9 @@ def inspect_checkpoint(directory: str | os.PathLike, config: ModelConfig, *,
     directory = os.fspath(directory)
     block = hf_quantization(directory)
     found: dict[str, tuple[str, SafetensorsFile]] = {}
-    for shard, listed in shard_files(directory).items():
+    shards = shard_files(directory)
+    index_shard = {name: shard for shard, names in shards.items() for name in names}
+    for shard, listed in sorted(shards.items()):
         path = os.path.join(directory, shard)
         if not os.path.exists(path):
             raise FileNotFoundError(f"{directory}: shard {shard} (named by {INDEX}) is missing")
@@ -183,6 +185,11 @@ def inspect_checkpoint(directory: str | os.PathLike, config: ModelConfig, *,
             raise ValueError(f"{path}: {INDEX} puts {missing_here[:5]} in this shard but it "
                              "does not hold them")
         for name in file.entries:
+            if name in found:
+                raise ValueError(
+                    f"{path}: tensor {name!r} is also in {found[name][0]}: which copy to load "
+                    f"is ambiguous (the index puts it in {index_shard.get(name)}); remove the "
+                    "other")
             found[name] = (path, file)
     expected = _expected(config, found)
     scales = {n for n in found if n.endswith(SCALE)}

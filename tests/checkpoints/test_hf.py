@@ -3,6 +3,7 @@
 
 import json
 import os
+import re
 
 import jax
 import ml_dtypes
@@ -542,3 +543,16 @@ def test_all_finite_finds_inf_and_nan_in_any_chunk(dtype):
             y = x.copy()
             y[at] = bad
             assert not all_finite(y), (bad, at)
+
+
+def test_a_tensor_in_two_shards_is_refused_naming_both(tmp_path):
+    weight_map = _saved(tmp_path)
+    name = "lm_head.weight"
+    other = sorted(set(weight_map.values()) - {weight_map[name]})[0]
+    head = SafetensorsFile(tmp_path / weight_map[name]).get(name)
+    _edit(tmp_path, other, lambda t: t.update({name: np.zeros_like(head)}))
+    first, second = sorted([tmp_path / other, tmp_path / weight_map[name]])
+    with pytest.raises(ValueError, match=re.escape(
+            f"{second}: tensor '{name}' is also in {first}: which copy to load is ambiguous "
+            f"(the index puts it in {weight_map[name]}); remove the other")):
+        load_checkpoint(tmp_path, MOE, progress=False)
