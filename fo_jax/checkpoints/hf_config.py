@@ -83,6 +83,25 @@ ALIASES = ("num_local_experts", "num_experts")
 _ROPE_KEYS = frozenset({"type", "rope_type", "factor", "original_max_position_embeddings",
                         "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "rope_theta"})
 _DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
+# The sizes every config.json must give (no default that could be right for a checkpoint).
+NEEDED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+          "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+          "intermediate_size", "index_n_heads", "index_head_dim", "index_topk")
+# The type (and range) of each mapped number; MoE-only ones are checked when the model has MoE.
+_KINDS = {
+    **{key: "size" for key in NEEDED + ("max_position_embeddings",)},
+    **{key: "count" for key in ("n_routed_experts", "num_experts_per_tok",
+                                "moe_intermediate_size", "n_shared_experts", "n_group",
+                                "topk_group", "first_k_dense_replace",
+                                "num_nextn_predict_layers")},
+    **{key: "positive" for key in ("rms_norm_eps", "routed_scaling_factor", "rope_theta")},
+    "norm_topk_prob": "bool", "indexer_rope_interleave": "bool",
+}
+_MOE_ONLY = ("num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+             "first_k_dense_replace")
+_EXPECTED = {"size": "an int >= 1", "count": "an int >= 0", "count?": "an int >= 0 or null",
+             "positive": "a finite number > 0", "number": "a finite number",
+             "factor": "a finite number >= 1", "bool": "true or false"}
 
 
 def read_json(path: str | os.PathLike,
@@ -167,8 +186,8 @@ def config_from_hf(config: dict | str | os.PathLike, *, name: str | None = None,
                              f"implements {field}={want!r}")
     missing = sorted(set(NEEDED) - set(hf))
     if missing:
-        raise ValueError(f"{where} lacks {missing}: fo_jax builds the model from {NEEDED} and "
-                         "does not guess a size; add them as the checkpoint's own config.json "
+        raise ValueError(f"{where} lacks {missing}: fo_jax builds the model from these sizes "
+                         "and does not guess them; add them as the checkpoint's own config.json "
                          "gives them")
     if hf["q_lora_rank"] is None:
         raise ValueError(f"{where} q_lora_rank=None (a full-rank query projection) is not "
@@ -215,27 +234,6 @@ def config_from_hf(config: dict | str | os.PathLike, *, name: str | None = None,
                    if key != field and re.search(rf"\b{field}\b", str(err))]
         raise ValueError(f"{where}: {err}" + (f" ({', '.join(renamed)})" if renamed else "")
                          ) from None
-
-
-# The sizes every config.json must give (no default that could be right for a checkpoint).
-NEEDED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-          "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-          "intermediate_size", "index_n_heads", "index_head_dim", "index_topk")
-# The type (and range) of each mapped number; MoE-only ones are checked when the model has MoE.
-_KINDS = {
-    **{key: "size" for key in NEEDED + ("max_position_embeddings",)},
-    **{key: "count" for key in ("n_routed_experts", "num_experts_per_tok",
-                                "moe_intermediate_size", "n_shared_experts", "n_group",
-                                "topk_group", "first_k_dense_replace",
-                                "num_nextn_predict_layers")},
-    **{key: "positive" for key in ("rms_norm_eps", "routed_scaling_factor", "rope_theta")},
-    "norm_topk_prob": "bool", "indexer_rope_interleave": "bool",
-}
-_MOE_ONLY = ("num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
-             "first_k_dense_replace")
-_EXPECTED = {"size": "an int >= 1", "count": "an int >= 0", "count?": "an int >= 0 or null",
-             "positive": "a finite number > 0", "number": "a finite number",
-             "factor": "a finite number >= 1", "bool": "true or false"}
 
 
 def _show(value) -> str:
