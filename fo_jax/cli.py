@@ -157,20 +157,20 @@ def _fmt_bytes(n: float) -> str:
 def _model_dir_config(directory):
     """(ModelConfig, "hf" or "fo_jax") of a --model-dir: a Hugging Face checkpoint's
     config.json ("architectures") or a fo_jax model directory's ("model")."""
-    import json
     import pathlib
 
     from fo_jax import embedded
     from fo_jax.checkpoints import config_from_hf
+    from fo_jax.checkpoints.hf_config import read_json
 
     path = pathlib.Path(directory) / "config.json"
     if not path.exists():
         return embedded.read_config(directory), "fo_jax"  # raises, naming what is missing
-    meta = json.loads(path.read_text())
+    meta = read_json(path)  # ValueError naming the file unless a JSON object
     if "model" in meta:
         return embedded.read_config(directory), "fo_jax"
     if "architectures" in meta:
-        return config_from_hf(meta), "hf"
+        return config_from_hf(path), "hf"  # errors name the file
     raise ValueError(f"{path} has neither a \"model\" section (a fo_jax model directory) nor "
                      "\"architectures\" (a Hugging Face checkpoint); got keys "
                      f"{sorted(meta)[:8]}")
@@ -179,22 +179,29 @@ def _model_dir_config(directory):
 def _checkpoint_bytes(directory, kind: str) -> int:
     """Bytes of a model directory's weight files: the safetensors index's total_size, else
     the files' sizes."""
-    import json
     import os
     import pathlib
 
     from fo_jax import embedded
-    from fo_jax.checkpoints.hf import INDEX, SINGLE
+    from fo_jax.checkpoints.hf import INDEX, SINGLE, shard_files
+    from fo_jax.checkpoints.hf_config import read_json
 
     directory = pathlib.Path(directory)
     if kind == "fo_jax":
         return os.path.getsize(embedded.weights_path(directory))
     if (directory / INDEX).exists():
-        index = json.loads((directory / INDEX).read_text())
-        total = index.get("metadata", {}).get("total_size")
-        if total is not None:
-            return int(total)
-        return sum(os.path.getsize(directory / f) for f in set(index["weight_map"].values()))
+        shards = shard_files(directory)  # ValueError naming the index unless well formed
+        meta = read_json(directory / INDEX).get("metadata") or {}
+        if not isinstance(meta, dict):
+            raise ValueError(f"{directory / INDEX}: metadata={meta!r:.40} must be an object "
+                             '({"total_size": bytes})')
+        total = meta.get("total_size")
+        if total is None:
+            return sum(os.path.getsize(directory / f) for f in shards)
+        if not isinstance(total, int) or isinstance(total, bool) or total < 0:
+            raise ValueError(f"{directory / INDEX}: metadata.total_size={total!r:.40} must be "
+                             "an int >= 0 (bytes)")
+        return total
     return os.path.getsize(directory / SINGLE)
 
 

@@ -24,6 +24,9 @@ It has no document separator (`sep` is None, no `token_bytes`): it runs models, 
 train them. `encode` adds BOS where the config says so, `decode` skips special tokens (BOS,
 EOS, the chat markers), `apply_chat_template` renders the checkpoint's Jinja template as
 `transformers` does (`render_chat_template`), and `eos_ids` are the ids that end a generation.
+A file that is not what it should be (not a JSON object, a tokenizer.json `tokenizers` cannot
+read, a special token or eos_token_id of the wrong type, a template that is not text) is a
+one-line ValueError naming the file and the field.
 
 `load_tokenizer(dir)` opens what a model directory ships: a Hugging Face checkpoint's tokenizer
 (config.json with "architectures"), else `tokenizer.json` (BPE) if present, else bytes.
@@ -220,19 +223,41 @@ class HFTokenizer:
                 f"checkpoint's tokenizer from {TOKENIZER_FILE} (the `tokenizers` format; a "
                 "sentencepiece tokenizer.model alone is not read): add the checkpoint's "
                 f"{TOKENIZER_FILE}")
-        meta = _read_json(directory / TOKENIZER_CONFIG)
-        tokens = {key: _token_text(meta.get(key)) for key in ("bos_token", "eos_token",
-                                                              "pad_token")}
+        config = directory / TOKENIZER_CONFIG
+        meta = _read_json(config)
+        tokens = {key: _token_text(meta.get(key), config, key) for key in (
+            "bos_token", "eos_token", "pad_token")}
         template = meta.get("chat_template")
-        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-            named = {t.get("name"): t.get("template") for t in template}
+        if isinstance(template, list) and all(isinstance(t, dict) for t in template):
+            named = {t.get("name"): t.get("template") for t in template}  # named templates
             template = named.get("default")
+        if not (template is None or isinstance(template, str)):
+            raise ValueError(f"{config} chat_template={_show(meta['chat_template'])} must be a "
+                             'string or a list of {"name", "template"} objects')
+        for key in ("add_bos_token", "add_eos_token"):
+            if not (meta.get(key) is None or isinstance(meta[key], bool)):
+                raise ValueError(f"{config} {key}={_show(meta[key])} must be true, false or "
+                                 "null")
         if (directory / CHAT_TEMPLATE_FILE).exists():
-            template = (directory / CHAT_TEMPLATE_FILE).read_text()
-        tok = Tokenizer.from_file(str(path))
-        eos = _read_json(directory / GENERATION_CONFIG).get("eos_token_id")
-        if eos is None:
-            eos = _read_json(directory / "config.json").get("eos_token_id")
+            try:
+                template = (directory / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{directory / CHAT_TEMPLATE_FILE} is not UTF-8 text ({err})"
+                                 ) from None
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as err:  # the `tokenizers` library raises plain Exception
+            raise ValueError(f"{path} is not a tokenizer the `tokenizers` library reads "
+                             f"({err})") from None
+        for source in (directory / GENERATION_CONFIG, directory / "config.json"):
+            eos = _read_json(source).get("eos_token_id")
+            if eos is not None:
+                ids = eos if isinstance(eos, list) else [eos]
+                if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                           for t in ids):
+                    raise ValueError(f"{source} eos_token_id={_show(eos)} must be a token id or "
+                                     "a list of them (ints >= 0)")
+                break
         if eos is None and tokens["eos_token"] is not None:
             eos = tok.token_to_id(tokens["eos_token"])
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
@@ -350,12 +375,32 @@ def _generation_tag():
 
 
 def _read_json(path: pathlib.Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
+    """The JSON object in `path` ({} if there is no such file); ValueError naming the file if
+    it is not one."""
+    if not path.exists():
+        return {}
+    try:
+        value = json.loads(path.read_bytes())
+    except ValueError as err:  # json.JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got a {type(value).__name__}")
+    return value
 
 
-def _token_text(token) -> str | None:
+def _show(value) -> str:
+    """repr(value), cut to 80 characters (messages stay one short line)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _token_text(token, source: pathlib.Path, key: str) -> str | None:
     """A special token of tokenizer_config.json: a string, or an AddedToken dict."""
-    return token.get("content") if isinstance(token, dict) else token
+    text = token.get("content") if isinstance(token, dict) else token
+    if not (text is None or isinstance(text, str)):
+        raise ValueError(f'{source} {key}={_show(token)} must be a string or an object whose '
+                         '"content" is one')
+    return text
 
 
 def is_hf_checkpoint(directory: str | os.PathLike) -> bool:
@@ -376,7 +421,8 @@ def load_tokenizer(directory: str | os.PathLike):
         return BPETokenizer.from_file(directory / TOKENIZER_FILE)
     meta = directory / "config.json"
     if meta.exists():
-        kind = json.loads(meta.read_text()).get("tokenizer", {}).get("kind", "bytes")
+        section = _read_json(meta).get("tokenizer") or {}
+        kind = section.get("kind", "bytes") if isinstance(section, dict) else section
         if kind != "bytes":
             raise FileNotFoundError(f"{meta} names a {kind!r} tokenizer but {directory} has no "
                                     f"{TOKENIZER_FILE}")

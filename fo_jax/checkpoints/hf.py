@@ -3,13 +3,19 @@
 A directory holds config.json, model.safetensors.index.json ({"weight_map": {name: shard}})
 and the shards (or one model.safetensors). `load_checkpoint`:
 
-  1. reads config.json (`config_from_hf`) and every shard's header, and refuses before loading
-     anything: missing or extra tensors, wrong shapes or dtypes, FP8 weights without their
-     scales, truncated shards, an index naming tensors its shard lacks (each error names the
-     tensor, what was expected and what came);
+  1. reads config.json (`config_from_hf`), the index and every shard's header, and refuses
+     before loading anything: a malformed config.json, index or header (`safetensors_io`:
+     offsets that do not tile the data section included), missing or extra tensors (with the
+     config.json fields that place the indexers when those differ), wrong shapes or dtypes,
+     FP8 weights without their scales, truncated shards, an index naming tensors its shard
+     lacks, a tensor held by two shards (each error one line naming the file, the tensor or field, what was expected and
+     what came);
   2. allocates the stacked parameters once (host numpy, `config.dtype`) and fills them shard by
      shard, tensor by tensor (a tqdm bar per tensor): host memory holds the model once plus
-     one tensor (and its float32 dequantised copy);
+     one tensor (and its float32 dequantised copy); each tensor, as cast to its parameter's
+     dtype, must be finite (`all_finite`): inf or NaN in the file (0xff bytes, say), once
+     dequantised, or from a value too large for the dtype is refused naming the tensor, the
+     count and the first one, before anything reaches the device;
   3. moves the stacks to the device one at a time with `jax.device_put` (each host stack
      dropped after its copy): at most the model plus its largest stack at once (measured on
      CPU: a 132 MiB checkpoint peaks at +176 MiB of resident memory, +133 MiB after loading).
@@ -38,7 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from fo_jax.checkpoints.hf_config import config_from_hf, hf_quantization, read_hf_config
+from fo_jax.checkpoints.hf_config import (config_from_hf, hf_quantization, indexer_fields,
+                                          read_hf_config, read_json)
 from fo_jax.checkpoints.names import MTP_SHARED, Slot, mtp_layer, mtp_tensor_names, tensor_names
 from fo_jax.checkpoints.safetensors_io import SafetensorsFile, write_safetensors
 from fo_jax.config import ModelConfig
@@ -50,14 +57,23 @@ SINGLE = "model.safetensors"
 SCALE = "_scale_inv"
 
 
-def _shards(directory: str) -> dict[str, list[str]]:
-    """{shard file: [tensor names the index gives it]} ([] for a lone model.safetensors)."""
+def shard_files(directory: str | os.PathLike) -> dict[str, list[str]]:
+    """{shard file: [tensor names the index gives it]} ([] for a lone model.safetensors);
+    ValueError naming the index file and the entry unless it is well formed."""
+    directory = os.fspath(directory)
     index = os.path.join(directory, INDEX)
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = read_json(index, '{"weight_map": {tensor name: shard file name}}').get(
+            "weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f'{index}: "weight_map" must map tensor names to the names of '
+                             f"shard files in {directory}, got {weight_map!r:.80}")
         out: dict[str, list[str]] = {}
         for name, shard in weight_map.items():
+            if not (isinstance(shard, str) and shard and os.path.basename(shard) == shard
+                    and shard not in (".", "..")):
+                raise ValueError(f"{index}: weight_map[{name!r}]={shard!r:.80} must be the name "
+                                 f"of a shard file in {directory}")
             out.setdefault(shard, []).append(name)
         return out
     if os.path.exists(os.path.join(directory, SINGLE)):
@@ -133,6 +149,19 @@ def _mismatch(expected, found) -> str:
     return (f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, unexpected "
             f"{extra[:8]}{' ...' if len(extra) > 8 else ''}")
 
+def _indexer_hint(directory: str, config: ModelConfig, tensors) -> str:
+    """"; the checkpoint holds indexer tensors at layers ..., config ... puts indexers at ...
+    (config.json: the fields that say so)" when those layers differ, else ""."""
+    held = tuple(sorted({int(n.split(".")[2]) for n in tensors
+                         if n.startswith("model.layers.") and ".self_attn.indexer." in n}
+                        & set(range(config.num_layers))))
+    if held == config.indexer_layers:
+        return ""
+    return (f"; the checkpoint holds indexer tensors at layers {held}, config {config.name!r} "
+            f"puts indexers at layers {config.indexer_layers} (config.json: "
+            f"{indexer_fields(read_hf_config(directory))})")
+
+
 def inspect_checkpoint(directory: str | os.PathLike, config: ModelConfig, *,
                        mtp: bool = False) -> dict:
     """Check a checkpoint directory against `config` without reading tensor data.
@@ -144,7 +173,9 @@ def inspect_checkpoint(directory: str | os.PathLike, config: ModelConfig, *,
     directory = os.fspath(directory)
     block = hf_quantization(directory)
     found: dict[str, tuple[str, SafetensorsFile]] = {}
-    for shard, listed in _shards(directory).items():
+    shards = shard_files(directory)
+    index_shard = {name: shard for shard, names in shards.items() for name in names}
+    for shard, listed in sorted(shards.items()):
         path = os.path.join(directory, shard)
         if not os.path.exists(path):
             raise FileNotFoundError(f"{directory}: shard {shard} (named by {INDEX}) is missing")
@@ -154,6 +185,11 @@ def inspect_checkpoint(directory: str | os.PathLike, config: ModelConfig, *,
             raise ValueError(f"{path}: {INDEX} puts {missing_here[:5]} in this shard but it "
                              "does not hold them")
         for name in file.entries:
+            if name in found:
+                raise ValueError(
+                    f"{path}: tensor {name!r} is also in {found[name][0]}: which copy to load "
+                    f"is ambiguous (the index puts it in {index_shard.get(name)}); remove the "
+                    "other")
             found[name] = (path, file)
     expected = _expected(config, found)
     scales = {n for n in found if n.endswith(SCALE)}
@@ -174,7 +210,7 @@ def inspect_checkpoint(directory: str | os.PathLike, config: ModelConfig, *,
         raise ValueError(
             f"{directory}: checkpoint tensors do not match config {config.name!r} "
             f"({config.num_layers} layers, {config.n_routed_experts} experts, indexers at "
-            f"{config.indexer_layers}): {mismatch}")
+            f"{config.indexer_layers}): {mismatch}{_indexer_hint(directory, config, tensors)}")
     plan = {}
     for name in sorted(expected):
         path, file = found[name]
@@ -252,7 +288,11 @@ def load_checkpoint(directory: str | os.PathLike, config: ModelConfig | None = N
                 target = host
                 for key in slot.path:
                     target = target[key]
-                target[slot.index] = np.swapaxes(piece, -1, -2) if slot.transpose else piece
+                with np.errstate(over="ignore"):  # an overflow is reported just below
+                    target[slot.index] = np.swapaxes(piece, -1, -2) if slot.transpose else piece
+                if not all_finite(target[slot.index]):
+                    _refuse_non_finite(file.path, name, value, target.dtype,
+                                       scale_file is not None)
             del value
             bar.update(1)
     bar.close()
@@ -264,6 +304,55 @@ def load_checkpoint(directory: str | os.PathLike, config: ModelConfig | None = N
         return config, params, mtp_params
     check_params(params, config)
     return config, params
+
+
+# The bits of a float whose exponent bits are all set are inf or NaN: per float dtype, the
+# unsigned int of its width and the mask of its exponent bits.
+_EXPONENT = {np.dtype(np.float16): (np.uint16, 0x7C00),
+             np.dtype(jnp.bfloat16): (np.uint16, 0x7F80),
+             np.dtype(np.float32): (np.uint32, 0x7F800000),
+             np.dtype(np.float64): (np.uint64, 0x7FF0000000000000)}
+_CHUNK = 1 << 18  # values per step of `all_finite` (cache-sized)
+
+
+def all_finite(array: np.ndarray) -> bool:
+    """Whether every value of float `array` (float16, bfloat16, float32 or float64) is finite.
+
+    Reads its bits in cache-sized chunks: max(bits & exponent mask) == mask iff some value
+    has every exponent bit set (inf or NaN). Measured on one CPU core: 0.05 s per GB of
+    bfloat16, 0.08 s per GB of float32 (np.isfinite(...).all(): 0.35 s per GB of bfloat16).
+    """
+    uint, mask = _EXPONENT[array.dtype]
+    bits = np.ascontiguousarray(array).reshape(-1).view(uint)
+    scratch = np.empty(min(bits.size, _CHUNK), uint)
+    for i in range(0, bits.size, _CHUNK):
+        chunk = scratch[:len(bits[i:i + _CHUNK])]
+        np.bitwise_and(bits[i:i + _CHUNK], uint(mask), out=chunk)
+        if chunk.max() == mask:
+            return False
+    return True
+
+
+def _refuse_non_finite(path: str, name: str, value: np.ndarray, dtype, scaled: bool) -> None:
+    """Raise the ValueError for tensor `name` (`value`: its values in the file's layout, FP8
+    dequantised), which is not finite once cast to `dtype`: it holds inf or NaN, or values too
+    large for `dtype`. Names the count and the first one (error path: not timed)."""
+    value = value.astype(np.float32) if value.dtype.itemsize < 4 else value
+    bad = ~np.isfinite(value)
+    if bad.any():
+        what = "non-finite value" + ("s" if bad.sum() > 1 else "")
+        fix = (f" once dequantised with {name + SCALE!r}" if scaled else "") + (
+            ": a corrupt or mis-converted checkpoint (fo_jax loads finite weights only)")
+    else:
+        bad = np.abs(value) > float(jnp.finfo(dtype).max)
+        what = ("values that overflow" if bad.sum() > 1 else "value that overflows") + (
+            f" {np.dtype(dtype).name}")
+        fix = ": load it with a wider dtype (dtype='bfloat16' or 'float32')"
+    if not bad.any():  # not reached: a finite value within range casts to a finite one
+        raise ValueError(f"{path}: tensor {name!r} is not finite as {np.dtype(dtype).name}")
+    first = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(f"{path}: tensor {name!r} holds {int(bad.sum())} {what} (the first, "
+                     f"{float(value[first])}, at {list(first)}){fix}")
 
 
 def _to_device(host: dict) -> dict:
@@ -362,5 +451,5 @@ def _leaf(params: dict, slot: Slot):
     return leaf
 
 
-__all__ = ["dequantize_fp8", "inspect_checkpoint", "load_checkpoint", "read_hf_config",
-           "save_checkpoint", "to_hf_config"]
+__all__ = ["all_finite", "dequantize_fp8", "inspect_checkpoint", "load_checkpoint",
+           "read_hf_config", "save_checkpoint", "shard_files", "to_hf_config"]

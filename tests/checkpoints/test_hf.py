@@ -3,6 +3,7 @@
 
 import json
 import os
+import re
 
 import jax
 import ml_dtypes
@@ -318,3 +319,240 @@ def test_packed_experts_load_like_per_expert_tensors(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     _, loaded = load_checkpoint(tmp_path, MOE, progress=False)
     assert weights.params_equal(params, loaded)
+
+
+def _without(*keys, **changes):
+    hf = dict(DEEPSEEK_V32, **changes)
+    for key in keys:
+        del hf[key]
+    return hf
+
+
+def _without_key(d, key):
+    return {k: v for k, v in d.items() if k != key}
+
+
+_YARN = DEEPSEEK_V32["rope_scaling"]
+
+
+# Each bad config.json is refused with one line naming the field, what came and what was
+# expected (a dict is named "config.json"; a file by its path: see the next tests).
+BAD_CONFIGS = {
+    "no num_hidden_layers": (_without("num_hidden_layers"),
+                             "config.json lacks ['num_hidden_layers']: fo_jax builds the model "
+                             "from"),
+    "no sizes": (_without("hidden_size", "vocab_size", "index_topk", "num_attention_heads",
+                          "kv_lora_rank"),
+                 "config.json lacks ['hidden_size', 'index_topk', 'kv_lora_rank', "
+                 "'num_attention_heads', 'vocab_size']"),
+    "string hidden_size": (dict(DEEPSEEK_V32, hidden_size="7168"),
+                           "config.json hidden_size='7168' must be an int >= 1, got a str"),
+    "negative num_hidden_layers": (dict(DEEPSEEK_V32, num_hidden_layers=-1),
+                                   "config.json num_hidden_layers=-1 must be an int >= 1"),
+    "float vocab_size": (dict(DEEPSEEK_V32, vocab_size=129280.0),
+                         "config.json vocab_size=129280.0 must be an int >= 1, got a float"),
+    "bool index_topk": (dict(DEEPSEEK_V32, index_topk=True),
+                        "config.json index_topk=True must be an int >= 1, got a bool"),
+    "null kv_lora_rank": (dict(DEEPSEEK_V32, kv_lora_rank=None),
+                          "config.json kv_lora_rank=None must be an int >= 1, got a NoneType"),
+    "string expert count": (dict(DEEPSEEK_V32, n_routed_experts="256"),
+                            "config.json n_routed_experts='256' must be an int >= 0, got a str"),
+    "NaN rms_norm_eps": (dict(DEEPSEEK_V32, rms_norm_eps=float("nan")),
+                         "config.json rms_norm_eps=nan must be a finite number > 0"),
+    "string max_position_embeddings": (dict(DEEPSEEK_V32, max_position_embeddings="163840"),
+                                       "config.json max_position_embeddings='163840' must be "
+                                       "an int >= 1"),
+    "string norm_topk_prob": (dict(DEEPSEEK_V32, norm_topk_prob="true"),
+                              "config.json norm_topk_prob='true' must be true or false"),
+    "infinite rope_theta": (dict(DEEPSEEK_V32, rope_theta=float("inf")),
+                            "config.json rope_theta=inf must be a finite number > 0"),
+    "architectures a string": (dict(DEEPSEEK_V32, architectures="DeepseekV32ForCausalLM"),
+                               "config.json architectures='DeepseekV32ForCausalLM': fo_jax "
+                               "loads exactly one of"),
+    "architectures nested": (dict(DEEPSEEK_V32, architectures=[["DeepseekV32ForCausalLM"]]),
+                             "architectures=[['DeepseekV32ForCausalLM']]: fo_jax loads exactly"),
+    "attention_bias 0": (dict(DEEPSEEK_V32, attention_bias=0),
+                         "config.json attention_bias=0 is not supported: fo_jax implements "
+                         "attention_bias=False"),
+    "torch_dtype a list": (dict(DEEPSEEK_V32, torch_dtype=["bfloat16"]),
+                           "config.json torch_dtype=['bfloat16'] is not supported"),
+    "rope_scaling a list": (dict(DEEPSEEK_V32, rope_scaling=["yarn"]),
+                            "config.json rope_scaling=['yarn'] must be an object"),
+    "yarn without factor": (dict(DEEPSEEK_V32, rope_scaling=_without_key(_YARN, "factor")),
+                            "config.json rope_scaling has no factor: YaRN needs one"),
+    "yarn string factor": (dict(DEEPSEEK_V32, rope_scaling=dict(_YARN, factor="40")),
+                           "config.json rope_scaling.factor='40' must be a finite number >= 1"),
+    "yarn derived factor < 1": (dict(DEEPSEEK_V32, max_position_embeddings=2048,
+                                     rope_scaling=dict(_YARN, factor=None)),
+                                "config.json rope_scaling.factor=None derives "
+                                "max_position_embeddings / original_max_position_embeddings = "
+                                "2048 / 4096 = 0.5, which must be >= 1"),
+    "yarn fractional original": (dict(DEEPSEEK_V32, rope_scaling=dict(
+        _YARN, original_max_position_embeddings=4096.5)),
+        "config.json rope_scaling.original_max_position_embeddings=4096.5 must be an int >= 1"),
+    "yarn string beta": (dict(DEEPSEEK_V32, rope_scaling=dict(_YARN, beta_fast="32")),
+                         "config.json rope_scaling.beta_fast='32' must be a finite number"),
+    "yarn string mscale": (dict(DEEPSEEK_V32, rope_scaling=dict(_YARN, mscale="1.0",
+                                                                mscale_all_dim="1.0")),
+                           "config.json rope_scaling.mscale='1.0' must be a finite number"),
+    "string index_topk_freq": (_glm(index_topk_freq="2"),
+                               "config.json index_topk_freq='2' must be an int >= 0 or null"),
+    "indexer_types an int": (_glm(indexer_types=5),
+                             "config.json indexer_types=5 must give 'full' or 'shared' for each "
+                             "of the 78 layers"),
+    "index_topk_pattern a list": (_glm(index_topk_pattern=["F"] * 78),
+                                  "config.json index_topk_pattern=['F', 'F'"),
+    "mlp_layer_types an int": (dict(DEEPSEEK_V32, mlp_layer_types=3),
+                               "config.json mlp_layer_types=3: fo_jax implements"),
+    "quantization_config a list": (dict(DEEPSEEK_V32, quantization_config=["fp8"]),
+                                   "config.json quantization_config=['fp8'] must be an object"),
+    "zero FP8 block": (dict(DEEPSEEK_V32, quantization_config=dict(
+        DEEPSEEK_V32["quantization_config"], weight_block_size=[0, 128])),
+        "config.json quantization_config weight_block_size=[0, 128]: expected [rows, cols], "
+        "two ints >= 1"),
+    # What ModelConfig refuses is named with the file, in config.json's names.
+    "index_head_dim not a power of two": (dict(DEEPSEEK_V32, index_head_dim=100),
+                                          "config.json: index_head_dim=100 must be a power of "
+                                          "two"),
+    "first_k_dense_replace > layers": (dict(DEEPSEEK_V32, first_k_dense_replace=62),
+                                       "config.json: first_k_dense_replace=62 must be <= "
+                                       "num_layers=61 (num_layers is config.json's "
+                                       "num_hidden_layers)"),
+}
+
+
+@pytest.mark.parametrize("hf, message", BAD_CONFIGS.values(), ids=BAD_CONFIGS.keys())
+def test_bad_config_values_are_refused_naming_the_field(hf, message):
+    from fo_jax.checkpoints import hf_quantization
+    with pytest.raises(ValueError) as err:
+        hf_quantization(hf)
+        config_from_hf(hf)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_config_files_are_refused_naming_the_file(tmp_path):
+    path = tmp_path / "config.json"
+    for text, message in [("[1, 2]", "expected a JSON object of config fields "
+                                     '({"architectures": [...], ...}), got a list'),
+                          ("{", "is not valid JSON (Expecting property name"),
+                          (json.dumps(_without("num_hidden_layers")),
+                           "config.json lacks ['num_hidden_layers']")]:
+        path.write_text(text)
+        with pytest.raises(ValueError) as err:
+            config_from_hf(tmp_path)
+        assert str(err.value).startswith(f"{path}") and message in str(err.value)
+
+
+def test_yarn_factor_null_is_derived_as_transformers_does():
+    # transformers' YaRN: factor None -> max_position_embeddings /
+    # original_max_position_embeddings (163840 / 4096 = 40); original_max_position_embeddings
+    # absent -> max_position_embeddings.
+    derived = config_from_hf(dict(DEEPSEEK_V32, rope_scaling=dict(_YARN, factor=None)))
+    assert derived.rope_factor == 40.0 and derived == config_from_hf(DEEPSEEK_V32)
+    no_original = dict(DEEPSEEK_V32, max_position_embeddings=8192,
+                       rope_scaling=_without_key(_YARN, "original_max_position_embeddings"))
+    assert config_from_hf(no_original, max_seq_len=16384).rope_original_seq_len == 8192
+    both = dict(no_original, rope_scaling=dict(no_original["rope_scaling"], factor=None))
+    assert config_from_hf(both).rope_factor == 1.0  # 8192 / 8192: plain RoPE
+
+
+def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path):
+    weight_map = _saved(tmp_path)
+    name = "model.layers.0.self_attn.q_a_proj.weight"  # [32, 64] bfloat16, stored [out, in]
+    path = tmp_path / weight_map[name]
+    clean = SafetensorsFile(path).get(name)
+
+    def refused(value, config=MOE):
+        _edit(tmp_path, weight_map[name], lambda t: t.update({name: value}))
+        with pytest.raises(ValueError) as err:
+            load_checkpoint(tmp_path, config, progress=False)
+        assert str(err.value).startswith(f"{path}: tensor '{name}' ") and "\n" not in str(
+            err.value)
+        return str(err.value)
+
+    ones = np.frombuffer(b"\xff" * clean.nbytes, clean.dtype).reshape(clean.shape)
+    assert "holds 2048 non-finite values (the first, nan, at [0, 0]): a corrupt or " \
+           "mis-converted checkpoint" in refused(ones)  # 0xffff is a bfloat16 NaN
+    inf = clean.copy()
+    inf[3, 5] = -np.inf
+    assert "holds 1 non-finite value (the first, -inf, at [3, 5])" in refused(inf)
+    # Finite in the file (bfloat16) but not in the config's dtype (float16, max 65504).
+    big = clean.copy()
+    big[1, 2] = 1e5
+    assert ("holds 1 value that overflows float16 (the first, 99840.0, at [1, 2]): load it "
+            "with a wider dtype") in refused(big, MOE.replace(dtype="float16"))
+    # An FP8 weight whose e4m3 NaN byte (0x7f) survives dequantisation.
+    q = np.zeros(clean.shape, ml_dtypes.float8_e4m3fn)
+    q.view(np.uint8)[0, 1] = 0x7F
+    _edit(tmp_path, weight_map[name], lambda t: t.update(
+        {name + "_scale_inv": np.ones((1, 1), np.float32)}))
+    hf = json.loads((tmp_path / "config.json").read_text())
+    hf["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert "holds 1 non-finite value (the first, nan, at [0, 1]) once dequantised with " \
+           f"'{name}_scale_inv'" in refused(q)
+
+
+def test_bad_index_files_are_refused_naming_the_file_and_entry(tmp_path):
+    _saved(tmp_path)
+    index = tmp_path / "model.safetensors.index.json"
+    for text, message in [
+            ("{", f"{index} is not valid JSON (Expecting property name"),
+            ("[]", f"{index}: expected a JSON object of {{\"weight_map\": {{tensor name: "
+                   "shard file name}}, got a list"),
+            ("{}", f"{index}: \"weight_map\" must map tensor names to the names of shard "
+                   f"files in {tmp_path}, got None"),
+            (json.dumps({"weight_map": {"lm_head.weight": 5}}),
+             f"{index}: weight_map['lm_head.weight']=5 must be the name of a shard file in "
+             f"{tmp_path}"),
+            (json.dumps({"weight_map": {"lm_head.weight": "../model.safetensors"}}),
+             f"{index}: weight_map['lm_head.weight']='../model.safetensors' must be the name "
+             "of a shard file")]:
+        index.write_text(text)
+        with pytest.raises(ValueError) as err:
+            load_checkpoint(tmp_path, MOE, progress=False)
+        assert str(err.value).startswith(message), (str(err.value), message)
+
+
+def test_an_indexer_layout_mismatch_names_the_config_fields(tmp_path):
+    # MOE's indexers are at layers 0 and 2 (indexer_types); with index_topk_freq=2 (and the
+    # default offset 2) config.json puts them at 0 and 1.
+    _saved(tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    del hf["indexer_types"]
+    (tmp_path / "config.json").write_text(json.dumps(dict(hf, index_topk_freq=2)))
+    with pytest.raises(ValueError) as err:
+        load_checkpoint(tmp_path, progress=False)
+    assert ("unexpected ['model.layers.2.self_attn.indexer.k_norm.bias'" in str(err.value)
+            and str(err.value).endswith(
+                f"; the checkpoint holds indexer tensors at layers (0, 2), config {MOE.name!r} "
+                "puts indexers at layers (0, 1) (config.json: index_topk_freq=2, "
+                "index_skip_topk_offset=2 (default))"))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_all_finite_finds_inf_and_nan_in_any_chunk(dtype):
+    from fo_jax.checkpoints.hf import all_finite
+    x = np.linspace(-1e3, 1e3, 3 * (1 << 18) + 8).astype(dtype)  # 4 chunks, the last ragged
+    assert all_finite(x) and all_finite(x.reshape(-1, 5)[:, ::2])  # strided: copied first
+    info = jax.numpy.finfo(dtype)
+    assert all_finite(np.array([info.max, -info.max, info.tiny, 0.0], dtype))
+    for bad in (np.nan, np.inf, -np.inf):
+        for at in (0, 1 << 18, x.size - 1):
+            y = x.copy()
+            y[at] = bad
+            assert not all_finite(y), (bad, at)
+
+
+def test_a_tensor_in_two_shards_is_refused_naming_both(tmp_path):
+    weight_map = _saved(tmp_path)
+    name = "lm_head.weight"
+    other = sorted(set(weight_map.values()) - {weight_map[name]})[0]
+    head = SafetensorsFile(tmp_path / weight_map[name]).get(name)
+    _edit(tmp_path, other, lambda t: t.update({name: np.zeros_like(head)}))
+    first, second = sorted([tmp_path / other, tmp_path / weight_map[name]])
+    with pytest.raises(ValueError, match=re.escape(
+            f"{second}: tensor '{name}' is also in {first}: which copy to load is ambiguous "
+            f"(the index puts it in {weight_map[name]}); remove the other")):
+        load_checkpoint(tmp_path, MOE, progress=False)

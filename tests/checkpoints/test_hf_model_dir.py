@@ -11,6 +11,7 @@ import pytest
 from fo_jax import generate as gen
 from fo_jax import tokenizer as T
 from fo_jax.checkpoints import load_checkpoint
+from fo_jax.checkpoints.safetensors_io import SafetensorsFile
 from fo_jax.cli import main, printable
 from fo_jax.embedded import EMBEDDED_DIR
 from fo_jax.model.dsa import param_bytes
@@ -137,3 +138,40 @@ def test_errors_name_the_field_and_the_fix(broken, capsys):
                 "plan", "--model-dir", str(broken), "--context", "64")
     assert "--model-dir brings its own config: drop --model" in error(
         "plan", "--model-dir", str(broken), "--model", "glm52", "--context", "64")
+
+
+def test_checkpoint_errors_reach_the_command_line_as_one_line(broken, capsys):
+    def error(*argv):
+        assert main(list(argv)) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("fo-jax: error: ") and err.count("\n") == 1, err
+        return err
+
+    plan = ("plan", "--model-dir", str(broken), "--context", "64")
+    config = broken / "config.json"
+    good = config.read_text()
+    hf = json.loads(good)
+    del hf["num_hidden_layers"]
+    config.write_text(json.dumps(hf))
+    assert f"{config} lacks ['num_hidden_layers']: fo_jax builds the model from" in error(*plan)
+    config.write_text('["architectures", 1]')
+    assert f"{config}: expected a JSON object of config fields" in error(*plan)
+    config.write_text("{")
+    assert f"{config} is not valid JSON" in error(*plan)
+    config.write_text(good)
+    index = broken / "model.safetensors.index.json"
+    meta = json.loads(index.read_text())
+    index.write_text(json.dumps(dict(meta, metadata={"total_size": "1 GB"})))
+    assert f"{index}: metadata.total_size='1 GB' must be an int >= 0 (bytes)" in error(*plan)
+    index.write_text("[]")
+    assert f"{index}: expected a JSON object of {{\"weight_map\"" in error(*plan)
+    index.write_text(json.dumps(meta))
+    # The reviewer's corrupt shard: lm_head.weight's bytes overwritten with 0xff (NaN).
+    shard = broken / meta["weight_map"]["lm_head.weight"]
+    _, _, begin, end = SafetensorsFile(shard).entries["lm_head.weight"]
+    data = bytearray(shard.read_bytes())
+    data[begin:end] = b"\xff" * (end - begin)
+    shard.write_bytes(bytes(data))
+    assert (f"{shard}: tensor 'lm_head.weight' holds {(end - begin) // 4} non-finite values "
+            "(the first, nan, at [0, 0])") in error("generate", "--model-dir", str(broken),
+                                                    "--prompt", "hi", *ARGS)

@@ -2,6 +2,7 @@
 tokens, BOS, chat template), chat_template.jinja, generation_config.json (EOS ids)."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -109,3 +110,47 @@ def test_errors_name_what_is_missing(tmp_path):
         tok.apply_chat_template(MESSAGES)
     with pytest.raises(ValueError, match="the bytes tokenizer has no chat template"):
         T.apply_chat_template(T.ByteTokenizer(), MESSAGES)
+
+
+# A bad tokenizer file is a one-line ValueError naming the file and the field.
+BAD_FILES = {
+    "tokenizer_config.json a list": ("tokenizer_config.json", "[]",
+                                     "tokenizer_config.json: expected a JSON object, got a list"),
+    "generation_config.json not JSON": ("generation_config.json", "{",
+                                        "generation_config.json is not valid JSON (Expecting"),
+    "tokenizer.json not a tokenizer": ("tokenizer.json", "{}",
+                                       "tokenizer.json is not a tokenizer the `tokenizers` "
+                                       "library reads ("),
+    "eos_token_id a string": ("generation_config.json", '{"eos_token_id": "7"}',
+                              "generation_config.json eos_token_id='7' must be a token id or "
+                              "a list of them (ints >= 0)"),
+    "eos_token_id true": ("generation_config.json", '{"eos_token_id": [true]}',
+                          "generation_config.json eos_token_id=[True] must be a token id"),
+    "bos_token an int": ("tokenizer_config.json", '{"bos_token": 5}',
+                         "tokenizer_config.json bos_token=5 must be a string or an object "
+                         "whose \"content\" is one"),
+    "chat_template an int": ("tokenizer_config.json", '{"chat_template": 5}',
+                             "tokenizer_config.json chat_template=5 must be a string or a list "
+                             "of {\"name\", \"template\"} objects"),
+    "chat_template a list of strings": ("tokenizer_config.json", '{"chat_template": ["a"]}',
+                                        "tokenizer_config.json chat_template=['a'] must be"),
+    "add_bos_token a string": ("tokenizer_config.json", '{"add_bos_token": "yes"}',
+                               "tokenizer_config.json add_bos_token='yes' must be true, false "
+                               "or null"),
+    "chat_template.jinja not UTF-8": ("chat_template.jinja", b"\xff\xfe{{ x }}",
+                                      "chat_template.jinja is not UTF-8 text ("),
+    "config.json a list": ("config.json", "[1]", "config.json: expected a JSON object, got a "
+                                                 "list"),
+}
+
+
+@pytest.mark.parametrize("file, text, message", BAD_FILES.values(), ids=BAD_FILES.keys())
+def test_bad_tokenizer_files_are_refused_naming_the_file_and_field(tok_dir, tmp_path, file, text,
+                                                                   message):
+    shutil.copytree(tok_dir[0], tmp_path / "tok")
+    path = tmp_path / "tok" / file
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError) as err:
+        T.load_tokenizer(tmp_path / "tok")
+    assert str(err.value).startswith(f"{tmp_path / 'tok'}/") and message in str(err.value)
+    assert "\n" not in str(err.value)
