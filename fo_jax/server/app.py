@@ -13,8 +13,10 @@
                                 histograms (fo_jax.engine.metrics)
 
 Status codes: 400 a request the engine refuses (its `add_request` message: prompt too long for
-a seat, ids outside the vocabulary ...) or malformed JSON; 422 a bad field (named, as
-pydantic reports it); 404 another model name; 429 with `Retry-After` when `max_queue` requests
+a seat, ids outside the vocabulary ...), a field the server does not implement
+(`protocol.Body.refusal`: named in `param`), or malformed JSON; 422 a field of the wrong type or
+out of range (named, as pydantic reports it; types are strict: `fo_jax.server.protocol`); 404
+another model name; 429 with `Retry-After` when `max_queue` requests
 already wait for a seat; 503 while shutting down. Errors have OpenAI's body
 `{"error": {"message", "type", "param", "code"}}`.
 
@@ -54,6 +56,7 @@ from fo_jax.server.driver import (
 from fo_jax.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    Refusal,
     simple_chat_template,
 )
 
@@ -265,26 +268,41 @@ def build_app(driver: EngineDriver, *, tokenizer, model_name: str, capacity: int
     async def prometheus_metrics():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def _refused(body, message: str | None = None, param: str | None = None):
+        """400 for a body the server does not serve (`Body.refusal`, or `message`); None if
+        it is served."""
+        if message is None:
+            refusal = body.refusal()
+            if refusal is None and body.choices != 1:
+                refusal = Refusal(param="n", message=f"n={body.n}: one choice per request")
+            if refusal is None and body.engine_logprobs() is not None:
+                refusal = Refusal(param="logprobs", message="logprobs are not returned yet")
+            if refusal is None:
+                return None
+            message, param = refusal.message, refusal.param
+        metrics.received.inc()
+        metrics.rejected.labels("invalid").inc()
+        return _error(400, message, param=param)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                metrics.received.inc()
-                metrics.rejected.labels("invalid").inc()
-                return _error(400, f"prompt: one prompt per request, got {len(prompt)}",
-                              param="prompt")
-            prompt = prompt[0]
-        if body.echo:
-            metrics.received.inc()
-            metrics.rejected.labels("invalid").inc()
-            return _error(400, "echo: not supported (send echo=false)", param="echo")
+        refused = _refused(body)
+        prompts = body.prompts()
+        if refused is None and len(prompts) != 1:
+            refused = _refused(body, f"prompt: one prompt per request, got {len(prompts)} "
+                                     "(send them as separate requests)", "prompt")
+        if refused is not None:
+            return refused
+        prompt = prompts[0]
         ids = tokenizer.encode(prompt).tolist() if isinstance(prompt, str) else list(prompt)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         return await _generate(request, body, ids, max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        refused = _refused(body)
+        if refused is not None:
+            return refused
         text = template(body.messages)
         try:  # a rendered template carries its own special tokens (BOS included)
             ids = tokenizer.encode(text, add_special_tokens=False).tolist()
@@ -313,7 +331,9 @@ def build_app(driver: EngineDriver, *, tokenizer, model_name: str, capacity: int
         stops = body.stop_strings()
         stop_ids = () if body.ignore_eos else tuple(stop_token_ids)
         seed = random.getrandbits(31) if body.seed is None else body.seed
-        kwargs = dict(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+        kwargs = dict(max_tokens=max_tokens,
+                      temperature=1.0 if body.temperature is None else body.temperature,
+                      top_p=1.0 if body.top_p is None else body.top_p,
                       seed=seed, stop_token_ids=stop_ids, stop=stops)
         try:
             handle = driver.submit(ids, loop=asyncio.get_running_loop(), **kwargs)

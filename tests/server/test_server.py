@@ -162,6 +162,43 @@ def test_bad_requests(server):
                                           max_tokens=1)
 
 
+def test_wrong_types_and_unimplemented_fields_are_refused_by_name(server):
+    """No coercion (a boolean max_tokens, a prompt of booleans or floats: 422 naming the
+    field) and no field silently ignored: what is not implemented gets 400 naming it, unless
+    it asks for nothing."""
+    url = server.url + "/v1/completions"
+    chat_url = server.url + "/v1/chat/completions"
+    messages = [{"role": "user", "content": "hi"}]
+    for body, param in (({"prompt": "x", "max_tokens": True}, "max_tokens"),
+                        ({"prompt": [True, False]}, "prompt"),
+                        ({"prompt": [1.0, 2.0]}, "prompt"),
+                        ({"prompt": "x", "temperature": "0.5"}, "temperature")):
+        resp = httpx.post(url, json=body)
+        assert resp.status_code == 422 and resp.json()["error"]["param"] == param, resp.text
+    before = _metrics(server)
+    for target, body, param in (
+            (url, {"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+            (url, {"prompt": "x", "suffix": "y"}, "suffix"),
+            (url, {"prompt": "x", "top_k": 3}, "top_k"),
+            (url, {"prompt": ["x", "y"]}, "prompt"),
+            (chat_url, {"messages": messages, "tools": [{"type": "function"}]}, "tools"),
+            (chat_url, {"messages": messages, "response_format": {"type": "json_object"}},
+             "response_format")):
+        resp = httpx.post(target, json=body)
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == param and param in error["message"], error
+    after = _metrics(server)
+    assert after['fojax_requests_rejected_total{reason="invalid"}'] == \
+        before.get('fojax_requests_rejected_total{reason="invalid"}', 0) + 6
+    client = _client(server)
+    with pytest.raises(openai.BadRequestError, match="best_of=2 is not supported"):
+        client.completions.create(model=NAME, prompt="x", max_tokens=1, best_of=2)
+    ok = client.completions.create(model=NAME, prompt="x", max_tokens=1, best_of=1,
+                                   logit_bias={}, suffix=None, frequency_penalty=0)
+    assert ok.usage.completion_tokens == 1
+
+
 def test_client_dropped_mid_stream_is_cancelled(server):
     before = _idle(server)
     with httpx.Client(timeout=30) as client:
