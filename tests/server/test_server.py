@@ -9,9 +9,11 @@ import time
 
 import httpx
 import jax
+import numpy as np
 import openai
 import pytest
 
+from fo_jax import resident
 from fo_jax.embedded import load_embedded
 from fo_jax.engine import Engine
 from fo_jax.server.serve import ServerThread, build_served, final_report, warm_up
@@ -197,6 +199,89 @@ def test_wrong_types_and_unimplemented_fields_are_refused_by_name(server):
     ok = client.completions.create(model=NAME, prompt="x", max_tokens=1, best_of=1,
                                    logit_bias={}, suffix=None, frequency_penalty=0)
     assert ok.usage.completion_tokens == 1
+
+
+def _direct_logprobs(prompt_ids, token_ids):
+    """log_softmax of the logits each token was sampled from, computed directly: the embedded
+    model's resident prefill of prompt + tokens but the last in one chunk (selection is dense
+    here: index_topk 128 > every position). [len(token_ids), V]."""
+    ids = list(prompt_ids) + list(token_ids[:-1])
+    state = resident.ResidentState.create(CONFIG, batch=1, capacity=CAPACITY)
+    logits, _ = resident.prefill(PARAMS, state, np.asarray([ids], np.int32), config=CONFIG,
+                                 query_block=None)
+    rows = np.asarray(logits[0, len(prompt_ids) - 1:], np.float32)
+    return np.asarray(jax.nn.log_softmax(rows, axis=-1))
+
+
+def _piece(token_id):
+    return TOKENIZER.decode([token_id])
+
+
+def test_logprobs_of_completions_and_chat_streamed_or_not(server):
+    """logprobs (completions: k, chat: logprobs + top_logprobs) in OpenAI's formats, from the
+    engine (equal to its own output bit for bit) and equal to the log_softmax of the logits
+    computed directly (up to float32 rounding, the top ids exactly); streamed chunks carry
+    the logprobs of their tokens, which add up to the whole response's."""
+    prompt, top = "def read_lines(path):", 2
+    client = _client(server)
+    resp = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0.8,
+                                     seed=3, logprobs=top, extra_body={"return_token_ids": True})
+    choice = resp.choices[0]
+    ids = choice.model_extra["token_ids"]
+    reference = _engine()
+    rid = reference.add_request(TOKENIZER.encode(prompt), max_tokens=6, temperature=0.8, seed=3,
+                                stop_token_ids=[SEP], logprobs=top)
+    want = reference.run()[rid]
+    assert ids == want.token_ids and len(ids) == resp.usage.completion_tokens == 6
+    lp = choice.logprobs
+    assert lp.tokens == [_piece(t) for t in ids]
+    assert lp.token_logprobs == [e.logprob for e in want.logprobs]
+    assert lp.text_offset == [sum(len(p) for p in lp.tokens[:i]) for i in range(len(ids))]
+    for entry, tops in zip(want.logprobs, lp.top_logprobs):
+        expected = {_piece(entry.token_id): entry.logprob}  # the sampled token first
+        for t, v in entry.top:
+            expected.setdefault(_piece(t), v)
+        assert tops == expected and list(tops) == list(expected)
+        assert len(tops) in (top, top + 1)
+    direct = _direct_logprobs(TOKENIZER.encode(prompt).tolist(), ids)
+    np.testing.assert_allclose(lp.token_logprobs, direct[np.arange(len(ids)), ids],
+                               rtol=0, atol=1e-4)
+    order = np.argsort(-direct, axis=-1, kind="stable")[:, :top]
+    assert [[t for t, _ in e.top] for e in want.logprobs] == order.tolist()
+
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=6,
+                                            temperature=0.8, seed=3, logprobs=top, stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert sum((c.tokens for c in streamed), []) == lp.tokens
+    assert sum((c.token_logprobs for c in streamed), []) == lp.token_logprobs
+    assert sum((c.text_offset for c in streamed), []) == lp.text_offset
+    assert sum((c.top_logprobs for c in streamed), []) == lp.top_logprobs
+
+    messages = [{"role": "user", "content": "hello"}]
+    reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=5,
+                                           temperature=0, logprobs=True, top_logprobs=top)
+    content = reply.choices[0].logprobs.content
+    chat_ids = TOKENIZER.encode("user: hello\nassistant:")
+    rid = reference.add_request(chat_ids, max_tokens=5, temperature=0.0, stop_token_ids=[SEP],
+                                logprobs=top)
+    want = reference.run()[rid]
+    assert len(content) == len(want.token_ids) == reply.usage.completion_tokens
+    for item, entry in zip(content, want.logprobs):
+        assert (item.token, item.logprob, item.bytes) == (
+            _piece(entry.token_id), entry.logprob, list(_piece(entry.token_id).encode()))
+        assert [(t.token, t.logprob) for t in item.top_logprobs] == \
+            [(_piece(t), v) for t, v in entry.top]
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=5,
+                                            temperature=0, logprobs=True, top_logprobs=top,
+                                            stream=True)
+    pieces = [c.choices[0].logprobs.content for c in stream
+              if c.choices and c.choices[0].logprobs]
+    assert [item.model_dump() for part in pieces for item in part] == \
+        [item.model_dump() for item in content]
+    plain = client.chat.completions.create(model=NAME, messages=messages, max_tokens=5,
+                                           temperature=0)
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == reply.choices[0].message.content
 
 
 def test_client_dropped_mid_stream_is_cancelled(server):
