@@ -1,8 +1,9 @@
 """The OpenAI-compatible ASGI app (FastAPI) over an `EngineDriver`.
 
-    POST /v1/completions        prompt (string or token ids) -> text; stream=true: server-sent
-                                events in OpenAI's chunk format, ending with `data: [DONE]`
-    POST /v1/chat/completions   messages -> one assistant message (the chat template is
+    POST /v1/completions        prompt (string or token ids) -> n texts (choices); stream=true:
+                                server-sent events in OpenAI's chunk format, ending with
+                                `data: [DONE]`
+    POST /v1/chat/completions   messages -> n assistant messages (the chat template is
                                 `protocol.simple_chat_template` unless one is given)
     GET  /v1/models             the served model
     GET  /health                200 while accepting requests, 503 when shutting down / failed
@@ -17,8 +18,30 @@ a seat, ids outside the vocabulary ...), a field the server does not implement
 (`protocol.Body.refusal`: named in `param`), or malformed JSON; 422 a field of the wrong type or
 out of range (named, as pydantic reports it; types are strict: `fo_jax.server.protocol`); 404
 another model name; 429 with `Retry-After` when `max_queue` requests
-already wait for a seat; 503 while shutting down. Errors have OpenAI's body
+already wait for a seat (400 naming `n` when more choices are asked than the seats and the
+queue could ever hold); 503 while shutting down. Errors have OpenAI's body
 `{"error": {"message", "type", "param", "code"}}`.
+
+Choices (`n`): each choice is one engine request, choice i sampled with seed + i (vLLM's rule:
+the request with n = 1 and seed + i gives choice i's tokens, bit for bit; without a seed the
+base seed is random); with a prefix cache the prompt is prefilled once and the other choices
+map its whole chunks (`EngineDriver.submit_choices`). Usage counts the prompt once and sums the
+choices' tokens; streamed, the choices' chunks interleave as their tokens come, each naming its
+index, and [DONE] follows the last. The request metrics count choices (a request of n = 3
+counts 3 received, and 3 completed, cancelled or rejected).
+
+Log-probabilities (completions `logprobs: k`; chat `logprobs: true`, `top_logprobs: k`): the
+engine's (`Engine.add_request(logprobs=k)`): of the raw model distribution, before temperature
+and top_p (vLLM's default), computed on the device. A token's text is its own decoding
+(`tokenizer.decode([id])`: an incomplete UTF-8 character shows as U+FFFD) and chat's `bytes`
+are that text's UTF-8 bytes; completions' `top_logprobs` hold the sampled token first, then
+the k most likely (k + 1 entries at most; tokens of equal text share one key), `text_offset`
+counts the characters of those texts from the completion's start. A streamed chunk carries the
+logprobs of the tokens that came with it (its text may be held back, below). Every token
+generated has one, the stop token included.
+
+Usage: `completion_tokens` counts every token generated, the stop token and the token that
+completed a stop string included, though the text drops them (vLLM's convention).
 
 A client that disconnects (mid-stream or while waiting for a whole response) has its request
 cancelled in the engine, which frees its seat before the next step.
@@ -56,7 +79,6 @@ from fo_jax.server.driver import (
 from fo_jax.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    Refusal,
     simple_chat_template,
 )
 
@@ -274,8 +296,6 @@ def build_app(driver: EngineDriver, *, tokenizer, model_name: str, capacity: int
         it is served."""
         if message is None:
             refusal = body.refusal()
-            if refusal is None and body.choices != 1:
-                refusal = Refusal(param="n", message=f"n={body.n}: one choice per request")
             if refusal is None:
                 return None
             message, param = refusal.message, refusal.param
@@ -367,8 +387,12 @@ def build_app(driver: EngineDriver, *, tokenizer, model_name: str, capacity: int
                       seed=seed, stop_token_ids=stop_ids, stop=stops)
         if body.engine_logprobs() is not None:
             kwargs["logprobs"] = body.engine_logprobs()
-        try:
-            handles = [driver.submit(ids, loop=asyncio.get_running_loop(), **kwargs)]
+        try:  # choice i samples with seed + i (vLLM's rule): alone, the same tokens
+            handles = driver.submit_choices(ids, loop=asyncio.get_running_loop(), choices=[
+                dict(kwargs, seed=seed + i) for i in range(n)])
+        except ValueError as err:  # more choices than the seats and the queue ever hold
+            metrics.rejected.labels("invalid").inc(n)
+            return _error(400, str(err), param="n")
         except QueueFull as err:
             metrics.rejected.labels("queue_full").inc(n)
             return _error(429, str(err), "rate_limit_error",

@@ -19,7 +19,8 @@ from fo_jax.engine import Engine
 from fo_jax.server.serve import ServerThread, build_served, final_report, warm_up
 
 # The embedded model (read from the package in 0.3 s; random tiny weights take longer to make),
-# two seats of 64 tokens, resident: small programs.
+# two seats of 64 tokens, resident, with a prefix store (n > 1 shares its prompt): small
+# programs.
 CONFIG, PARAMS, TOKENIZER = load_embedded()
 CAPACITY = 64
 SEATS = 2
@@ -30,7 +31,7 @@ SEP = TOKENIZER.sep  # the server's default stop token
 
 def _engine():
     return Engine(PARAMS, CONFIG, seats=SEATS, capacity=CAPACITY, decode_steps_per_call=2,
-                  prefill_chunk=8, query_block=None, tokenizer=TOKENIZER)
+                  prefill_chunk=8, query_block=None, tokenizer=TOKENIZER, prefix_cache=True)
 
 
 def _start(max_queue=MAX_QUEUE, shutdown_timeout=2.0):
@@ -282,6 +283,70 @@ def test_logprobs_of_completions_and_chat_streamed_or_not(server):
                                            temperature=0)
     assert plain.choices[0].logprobs is None
     assert plain.choices[0].message.content == reply.choices[0].message.content
+
+
+def test_n_choices_each_equal_the_request_with_seed_plus_index_alone(server):
+    """n > 1: choice i is the request with seed + i alone (vLLM's rule), bit for bit (tokens
+    and logprobs), checked against the same engine run directly; the prompt is prefilled once
+    (the other choices map its whole chunks from the prefix cache and prefill the rest);
+    usage sums the choices' tokens (the prompt counted once). Streamed, each chunk holds one
+    choice naming its index; chat too."""
+    prompt = "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self):"
+    ids = TOKENIZER.encode(prompt).tolist()
+    n, seed, chunk = 3, 21, 8
+    assert len(ids) - 1 >= 2 * chunk
+    client = _client(server)
+    counters = server.served.driver.engine.counters
+    before = dict(counters)
+    resp = client.completions.create(model=NAME, prompt=prompt, n=n, seed=seed,
+                                     temperature=0.9, max_tokens=5, logprobs=1,
+                                     extra_body={"return_token_ids": True})
+    cached = (len(ids) - 1) // chunk * chunk
+    assert counters["prefix_hit_tokens"] - before["prefix_hit_tokens"] == (n - 1) * cached
+    assert counters["prefill_tokens"] - before["prefill_tokens"] == \
+        len(ids) + (n - 1) * (len(ids) - cached)
+    reference = _engine()
+    tokens = []
+    for i, choice in enumerate(resp.choices):
+        rid = reference.add_request(ids, max_tokens=5, temperature=0.9, seed=seed + i,
+                                    stop_token_ids=[SEP], logprobs=1)
+        want = reference.run()[rid]
+        assert choice.index == i and choice.finish_reason == want.finish_reason
+        assert choice.model_extra["token_ids"] == want.token_ids
+        assert choice.logprobs.token_logprobs == [e.logprob for e in want.logprobs]
+        tokens.append(want.token_ids)
+    assert len({tuple(t) for t in tokens}) > 1, tokens  # other seeds, other samples
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == \
+        (len(ids), sum(len(t) for t in tokens))
+
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, n=n, seed=seed,
+                                            temperature=0.9, max_tokens=5, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert all(len(c.choices) == 1 for c in chunks[:-1]) and chunks[-1].choices == []
+    for i, choice in enumerate(resp.choices):
+        mine = [c.choices[0] for c in chunks[:-1] if c.choices[0].index == i]
+        assert "".join(c.text for c in mine) == choice.text
+        assert [c.finish_reason for c in mine][-1] == choice.finish_reason
+    assert chunks[-1].usage.completion_tokens == resp.usage.completion_tokens
+
+    messages = [{"role": "user", "content": "a stack class"}]
+    chat = client.chat.completions.create(model=NAME, messages=messages, n=2, seed=seed,
+                                          temperature=0.9, max_tokens=4)
+    assert [c.index for c in chat.choices] == [0, 1]
+    used = 0
+    for i in range(2):
+        alone = client.chat.completions.create(model=NAME, messages=messages, seed=seed + i,
+                                               temperature=0.9, max_tokens=4)
+        assert chat.choices[i].message.content == alone.choices[0].message.content
+        used += alone.usage.completion_tokens
+    assert chat.usage.completion_tokens == used
+    too_many = httpx.post(server.url + "/v1/completions",
+                          json={"prompt": "x", "n": SEATS + MAX_QUEUE + 1})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+    assert too_many.json()["error"]["message"] == (
+        f"n={SEATS + MAX_QUEUE + 1} choices can never be queued at once: this server has "
+        f"{SEATS} seats and --max-queue {MAX_QUEUE} (at most {SEATS + MAX_QUEUE} choices per "
+        "request)")
 
 
 def test_client_dropped_mid_stream_is_cancelled(server):
