@@ -140,6 +140,29 @@ def test_stop_string_is_cut_and_sampling_is_seeded(server):
     assert "".join(c.choices[0].text for c in streamed) == a[:a.find(stop)]
 
 
+def test_usage_counts_the_token_that_completed_a_stop_string(server):
+    """vLLM's convention: completion_tokens counts every token generated, the one that
+    completed a stop string included, though the text drops the stop string (and that token's
+    text with it); each counted token has its logprob. Streamed or not."""
+    client = _client(server)
+    kwargs = dict(model=NAME, prompt="abc", max_tokens=12, temperature=1.0, seed=7,
+                  extra_body={"return_token_ids": True})
+    full = client.completions.create(**kwargs).choices[0]
+    ids, text = full.model_extra["token_ids"], full.text
+    stop = text[3:5]
+    end = next(j + 1 for j in range(len(ids)) if stop in TOKENIZER.decode(ids[:j + 1]))
+    cut = client.completions.create(stop=[stop], logprobs=0, **kwargs)
+    choice = cut.choices[0]
+    assert choice.text == text[:text.find(stop)] and choice.finish_reason == "stop"
+    assert choice.model_extra["token_ids"] == ids[:end]
+    assert cut.usage.completion_tokens == end == len(choice.logprobs.tokens)
+    assert len(TOKENIZER.decode(ids[:end])) >= len(choice.text) + len(stop)
+    chunks = list(client.completions.create(stop=[stop], stream=True,
+                                            stream_options={"include_usage": True}, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert chunks[-1].usage.completion_tokens == end
+
+
 def test_bad_requests(server):
     url = server.url + "/v1/completions"
     bad = httpx.post(url, json={"prompt": "x", "temperature": -1})
