@@ -440,14 +440,15 @@ def build_app(driver: EngineDriver, *, tokenizer, model_name: str, capacity: int
         finals: list = [None] * n
         watch = asyncio.ensure_future(_wait_disconnect(request))
         try:
-            async for i, out in _outputs(handles, watch):
-                if out is None:
-                    return Response(status_code=499)  # the client has gone
-                if isinstance(out, Failed):
-                    metrics.failed.inc()
-                    return _error(500, out.message, "server_error")
-                if out.finished:
-                    finals[i] = out
+            async with contextlib.aclosing(_outputs(handles, watch)) as outputs:
+                async for i, out in outputs:
+                    if out is None:
+                        return Response(status_code=499)  # the client has gone
+                    if isinstance(out, Failed):
+                        metrics.failed.inc()
+                        return _error(500, out.message, "server_error")
+                    if out.finished:
+                        finals[i] = out
         finally:
             watch.cancel()
             if any(out is None for out in finals):
@@ -528,33 +529,34 @@ def build_app(driver: EngineDriver, *, tokenizer, model_name: str, capacity: int
                                          "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}]}
                     yield f"data: {json.dumps(head)}\n\n"
-            async for i, out in _outputs(handles):
-                if isinstance(out, Failed):
-                    metrics.failed.inc()
+            async with contextlib.aclosing(_outputs(handles)) as outputs:
+                async for i, out in outputs:
+                    if isinstance(out, Failed):
+                        metrics.failed.inc()
+                        finished = True
+                        err = {"error": {"message": out.message, "type": "server_error",
+                                         "param": None, "code": 500}}
+                        yield f"data: {json.dumps(err)}\n\n"
+                        break
+                    if out.finished:
+                        finals[i] = out
+                        text = _final_text(out, stop_ids, stops)
+                        yield chunk(i, text[sent[i]:], out.finish_reason, out)
+                        continue
+                    text = out.text or ""
+                    visible = len(text) - hold
+                    while visible > sent[i] and text[visible - 1] == "\ufffd":
+                        visible -= 1
+                    new_logprobs = out.logprobs is not None and len(out.logprobs) > logged[i]
+                    if visible > sent[i] or want_ids or new_logprobs:
+                        yield chunk(i, text[sent[i]:max(visible, sent[i])], None, out)
+                        sent[i] = max(visible, sent[i])
+                else:
                     finished = True
-                    err = {"error": {"message": out.message, "type": "server_error",
-                                     "param": None, "code": 500}}
-                    yield f"data: {json.dumps(err)}\n\n"
-                    break
-                if out.finished:
-                    finals[i] = out
-                    text = _final_text(out, stop_ids, stops)
-                    yield chunk(i, text[sent[i]:], out.finish_reason, out)
-                    continue
-                text = out.text or ""
-                visible = len(text) - hold
-                while visible > sent[i] and text[visible - 1] == "\ufffd":
-                    visible -= 1
-                new_logprobs = out.logprobs is not None and len(out.logprobs) > logged[i]
-                if visible > sent[i] or want_ids or new_logprobs:
-                    yield chunk(i, text[sent[i]:max(visible, sent[i])], None, out)
-                    sent[i] = max(visible, sent[i])
-            else:
-                finished = True
-                if include_usage:
-                    data = {"id": rid, "object": kind, "created": created,
-                            "model": model_name, "choices": [], "usage": usage(finals)}
-                    yield f"data: {json.dumps(data)}\n\n"
+                    if include_usage:
+                        data = {"id": rid, "object": kind, "created": created,
+                                "model": model_name, "choices": [], "usage": usage(finals)}
+                        yield f"data: {json.dumps(data)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             state["finished"] = finished
