@@ -77,7 +77,9 @@ class Refused:
 
 @dataclasses.dataclass(frozen=True)
 class Failed:
-    """The engine thread failed (an exception in `step()`): no more outputs (HTTP 500)."""
+    """The engine thread failed (an exception in `step()`), or the engine refused a choice
+    that waited for its first one (`submit_choices`) after it was accepted: no more outputs
+    (HTTP 500)."""
     message: str
 
 
