@@ -8,7 +8,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from fo_jax.server.protocol import ChatCompletionRequest, CompletionRequest
+from fo_jax.server.protocol import NO_OP_VALUES, ChatCompletionRequest, CompletionRequest
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 PROMPT = {"prompt": "def f():"}
@@ -182,3 +182,17 @@ def test_fields_that_ask_for_nothing_are_accepted():
     assert ChatCompletionRequest.model_validate(dict(CHAT, logprobs=True)).engine_logprobs() == 0
     assert ChatCompletionRequest.model_validate(CHAT).engine_logprobs() is None
     assert CompletionRequest.model_validate(PROMPT).engine_logprobs() is None
+
+
+def test_every_field_of_the_openai_client_is_served_or_refused_by_name():
+    """Each request field the installed `openai` client knows is implemented (a declared
+    field) or has its no-op values and refusal message (NO_OP_VALUES): a field a newer
+    client adds fails here until it is decided (meanwhile it is refused as unknown)."""
+    from openai.types import completion_create_params
+    from openai.types.chat import completion_create_params as chat_params
+
+    for model, params in ((CompletionRequest, completion_create_params),
+                          (ChatCompletionRequest, chat_params)):
+        fields = set(params.CompletionCreateParamsBase.__annotations__)
+        assert len(fields) > 10
+        assert not fields - set(model.model_fields) - set(NO_OP_VALUES), model.__name__
