@@ -361,7 +361,7 @@ class EngineDriver:
             self._count()
 
     def _cancel(self, request_id: str) -> None:
-        for first_id, later in self._later.items():  # a choice not added yet
+        for later in self._later.values():  # a choice not added yet
             for handle in later:
                 if handle.request_id == request_id:
                     from fo_jax.engine.engine import RequestOutput
