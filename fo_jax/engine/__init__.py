@@ -32,7 +32,7 @@ from fo_jax.engine.admission import (
 )
 from fo_jax.engine.auto import AutoEngine
 from fo_jax.engine.data_parallel import DataParallelEngine
-from fo_jax.engine.engine import Engine, RequestOutput
+from fo_jax.engine.engine import Engine, RequestOutput, TokenLogprobs
 from fo_jax.engine.loop import (
     LoopOutput,
     LoopStats,
@@ -55,4 +55,4 @@ __all__ = ["NO_PAGE", "Admission", "AutoEngine", "DataParallelEngine", "Decision
            "PagePool",
            "PoolExhausted", "PrefixCache", "Request", "RequestOutput", "RequestPages",
            "RequestRefused", "ResidentPrefixStore", "ResidentStep", "Sampling", "Seats",
-           "Verdict", "decode_loop", "mtp_feed", "sample_tokens"]
+           "TokenLogprobs", "Verdict", "decode_loop", "mtp_feed", "sample_tokens"]

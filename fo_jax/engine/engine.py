@@ -175,6 +175,17 @@ store's block bytes (`prefix_cache_bytes`); offloaded, in a page's bytes with
 `host_pool_bytes` (they live in the host pages' memory: one host-to-device move of the prefix's
 MTP rows per admission, 1/L of the main KV of the same tokens).
 
+Log-probabilities (`add_request(logprobs=k)`): each token a request samples comes with its
+log-probability and the k most likely tokens' (`RequestOutput.logprobs`), of the raw model
+distribution (log_softmax of the logits it was sampled from, before temperature and top_p, as
+vLLM returns them by default), computed on the device by the program that samples it: the
+first token's by the join's sampling program, the others' by the decode loop
+(`decode_loop(..., logprobs=max_logprobs)`, another program, run only while a seated request
+asks for them; [seats, steps, max_logprobs + 1] values and ids read once per call). The tokens
+are those the programs without them sample, bit for bit, for every request of the batch.
+Tokens a text stop string drops drop their logprobs too; a preempted request keeps them with
+its tokens. Not with drafts (refused by `add_request`).
+
 Three ways to hold the KV. Resident (`offload=None`): fixed seats of `capacity` contiguous
 rows, sized once: the fastest path for a batch that fits; nothing in it can run out
 mid-decode, so admission by bytes, reserve="prompt" and preemption have nothing to do there
@@ -194,7 +205,7 @@ import functools
 import itertools
 import numbers
 import time
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -214,6 +225,7 @@ from fo_jax.engine.loop import (
     decode_loop,
     mtp_feed_jit,
     sample_tokens,
+    token_logprobs,
 )
 from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload.config import OffloadConfig
@@ -228,6 +240,23 @@ from fo_jax.offload.state import (DecodeState, committed, read_pool_keys,
 
 FINISH_REASONS = ("stop", "length", "cancelled")
 DRAFTERS = ("ngram", "mtp")
+MAX_LOGPROBS = 20  # Engine(max_logprobs=...) default: most tokens a request's logprobs lists
+
+
+class TokenLogprobs(NamedTuple):
+    """One sampled token's log-probability (`add_request(logprobs=k)`).
+
+    Attributes:
+      token_id: the token sampled.
+      logprob: its log-probability under the raw model distribution (log_softmax of the
+        logits it was sampled from, before temperature and top_p: vLLM's default).
+      top: the k most likely tokens, ((id, logprob), ...) in descending order (ties: the lower
+        id first); the sampled token is among them only if it is one of the k.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclasses.dataclass
@@ -247,6 +276,8 @@ class RequestOutput:
       time_per_output_token: mean seconds between its tokens after the first (None before the
         second token): tokens of one decode call arrive together, so with N steps per call
         this is the call's time over N.
+      logprobs: with `add_request(logprobs=k)`, one `TokenLogprobs` per token of token_ids
+        (so far); else None.
     """
 
     request_id: str
@@ -258,6 +289,7 @@ class RequestOutput:
     prompt_tokens: int
     time_to_first_token: float | None
     time_per_output_token: float | None = None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclasses.dataclass
@@ -289,6 +321,8 @@ class _Request:
     queued_at: int = 0  # the engine step it arrived at (aging of order="shortest")
     mtp_saved: Any = None  # MTP drafts: its seat's MTP rows when preempted (`_save_mtp`)
     mtp_blocks: Any = None  # MTP drafts + prefix cache: its mapped prefix's MTP rows (admitted)
+    top_logprobs: int | None = None  # logprobs=k: k top tokens per token; None: no logprobs
+    logprobs: list | None = None  # with top_logprobs: one TokenLogprobs per token of `tokens`
 
     def output(self, new: list[int]) -> RequestOutput:
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
@@ -297,7 +331,8 @@ class _Request:
             tpot = (self.last_token_at - self.first_token_at) / (len(self.tokens) - 1)
         return RequestOutput(self.request_id, list(new), list(self.tokens), self.text,
                              self.finish_reason is not None, self.finish_reason,
-                             len(self.prompt), ttft, tpot)
+                             len(self.prompt), ttft, tpot,
+                             None if self.logprobs is None else list(self.logprobs))
 
 
 @jax.jit
@@ -320,15 +355,29 @@ def _set_keys(keys, mask, data):
     return jax.random.wrap_key_data(new, impl=jax.random.key_impl(keys))
 
 
-@jax.jit
-def _first_tokens(logits, last, keys, fresh, mask, sampling: Sampling):
+@functools.partial(jax.jit, static_argnames=("logprobs",))
+def _first_tokens(logits, last, keys, fresh, mask, sampling: Sampling, *,
+                  logprobs: int | None = None):
     """Each joining seat's first token, sampled from its last prompt position's logits with a
-    fresh key (key data `fresh` [B, ...] where `mask`); other seats' keys stay. O(B V)."""
+    fresh key (key data `fresh` [B, ...] where `mask`); other seats' keys stay: (tokens [B],
+    keys, log-probabilities). With logprobs=K (static), the tokens' and the K most likely
+    tokens' log-probabilities ([B, K + 1] values and ids, `token_logprobs`), else None.
+    O(B V)."""
     picked = logits[jnp.arange(logits.shape[0]), last]  # [B, V]
     data = jnp.where(mask.reshape((-1,) + (1,) * (fresh.ndim - 1)), fresh,
                      jax.random.key_data(keys))
     keys = jax.random.wrap_key_data(data, impl=jax.random.key_impl(keys))
-    return sample_tokens(picked, keys, sampling, mask)
+    tokens, keys = sample_tokens(picked, keys, sampling, mask)
+    lp = None if logprobs is None else token_logprobs(picked, tokens, logprobs)
+    return tokens, keys, lp
+
+
+def _logprob_rows(values, ids, top: int) -> list[TokenLogprobs]:
+    """TokenLogprobs of rows of `token_logprobs` output (host arrays [T, K + 1]), the first
+    `top` of the K most likely tokens kept."""
+    return [TokenLogprobs(int(i[0]), float(v[0]),
+                          tuple(zip(i[1:top + 1].tolist(), v[1:top + 1].tolist())))
+            for v, i in zip(values, ids)]
 
 
 def claim_request_id(request_id, ids, taken) -> str:
@@ -419,6 +468,9 @@ class Engine:
         prefix_cache, a mapped prefix's MTP rows come from the cache; see the module doc).
       mtp: drafter="mtp": the MTP parameters (`load_checkpoint(..., mtp=True)` or
         `fo_jax.model.mtp.init_mtp_params`) of a config with num_nextn_predict_layers >= 1.
+      max_logprobs: the most top tokens a request's logprobs may list (`add_request(
+        logprobs=k)`, k <= max_logprobs): while some request asks for logprobs, the programs
+        compute this many (one program whatever k; default min(20, vocab_size), vLLM's).
     Raises:
       ValueError: bad settings, before anything is allocated.
     """
@@ -434,7 +486,7 @@ class Engine:
                  metrics_every: int = 16, num_drafts: int = 0,
                  max_wait_steps: int | None = 256, drafter: str = "ngram",
                  mtp: dict | None = None, prefix_cache_bytes: int | None = None,
-                 prefix_cache_memory: str = "device"):
+                 prefix_cache_memory: str = "device", max_logprobs: int | None = None):
         for name, value in (("seats", seats), ("decode_steps_per_call", decode_steps_per_call),
                             ("prefill_chunk", prefill_chunk), ("max_stop_ids", max_stop_ids),
                             ("metrics_every", metrics_every)):
@@ -488,6 +540,14 @@ class Engine:
             check_drafting(num_drafts, config)
         except ValueError as err:
             raise ValueError(f"{err} (Engine(num_drafts=...))") from None
+        if max_logprobs is None:
+            max_logprobs = min(MAX_LOGPROBS, config.vocab_size)
+        if (not isinstance(max_logprobs, numbers.Integral) or isinstance(max_logprobs, bool)
+                or not 0 <= max_logprobs <= config.vocab_size):
+            raise ValueError(f"max_logprobs={max_logprobs!r} must be an int in [0, vocab_size="
+                             f"{config.vocab_size}] (the most top tokens a request's logprobs "
+                             "may list)")
+        self.max_logprobs = int(max_logprobs)
         self.num_drafts = int(num_drafts)
         self._check_drafter(drafter, mtp)
         self.drafter, self.mtp = drafter, mtp
@@ -621,9 +681,15 @@ class Engine:
     def add_request(self, prompt: Sequence[int], *, max_tokens: int = 16,
                     temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                     stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (),
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, logprobs: int | None = None) -> str:
         """Queue a request; returns its id. Everything is checked here, before the request
-        is queued: a refused request leaves the engine as it was."""
+        is queued: a refused request leaves the engine as it was.
+
+        logprobs: None, or k in [0, max_logprobs]: each output token comes with its
+        log-probability and the k most likely tokens' (`RequestOutput.logprobs`: of the raw
+        model distribution, before temperature and top_p; computed on the device from the
+        logits the token is sampled from, the tokens unchanged bit for bit). Not with drafts
+        (num_drafts > 0): refused."""
         prompt_np = np.asarray(list(prompt), dtype=np.int64)
         vocab = self.config.vocab_size
         if prompt_np.ndim != 1 or prompt_np.size == 0:
@@ -671,11 +737,25 @@ class Engine:
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (Engine(..., tokenizer=...)); "
                              "without one, use stop_token_ids")
+        if logprobs is not None:
+            if (not isinstance(logprobs, numbers.Integral) or isinstance(logprobs, bool)
+                    or not 0 <= logprobs <= self.max_logprobs):
+                raise ValueError(
+                    f"logprobs={logprobs!r} must be None (no log-probabilities) or an int in "
+                    f"[0, max_logprobs={self.max_logprobs}] (the most likely tokens returned "
+                    "besides the sampled one; Engine(max_logprobs=...) raises the bound)")
+            if self.num_drafts:
+                raise ValueError(
+                    f"logprobs are not computed with drafts (this engine verifies num_drafts="
+                    f"{self.num_drafts} drafts per step): serve without drafts (num_drafts=0) "
+                    "to have them, or drop logprobs")
         request_id = claim_request_id(request_id, self._ids, self._requests)
         req = _Request(request_id, prompt_np.astype(np.int32), int(max_tokens),
                        float(temperature), float(top_p), int(seed), stop_ids, stop,
                        time.perf_counter(), text="" if self.tokenizer is not None else None,
-                       order=next(self._arrivals), queued_at=self.counters["steps"])
+                       order=next(self._arrivals), queued_at=self.counters["steps"],
+                       top_logprobs=None if logprobs is None else int(logprobs),
+                       logprobs=None if logprobs is None else [])
         self._requests[request_id] = req
         self._waiting.append(req)
         return request_id
@@ -1252,10 +1332,13 @@ class Engine:
             for req in new:
                 new_mask[req.seat] = True
                 fresh[req.seat] = np.asarray(jax.random.key_data(jax.random.key(req.seed)))
-            first, keys = _first_tokens(logits, jnp.asarray(np.maximum(num_new - 1, 0)),
-                                        keys, jnp.asarray(fresh), jnp.asarray(new_mask),
-                                        self._sampling_now())
+            want = any(r.top_logprobs is not None for r in new)
+            first, keys, lp = _first_tokens(logits, jnp.asarray(np.maximum(num_new - 1, 0)),
+                                            keys, jnp.asarray(fresh), jnp.asarray(new_mask),
+                                            self._sampling_now(),
+                                            logprobs=self.max_logprobs if want else None)
             first_np = np.asarray(first)
+            lp_np = None if lp is None else jax.device_get(lp)
         if resumed:
             old_mask = np.zeros((batch,), bool)
             saved = np.zeros((batch,) + self._key_shape, np.uint32)
@@ -1271,7 +1354,10 @@ class Engine:
             t = int(first_np[b])
             req.first_token_at = now
             tokens_np[b], generated[b] = t, 1
-            finished = self._record(req, [t], moved, length=len(req.prompt))
+            rows = None
+            if req.top_logprobs is not None:
+                rows = _logprob_rows(lp_np[0][b:b + 1], lp_np[1][b:b + 1], req.top_logprobs)
+            finished = self._record(req, [t], moved, length=len(req.prompt), logprobs=rows)
             done[b] = finished
         for req in resumed:
             tokens_np[req.seat], generated[req.seat] = req.tokens[-1], len(req.tokens)
@@ -1361,10 +1447,14 @@ class Engine:
                                                      history=self._history)
         if self._mtp is not None:
             drafts.update(mtp=self.mtp, mtp_seats=self._mtp)
+        if any(r.top_logprobs is not None for r in running):
+            drafts["logprobs"] = self.max_logprobs  # another program: only while one asks
         out, self.state, self._seats = decode_loop(self.params, self.state, self._seats,
                                                    self.n_steps, self._sampling_now(),
                                                    step=self.step_fn, **drafts)
         tokens = np.asarray(out.tokens)  # waits for the program
+        lp_np = None if out.logprobs is None else jax.device_get((out.logprobs,
+                                                                  out.logprob_ids))
         self.timings["decode_s"] += time.perf_counter() - start
         self.counters["decode_calls"] += 1
         self.counters["decode_tokens"] += int(np.sum(tokens >= 0))
@@ -1388,8 +1478,13 @@ class Engine:
         stopped = []
         for req in running:
             new = [int(t) for t in tokens[req.seat] if t >= 0]
+            rows = None
+            if req.top_logprobs is not None:  # no drafts: column i is step i (-1: none)
+                steps = tokens[req.seat] >= 0
+                rows = _logprob_rows(lp_np[0][req.seat][steps], lp_np[1][req.seat][steps],
+                                     req.top_logprobs)
             finished = self._record(req, new, moved, length=int(lengths[req.seat]),
-                                    done=bool(done[req.seat]))
+                                    done=bool(done[req.seat]), logprobs=rows)
             if finished:
                 stopped.append(req)
         if stopped:
@@ -1403,17 +1498,20 @@ class Engine:
     # Bookkeeping ---------------------------------------------------------------------------
 
     def _record(self, req: _Request, new: list[int], moved, *, length: int,
-                done: bool = False) -> bool:
+                done: bool = False, logprobs: list[TokenLogprobs] | None = None) -> bool:
         """Append sampled tokens one by one until one finishes the request; decide whether
         it finished, and why. Tokens the device sampled after a text stop string (within the
         same decode call) are dropped, so the output does not depend on decode_steps_per_call.
-        With stop strings the output is decoded after every token (O(output) per token)."""
+        With stop strings the output is decoded after every token (O(output) per token).
+        `logprobs` (one per token of `new`) go with their tokens."""
         kept = moved.setdefault(req.request_id, [])
         if new:
             req.last_token_at = time.perf_counter()
-        for t in new:
+        for j, t in enumerate(new):
             req.tokens.append(t)
             kept.append(t)
+            if logprobs is not None:
+                req.logprobs.append(logprobs[j])
             if req.stop:
                 req.text = self.tokenizer.decode(req.tokens)
                 cut = [at for at in (req.text.find(s) for s in req.stop) if at >= 0]
@@ -1712,4 +1810,5 @@ def _write_seat_rows(host_kv, key_pool, kv, keys, row, length):
     return host_kv, key_pool
 
 
-__all__ = ["Engine", "FINISH_REASONS", "RequestOutput", "SeatExport"]
+__all__ = ["Engine", "FINISH_REASONS", "MAX_LOGPROBS", "RequestOutput", "SeatExport",
+           "TokenLogprobs"]

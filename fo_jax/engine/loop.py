@@ -77,6 +77,14 @@ its request samples, so a request's tokens do not depend on the rest of the batc
 drafts, each step splits a request's key once as well, the step's sub-key split again into
 the key of its D acceptance tests and the key of its one sampled token
 (`speculative_tokens`).
+
+Log-probabilities (`logprobs=K`, static: a program of its own, so the program without them is
+unchanged): each step also returns, per request, the sampled token's log-probability and the K
+most likely tokens' ids and log-probabilities ([B, N, K + 1], `token_logprobs`), computed on
+the device from the logits the sampler reads. They are of the raw model distribution
+(log_softmax of the logits, before temperature and top_p: vLLM's default), and reading them
+changes nothing of the sampling: the tokens equal those of the program without them, bit for
+bit (tests/engine/test_loop.py). One-token steps only: with drafts they are refused.
 """
 
 from __future__ import annotations
@@ -302,6 +310,35 @@ def _select_keys(active, new, old):
     """Typed keys: `new` where active, else `old` (jnp.where does not take key arrays)."""
     data = jnp.where(active[:, None], jax.random.key_data(new), jax.random.key_data(old))
     return jax.random.wrap_key_data(data, impl=jax.random.key_impl(old))
+
+
+def token_logprobs(logits, tokens, top: int):
+    """(values [B, top + 1] float32, ids [B, top + 1] int32) of logits [B, V] and the tokens
+    [B] sampled from them: column 0 the token's log-probability, columns 1..top the `top` most
+    likely tokens' (descending; `jax.lax.top_k`, ties to the lower id). Log-probabilities of
+    the raw model distribution, log_softmax(logits) in float32: before temperature and top_p,
+    as vLLM returns them by default (its `raw_logprobs`), so a token's value does not depend on
+    the request's sampling settings. A token < 0 (none sampled) gets an unspecified value.
+    Reads the logits only: the tokens are sampled as without it. O(B V) + top-k."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, jnp.maximum(tokens, 0)[:, None], axis=-1)
+    values, ids = [chosen], [tokens[:, None].astype(jnp.int32)]
+    if top:
+        top_values, top_ids = jax.lax.top_k(logp, top)
+        values.append(top_values)
+        ids.append(top_ids.astype(jnp.int32))
+    return jnp.concatenate(values, axis=-1), jnp.concatenate(ids, axis=-1)
+
+
+def check_logprobs(logprobs, config: ModelConfig) -> None:
+    """Raise unless `logprobs` is None or an int in [0, vocab_size] (top tokens per token)."""
+    if logprobs is None:
+        return
+    if (not isinstance(logprobs, numbers.Integral) or isinstance(logprobs, bool)
+            or not 0 <= logprobs <= config.vocab_size):
+        raise ValueError(f"logprobs={logprobs!r} must be None (no log-probabilities) or an int "
+                         f"in [0, vocab_size={config.vocab_size}] (the most likely tokens "
+                         "returned besides the sampled one)")
 
 
 # Steps -----------------------------------------------------------------------------------------
@@ -536,6 +573,10 @@ class LoopOutput:
       drafts: [B, N, D] int32 the drafts request b was fed at step i (num_drafts > 0;
         unspecified where it took no step), else None.
       mtp_seats: the MTPSeats after the call (MTP drafts), else None.
+      logprobs, logprob_ids: with `decode_loop(..., logprobs=K)`, [B, N, K + 1] float32 /
+        int32: at step i, column 0 the sampled token's log-probability (and its id,
+        tokens[b, i]), columns 1..K the K most likely tokens' (`token_logprobs`: of the raw
+        model distribution); unspecified where tokens[b, i] is -1. Else None.
     """
 
     tokens: jax.Array
@@ -548,11 +589,14 @@ class LoopOutput:
     counts: jax.Array | None = None
     drafts: jax.Array | None = None
     mtp_seats: MTPSeats | None = None
+    logprobs: jax.Array | None = None
+    logprob_ids: jax.Array | None = None
 
 
 def decode_loop(params, state, seats: Seats, n_steps: int, sampling: Sampling, *, step,
                 num_drafts: int = 0, drafter: NGramDrafter | None = None, history=None,
-                mtp: dict | None = None, mtp_seats: MTPSeats | None = None):
+                mtp: dict | None = None, mtp_seats: MTPSeats | None = None,
+                logprobs: int | None = None):
     """Up to `n_steps` decode steps in one program (see the module doc).
 
     Args:
@@ -576,6 +620,11 @@ def decode_loop(params, state, seats: Seats, n_steps: int, sampling: Sampling, *
         (`fo_jax.model.mtp`; config.num_nextn_predict_layers >= 1), with `mtp_seats`
         (`MTPSeats`: the MTP layer's state and each seat's next draft, filled with the
         prompts' pairs by `mtp_feed`; donated; returned in `LoopOutput.mtp_seats`).
+      logprobs: None (default: the program computes no log-probabilities), or K >= 0, static
+        (another program): each sampled token's log-probability and the K most likely
+        tokens' (`LoopOutput.logprobs`, `token_logprobs`: log_softmax of the step's raw
+        logits); the tokens are those of the program without them, bit for bit. Not with
+        drafts (num_drafts > 0).
     Returns:
       (LoopOutput, new state, new seats).
     Work: N steps at most, each one decode step of W ways plus O(B W V log V) for sampling
@@ -598,6 +647,12 @@ def decode_loop(params, state, seats: Seats, n_steps: int, sampling: Sampling, *
                              "build them for the same batch")
     check_keys(seats.keys, batch)
     check_drafting(num_drafts, step.config)
+    check_logprobs(logprobs, step.config)
+    if logprobs is not None and num_drafts:
+        raise NotImplementedError(
+            f"logprobs are computed by the one-token loop only, not with num_drafts="
+            f"{num_drafts} (a verification step yields its tokens from several ways): pass "
+            "num_drafts=0, or logprobs=None")
     if num_drafts == 0:
         if history is not None or drafter is not None:
             raise ValueError("history and drafter are read only with num_drafts > 0: pass "
@@ -605,7 +660,8 @@ def decode_loop(params, state, seats: Seats, n_steps: int, sampling: Sampling, *
         if mtp is not None or mtp_seats is not None:
             raise ValueError("mtp and mtp_seats are read only with num_drafts > 0: pass "
                              "num_drafts, or drop them")
-        return _loop_jit(params, state, seats, sampling, n_steps=int(n_steps), step=step)
+        return _loop_jit(params, state, seats, sampling, n_steps=int(n_steps), step=step,
+                         logprobs=None if logprobs is None else int(logprobs))
     if mtp is not None or mtp_seats is not None:
         check_mtp_drafting(mtp, step.config, drafter=drafter)
         if not isinstance(mtp_seats, MTPSeats) or mtp_seats.batch != batch or \
@@ -676,23 +732,34 @@ def check_drafting(num_drafts, config: ModelConfig) -> None:
             f"{config.max_ways - 1}, or a config with max_ways >= {num_drafts + 1}")
 
 
-@functools.partial(jax.jit, static_argnames=("n_steps", "step"), donate_argnames=("state",))
-def _loop_jit(params, state, seats: Seats, sampling: Sampling, *, n_steps: int, step):
+@functools.partial(jax.jit, static_argnames=("n_steps", "step", "logprobs"),
+                   donate_argnames=("state",))
+def _loop_jit(params, state, seats: Seats, sampling: Sampling, *, n_steps: int, step,
+              logprobs: int | None = None):
     batch = seats.tokens.shape[0]
     capacity = state.capacity
     fed0 = jnp.zeros((batch,), jnp.int32)
     out0 = jnp.full((batch, n_steps), -1, jnp.int32)
+    # With logprobs: [B, N, K + 1] values and ids (`token_logprobs`); else nothing carried.
+    lp0 = None
+    if logprobs is not None:
+        lp0 = (jnp.zeros((batch, n_steps, logprobs + 1), jnp.float32),
+               jnp.full((batch, n_steps, logprobs + 1), -1, jnp.int32))
 
     def cond(carry):
-        i, _, seats, _, _, _ = carry
+        i, _, seats, *_ = carry
         return (i < n_steps) & ~jnp.all(seats.done)
 
     def body(carry):
-        i, state, seats, out, fed, stats = carry
+        i, state, seats, out, fed, stats, lp = carry
         active = ~seats.done
         logits, state, step_stats = step(params, state, seats.tokens[:, None], active)
         nxt, keys = sample_tokens(logits[:, -1], seats.keys, sampling, active)
         nxt = jnp.where(active, nxt, -1)
+        if lp is not None:
+            values, ids = token_logprobs(logits[:, -1], nxt, logprobs)
+            lp = (jax.lax.dynamic_update_slice(lp[0], values[:, None], (0, i, 0)),
+                  jax.lax.dynamic_update_slice(lp[1], ids[:, None], (0, i, 0)))
         generated = seats.generated + active.astype(jnp.int32)
         done = seats.done | (active & finished(nxt, generated, state.lengths, capacity,
                                                sampling))
@@ -701,11 +768,13 @@ def _loop_jit(params, state, seats: Seats, sampling: Sampling, *, n_steps: int, 
         out = jax.lax.dynamic_update_slice(out, nxt[:, None], (0, i))
         if stats is not None:
             stats = stats.add(step_stats)
-        return i + 1, state, seats, out, fed + active.astype(jnp.int32), stats
+        return i + 1, state, seats, out, fed + active.astype(jnp.int32), stats, lp
 
-    carry = (jnp.asarray(0, jnp.int32), state, seats, out0, fed0, step.zero_stats(batch))
-    num_steps, state, seats, out, fed, stats = jax.lax.while_loop(cond, body, carry)
-    return LoopOutput(tokens=out, fed=fed, num_steps=num_steps, stats=stats), state, seats
+    carry = (jnp.asarray(0, jnp.int32), state, seats, out0, fed0, step.zero_stats(batch), lp0)
+    num_steps, state, seats, out, fed, stats, lp = jax.lax.while_loop(cond, body, carry)
+    values, ids = (None, None) if lp is None else lp
+    return LoopOutput(tokens=out, fed=fed, num_steps=num_steps, stats=stats, logprobs=values,
+                      logprob_ids=ids), state, seats
 
 
 def _speculate_row(logits, drafts, key, temperature, top_p):

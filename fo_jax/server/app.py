@@ -1,8 +1,9 @@
 """The OpenAI-compatible ASGI app (FastAPI) over an `EngineDriver`.
 
-    POST /v1/completions        prompt (string or token ids) -> text; stream=true: server-sent
-                                events in OpenAI's chunk format, ending with `data: [DONE]`
-    POST /v1/chat/completions   messages -> one assistant message (the chat template is
+    POST /v1/completions        prompt (string or token ids) -> n texts (choices); stream=true:
+                                server-sent events in OpenAI's chunk format, ending with
+                                `data: [DONE]`
+    POST /v1/chat/completions   messages -> n assistant messages (the chat template is
                                 `protocol.simple_chat_template` unless one is given)
     GET  /v1/models             the served model
     GET  /health                200 while accepting requests, 503 when shutting down / failed
@@ -13,10 +14,34 @@
                                 histograms (fo_jax.engine.metrics)
 
 Status codes: 400 a request the engine refuses (its `add_request` message: prompt too long for
-a seat, ids outside the vocabulary ...) or malformed JSON; 422 a bad field (named, as
-pydantic reports it); 404 another model name; 429 with `Retry-After` when `max_queue` requests
-already wait for a seat; 503 while shutting down. Errors have OpenAI's body
+a seat, ids outside the vocabulary ...), a field the server does not implement
+(`protocol.Body.refusal`: named in `param`), or malformed JSON; 422 a field of the wrong type or
+out of range (named, as pydantic reports it; types are strict: `fo_jax.server.protocol`); 404
+another model name; 429 with `Retry-After` when `max_queue` requests
+already wait for a seat (400 naming `n` when more choices are asked than the seats and the
+queue could ever hold); 503 while shutting down. Errors have OpenAI's body
 `{"error": {"message", "type", "param", "code"}}`.
+
+Choices (`n`): each choice is one engine request, choice i sampled with seed + i (vLLM's rule:
+the request with n = 1 and seed + i gives choice i's tokens, bit for bit; without a seed the
+base seed is random); with a prefix cache the prompt is prefilled once and the other choices
+map its whole chunks (`EngineDriver.submit_choices`). Usage counts the prompt once and sums the
+choices' tokens; streamed, the choices' chunks interleave as their tokens come, each naming its
+index, and [DONE] follows the last. The request metrics count choices (a request of n = 3
+counts 3 received, and 3 completed, cancelled or rejected).
+
+Log-probabilities (completions `logprobs: k`; chat `logprobs: true`, `top_logprobs: k`): the
+engine's (`Engine.add_request(logprobs=k)`): of the raw model distribution, before temperature
+and top_p (vLLM's default), computed on the device. A token's text is its own decoding
+(`tokenizer.decode([id])`: an incomplete UTF-8 character shows as U+FFFD) and chat's `bytes`
+are that text's UTF-8 bytes; completions' `top_logprobs` hold the sampled token first, then
+the k most likely (k + 1 entries at most; tokens of equal text share one key), `text_offset`
+counts the characters of those texts from the completion's start. A streamed chunk carries the
+logprobs of the tokens that came with it (its text may be held back, below). Every token
+generated has one, the stop token included.
+
+Usage: `completion_tokens` counts every token generated, the stop token and the token that
+completed a stop string included, though the text drops them (vLLM's convention).
 
 A client that disconnects (mid-stream or while waiting for a whole response) has its request
 cancelled in the engine, which frees its seat before the next step.
@@ -57,6 +82,7 @@ from fo_jax.server.protocol import (
     simple_chat_template,
 )
 
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a log-probability below is sent as this (vLLM's)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 30.0, 60.0)
 
@@ -265,26 +291,37 @@ def build_app(driver: EngineDriver, *, tokenizer, model_name: str, capacity: int
     async def prometheus_metrics():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def _refused(body, message: str | None = None, param: str | None = None):
+        """400 for a body the server does not serve (`Body.refusal`, or `message`); None if
+        it is served."""
+        if message is None:
+            refusal = body.refusal()
+            if refusal is None:
+                return None
+            message, param = refusal.message, refusal.param
+        metrics.received.inc()
+        metrics.rejected.labels("invalid").inc()
+        return _error(400, message, param=param)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                metrics.received.inc()
-                metrics.rejected.labels("invalid").inc()
-                return _error(400, f"prompt: one prompt per request, got {len(prompt)}",
-                              param="prompt")
-            prompt = prompt[0]
-        if body.echo:
-            metrics.received.inc()
-            metrics.rejected.labels("invalid").inc()
-            return _error(400, "echo: not supported (send echo=false)", param="echo")
+        refused = _refused(body)
+        prompts = body.prompts()
+        if refused is None and len(prompts) != 1:
+            refused = _refused(body, f"prompt: one prompt per request, got {len(prompts)} "
+                                     "(send them as separate requests)", "prompt")
+        if refused is not None:
+            return refused
+        prompt = prompts[0]
         ids = tokenizer.encode(prompt).tolist() if isinstance(prompt, str) else list(prompt)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         return await _generate(request, body, ids, max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        refused = _refused(body)
+        if refused is not None:
+            return refused
         text = template(body.messages)
         try:  # a rendered template carries its own special tokens (BOS included)
             ids = tokenizer.encode(text, add_special_tokens=False).tolist()
@@ -304,147 +341,231 @@ def build_app(driver: EngineDriver, *, tokenizer, model_name: str, capacity: int
                 text = text[:min(cut)]
         return text
 
+    def _piece(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+
+    def _logprobs(entries, chat: bool, offset: int = 0):
+        """OpenAI's logprobs of `entries` (TokenLogprobs): chat {"content": [{token, logprob,
+        bytes, top_logprobs}]}; completions {tokens, token_logprobs, top_logprobs (the
+        sampled token's then the top tokens', one dict per token), text_offset (from
+        `offset`)}. A token is its own decoded text; -inf is sent as LOGPROB_FLOOR."""
+        if chat:
+            def item(t, v):
+                piece = _piece(t)
+                return {"token": piece, "logprob": max(v, LOGPROB_FLOOR),
+                        "bytes": list(piece.encode("utf-8"))}
+            return {"content": [dict(item(e.token_id, e.logprob),
+                                     top_logprobs=[item(t, v) for t, v in e.top])
+                                for e in entries]}
+        tokens, values, tops, offsets = [], [], [], []
+        for e in entries:
+            piece = _piece(e.token_id)
+            tokens.append(piece)
+            values.append(max(e.logprob, LOGPROB_FLOOR))
+            top = {piece: values[-1]}
+            for t, v in e.top:
+                top.setdefault(_piece(t), max(v, LOGPROB_FLOOR))
+            tops.append(top)
+            offsets.append(offset)
+            offset += len(piece)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": offsets}
+
     async def _generate(request: Request, body, ids: list[int], max_tokens: int, *, chat: bool):
-        metrics.received.inc()
+        n = body.choices
+        metrics.received.inc(n)
         if body.model is not None and body.model != model_name:
-            metrics.rejected.labels("model").inc()
+            metrics.rejected.labels("model").inc(n)
             return _error(404, f"model {body.model!r} is not served here; GET /v1/models "
                                f"lists {model_name!r}", "not_found_error", "model")
         stops = body.stop_strings()
         stop_ids = () if body.ignore_eos else tuple(stop_token_ids)
         seed = random.getrandbits(31) if body.seed is None else body.seed
-        kwargs = dict(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+        kwargs = dict(max_tokens=max_tokens,
+                      temperature=1.0 if body.temperature is None else body.temperature,
+                      top_p=1.0 if body.top_p is None else body.top_p,
                       seed=seed, stop_token_ids=stop_ids, stop=stops)
-        try:
-            handle = driver.submit(ids, loop=asyncio.get_running_loop(), **kwargs)
+        if body.engine_logprobs() is not None:
+            kwargs["logprobs"] = body.engine_logprobs()
+        try:  # choice i samples with seed + i (vLLM's rule): alone, the same tokens
+            handles = driver.submit_choices(ids, loop=asyncio.get_running_loop(), choices=[
+                dict(kwargs, seed=seed + i) for i in range(n)])
+        except ValueError as err:  # more choices than the seats and the queue ever hold
+            metrics.rejected.labels("invalid").inc(n)
+            return _error(400, str(err), param="n")
         except QueueFull as err:
-            metrics.rejected.labels("queue_full").inc()
+            metrics.rejected.labels("queue_full").inc(n)
             return _error(429, str(err), "rate_limit_error",
                           headers={"Retry-After": str(retry_after)})
         except NotAccepting as err:
-            metrics.rejected.labels("unavailable").inc()
+            metrics.rejected.labels("unavailable").inc(n)
             return _error(503, str(err), "unavailable")
+
+        def cancel_all():
+            for handle in handles:
+                driver.cancel(handle.request_id)
+
         try:
-            first = await handle.queue.get()
+            firsts = [await handle.queue.get() for handle in handles]
         except asyncio.CancelledError:  # the handler was cancelled (shutdown) before it began
-            driver.cancel(handle.request_id)
+            cancel_all()
             raise
-        if isinstance(first, Refused):
-            metrics.rejected.labels("invalid").inc()
-            return _error(400, first.message)
-        if isinstance(first, Failed):
-            metrics.rejected.labels("unavailable").inc()
-            return _error(503, first.message, "unavailable")
-        assert isinstance(first, Accepted), first
-        rid, created = handle.request_id, int(time.time())
+        for first in firsts:
+            if isinstance(first, (Refused, Failed)):
+                cancel_all()
+                if isinstance(first, Refused):
+                    metrics.rejected.labels("invalid").inc(n)
+                    return _error(400, first.message)
+                metrics.rejected.labels("unavailable").inc(n)
+                return _error(503, first.message, "unavailable")
+            assert isinstance(first, Accepted), first
+        rid, created = handles[0].request_id, int(time.time())
         prompt_tokens = len(ids)
         metrics.prompt_tokens.inc(prompt_tokens)
 
-        def usage(out):
-            n = len(out.token_ids)
-            return {"prompt_tokens": prompt_tokens, "completion_tokens": n,
-                    "total_tokens": prompt_tokens + n}
+        def usage(outs):
+            tokens = sum(len(out.token_ids) for out in outs)
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": tokens,
+                    "total_tokens": prompt_tokens + tokens}
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             state = {"finished": False}
             return _EventStream(
-                _stream(handle, rid, created, chat, stops, stop_ids, usage, include_usage,
+                _stream(handles, rid, created, chat, stops, stop_ids, usage, include_usage,
                         body, state),
-                on_close=lambda: state["finished"] or driver.cancel(rid),
+                on_close=lambda: state["finished"] or cancel_all(),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-        finished = False
+        finals: list = [None] * n
         watch = asyncio.ensure_future(_wait_disconnect(request))
         try:
-            while True:
-                get = asyncio.ensure_future(handle.queue.get())
-                done, _ = await asyncio.wait({get, watch},
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if get not in done:
-                    get.cancel()
-                    return Response(status_code=499)  # the client has gone
-                out = get.result()
-                if isinstance(out, Failed):
-                    metrics.failed.inc()
-                    finished = True
-                    return _error(500, out.message, "server_error")
-                if out.finished:
-                    finished = True
-                    break
+            async with contextlib.aclosing(_outputs(handles, watch)) as outputs:
+                async for i, out in outputs:
+                    if out is None:
+                        return Response(status_code=499)  # the client has gone
+                    if isinstance(out, Failed):
+                        metrics.failed.inc()
+                        return _error(500, out.message, "server_error")
+                    if out.finished:
+                        finals[i] = out
         finally:
             watch.cancel()
-            if not finished:
-                driver.cancel(rid)
-        text = _final_text(out, stop_ids, stops)
-        choice = {"index": 0, "logprobs": None, "finish_reason": out.finish_reason}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        if body.return_token_ids:
-            choice["token_ids"] = list(out.token_ids)
+            if any(out is None for out in finals):
+                cancel_all()
+        choices = []
+        for i, out in enumerate(finals):
+            choice = {"index": i, "logprobs": None, "finish_reason": out.finish_reason}
+            text = _final_text(out, stop_ids, stops)
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            if out.logprobs is not None:
+                choice["logprobs"] = _logprobs(out.logprobs, chat)
+            if body.return_token_ids:
+                choice["token_ids"] = list(out.token_ids)
+            choices.append(choice)
         return {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                "created": created, "model": model_name, "choices": [choice],
-                "usage": usage(out)}
+                "created": created, "model": model_name, "choices": choices,
+                "usage": usage(finals)}
 
-    async def _stream(handle, rid, created, chat, stops, stop_ids, usage, include_usage, body,
+    async def _outputs(handles, watch=None):
+        """(choice index, item) as the choices' outputs arrive, in arrival order, until every
+        choice has finished (or failed); (None, None) once `watch` completes (the client
+        left). Gets still pending when the caller stops are cancelled."""
+        gets = {i: asyncio.ensure_future(h.queue.get()) for i, h in enumerate(handles)}
+        try:
+            while gets:
+                waiting = set(gets.values()) | ({watch} if watch is not None else set())
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if watch is not None and watch in done:
+                    yield None, None
+                    return
+                for i in sorted(i for i, get in gets.items() if get in done):
+                    item = gets.pop(i).result()
+                    if not isinstance(item, Failed) and not item.finished:
+                        gets[i] = asyncio.ensure_future(handles[i].queue.get())
+                    yield i, item
+        finally:
+            for get in gets.values():
+                get.cancel()
+
+    async def _stream(handles, rid, created, chat, stops, stop_ids, usage, include_usage, body,
                       state):
+        """Server-sent events: each choice's chunks as its outputs arrive (chunks of
+        different choices interleave, each naming its index), then the usage (if asked) and
+        [DONE]."""
         hold = max((len(s) for s in stops), default=1) - 1
         kind = "chat.completion.chunk" if chat else "text_completion"
         want_ids = body.return_token_ids
+        n = len(handles)
+        sent, offsets, logged = [0] * n, [0] * n, [0] * n  # text, its offset, logprobs sent
+        finals: list = [None] * n
 
-        def chunk(delta: str, reason, token_ids=None) -> str:
-            choice = {"index": 0, "logprobs": None, "finish_reason": reason}
+        def chunk(i, delta: str, reason, out) -> str:
+            choice = {"index": i, "logprobs": None, "finish_reason": reason}
             if chat:
                 choice["delta"] = {"content": delta} if delta or reason is None else {}
             else:
                 choice["text"] = delta
-            if want_ids and token_ids is not None:
-                choice["token_ids"] = token_ids
+            if out.logprobs is not None and len(out.logprobs) > logged[i]:
+                choice["logprobs"] = _logprobs(out.logprobs[logged[i]:], chat, offsets[i])
+                if not chat:
+                    offsets[i] += sum(len(p) for p in choice["logprobs"]["tokens"])
+                logged[i] = len(out.logprobs)
+            if want_ids:
+                choice["token_ids"] = out.new_token_ids
             data = {"id": rid, "object": kind, "created": created, "model": model_name,
                     "choices": [choice]}
             return f"data: {json.dumps(data)}\n\n"
 
-        sent, finished = 0, False
+        finished = False
         try:
             if chat:
-                head = {"id": rid, "object": kind, "created": created, "model": model_name,
-                        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                     "logprobs": None, "finish_reason": None}]}
-                yield f"data: {json.dumps(head)}\n\n"
-            while True:
-                out = await handle.queue.get()
-                if isinstance(out, Failed):
-                    metrics.failed.inc()
+                for i in range(n):
+                    head = {"id": rid, "object": kind, "created": created, "model": model_name,
+                            "choices": [{"index": i,
+                                         "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}]}
+                    yield f"data: {json.dumps(head)}\n\n"
+            async with contextlib.aclosing(_outputs(handles)) as outputs:
+                async for i, out in outputs:
+                    if isinstance(out, Failed):
+                        metrics.failed.inc()
+                        finished = True
+                        err = {"error": {"message": out.message, "type": "server_error",
+                                         "param": None, "code": 500}}
+                        yield f"data: {json.dumps(err)}\n\n"
+                        break
+                    if out.finished:
+                        finals[i] = out
+                        text = _final_text(out, stop_ids, stops)
+                        yield chunk(i, text[sent[i]:], out.finish_reason, out)
+                        continue
+                    text = out.text or ""
+                    visible = len(text) - hold
+                    while visible > sent[i] and text[visible - 1] == "\ufffd":
+                        visible -= 1
+                    new_logprobs = out.logprobs is not None and len(out.logprobs) > logged[i]
+                    if visible > sent[i] or want_ids or new_logprobs:
+                        yield chunk(i, text[sent[i]:max(visible, sent[i])], None, out)
+                        sent[i] = max(visible, sent[i])
+                else:
                     finished = True
-                    err = {"error": {"message": out.message, "type": "server_error",
-                                     "param": None, "code": 500}}
-                    yield f"data: {json.dumps(err)}\n\n"
-                    break
-                if out.finished:
-                    finished = True
-                    text = _final_text(out, stop_ids, stops)
-                    yield chunk(text[sent:], out.finish_reason, out.new_token_ids)
                     if include_usage:
                         data = {"id": rid, "object": kind, "created": created,
-                                "model": model_name, "choices": [], "usage": usage(out)}
+                                "model": model_name, "choices": [], "usage": usage(finals)}
                         yield f"data: {json.dumps(data)}\n\n"
-                    break
-                text = out.text or ""
-                visible = len(text) - hold
-                while visible > sent and text[visible - 1] == "\ufffd":
-                    visible -= 1
-                if visible > sent or want_ids:
-                    yield chunk(text[sent:max(visible, sent)], None, out.new_token_ids)
-                    sent = max(visible, sent)
             yield "data: [DONE]\n\n"
         finally:
             state["finished"] = finished
             if not finished:
-                driver.cancel(rid)
+                for handle, out in zip(handles, finals):
+                    if out is None:
+                        driver.cancel(handle.request_id)
 
     return app
 
 
-__all__ = ["LATENCY_BUCKETS", "ServerMetrics", "build_app"]
+__all__ = ["LATENCY_BUCKETS", "LOGPROB_FLOOR", "ServerMetrics", "build_app"]

@@ -4,6 +4,7 @@ through queues.
     driver = EngineDriver(engine, max_queue=64)
     driver.start()
     handle = driver.submit(prompt_ids, loop=asyncio.get_running_loop(), max_tokens=16, ...)
+    handles = driver.submit_choices(prompt_ids, loop=..., choices=[dict(seed=s + i, ...) ...])
     first = await handle.queue.get()      # Accepted(request_id) or Refused(message)
     out = await handle.queue.get()        # RequestOutput ... until out.finished
     driver.cancel(handle.request_id)      # e.g. the client went away
@@ -22,6 +23,15 @@ will take does not wait); `submit` refuses the next one with `QueueFull` at once
 caller's thread, so that the server answers 429 without waiting for the engine thread. (A
 request that a free seat cannot take yet because the page pool is short waits too, uncounted:
 the bound is then max_queue plus those.)
+
+Choices (`submit_choices`: n requests of one prompt, OpenAI's `n`): counted by the bound as
+one burst (all are queued or none), each told `Accepted` at once. When the engine has a prefix
+cache that can share the prompt (`prefix` or `prefix_store` set, and a whole prefill chunk
+before the prompt's last token: `Engine.chunk`), the first is added at once and the others
+once it has sampled its first token: its prompt's whole chunks are in the cache by then, so
+each of the others maps them and prefills only the rest (the prompt is prefilled once). Else
+(no prefix cache, a short prompt, an engine without these attributes: `AutoEngine`,
+`DataParallelEngine`) all are added at once, each prefilling the prompt.
 
 Costs: per step O(requests that moved) callbacks onto the event loop; the engine's counters and
 offload statistics (`engine.stats`: one device-to-host read, summed in total and per indexer
@@ -67,7 +77,9 @@ class Refused:
 
 @dataclasses.dataclass(frozen=True)
 class Failed:
-    """The engine thread failed (an exception in `step()`): no more outputs (HTTP 500)."""
+    """The engine thread failed (an exception in `step()`), or the engine refused a choice
+    that waited for its first one (`submit_choices`) after it was accepted: no more outputs
+    (HTTP 500)."""
     message: str
 
 
@@ -146,6 +158,9 @@ class EngineDriver:
         self._thread: threading.Thread | None = None
         self._drain_timer: threading.Timer | None = None
         self._handles: dict[str, RequestHandle] = {}  # engine thread only
+        # Choices waiting for their first choice's prefill (engine thread only): first
+        # choice's id -> the handles of the others, not yet added (counted in _pending_adds).
+        self._later: dict[str, list[RequestHandle]] = {}
         from fo_jax.engine.metrics import page_bytes
 
         self._page_bytes = page_bytes(engine)
@@ -171,19 +186,35 @@ class EngineDriver:
         """Queue a request for the engine (kwargs: `Engine.add_request`'s). Raises
         `NotAccepting` (shutting down) or `QueueFull` (`max_queue` already waiting, beyond
         the free seats) at once."""
+        return self.submit_choices(prompt, loop=loop, choices=[kwargs])[0]
+
+    def submit_choices(self, prompt: list[int], *, loop: asyncio.AbstractEventLoop,
+                       choices: list[dict]) -> list[RequestHandle]:
+        """Queue one request per entry of `choices` (each `Engine.add_request`'s kwargs) for
+        the same prompt, as one burst: all are queued or none (see the module doc for how they
+        share the prompt's prefill). Raises ValueError (more choices than the seats and the
+        queue can ever hold), `NotAccepting` or `QueueFull` at once."""
+        n = len(choices)
+        if n < 1 or n > self.engine.seats + self.max_queue:
+            raise ValueError(
+                f"n={n} choices can never be queued at once: this server has "
+                f"{self.engine.seats} seats and --max-queue {self.max_queue} (at most "
+                f"{self.engine.seats + self.max_queue} choices per request)")
         with self._lock:
             if not self.accepting:
                 raise NotAccepting(self.failure or "the server is shutting down")
-            if self._pending_adds + self._engine_waiting - self._free_seats >= self.max_queue:
+            waiting = self._pending_adds + self._engine_waiting - self._free_seats + n - 1
+            if waiting >= self.max_queue:
                 raise QueueFull(f"{self.max_queue} requests already wait for a seat "
                                 f"(--max-queue {self.max_queue}): retry later")
-            self._pending_adds += 1
-            handle = RequestHandle(f"cmpl-{uuid.uuid4().hex}", asyncio.Queue(), loop,
-                                   time.perf_counter(), kwargs, list(prompt))
+            self._pending_adds += n
+            handles = [RequestHandle(f"cmpl-{uuid.uuid4().hex}", asyncio.Queue(), loop,
+                                     time.perf_counter(), kwargs, list(prompt))
+                       for kwargs in choices]
             # Under the lock: an accepted add is queued before `stop_accepting` returns, so
             # before the cancel-all of `begin_shutdown` (which would miss it).
-            self._commands.put(("add", handle))
-        return handle
+            self._commands.put(("add", handles))
+        return handles
 
     def cancel(self, request_id: str) -> None:
         """Cancel a request (no-op if it finished or was refused); its seat is freed by the
@@ -249,9 +280,13 @@ class EngineDriver:
         except Exception as err:  # noqa: BLE001 - every request must hear about it
             logger.exception("the engine thread failed")
             self.failure = f"engine failure: {type(err).__name__}: {err}"
-            for handle in list(self._handles.values()):
+            later = [h for hs in self._later.values() for h in hs]
+            for handle in list(self._handles.values()) + later:
                 handle.put(Failed(self.failure))
             self._handles.clear()
+            self._later.clear()
+            with self._lock:
+                self._pending_adds -= len(later)
         finally:
             self._stop_remaining()
 
@@ -270,24 +305,74 @@ class EngineDriver:
             elif kind == "cancel":
                 self._cancel(arg)
             elif kind == "cancel_all":
-                for request_id in list(self._handles):
+                for request_id in list(self._handles) + self._later_ids():
                     self._cancel(request_id)
 
-    def _add(self, handle: RequestHandle) -> None:
+    def _later_ids(self) -> list[str]:
+        return [h.request_id for later in self._later.values() for h in later]
+
+    def _add(self, handles: list[RequestHandle]) -> None:
+        """Add a burst of choices: the first now; the others now too, or, when the engine's
+        prefix cache can share the prompt, once the first has sampled (`_add_later`)."""
+        first, rest = handles[0], handles[1:]
+        if not self._add_one(first):
+            for handle in rest:  # the same prompt and settings: refused alike
+                self._add_one(handle)
+            return
+        if rest and self._shares_prompt(first.prompt):
+            self._later[first.request_id] = rest
+            for handle in rest:
+                handle.put(Accepted(handle.request_id))
+            return
+        for handle in rest:
+            self._add_one(handle)
+
+    def _shares_prompt(self, prompt: list[int]) -> bool:
+        """The engine's prefix cache can map a whole prefill chunk of the prompt (it maps
+        whole chunks of all but the last token)."""
+        engine = self.engine
+        cached = (getattr(engine, "prefix", None) is not None
+                  or getattr(engine, "prefix_store", None) is not None)
+        chunk = getattr(engine, "chunk", None)
+        return cached and chunk is not None and len(prompt) - 1 >= chunk
+
+    def _add_later(self, first_id: str) -> None:
+        """Add the choices that waited for choice `first_id` (it sampled, finished or left).
+        They were told Accepted: one the engine refuses after all gets Failed."""
+        for handle in self._later.pop(first_id, []):
+            self._add_one(handle, announce=False)
+
+    def _add_one(self, handle: RequestHandle, *, announce: bool = True) -> bool:
         try:
             self.engine.add_request(handle.prompt, request_id=handle.request_id,
                                     **handle.kwargs)
         except ValueError as err:
-            handle.put(Refused(str(err)))
+            handle.put(Refused(str(err)) if announce else Failed(
+                f"the engine refused a choice of an accepted request: {err}"))
+            return False
         else:
             self._handles[handle.request_id] = handle
-            handle.put(Accepted(handle.request_id))
+            if announce:
+                handle.put(Accepted(handle.request_id))
+            return True
         finally:
             with self._lock:
                 self._pending_adds -= 1
             self._count()
 
     def _cancel(self, request_id: str) -> None:
+        for later in self._later.values():  # a choice not added yet
+            for handle in later:
+                if handle.request_id == request_id:
+                    from fo_jax.engine.engine import RequestOutput
+
+                    later.remove(handle)
+                    with self._lock:
+                        self._pending_adds -= 1
+                    self._deliver_to(handle, RequestOutput(
+                        request_id, [], [], None, True, "cancelled", len(handle.prompt), None),
+                        time.perf_counter())
+                    return
         if request_id not in self._handles:
             return  # finished, refused, or never known
         self.engine.cancel(request_id)
@@ -302,6 +387,11 @@ class EngineDriver:
             del self._handles[out.request_id]
             if not released:
                 self.engine.release(out.request_id)
+        if out.request_id in self._later and (out.new_token_ids or out.finished):
+            self._add_later(out.request_id)  # its prompt's chunks are cached now
+        self._deliver_to(handle, out, now)
+
+    def _deliver_to(self, handle: RequestHandle, out, now: float) -> None:
         if self.on_output is not None:
             try:
                 self.on_output(handle, out, now)
@@ -345,7 +435,7 @@ class EngineDriver:
         """Cancel every request still known (the thread is ending) and refuse pending adds."""
         with self._lock:
             self._accepting = False
-        for request_id in list(self._handles):
+        for request_id in list(self._handles) + self._later_ids():
             try:
                 self._cancel(request_id)
             except Exception:  # noqa: BLE001
@@ -357,8 +447,9 @@ class EngineDriver:
                 break
             if kind == "add":
                 with self._lock:
-                    self._pending_adds -= 1
-                arg.put(Failed(self.failure or "the server is shutting down"))
+                    self._pending_adds -= len(arg)
+                for handle in arg:
+                    handle.put(Failed(self.failure or "the server is shutting down"))
         try:
             self._publish()
         except Exception:  # noqa: BLE001

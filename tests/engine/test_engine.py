@@ -11,9 +11,11 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from fo_jax import resident
 from fo_jax.config import get_config
 from fo_jax.engine.admission import RequestRefused
-from fo_jax.engine.engine import Engine
+from fo_jax.engine.engine import Engine, TokenLogprobs
+from fo_jax.engine.loop import ResidentStep
 from fo_jax.model.dsa import init_params
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.offload.invariants import check_invariants
@@ -239,6 +241,12 @@ def test_cancel_and_release():
     (dict(stop=[""]), "stop strings must be non-empty strings"),
     (dict(stop=["x"]), "stop strings need a tokenizer"),
     (dict(request_id="dup"), "request_id 'dup' is already in use"),
+    (dict(logprobs=-1), r"logprobs=-1 must be None \(no log-probabilities\) or an int in "
+                        r"\[0, max_logprobs=20\]"),
+    (dict(logprobs=True), r"logprobs=True must be None \(no log-probabilities\) or an int in"),
+    (dict(logprobs=21), r"logprobs=21 must be None .* or an int in \[0, max_logprobs=20\] "
+                        r"\(the most likely tokens returned besides the sampled one; "
+                        r"Engine\(max_logprobs=...\) raises the bound\)"),
 ])
 def test_bad_requests_are_refused_before_anything_changes(kwargs, message):
     engine = _engine("ring")
@@ -267,6 +275,97 @@ def test_bad_settings(kwargs, message):
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
         Engine(_params(), CONFIG, **args)
+
+
+def _direct_logits(prompt, tokens, seat):
+    """The logits each token of `tokens` was sampled from, computed by the engine's programs
+    outside it: the prompt prefilled in chunks of 8 into seat `seat` of a fresh resident state
+    ([SEATS, 8] programs, the other seats taking 0 tokens), then the tokens but the last fed
+    one per decode step ([SEATS, 1], the other seats inactive). [len(tokens), V] float32."""
+    state = resident.ResidentState.create(CONFIG, batch=SEATS, capacity=CAPACITY)
+    for lo in range(0, len(prompt), 8):
+        part = prompt[lo:lo + 8]
+        chunk, num_new = np.zeros((SEATS, 8), np.int32), np.zeros((SEATS,), np.int32)
+        chunk[seat, :len(part)], num_new[seat] = part, len(part)
+        logits, state = resident.prefill(_params(), state, chunk, num_new, config=CONFIG,
+                                         query_block=None)
+    rows = [np.asarray(logits[seat, len(part) - 1], np.float32)]
+    step, active = ResidentStep(CONFIG), np.arange(SEATS) == seat
+    for t in tokens[:-1]:
+        fed = np.zeros((SEATS, 1), np.int32)
+        fed[seat] = t
+        logits, state, _ = step(_params(), state, jax.numpy.asarray(fed),
+                                jax.numpy.asarray(active))
+        rows.append(np.asarray(logits[seat, -1], np.float32))
+    return np.stack(rows)
+
+
+def test_logprobs_equal_the_logits_computed_directly_and_leave_the_tokens_alone():
+    """add_request(logprobs=k): every sampled token (the first, from the prefill's logits,
+    included) comes with its log-probability and the k most likely tokens', log_softmax of
+    the raw logits it was sampled from (before temperature and top_p), equal to the logits of
+    the same programs run directly; requesting them changes no token of any request (each
+    equals its solo run without logprobs, bit for bit). Resident and offloaded alike."""
+    top = 3
+    asks = [(_prompt(11, 13), 7, 0.9, 5, top), (_prompt(12, 5), 6, 0.0, 0, None),
+            (_prompt(13, 9), 5, 0.0, 0, 0)]
+    got = {}
+    for path in ("resident", "ring"):
+        engine = _engine(path)
+        ids = [engine.add_request(p, max_tokens=m, temperature=t, seed=s, logprobs=k)
+               for p, m, t, s, k in asks]
+        got[path] = engine.run()
+        for (prompt, max_tokens, temperature, seed, k), rid in zip(asks, ids):
+            out = got[path][rid]
+            assert tuple(out.token_ids) == _solo(tuple(prompt), max_tokens, temperature, seed)[0]
+            if k is None:
+                assert out.logprobs is None
+                continue
+            assert [lp.token_id for lp in out.logprobs] == out.token_ids
+            assert all(len(lp.top) == k for lp in out.logprobs)
+    # Offloaded, the logits are those of the resident path bit for bit: so are the logprobs.
+    assert [got["ring"][r].logprobs for r in got["ring"]] == \
+        [got["resident"][r].logprobs for r in got["resident"]]
+    for seat, ((prompt, *_), rid) in enumerate(zip(asks, ids)):
+        out = got["resident"][rid]
+        if out.logprobs is None:
+            continue
+        want = np.asarray(jax.nn.log_softmax(_direct_logits(prompt, out.token_ids, seat)))
+        np.testing.assert_allclose([lp.logprob for lp in out.logprobs],
+                                   want[np.arange(len(want)), out.token_ids], rtol=0, atol=1e-5)
+        order = np.argsort(-want, axis=-1, kind="stable")
+        for j, lp in enumerate(out.logprobs):
+            assert [t for t, _ in lp.top] == order[j, :len(lp.top)].tolist()
+            np.testing.assert_allclose([v for _, v in lp.top], want[j, order[j, :len(lp.top)]],
+                                       rtol=0, atol=1e-5)
+            assert isinstance(lp, TokenLogprobs) and isinstance(lp.logprob, float)
+
+
+def test_logprobs_follow_the_tokens_a_stop_string_keeps():
+    """A text stop string drops the tokens sampled after it in the same decode call: their
+    logprobs go with them (one entry per token of token_ids, the token that completed the
+    stop string included)."""
+    prompt = _prompt(5, 7)
+    want, _ = _solo(tuple(prompt), 10, 0.0, 0)
+    text = _Letters().decode(want)
+    stop = text[2:4]
+    end = text.find(stop) + len(stop)  # tokens kept: the prefill's, then calls of 2 tokens
+    assert end % 2 == 0, "the stop string must end on the first token of a call"
+    engine = _engine("resident", tokenizer=_Letters())
+    rid = engine.add_request(prompt, max_tokens=10, stop=[stop], logprobs=1)
+    out = engine.run()[rid]
+    assert out.token_ids == list(want[:end]) and out.finish_reason == "stop"
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids
+
+
+def test_logprobs_are_refused_with_drafts():
+    engine = Engine(_params(), CONFIG.replace(max_ways=2), seats=1, capacity=CAPACITY,
+                    num_drafts=1)
+    with pytest.raises(ValueError, match=re.escape(
+            "logprobs are not computed with drafts (this engine verifies num_drafts=1 drafts "
+            "per step): serve without drafts (num_drafts=0) to have them, or drop logprobs")):
+        engine.add_request([1, 2, 3], logprobs=0)
+    assert engine.num_waiting() == 0
 
 
 def test_prefix_reuse_skips_the_shared_chunks():

@@ -59,12 +59,15 @@ def _step(path):
     return ResidentStep(CONFIG) if path == "resident" else OffloadedStep(CONFIG, _offload(path))
 
 
-def _python_loop(path, state, n, *, temperature, top_p, key):
-    """The reference: n jitted single steps from Python, sampled by fo_jax.generate.sample."""
+def _python_loop(path, state, n, *, temperature, top_p, key, logits_out=None):
+    """The reference: n jitted single steps from Python, sampled by fo_jax.generate.sample
+    (each step's logits [B, V] appended to `logits_out` when given)."""
     step = _step(path)
     tokens, out, stats = jnp.asarray(FIRST), [], []
     for _ in range(n):
         logits, state, st = step(_params(), state, tokens[:, None], None)
+        if logits_out is not None:
+            logits_out.append(np.asarray(logits[:, -1], np.float32))
         key, sub = jax.random.split(key)
         tokens = gen.sample(logits[:, -1], sub, temperature=temperature, top_p=top_p)
         out.append(np.asarray(tokens))
@@ -109,6 +112,43 @@ def test_loop_equals_the_python_loop_of_single_steps(path, sampling):
         total = sum(np.asarray(getattr(s, name)) for s in want_stats)
         np.testing.assert_array_equal(np.asarray(getattr(out.stats, name)), total, err_msg=name)
     assert int(out.stats.misses.sum()) > 0 and int(out.stats.hits.sum()) > 0
+
+
+TOP = 3  # top log-probabilities per token in the logprobs tests
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_logprobs_are_the_steps_log_softmax_and_leave_the_tokens_alone(sampling):
+    """decode_loop(..., logprobs=K): [B, N, K + 1] values and ids per token: column 0 the
+    sampled token's log-probability, columns 1..K the K most likely tokens', descending, all
+    log_softmax of the step's raw logits (before temperature and top_p); the tokens are those
+    of the same loop without logprobs, bit for bit. The reference: single steps' logits."""
+    kwargs = SAMPLINGS[sampling]
+    logits = []
+    want, _, _ = _python_loop("resident", _state("resident"), STEPS, key=jax.random.key(4),
+                              logits_out=logits, **kwargs)
+    settings = Sampling.create(2, **kwargs)
+    state = _state("resident")
+    plain, _, _ = decode_loop(_params(), state, _seats(state, settings, jax.random.key(4)),
+                              STEPS, settings, step=_step("resident"))
+    assert plain.logprobs is None and plain.logprob_ids is None
+    state = _state("resident")
+    out, _, _ = decode_loop(_params(), state, _seats(state, settings, jax.random.key(4)),
+                            STEPS, settings, step=_step("resident"), logprobs=TOP)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(plain.tokens))
+    np.testing.assert_array_equal(np.asarray(out.tokens), want)
+    values, ids = np.asarray(out.logprobs), np.asarray(out.logprob_ids)
+    assert values.shape == ids.shape == (2, STEPS, TOP + 1)
+    assert values.dtype == np.float32 and ids.dtype == np.int32
+    reference = np.asarray(jax.nn.log_softmax(jnp.asarray(np.stack(logits, axis=1)), axis=-1))
+    np.testing.assert_array_equal(ids[:, :, 0], want)
+    np.testing.assert_allclose(values[:, :, 0],
+                               np.take_along_axis(reference, want[..., None], -1)[..., 0],
+                               rtol=0, atol=1e-5)
+    top = np.argsort(-reference, axis=-1, kind="stable")[..., :TOP]
+    np.testing.assert_array_equal(ids[:, :, 1:], top)
+    np.testing.assert_allclose(values[:, :, 1:], np.take_along_axis(reference, top, -1),
+                               rtol=0, atol=1e-5)
 
 
 def test_loop_over_several_calls_and_per_request_keys():
@@ -256,6 +296,13 @@ def test_decode_step_active_flags_leave_inactive_requests_alone():
      r"max_new_tokens=0 of request 0 must be >= 1"),
     (lambda s, seats, cfg: Sampling.create(2, stop_tokens=[[1], [-3]]),
      r"stop_tokens of request 1 must be token ids >= 0, got \[-3\]"),
+    (lambda s, seats, cfg: decode_loop(_params(), s, seats, 2, cfg, step=_step("ring"),
+                                       logprobs=True),
+     r"logprobs=True must be None \(no log-probabilities\) or an int in \[0, vocab_size="),
+    (lambda s, seats, cfg: decode_loop(_params(), s, seats, 2, cfg, step=_step("ring"),
+                                       logprobs=CONFIG.vocab_size + 1),
+     rf"logprobs={CONFIG.vocab_size + 1} must be None \(no log-probabilities\) or an int in "
+     rf"\[0, vocab_size={CONFIG.vocab_size}\]"),
 ])
 def test_bad_loop_arguments_are_refused(call, message):
     state = _state("ring")

@@ -4,6 +4,7 @@ the request's queue, stop cancels what is left."""
 
 import asyncio
 import collections
+import re
 import threading
 import time
 
@@ -32,12 +33,14 @@ class FakeEngine:
         self.seats, self.fail_at, self.gate, self.step_s = seats, fail_at, gate, step_s
         self.requests, self.waiting, self.running = {}, [], []
         self.steps, self.counters, self.stats = 0, {"steps": 0}, None
+        self.added = []  # (request_id, seed, steps run before it was added)
 
-    def add_request(self, prompt, *, request_id, max_tokens, **_):
+    def add_request(self, prompt, *, request_id, max_tokens, seed=0, **_):
         if self.gate is not None:  # hold the engine thread in its first add
             assert self.gate.wait(5)
         if not prompt:
             raise ValueError("prompt must be a non-empty list of token ids")
+        self.added.append((request_id, seed, self.steps))
         self.requests[request_id] = dict(max=max_tokens, tokens=[], reason=None, n=len(prompt))
         self.waiting.append(request_id)
 
@@ -281,3 +284,75 @@ def test_a_request_submitted_as_shutdown_begins_is_cancelled_with_the_rest():
     finally:
         driver.stop(timeout=5)
     assert isinstance(items[0], Accepted) and items[-1].finish_reason == "cancelled"
+
+
+class FakePrefixEngine(FakeEngine):
+    """A FakeEngine with a prefix cache of prefill chunks of 2 tokens (what the driver reads:
+    `prefix_store` set, `chunk`)."""
+    prefix_store = object()
+    chunk = 2
+
+
+def _choices(driver, prompt, n, **kwargs):
+    return driver.submit_choices(prompt, loop=asyncio.get_running_loop(),
+                                 choices=[dict(kwargs, seed=10 + i) for i in range(n)])
+
+
+@pytest.mark.parametrize("engine_class, prompt, later", [
+    (FakeEngine, [1, 2, 3], False),        # no prefix cache: all at once
+    (FakePrefixEngine, [1, 2], False),     # no whole chunk to share (the last token is never)
+    (FakePrefixEngine, [1, 2, 3], True),   # the rest wait for the first one's prefill
+])
+def test_choices_of_one_prompt_share_its_prefill_through_the_prefix_cache(engine_class, prompt,
+                                                                           later):
+    """submit_choices: n requests of one prompt. With a prefix cache that can share it (a
+    whole prefill chunk before its last token), the first is added at once and the others
+    once it has sampled its first token (its prompt's chunks are cached by then: they prefill
+    the rest only); else all at once. Every choice hears Accepted at once and runs to its
+    end."""
+    engine = engine_class(seats=3)
+    driver = EngineDriver(engine, max_queue=4)
+    driver.start()
+
+    async def main():
+        handles = _choices(driver, prompt, 3, max_tokens=2)
+        return handles, await asyncio.gather(*(_drain(h) for h in handles))
+
+    try:
+        handles, items = asyncio.run(main())
+    finally:
+        assert driver.stop(timeout=5)
+    assert all(isinstance(i[0], Accepted) and i[-1].finish_reason == "length" for i in items)
+    assert [(rid, seed) for rid, seed, _ in engine.added] == \
+        [(h.request_id, 10 + i) for i, h in enumerate(handles)]
+    assert [steps for *_, steps in engine.added] == ([0, 1, 1] if later else [0, 0, 0])
+    assert driver.in_flight() == 0
+
+
+def test_choices_are_bounded_as_one_and_a_waiting_choice_can_be_cancelled():
+    gate = threading.Event()
+    engine = FakePrefixEngine(seats=1, gate=gate)
+    driver = EngineDriver(engine, max_queue=2)
+    driver.start()
+
+    async def main():
+        with pytest.raises(ValueError, match=re.escape(
+                "n=4 choices can never be queued at once: this server has 1 seats and "
+                "--max-queue 2 (at most 3 choices per request)")):
+            _choices(driver, [1, 2, 3], 4, max_tokens=1)
+        handles = _choices(driver, [1, 2, 3], 3, max_tokens=50)  # the first add is held
+        with pytest.raises(QueueFull, match=r"--max-queue 2"):  # all or none
+            _choices(driver, [1, 2, 3], 1, max_tokens=1)
+        driver.cancel(handles[2].request_id)  # applied before the first has a token
+        gate.set()
+        return handles, await asyncio.gather(*(_drain(h) for h in handles))
+
+    try:
+        handles, items = asyncio.run(main())
+    finally:
+        gate.set()
+        assert driver.stop(timeout=5)
+    assert [i[-1].finish_reason for i in items] == ["length", "length", "cancelled"]
+    assert isinstance(items[2][0], Accepted) and items[2][-1].token_ids == []
+    assert [rid for rid, *_ in engine.added] == [h.request_id for h in handles[:2]]
+    assert driver.in_flight() == 0

@@ -9,15 +9,18 @@ import time
 
 import httpx
 import jax
+import numpy as np
 import openai
 import pytest
 
+from fo_jax import resident
 from fo_jax.embedded import load_embedded
 from fo_jax.engine import Engine
 from fo_jax.server.serve import ServerThread, build_served, final_report, warm_up
 
 # The embedded model (read from the package in 0.3 s; random tiny weights take longer to make),
-# two seats of 64 tokens, resident: small programs.
+# two seats of 64 tokens, resident, with a prefix store (n > 1 shares its prompt): small
+# programs.
 CONFIG, PARAMS, TOKENIZER = load_embedded()
 CAPACITY = 64
 SEATS = 2
@@ -28,7 +31,7 @@ SEP = TOKENIZER.sep  # the server's default stop token
 
 def _engine():
     return Engine(PARAMS, CONFIG, seats=SEATS, capacity=CAPACITY, decode_steps_per_call=2,
-                  prefill_chunk=8, query_block=None, tokenizer=TOKENIZER)
+                  prefill_chunk=8, query_block=None, tokenizer=TOKENIZER, prefix_cache=True)
 
 
 def _start(max_queue=MAX_QUEUE, shutdown_timeout=2.0):
@@ -137,6 +140,29 @@ def test_stop_string_is_cut_and_sampling_is_seeded(server):
     assert "".join(c.choices[0].text for c in streamed) == a[:a.find(stop)]
 
 
+def test_usage_counts_the_token_that_completed_a_stop_string(server):
+    """vLLM's convention: completion_tokens counts every token generated, the one that
+    completed a stop string included, though the text drops the stop string (and that token's
+    text with it); each counted token has its logprob. Streamed or not."""
+    client = _client(server)
+    kwargs = dict(model=NAME, prompt="abc", max_tokens=12, temperature=1.0, seed=7,
+                  extra_body={"return_token_ids": True})
+    full = client.completions.create(**kwargs).choices[0]
+    ids, text = full.model_extra["token_ids"], full.text
+    stop = text[3:5]
+    end = next(j + 1 for j in range(len(ids)) if stop in TOKENIZER.decode(ids[:j + 1]))
+    cut = client.completions.create(stop=[stop], logprobs=0, **kwargs)
+    choice = cut.choices[0]
+    assert choice.text == text[:text.find(stop)] and choice.finish_reason == "stop"
+    assert choice.model_extra["token_ids"] == ids[:end]
+    assert cut.usage.completion_tokens == end == len(choice.logprobs.tokens)
+    assert len(TOKENIZER.decode(ids[:end])) >= len(choice.text) + len(stop)
+    chunks = list(client.completions.create(stop=[stop], stream=True,
+                                            stream_options={"include_usage": True}, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert chunks[-1].usage.completion_tokens == end
+
+
 def test_bad_requests(server):
     url = server.url + "/v1/completions"
     bad = httpx.post(url, json={"prompt": "x", "temperature": -1})
@@ -160,6 +186,190 @@ def test_bad_requests(server):
     with pytest.raises(openai.BadRequestError, match="does not fit a seat"):
         _client(server).completions.create(model=NAME, prompt="import os\n" * 40,
                                           max_tokens=1)
+
+
+def test_wrong_types_and_unimplemented_fields_are_refused_by_name(server):
+    """No coercion (a boolean max_tokens, a prompt of booleans or floats: 422 naming the
+    field) and no field silently ignored: what is not implemented gets 400 naming it, unless
+    it asks for nothing."""
+    url = server.url + "/v1/completions"
+    chat_url = server.url + "/v1/chat/completions"
+    messages = [{"role": "user", "content": "hi"}]
+    for body, param in (({"prompt": "x", "max_tokens": True}, "max_tokens"),
+                        ({"prompt": [True, False]}, "prompt"),
+                        ({"prompt": [1.0, 2.0]}, "prompt"),
+                        ({"prompt": "x", "temperature": "0.5"}, "temperature")):
+        resp = httpx.post(url, json=body)
+        assert resp.status_code == 422 and resp.json()["error"]["param"] == param, resp.text
+    before = _metrics(server)
+    for target, body, param in (
+            (url, {"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+            (url, {"prompt": "x", "suffix": "y"}, "suffix"),
+            (url, {"prompt": "x", "top_k": 3}, "top_k"),
+            (url, {"prompt": ["x", "y"]}, "prompt"),
+            (chat_url, {"messages": messages, "tools": [{"type": "function"}]}, "tools"),
+            (chat_url, {"messages": messages, "response_format": {"type": "json_object"}},
+             "response_format")):
+        resp = httpx.post(target, json=body)
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == param and param in error["message"], error
+    after = _metrics(server)
+    assert after['fojax_requests_rejected_total{reason="invalid"}'] == \
+        before.get('fojax_requests_rejected_total{reason="invalid"}', 0) + 6
+    client = _client(server)
+    with pytest.raises(openai.BadRequestError, match="best_of=2 is not supported"):
+        client.completions.create(model=NAME, prompt="x", max_tokens=1, best_of=2)
+    ok = client.completions.create(model=NAME, prompt="x", max_tokens=1, best_of=1,
+                                   logit_bias={}, suffix=None, frequency_penalty=0)
+    assert ok.usage.completion_tokens == 1
+
+
+def _direct_logprobs(prompt_ids, token_ids):
+    """log_softmax of the logits each token was sampled from, computed directly: the embedded
+    model's resident prefill of prompt + tokens but the last in one chunk (selection is dense
+    here: index_topk 128 > every position). [len(token_ids), V]."""
+    ids = list(prompt_ids) + list(token_ids[:-1])
+    state = resident.ResidentState.create(CONFIG, batch=1, capacity=CAPACITY)
+    logits, _ = resident.prefill(PARAMS, state, np.asarray([ids], np.int32), config=CONFIG,
+                                 query_block=None)
+    rows = np.asarray(logits[0, len(prompt_ids) - 1:], np.float32)
+    return np.asarray(jax.nn.log_softmax(rows, axis=-1))
+
+
+def _piece(token_id):
+    return TOKENIZER.decode([token_id])
+
+
+def test_logprobs_of_completions_and_chat_streamed_or_not(server):
+    """logprobs (completions: k, chat: logprobs + top_logprobs) in OpenAI's formats, from the
+    engine (equal to its own output bit for bit) and equal to the log_softmax of the logits
+    computed directly (up to float32 rounding, the top ids exactly); streamed chunks carry
+    the logprobs of their tokens, which add up to the whole response's."""
+    prompt, top = "def read_lines(path):", 2
+    client = _client(server)
+    resp = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0.8,
+                                     seed=3, logprobs=top, extra_body={"return_token_ids": True})
+    choice = resp.choices[0]
+    ids = choice.model_extra["token_ids"]
+    reference = _engine()
+    rid = reference.add_request(TOKENIZER.encode(prompt), max_tokens=6, temperature=0.8, seed=3,
+                                stop_token_ids=[SEP], logprobs=top)
+    want = reference.run()[rid]
+    assert ids == want.token_ids and len(ids) == resp.usage.completion_tokens == 6
+    lp = choice.logprobs
+    assert lp.tokens == [_piece(t) for t in ids]
+    assert lp.token_logprobs == [e.logprob for e in want.logprobs]
+    assert lp.text_offset == [sum(len(p) for p in lp.tokens[:i]) for i in range(len(ids))]
+    for entry, tops in zip(want.logprobs, lp.top_logprobs):
+        expected = {_piece(entry.token_id): entry.logprob}  # the sampled token first
+        for t, v in entry.top:
+            expected.setdefault(_piece(t), v)
+        assert tops == expected and list(tops) == list(expected)
+        assert len(tops) in (top, top + 1)
+    direct = _direct_logprobs(TOKENIZER.encode(prompt).tolist(), ids)
+    np.testing.assert_allclose(lp.token_logprobs, direct[np.arange(len(ids)), ids],
+                               rtol=0, atol=1e-4)
+    order = np.argsort(-direct, axis=-1, kind="stable")[:, :top]
+    assert [[t for t, _ in e.top] for e in want.logprobs] == order.tolist()
+
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=6,
+                                            temperature=0.8, seed=3, logprobs=top, stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert sum((c.tokens for c in streamed), []) == lp.tokens
+    assert sum((c.token_logprobs for c in streamed), []) == lp.token_logprobs
+    assert sum((c.text_offset for c in streamed), []) == lp.text_offset
+    assert sum((c.top_logprobs for c in streamed), []) == lp.top_logprobs
+
+    messages = [{"role": "user", "content": "hello"}]
+    reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=5,
+                                           temperature=0, logprobs=True, top_logprobs=top)
+    content = reply.choices[0].logprobs.content
+    chat_ids = TOKENIZER.encode("user: hello\nassistant:")
+    rid = reference.add_request(chat_ids, max_tokens=5, temperature=0.0, stop_token_ids=[SEP],
+                                logprobs=top)
+    want = reference.run()[rid]
+    assert len(content) == len(want.token_ids) == reply.usage.completion_tokens
+    for item, entry in zip(content, want.logprobs):
+        assert (item.token, item.logprob, item.bytes) == (
+            _piece(entry.token_id), entry.logprob, list(_piece(entry.token_id).encode()))
+        assert [(t.token, t.logprob) for t in item.top_logprobs] == \
+            [(_piece(t), v) for t, v in entry.top]
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=5,
+                                            temperature=0, logprobs=True, top_logprobs=top,
+                                            stream=True)
+    pieces = [c.choices[0].logprobs.content for c in stream
+              if c.choices and c.choices[0].logprobs]
+    assert [item.model_dump() for part in pieces for item in part] == \
+        [item.model_dump() for item in content]
+    plain = client.chat.completions.create(model=NAME, messages=messages, max_tokens=5,
+                                           temperature=0)
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == reply.choices[0].message.content
+
+
+def test_n_choices_each_equal_the_request_with_seed_plus_index_alone(server):
+    """n > 1: choice i is the request with seed + i alone (vLLM's rule), bit for bit (tokens
+    and logprobs), checked against the same engine run directly; the prompt is prefilled once
+    (the other choices map its whole chunks from the prefix cache and prefill the rest);
+    usage sums the choices' tokens (the prompt counted once). Streamed, each chunk holds one
+    choice naming its index; chat too."""
+    prompt = "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self):"
+    ids = TOKENIZER.encode(prompt).tolist()
+    n, seed, chunk = 3, 21, 8
+    assert len(ids) - 1 >= 2 * chunk
+    client = _client(server)
+    counters = server.served.driver.engine.counters
+    before = dict(counters)
+    resp = client.completions.create(model=NAME, prompt=prompt, n=n, seed=seed,
+                                     temperature=0.9, max_tokens=5, logprobs=1,
+                                     extra_body={"return_token_ids": True})
+    cached = (len(ids) - 1) // chunk * chunk
+    assert counters["prefix_hit_tokens"] - before["prefix_hit_tokens"] == (n - 1) * cached
+    assert counters["prefill_tokens"] - before["prefill_tokens"] == \
+        len(ids) + (n - 1) * (len(ids) - cached)
+    reference = _engine()
+    tokens = []
+    for i, choice in enumerate(resp.choices):
+        rid = reference.add_request(ids, max_tokens=5, temperature=0.9, seed=seed + i,
+                                    stop_token_ids=[SEP], logprobs=1)
+        want = reference.run()[rid]
+        assert choice.index == i and choice.finish_reason == want.finish_reason
+        assert choice.model_extra["token_ids"] == want.token_ids
+        assert choice.logprobs.token_logprobs == [e.logprob for e in want.logprobs]
+        tokens.append(want.token_ids)
+    assert len({tuple(t) for t in tokens}) > 1, tokens  # other seeds, other samples
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == \
+        (len(ids), sum(len(t) for t in tokens))
+
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, n=n, seed=seed,
+                                            temperature=0.9, max_tokens=5, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert all(len(c.choices) == 1 for c in chunks[:-1]) and chunks[-1].choices == []
+    for i, choice in enumerate(resp.choices):
+        mine = [c.choices[0] for c in chunks[:-1] if c.choices[0].index == i]
+        assert "".join(c.text for c in mine) == choice.text
+        assert [c.finish_reason for c in mine][-1] == choice.finish_reason
+    assert chunks[-1].usage.completion_tokens == resp.usage.completion_tokens
+
+    messages = [{"role": "user", "content": "a stack class"}]
+    chat = client.chat.completions.create(model=NAME, messages=messages, n=2, seed=seed,
+                                          temperature=0.9, max_tokens=4)
+    assert [c.index for c in chat.choices] == [0, 1]
+    used = 0
+    for i in range(2):
+        alone = client.chat.completions.create(model=NAME, messages=messages, seed=seed + i,
+                                               temperature=0.9, max_tokens=4)
+        assert chat.choices[i].message.content == alone.choices[0].message.content
+        used += alone.usage.completion_tokens
+    assert chat.usage.completion_tokens == used
+    too_many = httpx.post(server.url + "/v1/completions",
+                          json={"prompt": "x", "n": SEATS + MAX_QUEUE + 1})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+    assert too_many.json()["error"]["message"] == (
+        f"n={SEATS + MAX_QUEUE + 1} choices can never be queued at once: this server has "
+        f"{SEATS} seats and --max-queue {MAX_QUEUE} (at most {SEATS + MAX_QUEUE} choices per "
+        "request)")
 
 
 def test_client_dropped_mid_stream_is_cancelled(server):
