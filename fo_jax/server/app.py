@@ -15,7 +15,8 @@
 Status codes: 400 a request the engine refuses (its `add_request` message: prompt too long for
 a seat, ids outside the vocabulary ...) or malformed JSON; 422 a bad field (named, as
 pydantic reports it); 404 another model name; 429 with `Retry-After` when `max_queue` requests
-already wait for a seat; 503 while shutting down. Errors have OpenAI's body
+already wait for a seat; 500 a request that failed (the engine's failure, or an error of its
+own); 503 while shutting down. Errors have OpenAI's body
 `{"error": {"message", "type", "param", "code"}}`.
 
 A client that disconnects (mid-stream or while waiting for a whole response) has its request
@@ -77,8 +78,8 @@ class ServerMetrics:
                                  "Requests cancelled (client gone, shutdown)", registry=reg)
         self.rejected = Counter("fojax_requests_rejected", "Requests refused before running",
                                 ["reason"], registry=reg)
-        self.failed = Counter("fojax_requests_failed", "Requests lost to an engine failure",
-                              registry=reg)
+        self.failed = Counter("fojax_requests_failed", "Requests lost to an engine failure "
+                              "or to an error of their own", registry=reg)
         self.prompt_tokens = Counter("fojax_prompt_tokens", "Prompt tokens of accepted requests",
                                      registry=reg)
         self.generation_tokens = Counter("fojax_generation_tokens", "Tokens generated",
@@ -332,6 +333,9 @@ def build_app(driver: EngineDriver, *, tokenizer, model_name: str, capacity: int
         if isinstance(first, Refused):
             metrics.rejected.labels("invalid").inc()
             return _error(400, first.message)
+        if isinstance(first, Failed) and not first.engine:  # this request's own error
+            metrics.failed.inc()
+            return _error(500, first.message, "server_error")
         if isinstance(first, Failed):
             metrics.rejected.labels("unavailable").inc()
             return _error(503, first.message, "unavailable")

@@ -6,7 +6,9 @@
 
 Shutdown (SIGTERM, SIGINT, or `ServerThread.stop`): new requests get 503, in-flight ones get
 `--shutdown-timeout` seconds to finish and are then cancelled, the engine thread stops, the
-process prints one line of request counts and pool pages (`final_report`) and exits 0.
+process prints one line of request counts and pool pages (`final_report`) and exits 0. If the
+engine thread dies (a fault of the engine's own state), the server shuts down the same way and
+the process exits 1, saying so.
 
 `ServerThread` runs the same server in a background thread (tests, benchmarks).
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import signal
+import sys
 import threading
 import time
 
@@ -167,6 +170,11 @@ def _server_class():
             else:
                 self.should_exit = True
 
+        def engine_failed(self) -> None:
+            """The engine thread has died (a fault of its own state): shut down (the
+            process then exits non-zero)."""
+            self.should_exit = True
+
     return GracefulServer
 
 
@@ -175,7 +183,8 @@ def make_server(served: Served, *, host: str = "127.0.0.1", port: int = 8000,
     """A uvicorn server for `served`. On shutdown, in-flight requests get `shutdown_timeout`
     seconds, then the driver cancels them after the engine's current step (their clients get
     finish_reason "cancelled"); uvicorn closes connections still open `SHUTDOWN_MARGIN` seconds
-    after that (a step that compiles a program can take that long)."""
+    after that (a step that compiles a program can take that long). The server shuts down by
+    itself if the engine thread dies."""
     import uvicorn
 
     config = uvicorn.Config(served.app, host=host, port=port, log_level=log_level,
@@ -183,6 +192,7 @@ def make_server(served: Served, *, host: str = "127.0.0.1", port: int = 8000,
                             lifespan="on")
     server = _server_class()(config)
     server.driver, server.drain_timeout = served.driver, shutdown_timeout
+    served.driver.on_failure = server.engine_failed
     return server
 
 
@@ -437,7 +447,11 @@ def run(args) -> int:
     if engine.metrics is not None:
         engine.metrics.flush()
     print(final_report(served), flush=True)
-    return 0 if served.driver.failure is None else 1
+    if served.driver.failure is not None:
+        print(f"fo-jax serve: {served.driver.failure}: the engine stopped, exit status 1",
+              file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 def final_report(served: Served) -> str:

@@ -162,6 +162,35 @@ def test_bad_requests(server):
                                           max_tokens=1)
 
 
+def test_token_ids_past_int64_are_refused_and_the_engine_goes_on(server):
+    """Ids past int64 once ended the engine thread (an OverflowError): every later request
+    got 503. Now each gets 400 naming the id, and the requests after them run."""
+    url = server.url + "/v1/completions"
+    for big in (2**63, 2**64, 10**30):
+        resp = httpx.post(url, json={"prompt": [big], "max_tokens": 4})
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["message"] == (
+            f"prompt token {big} at position 0 is outside the vocabulary [0, "
+            f"{CONFIG.vocab_size})")
+    for prompt in ([1, 2, 3], "def f():"):
+        resp = httpx.post(url, json={"prompt": prompt, "max_tokens": 2}, timeout=30)
+        assert resp.status_code == 200, resp.text
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_stop_strings_are_bounded(server):
+    """A 100k-character stop string streamed nothing until the end (the server holds back
+    its length - 1 characters): long ones, and too many, are refused naming the limit."""
+    url = server.url + "/v1/completions"
+    long = httpx.post(url, json={"prompt": "x", "stop": ["a" * 100_000], "stream": True})
+    assert long.status_code == 400
+    assert long.json()["error"]["message"] == (
+        "a stop string of 100000 characters, at most 256 per string")
+    many = httpx.post(url, json={"prompt": "x", "stop": [f"s{i}" for i in range(17)]})
+    assert many.status_code == 400
+    assert many.json()["error"]["message"] == "17 stop strings, at most 16 per request"
+
+
 def test_client_dropped_mid_stream_is_cancelled(server):
     before = _idle(server)
     with httpx.Client(timeout=30) as client:
@@ -300,3 +329,27 @@ def test_chat_uses_the_checkpoints_template_and_eos():
         assert reply.usage.prompt_tokens == len(TOKENIZER.encode(want))
     finally:
         assert srv.stop(timeout=20)
+
+
+def test_an_engine_failure_stops_the_server():
+    """The engine thread ends only on a fault of its own state (here: its step raises); then
+    the request in flight gets 500 and the server shuts down (`fo-jax serve` exits 1)."""
+    engine = _engine()
+
+    def broken():
+        raise RuntimeError("device lost")
+
+    engine.step = broken
+    srv = ServerThread(build_served(engine, TOKENIZER, model_name=NAME),
+                       shutdown_timeout=2.0).start()
+    try:
+        resp = httpx.post(srv.url + "/v1/completions", json={"prompt": [1, 2]}, timeout=30)
+        assert resp.status_code == 500
+        assert resp.json()["error"]["message"] == "engine failure: RuntimeError: device lost"
+        srv.thread.join(20)
+        assert not srv.thread.is_alive()  # no stop() called: the server stopped by itself
+        assert final_report(srv.served).startswith(
+            "fo-jax serve: stopped: requests received 1, completed 0, cancelled 0, rejected 0, "
+            "failed 1")
+    finally:
+        srv.stop(timeout=5)
