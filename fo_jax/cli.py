@@ -25,6 +25,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fo_jax import flags
+
 DEFAULT_PROMPT = (
     "import os\n\n\ndef read_lines(path):\n"
     "    \"\"\"Return the lines of the file at *path*.\"\"\"\n"
@@ -58,7 +60,7 @@ def _build_parser() -> argparse.ArgumentParser:
                           "with the generation prompt")
     gen.add_argument("--weights", default=None,
                      help="safetensors weights for a --model preset (default: random)")
-    gen.add_argument("--seed", type=int, default=0,
+    gen.add_argument("--seed", type=flags.seed, default=0,
                      help="sampling seed (and the random weights of a --model preset)")
     gen.add_argument("--prompt", default=DEFAULT_PROMPT)
     gen.add_argument("--batch", type=int, default=1, help="copies of the prompt to run")
@@ -122,9 +124,10 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output-len", type=int, nargs=2, default=[16, 48], metavar=("LO", "HI"))
     bench.add_argument("--shared-prefix", type=float, default=0.0,
                        help="fraction of prompts that start with the same system prompt")
-    bench.add_argument("--prefix-len", type=int, default=256)
-    bench.add_argument("--out", default=None, help="append the figures as a JSON line here")
-    bench.add_argument("--metrics-jsonl", default=None, metavar="PATH",
+    bench.add_argument("--prefix-len", type=flags.non_negative_int, default=256)
+    bench.add_argument("--out", type=flags.output_path, default=None,
+                       help="append the figures as a JSON line here")
+    bench.add_argument("--metrics-jsonl", type=flags.output_path, default=None, metavar="PATH",
                        help="append the engine's counters (per indexer group, bytes moved, "
                             "pool, queue, per-request TTFT / TPOT) as JSON lines here")
     bench.add_argument("--metrics-every", type=int, default=16,

@@ -4,6 +4,11 @@
     fo-jax serve --offload --hot-slots 512 --seats 8 --capacity 2048 --max-queue 32
     fo-jax serve --model-dir runs/bpe --port 8080
 
+Start-up: the flags are checked as they are parsed (`fo_jax.flags`: a port outside
+[1, 65535], a non-finite size, an output path whose directory is missing exit 2 naming the
+flag), and the address is bound (`bind_socket`: a host of no interface, a port in use) before
+the model is built and compiled.
+
 Shutdown (SIGTERM, SIGINT, or `ServerThread.stop`): new requests get 503, in-flight ones get
 `--shutdown-timeout` seconds to finish and are then cancelled, the engine thread stops, the
 process prints one line of request counts and pool pages (`final_report`) and exits 0. If the
@@ -17,11 +22,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import signal
+import socket
 import sys
 import threading
 import time
 
+from fo_jax import flags
 from fo_jax.server.driver import EngineDriver
 
 SHUTDOWN_MARGIN = 30.0  # seconds uvicorn waits for connections after the drain
@@ -33,15 +41,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None,
                         help="the name of /v1/models (default: the config's name)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=flags.port, default=8000)
     parser.add_argument("--max-queue", type=int, default=64,
                         help="requests that may wait for a seat; more get HTTP 429")
-    parser.add_argument("--shutdown-timeout", type=float, default=10.0,
+    parser.add_argument("--shutdown-timeout", type=flags.seconds, default=10.0,
                         help="seconds in-flight requests get to finish on shutdown")
     parser.add_argument("--no-warmup", action="store_true",
                         help="skip the start-up request that compiles the programs")
     parser.add_argument("--log-level", default="info")
-    parser.add_argument("--metrics-jsonl", default=None, metavar="PATH",
+    parser.add_argument("--metrics-jsonl", type=flags.output_path, default=None, metavar="PATH",
                         help="append the engine's counters here as JSON lines (after warm-up)")
     parser.add_argument("--metrics-every", type=int, default=16,
                         help="engine steps between two reads of the device counters")
@@ -54,7 +62,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "preset with random weights (tiny, small) or --weights")
     parser.add_argument("--model-dir", default=None, help="a model directory (fo_jax.embedded)")
     parser.add_argument("--weights", default=None, help="safetensors weights for a --model preset")
-    parser.add_argument("--seed", type=int, default=0, help="random weights of a --model preset")
+    parser.add_argument("--seed", type=flags.seed, default=0,
+                        help="random weights of a --model preset")
     parser.add_argument("--seats", type=int, default=4, help="requests decoded at once")
     parser.add_argument("--capacity", type=int, default=None,
                         help="tokens per seat, prompt + output (default: min(max_seq_len, 2048))")
@@ -72,17 +81,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: offloaded to host memory) or device (the paged KV on the "
                              "device: its pages count against --device-gb, with admission and "
                              "preemption by bytes)")
-    parser.add_argument("--host-pool-gb", type=float, default=None,
+    parser.add_argument("--host-pool-gb", type=flags.gigabytes, default=None,
                         help="with --offload: host KV pool shared by the seats, in GB (default "
                              "every seat full at once)")
     parser.add_argument("--prefix-cache", action="store_true",
                         help="reuse earlier prompts' prefixes: offloaded, their pool pages; "
                              "resident, their KV rows, copied from a prefix store in device "
                              "memory")
-    parser.add_argument("--prefix-cache-gb", type=float, default=None,
+    parser.add_argument("--prefix-cache-gb", type=flags.gigabytes, default=None,
                         help="with --prefix-cache, resident: the prefix store's size in GB "
                              "(default: one seat's rows)")
-    parser.add_argument("--device-gb", type=float, default=None,
+    parser.add_argument("--device-gb", type=flags.gigabytes, default=None,
                         help="with --offload: device budget of request state in GB (hot caches, "
                              "indexer-key pages, prefill buffers, and the KV pages with "
                              "--pool-memory device: the planner's arithmetic); "
@@ -420,11 +429,43 @@ def path_name(offload) -> str:
     return "paged, pool on the device" if offload.host_memory_kind == "device" else "offloaded"
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), as uvicorn binds one, not listening yet (a client
+    is refused until the server starts). Raises ValueError naming the flag if it cannot be
+    bound (an address of no interface of this machine, a port in use), so that `serve`
+    stops before the model is built."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        where = f"{host}:{port}" if family == socket.AF_INET else f"[{host}]:{port}"
+        if err.errno == errno.EADDRINUSE:
+            raise ValueError(f"argument --port: cannot listen on {where}: the port is in use "
+                             "(choose another --port)") from None
+        raise ValueError(f"argument --host: cannot listen on {where}: {err.strerror or err} "
+                         "(give an address of this machine, e.g. 127.0.0.1 or 0.0.0.0)"
+                         ) from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def run(args) -> int:
-    """`fo-jax serve` (flags: `add_arguments`)."""
+    """`fo-jax serve` (flags: `add_arguments`). The address is bound before the model is
+    built: a host or port that cannot be had stops the command at once."""
     if args.metrics_every < 1:
         raise ValueError(f"--metrics-every {args.metrics_every} must be >= 1 (engine steps "
                          "between two reads)")
+    sock = bind_socket(args.host, args.port)
+    try:
+        return _serve(args, sock)
+    finally:
+        sock.close()
+
+
+def _serve(args, sock: socket.socket) -> int:
     engine, config, tokenizer, offload = build_engine(args)
     capacity = engine.capacity
     if not args.no_warmup:
@@ -443,7 +484,7 @@ def run(args) -> int:
     print(f"fo-jax serve: {name} ({path_name(offload)}, {args.seats} "
           f"seats{ranks} "
           f"of {capacity} tokens) on http://{args.host}:{args.port}/v1", flush=True)
-    server.run()
+    server.run(sockets=[sock])
     if engine.metrics is not None:
         engine.metrics.flush()
     print(final_report(served), flush=True)
@@ -478,5 +519,6 @@ def final_report(served: Served) -> str:
     return line
 
 
-__all__ = ["Served", "ServerThread", "add_arguments", "add_engine_arguments", "build_engine",
-           "build_served", "final_report", "make_server", "path_name", "run", "warm_up"]
+__all__ = ["Served", "ServerThread", "add_arguments", "add_engine_arguments", "bind_socket",
+           "build_engine", "build_served", "final_report", "make_server", "path_name", "run",
+           "warm_up"]
