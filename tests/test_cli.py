@@ -194,6 +194,7 @@ def no_model(monkeypatch):
     (["serve", "--device-gb", "nan"], "argument --device-gb: nan must be a size in GB"),
     (["serve", "--prefix-cache-gb", "nan"],
      "argument --prefix-cache-gb: nan must be a size in GB"),
+    (["serve", "--max-body-mb", "0"], "argument --max-body-mb: 0.0 must be a size in MB"),
     (["serve", "--metrics-jsonl", "/nonexistent/dir/m.jsonl"],
      "argument --metrics-jsonl: /nonexistent/dir/m.jsonl: the directory /nonexistent/dir does "
      "not exist: create it first"),

@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=flags.port, default=8000)
     parser.add_argument("--max-queue", type=int, default=64,
                         help="requests that may wait for a seat; more get HTTP 429")
+    parser.add_argument("--max-body-mb", type=flags.megabytes, default=16.0,
+                        help="request bodies above this many MB (1e6 bytes) get HTTP 413")
     parser.add_argument("--shutdown-timeout", type=flags.seconds, default=10.0,
                         help="seconds in-flight requests get to finish on shutdown")
     parser.add_argument("--no-warmup", action="store_true",
@@ -141,9 +143,10 @@ class Served:
 
 def build_served(engine, tokenizer, *, model_name: str, max_queue: int = 64,
                  shutdown_timeout: float = 10.0, stop_token_ids=None, chat_template=None,
-                 stats_every: int = 16) -> Served:
-    """An app and its driver over `engine` (the driver starts with the app)."""
-    from fo_jax.server.app import build_app
+                 stats_every: int = 16, max_body_bytes: int | None = None) -> Served:
+    """An app and its driver over `engine` (the driver starts with the app). `max_body_bytes`:
+    larger request bodies get 413 (None: `fo_jax.server.app.MAX_BODY_BYTES`)."""
+    from fo_jax.server.app import MAX_BODY_BYTES, build_app
 
     if stop_token_ids is None:  # a checkpoint's EOS ids, or fo_jax's document separator
         eos = tuple(getattr(tokenizer, "eos_ids", ()) or ())
@@ -157,7 +160,8 @@ def build_served(engine, tokenizer, *, model_name: str, max_queue: int = 64,
     driver = EngineDriver(engine, max_queue=max_queue, stats_every=stats_every)
     app = build_app(driver, tokenizer=tokenizer, model_name=model_name,
                     capacity=engine.capacity, stop_token_ids=tuple(stop_token_ids),
-                    chat_template=chat_template, shutdown_timeout=shutdown_timeout)
+                    chat_template=chat_template, shutdown_timeout=shutdown_timeout,
+                    max_body_bytes=MAX_BODY_BYTES if max_body_bytes is None else max_body_bytes)
     return Served(app, driver, model_name, engine.capacity)
 
 
@@ -477,7 +481,8 @@ def _serve(args, sock: socket.socket) -> int:
         engine.metrics = MetricsLog(engine, path=args.metrics_jsonl, every=args.metrics_every)
     name = args.served_model_name or config.name
     served = build_served(engine, tokenizer, model_name=name, max_queue=args.max_queue,
-                          shutdown_timeout=args.shutdown_timeout)
+                          shutdown_timeout=args.shutdown_timeout,
+                          max_body_bytes=int(args.max_body_mb * 1e6))
     server = make_server(served, host=args.host, port=args.port, log_level=args.log_level,
                          shutdown_timeout=args.shutdown_timeout)
     ranks = "" if args.devices is None else f" x {args.devices} devices"
