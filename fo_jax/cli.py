@@ -25,6 +25,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fo_jax import flags
+
 DEFAULT_PROMPT = (
     "import os\n\n\ndef read_lines(path):\n"
     "    \"\"\"Return the lines of the file at *path*.\"\"\"\n"
@@ -60,7 +62,7 @@ def _build_parser() -> argparse.ArgumentParser:
                           "with the generation prompt")
     gen.add_argument("--weights", default=None,
                      help="safetensors weights for a --model preset (default: random)")
-    gen.add_argument("--seed", type=int, default=0,
+    gen.add_argument("--seed", type=flags.seed, default=0,
                      help="sampling seed (and the random weights of a --model preset)")
     gen.add_argument("--prompt", default=DEFAULT_PROMPT)
     gen.add_argument("--batch", type=int, default=1, help="copies of the prompt to run")
@@ -125,9 +127,10 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output-len", type=int, nargs=2, default=[16, 48], metavar=("LO", "HI"))
     bench.add_argument("--shared-prefix", type=float, default=0.0,
                        help="fraction of prompts that start with the same system prompt")
-    bench.add_argument("--prefix-len", type=int, default=256)
-    bench.add_argument("--out", default=None, help="append the figures as a JSON line here")
-    bench.add_argument("--metrics-jsonl", default=None, metavar="PATH",
+    bench.add_argument("--prefix-len", type=flags.non_negative_int, default=256)
+    bench.add_argument("--out", type=flags.output_path, default=None,
+                       help="append the figures as a JSON line here")
+    bench.add_argument("--metrics-jsonl", type=flags.output_path, default=None, metavar="PATH",
                        help="append the engine's counters (per indexer group, bytes moved, "
                             "pool, queue, per-request TTFT / TPOT) as JSON lines here")
     bench.add_argument("--metrics-every", type=int, default=16,
@@ -242,26 +245,46 @@ def _available_bytes() -> float | None:
     return None
 
 
-def _check_param_memory(config, max_param_gb: float | None) -> None:
-    """Refuse a model whose parameters would not fit, before any is allocated."""
+def _kv_bytes(config, batch: int, capacity: int) -> int:
+    """Bytes of the KV rows and indexer keys of `batch` requests of `capacity` tokens (the
+    resident state; the offloaded path holds as many in host memory), from the shapes alone:
+    nothing is allocated."""
+    import jax
+
+    from fo_jax.resident import ResidentState
+
+    shapes = jax.eval_shape(lambda: ResidentState.create(config, batch=batch, capacity=capacity))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(shapes))
+
+
+def _check_param_memory(config, max_param_gb: float | None, *, state_bytes: int = 0,
+                        state: str = "") -> None:
+    """Refuse a model whose parameters would not fit, before any is allocated; with
+    `state_bytes`, also parameters + that state (`state` says what it is) above half of the
+    available memory."""
     from fo_jax.model.dsa import param_bytes
 
     need = param_bytes(config)
+    available = _available_bytes()
     if max_param_gb is not None:
         if not max_param_gb > 0:
             raise ValueError(f"--max-param-gb must be > 0, got {max_param_gb}")
         limit, what = max_param_gb * 1e9, f"--max-param-gb={max_param_gb}"
-    else:
-        available = _available_bytes()
-        if available is None:
-            return
+    elif available is not None:
         limit = available / 2
         what = f"half of the available memory ({_fmt_bytes(limit)}; --max-param-gb to change)"
-    if need > limit:
+    else:
+        limit = None
+    if limit is not None and need > limit:
         raise ValueError(
             f"the parameters of {config.name!r} take {_fmt_bytes(need)} ({config.dtype}), above "
             f"{what}: `fo-jax generate` runs models that fit this machine (--model tiny or "
             f"small); to size a deployment run `fo-jax plan --model {config.name} --context N`")
+    if state_bytes and available is not None and need + state_bytes > available / 2:
+        raise ValueError(
+            f"{state} ({_fmt_bytes(state_bytes)}) take {_fmt_bytes(need + state_bytes)} with "
+            f"the parameters, above half of the available memory ({_fmt_bytes(available / 2)})"
+            ": lower --batch, --max-new-tokens or the prompt's length")
 
 
 def _resolve_model(args):
@@ -383,7 +406,6 @@ def _cmd_generate(args) -> int:
     resolve_implementation(args.implementation, args.interpret)  # before anything runs
     prefill_chunk = gen.PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk
     gen.check_prefill_chunk(prefill_chunk)
-    _check_param_memory(config, args.max_param_gb)
     prompt_text = args.prompt
     if args.chat:
         if not args.prompt:
@@ -411,6 +433,9 @@ def _cmd_generate(args) -> int:
                                 policy=policy, host_access=args.host_access,
                                 host_memory_kind="device" if args.interpret else "pinned_host")
         offload.validate_for(config)
+    _check_param_memory(config, args.max_param_gb,
+                        state_bytes=_kv_bytes(config, args.batch, capacity),
+                        state=f"the KV of --batch {args.batch} requests of {capacity} tokens")
     mtp = None
     if load is not None and args.draft == "mtp":
         _, params, mtp = load(mtp=True)

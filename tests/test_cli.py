@@ -166,3 +166,66 @@ def test_generate_with_ngram_drafts_samples(capsys):
 def test_draft_errors_exit_2_with_a_message(capsys, argv, message):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Building a model fails the test: the flags must be refused before."""
+    def refuse(*_, **__):
+        raise AssertionError("a model was built before the flags were checked")
+
+    monkeypatch.setattr("fo_jax.server.serve.build_engine", refuse)
+    monkeypatch.setattr("fo_jax.model.dsa.init_params", refuse)
+
+
+# Flags checked as they are parsed (fo_jax.flags), before any model is built: each once
+# failed late (after a 20 s warm-up), with a traceback, or not at all.
+@pytest.mark.parametrize("argv,message", [
+    (["serve", "--port", "70000"],  # uvicorn listened on 70000 mod 65536 = 4464
+     "argument --port: 70000 is not a TCP port: give an int in [1, 65535]"),
+    (["serve", "--port", "-1"], "argument --port: -1 is not a TCP port"),
+    (["serve", "--port", "x"], "argument --port: 'x' is not an int"),
+    (["serve", "--shutdown-timeout", "nan"],
+     "argument --shutdown-timeout: nan must be a finite number of seconds >= 0"),
+    (["serve", "--host-pool-gb", "inf"],
+     "argument --host-pool-gb: inf must be a size in GB: a finite number > 0"),
+    (["serve", "--host-pool-gb", "nan"], "argument --host-pool-gb: nan must be a size in GB"),
+    (["serve", "--host-pool-gb", "1e300"], "argument --host-pool-gb: 1e+300 must be a size"),
+    (["serve", "--device-gb", "nan"], "argument --device-gb: nan must be a size in GB"),
+    (["serve", "--prefix-cache-gb", "nan"],
+     "argument --prefix-cache-gb: nan must be a size in GB"),
+    (["serve", "--max-body-mb", "0"], "argument --max-body-mb: 0.0 must be a size in MB"),
+    (["serve", "--metrics-jsonl", "/nonexistent/dir/m.jsonl"],
+     "argument --metrics-jsonl: /nonexistent/dir/m.jsonl: the directory /nonexistent/dir does "
+     "not exist: create it first"),
+    (["serve", "--seed", "-1"], "argument --seed: -1 is not a seed: give an int in "
+                                "[0, 2**63 - 2]"),
+    (["generate", "--model", "tiny", "--seed", str(2**70)],
+     f"argument --seed: {2**70} is not a seed"),
+    (["bench-serve", "--prefix-len", "-1"], "argument --prefix-len: -1 must be an int >= 0"),
+    (["bench-serve", "--out", "/nonexistent/dir/b.jsonl"],
+     "argument --out: /nonexistent/dir/b.jsonl: the directory /nonexistent/dir does not"),
+    (["bench-serve", "--metrics-jsonl", "."], "argument --metrics-jsonl: . is a directory"),
+])
+def test_bad_flags_exit_2_naming_the_flag_before_anything_runs(capsys, no_model, argv,
+                                                               message):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"fo-jax {argv[0]}: error: {message}" in err, err
+
+
+def test_serve_refuses_a_host_or_port_it_cannot_listen_on_before_the_model(capsys, no_model):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+        assert (f"fo-jax: error: argument --port: cannot listen on 127.0.0.1:{port}: the port "
+                "is in use") in capsys.readouterr().err
+    assert main(["serve", "--host", "999.1.1.1"]) == 2
+    assert "fo-jax: error: argument --host: cannot listen on 999.1.1.1:8000: " in \
+        capsys.readouterr().err

@@ -395,6 +395,11 @@ def test_generate_offload_one_new_token(capsys):
     (["--hot-slots", "64"], "--hot-slots applies to the offloaded path only: add --offload"),
     (["--model", "glm52"], "fo-jax plan --model glm52"),
     (["--max-param-gb", "0.0001"], "above --max-param-gb=0.0001"),
+    # Estimated from the shapes before anything is allocated (it died out of memory).
+    (["--batch", "1000000"], "the KV of --batch 1000000 requests of 160 tokens (61.44 GB) "
+                             "take 61.44 GB with the parameters, above half of the available "
+                             "memory (32.00 GB): lower --batch"),
+    (["--offload", "--batch", "1000000"], "the KV of --batch 1000000 requests"),
     (["--decode-steps-per-call", "0"], "decode_steps_per_call=0 must be an int >= 1"),
     (["--offload", "--check", "--decode-steps-per-call", "2"],
      "--check compares the logits of every step with the resident model's: use "

@@ -14,6 +14,7 @@ rank of a `DataParallelEngine`, whose imbalance figures are added).
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -29,11 +30,16 @@ def poisson_workload(num_requests: int, *, rate: float, prompt_len: tuple[int, i
     requests per second (the first at 0), random prompts and output lengths uniform in the
     inclusive ranges; a fraction `shared_fraction` of the prompts start with the same
     `prefix_len` tokens (a system prompt)."""
-    if num_requests < 1 or rate <= 0:
-        raise ValueError(f"num_requests={num_requests} must be >= 1 and rate={rate} > 0")
+    if num_requests < 1 or not 0 < rate < math.inf:
+        raise ValueError(f"num_requests={num_requests} must be >= 1 and rate={rate} > 0 "
+                         "(a finite number)")
     for name, (lo, hi) in (("prompt_len", prompt_len), ("output_len", output_len)):
         if not 1 <= lo <= hi:
             raise ValueError(f"{name}=({lo}, {hi}) must be a range 1 <= lo <= hi")
+    if prefix_len < 0:
+        raise ValueError(f"prefix_len={prefix_len} must be >= 0 (tokens of the shared prefix)")
+    if not 0 <= shared_fraction <= 1:
+        raise ValueError(f"shared_fraction={shared_fraction} must be a fraction in [0, 1]")
     rng = np.random.default_rng(seed)
     system = rng.integers(0, vocab, prefix_len).tolist()
     gaps = rng.exponential(1.0 / rate, num_requests)
@@ -74,7 +80,8 @@ def run_workload(engine: Engine, requests, *, warm: bool = True,
     `metrics_every` steps (`fo_jax.engine.metrics.MetricsLog`, attached after the warm-up).
     """
     if metrics_path is not None:
-        MetricsLog(engine, every=metrics_every)  # a bad setting is refused before any work
+        # a bad setting or path is refused before any work
+        MetricsLog(engine, path=metrics_path, every=metrics_every)
     if warm:  # compile every program (each prefill bucket up to the longest prompt), untimed;
         # reversed: the same length without filling a prefix cache with a workload prompt
         longest = max((r[1] for r in requests), key=len)

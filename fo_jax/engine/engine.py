@@ -259,6 +259,39 @@ class TokenLogprobs(NamedTuple):
     top: tuple[tuple[int, float], ...]
 
 
+DEFAULT_PREFILL_CHUNK = 256
+# Text stop strings per request and characters per string: each step searches the new text
+# for every one, and a server streaming the text holds back the longest one's length - 1
+# characters (a stop string of 100k characters streamed nothing until the end).
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
+SEEDS = (-2**63, 2**63)  # jax.random.key takes an int64
+
+
+def _token_ids(ids, vocab: int, what: str) -> np.ndarray:
+    """`ids` (ints: Python or numpy integers, not bools) as an int32 array, each checked in
+    [0, vocab) before any cast: an id past int64 is named, not an OverflowError, and 1.5 is
+    refused, not truncated to 1. Raises ValueError naming the first bad one. O(len(ids))."""
+    if isinstance(ids, np.ndarray) and ids.dtype.kind in "iu":
+        bad = np.flatnonzero((ids < 0) | (ids >= vocab))
+        if bad.size:
+            raise ValueError(f"{what} {ids[bad[0]]} at position {bad[0]} is outside the "
+                             f"vocabulary [0, {vocab})")
+        return ids.astype(np.int32)
+    try:
+        ids = ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
+    except TypeError:
+        raise ValueError(f"{what}s must be a sequence of token ids, got "
+                         f"{type(ids).__name__} {ids!r}") from None
+    for i, t in enumerate(ids):
+        if not isinstance(t, numbers.Integral) or isinstance(t, (bool, np.bool_)):
+            raise ValueError(f"{what} {t!r} at position {i} is not an int (token ids are ints "
+                             f"in [0, {vocab}))")
+        if not 0 <= t < vocab:
+            raise ValueError(f"{what} {t} at position {i} is outside the vocabulary "
+                             f"[0, {vocab})")
+    return np.asarray(ids, np.int32)
+
+
 @dataclasses.dataclass
 class RequestOutput:
     """What a request produced so far (returned by `Engine.step` for each request that moved).
@@ -411,7 +444,8 @@ class Engine:
       offload: OffloadConfig for the offloaded path, or None for the resident path.
       decode_steps_per_call: decode steps per program (1 keeps per-token latency; more means
         fewer host round trips per token).
-      prefill_chunk: prompt tokens per seat and prefill program.
+      prefill_chunk: prompt tokens per seat and prefill program (at most max(capacity, 256):
+        a longer chunk would only pad).
       tokenizer: anything with `decode(ids) -> str`; needed for text stop strings and `text`.
       max_stop_ids: stop token ids per request (fixed so that the programs' shapes are).
       query_block: the prefill's query blocks (the same for both paths: bitwise equal).
@@ -477,7 +511,8 @@ class Engine:
 
     def __init__(self, params, config: ModelConfig, *, seats: int, capacity: int | None = None,
                  offload: OffloadConfig | None = None, decode_steps_per_call: int = 1,
-                 prefill_chunk: int = 256, tokenizer=None, max_stop_ids: int = 8,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, tokenizer=None,
+                 max_stop_ids: int = 8,
                  query_block: int | None = resident.QUERY_BLOCK, num_buffers: int | None = None,
                  implementation: str | None = None, interpret: Any = False,
                  num_pages: int | None = None, host_pool_bytes: int | None = None,
@@ -503,6 +538,11 @@ class Engine:
         if not isinstance(capacity, numbers.Integral) or not 1 <= capacity <= config.max_seq_len:
             raise ValueError(f"capacity={capacity!r} must be an int in [1, max_seq_len="
                              f"{config.max_seq_len}] of config {config.name!r}")
+        if prefill_chunk > max(capacity, DEFAULT_PREFILL_CHUNK):
+            raise ValueError(f"prefill_chunk={prefill_chunk} must be <= max(capacity, "
+                             f"{DEFAULT_PREFILL_CHUNK}) = {max(capacity, DEFAULT_PREFILL_CHUNK)}"
+                             f": a prompt fits a seat of capacity={capacity} tokens, so a longer "
+                             "chunk only pads the [seats, prefill_chunk] prefill buffers")
         self.params, self.config, self.offload = params, config, offload
         self.seats, self.capacity = int(seats), int(capacity)
         self.n_steps, self.chunk = int(decode_steps_per_call), int(prefill_chunk)
@@ -683,21 +723,22 @@ class Engine:
                     stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (),
                     request_id: str | None = None, logprobs: int | None = None) -> str:
         """Queue a request; returns its id. Everything is checked here, before the request
-        is queued: a refused request leaves the engine as it was.
+        is queued: a refused request leaves the engine as it was (ValueError). Token ids are
+        ints in [0, vocab) (not bools, not floats), `seed` an int64, at most
+        `MAX_STOP_STRINGS` stop strings of at most `MAX_STOP_CHARS` characters each.
 
         logprobs: None, or k in [0, max_logprobs]: each output token comes with its
         log-probability and the k most likely tokens' (`RequestOutput.logprobs`: of the raw
         model distribution, before temperature and top_p; computed on the device from the
         logits the token is sampled from, the tokens unchanged bit for bit). Not with drafts
         (num_drafts > 0): refused."""
-        prompt_np = np.asarray(list(prompt), dtype=np.int64)
         vocab = self.config.vocab_size
-        if prompt_np.ndim != 1 or prompt_np.size == 0:
+        if isinstance(prompt, np.ndarray) and prompt.ndim != 1:
+            raise ValueError(f"prompt must be a non-empty list of token ids, got an array of "
+                             f"shape {prompt.shape}")
+        prompt_np = _token_ids(prompt, vocab, "prompt token")
+        if prompt_np.size == 0:
             raise ValueError("prompt must be a non-empty list of token ids")
-        bad = np.flatnonzero((prompt_np < 0) | (prompt_np >= vocab))
-        if bad.size:
-            raise ValueError(f"prompt token {int(prompt_np[bad[0]])} at position {bad[0]} is "
-                             f"outside the vocabulary [0, {vocab})")
         if prompt_np.size > self.capacity:
             raise ValueError(f"prompt of {prompt_np.size} tokens does not fit a seat of "
                              f"{self.capacity} tokens: shorten it or raise the capacity")
@@ -722,18 +763,26 @@ class Engine:
                         f"{pages:,} for {need} pages of {self.pool.page_size} tokens"
                         f"{', the pool in device memory' if self.costs.pool_on_device else ''})"
                         "; shorten the prompt or max_tokens, or raise device_bytes")
+        for name, value in (("temperature", temperature), ("top_p", top_p)):
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} must be a number")
         _check_sampling_values(np.asarray([temperature]), np.asarray([top_p]))
-        if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
-            raise ValueError(f"seed={seed!r} must be an int")
-        stop_ids = tuple(int(t) for t in stop_token_ids)
+        if (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)
+                or not SEEDS[0] <= seed < SEEDS[1]):
+            raise ValueError(f"seed={seed!r} must be an int in [-2**63, 2**63)")
+        stop_ids = tuple(_token_ids(stop_token_ids, vocab, "stop token id").tolist())
         if len(stop_ids) > self.max_stop_ids:
             raise ValueError(f"{len(stop_ids)} stop token ids, at most max_stop_ids="
                              f"{self.max_stop_ids} per request")
-        if any(t < 0 or t >= vocab for t in stop_ids):
-            raise ValueError(f"stop_token_ids {list(stop_ids)} must be ids in [0, {vocab})")
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop strings must be non-empty strings, got {list(stop)}")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"{len(stop)} stop strings, at most {MAX_STOP_STRINGS} per request")
+        longest = max(map(len, stop), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string of {longest} characters, at most {MAX_STOP_CHARS} "
+                             "per string")
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (Engine(..., tokenizer=...)); "
                              "without one, use stop_token_ids")

@@ -60,6 +60,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fo_jax.flags import check_output_path
+
 GROUP_KINDS = ("hits", "tail_hits", "misses", "union")
 BYTE_KINDS = ("h2d_bytes", "d2h_bytes")
 POOL_STATES = ("free", "held", "cached", "total")
@@ -153,7 +155,8 @@ class MetricsLog:
 
     Args:
       engine: the `Engine` whose host figures (queue, pool, counters) are sampled.
-      path: append one JSON line per read here (None: keep `last` only).
+      path: append one JSON line per read here (None: keep `last` only); its directory must
+        exist (`fo_jax.flags.check_output_path`: ValueError at once).
       every: steps between reads (>= 1).
       on_record: called with each record (e.g. a server publishing it).
     """
@@ -163,6 +166,8 @@ class MetricsLog:
         if not isinstance(every, numbers.Integral) or isinstance(every, bool) or every < 1:
             raise ValueError(f"metrics_every={every!r} must be an int >= 1 (engine steps "
                              "between reads of the device counters)")
+        if path is not None:  # refused now, not at the first record
+            check_output_path(path)
         self.engine, self.path, self.every = engine, path, int(every)
         self.on_record = on_record
         self._page_bytes = page_bytes(engine)

@@ -14,13 +14,20 @@
                                 histograms (fo_jax.engine.metrics)
 
 Status codes: 400 a request the engine refuses (its `add_request` message: prompt too long for
-a seat, ids outside the vocabulary ...), a field the server does not implement
-(`protocol.Body.refusal`: named in `param`), or malformed JSON; 422 a field of the wrong type or
-out of range (named, as pydantic reports it; types are strict: `fo_jax.server.protocol`); 404
-another model name; 429 with `Retry-After` when `max_queue` requests
-already wait for a seat (400 naming `n` when more choices are asked than the seats and the
-queue could ever hold); 503 while shutting down. Errors have OpenAI's body
-`{"error": {"message", "type", "param", "code"}}`.
+a seat, ids outside the vocabulary, too many or too long stop strings ...), a field the
+server does not implement (`protocol.Body.refusal`: named in `param`), text that is not Unicode
+(a lone surrogate) or malformed JSON; 413 a body above `max_body_bytes` (refused from its
+Content-Length before it is read; a chunked one once that many bytes came); 422 a field of the
+wrong type or out of range (named, as pydantic reports it; types are strict:
+`fo_jax.server.protocol`; a NaN or an infinity is reported as text: JSON has neither); 404
+another model name; 429 with `Retry-After` when `max_queue` requests already wait for a seat
+(400 naming `n` when more choices are asked than the seats and the queue could ever hold); 500
+a request that failed (an error of its own; the engine goes on); 503 while shutting down or
+after the engine failed. Errors have OpenAI's body `{"error": {"message", "type", "param",
+"code"}}`.
+
+Prompts are checked and tokenized (and chat templates rendered) in a worker thread, off the
+event loop: a long prompt does not hold up other requests' streams.
 
 Choices (`n`): each choice is one engine request, choice i sampled with seed + i (vLLM's rule:
 the request with n = 1 and seed + i gives choice i's tokens, bit for bit; without a seed the
@@ -57,6 +64,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import random
 import time
 from typing import Callable
@@ -83,6 +91,7 @@ from fo_jax.server.protocol import (
 )
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a log-probability below is sent as this (vLLM's)
+MAX_BODY_BYTES = 16_000_000  # `fo-jax serve --max-body-mb 16`
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 30.0, 60.0)
 
@@ -103,8 +112,8 @@ class ServerMetrics:
                                  "Requests cancelled (client gone, shutdown)", registry=reg)
         self.rejected = Counter("fojax_requests_rejected", "Requests refused before running",
                                 ["reason"], registry=reg)
-        self.failed = Counter("fojax_requests_failed", "Requests lost to an engine failure",
-                              registry=reg)
+        self.failed = Counter("fojax_requests_failed", "Requests lost to an engine failure "
+                              "or to an error of their own", registry=reg)
         self.prompt_tokens = Counter("fojax_prompt_tokens", "Prompt tokens of accepted requests",
                                      registry=reg)
         self.generation_tokens = Counter("fojax_generation_tokens", "Tokens generated",
@@ -200,6 +209,84 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
                         status_code=status, headers=headers)
 
 
+def _finite(value):
+    """`value` (parsed JSON) with every NaN or infinity as its text ("nan", "inf"): JSON has
+    neither, and the response's encoder refuses them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+class _NotText(ValueError):
+    """A request's text is not Unicode (HTTP 400 naming `param`)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _check_text(text: str, param: str) -> None:
+    """Raise `_NotText` if `text` holds a lone surrogate (JSON's "\\ud800" decodes to one;
+    no tokenizer takes it). O(len(text))."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise _NotText(param, f"{param}: a lone surrogate (U+{ord(text[err.start]):04X}) at "
+                              f"character {err.start} is not Unicode text: send the text as "
+                              "UTF-8 (or a character outside the BMP as its surrogate "
+                              "pair)") from None
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body above `limit` bytes gets 413, from its Content-Length
+    before anything is read, or, a chunked body, once more than `limit` bytes came (the body
+    is then read here, up to the limit, and handed on whole)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length", b"").strip()
+        if declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(f"{int(declared):,} bytes", scope, receive, send)
+        if b"chunked" not in headers.get(b"transfer-encoding", b"").lower():
+            return await self.app(scope, receive, send)
+        parts, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left
+                return
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > self.limit:
+                return await self._refuse(f"more than {self.limit:,} bytes", scope, receive,
+                                          send)
+            more = message.get("more_body", False)
+        whole = {"type": "http.request", "body": b"".join(parts), "more_body": False}
+
+        async def replay():
+            nonlocal whole
+            if whole is None:
+                return await receive()
+            message, whole = whole, None
+            return message
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, size: str, scope, receive, send) -> None:
+        response = _error(413, f"request body of {size}: the server takes at most "
+                               f"{self.limit:,} (fo-jax serve --max-body-mb)",
+                          param="body")
+        await response(scope, receive, send)
+
+
 class _EventStream(StreamingResponse):
     """A StreamingResponse that calls `on_close` however the response ends: a client that
     leaves before the first chunk cancels a stream whose generator never started (and so never
@@ -226,7 +313,7 @@ async def _wait_disconnect(request: Request) -> None:
 def build_app(driver: EngineDriver, *, tokenizer, model_name: str, capacity: int,
               stop_token_ids: tuple[int, ...] = (), chat_template: Callable | None = None,
               metrics: ServerMetrics | None = None, shutdown_timeout: float = 10.0,
-              retry_after: int = 1) -> FastAPI:
+              retry_after: int = 1, max_body_bytes: int | None = MAX_BODY_BYTES) -> FastAPI:
     """The app. The driver is started by the app's startup (unless it runs already) and
     stopped by its shutdown (in-flight requests get `shutdown_timeout` seconds, then are
     cancelled).
@@ -240,6 +327,7 @@ def build_app(driver: EngineDriver, *, tokenizer, model_name: str, capacity: int
         sets `ignore_eos`.
       chat_template: messages -> prompt text (default `simple_chat_template`; `build_served`
         passes a Hugging Face checkpoint's own template).
+      max_body_bytes: a larger request body gets 413 (None: no limit).
     """
     metrics = metrics or ServerMetrics(driver)
     metrics.driver = driver
@@ -257,6 +345,8 @@ def build_app(driver: EngineDriver, *, tokenizer, model_name: str, capacity: int
 
     app = FastAPI(title="fo_jax", lifespan=lifespan)
     app.state.driver, app.state.metrics = driver, metrics
+    if max_body_bytes is not None:
+        app.add_middleware(_BodyLimit, limit=max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -267,12 +357,16 @@ def build_app(driver: EngineDriver, *, tokenizer, model_name: str, capacity: int
             loc = [str(x) for x in e.get("loc", ()) if x != "body"]
             field = ".".join(loc) or "body"
             param = param or field
-            parts.append(f"{field}: {e.get('msg')}")
+            value = e.get("input")
+            if isinstance(value, float) and not math.isfinite(value):
+                parts.append(f"{field}: must be a finite number, got {value!r}")
+            else:
+                parts.append(f"{field}: {e.get('msg')}")
         status = 400 if json_bad else 422
         message = ("malformed JSON body: " if json_bad else "invalid request: ") + "; ".join(parts)
         body = {"error": {"message": message, "type": "invalid_request_error", "param": param,
                           "code": status},
-                "detail": json.loads(json.dumps(errors, default=str))}
+                "detail": _finite(json.loads(json.dumps(errors, default=str)))}
         return JSONResponse(body, status_code=status)
 
     @app.get("/health")
@@ -313,7 +407,13 @@ def build_app(driver: EngineDriver, *, tokenizer, model_name: str, capacity: int
         if refused is not None:
             return refused
         prompt = prompts[0]
-        ids = tokenizer.encode(prompt).tolist() if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            try:
+                ids = await asyncio.to_thread(_encode_prompt, prompt)
+            except _NotText as err:
+                return _not_text(err)
+        else:
+            ids = list(prompt)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         return await _generate(request, body, ids, max_tokens, chat=False)
 
@@ -322,15 +422,33 @@ def build_app(driver: EngineDriver, *, tokenizer, model_name: str, capacity: int
         refused = _refused(body)
         if refused is not None:
             return refused
-        text = template(body.messages)
-        try:  # a rendered template carries its own special tokens (BOS included)
-            ids = tokenizer.encode(text, add_special_tokens=False).tolist()
-        except TypeError:  # tokenizers without special tokens to add
-            ids = tokenizer.encode(text).tolist()
+        try:
+            ids = await asyncio.to_thread(_encode_chat, body.messages)
+        except _NotText as err:
+            return _not_text(err)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
             max_tokens = max(1, capacity - len(ids))
         return await _generate(request, body, ids, max_tokens, chat=True)
+
+    # Worker threads: a long text must not hold up the event loop.
+    def _encode_prompt(text: str) -> list[int]:
+        _check_text(text, "prompt")
+        return tokenizer.encode(text).tolist()
+
+    def _encode_chat(messages) -> list[int]:
+        for i, message in enumerate(messages):
+            _check_text(message.text(), f"messages.{i}.content")
+        text = template(messages)
+        try:  # a rendered template carries its own special tokens (BOS included)
+            return tokenizer.encode(text, add_special_tokens=False).tolist()
+        except TypeError:  # tokenizers without special tokens to add
+            return tokenizer.encode(text).tolist()
+
+    def _not_text(err: _NotText) -> JSONResponse:
+        metrics.received.inc()
+        metrics.rejected.labels("invalid").inc()
+        return _error(400, str(err), param=err.param)
 
     def _final_text(out, stop_ids, stops) -> str:
         text = out.text or ""
@@ -416,6 +534,9 @@ def build_app(driver: EngineDriver, *, tokenizer, model_name: str, capacity: int
                 if isinstance(first, Refused):
                     metrics.rejected.labels("invalid").inc(n)
                     return _error(400, first.message)
+                if not first.engine:  # this request's own error: the engine goes on
+                    metrics.failed.inc(n)
+                    return _error(500, first.message, "server_error")
                 metrics.rejected.labels("unavailable").inc(n)
                 return _error(503, first.message, "unavailable")
             assert isinstance(first, Accepted), first

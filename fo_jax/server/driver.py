@@ -10,6 +10,12 @@ through queues.
     driver.cancel(handle.request_id)      # e.g. the client went away
     driver.stop(timeout=10)               # cancel what is left, join the thread
 
+Failures: an exception `add_request` raises for one request fails that request alone (a
+ValueError is a refusal, HTTP 400; anything else HTTP 500); the engine thread ends only when
+`step()` raises (a fault of the engine's own state): every request in flight gets `Failed`, the
+driver stops accepting and calls `on_failure` (the server then shuts down and the process
+exits non-zero).
+
 Threads: `submit`, `cancel`, `stop_accepting`, `begin_shutdown` and `stop` may be called from
 any thread (the event loop's); they only put commands on a `queue.Queue`. The engine thread
 applies every pending command between two `Engine.step()` calls, then steps while anything is
@@ -77,10 +83,12 @@ class Refused:
 
 @dataclasses.dataclass(frozen=True)
 class Failed:
-    """The engine thread failed (an exception in `step()`), or the engine refused a choice
-    that waited for its first one (`submit_choices`) after it was accepted: no more outputs
-    (HTTP 500)."""
+    """No more outputs (HTTP 500): the engine thread failed (`engine`: an exception in
+    `step()`, a fault of the engine's own state), or this request alone did (not `engine`:
+    `add_request` raised something other than a refusal, or refused a choice that waited for
+    its first one (`submit_choices`) after it was accepted; the engine goes on)."""
     message: str
+    engine: bool = True
 
 
 @dataclasses.dataclass
@@ -136,17 +144,20 @@ class EngineDriver:
       stats_every: publish the engine counters and offload statistics every this many steps.
       on_output: called in the engine thread with (handle, RequestOutput, now) for each output
         before it is handed over (metrics: TTFT, inter-token latency, finish counters).
+      on_failure: called in the engine thread once it has failed (after every request in
+        flight got `Failed`).
     """
 
     def __init__(self, engine, *, max_queue: int = 64, stats_every: int = 16,
-                 on_output: Callable[[RequestHandle, Any, float], None] | None = None):
+                 on_output: Callable[[RequestHandle, Any, float], None] | None = None,
+                 on_failure: Callable[[], None] | None = None):
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue={max_queue!r} must be an int >= 0")
         if not isinstance(stats_every, int) or stats_every < 1:
             raise ValueError(f"stats_every={stats_every!r} must be an int >= 1")
         self.engine = engine
         self.max_queue, self.stats_every = max_queue, stats_every
-        self.on_output = on_output
+        self.on_output, self.on_failure = on_output, on_failure
         self.snapshot = Snapshot()
         self.failure: str | None = None
         self._commands: queue.Queue = queue.Queue()
@@ -289,6 +300,11 @@ class EngineDriver:
                 self._pending_adds -= len(later)
         finally:
             self._stop_remaining()
+        if self.failure is not None and self.on_failure is not None:
+            try:
+                self.on_failure()
+            except Exception:  # noqa: BLE001
+                logger.exception("on_failure failed")
 
     def _apply_commands(self, *, block: bool) -> bool:
         """Apply every pending command (wait for one if `block`); False on "stop"."""
@@ -348,7 +364,11 @@ class EngineDriver:
                                     **handle.kwargs)
         except ValueError as err:
             handle.put(Refused(str(err)) if announce else Failed(
-                f"the engine refused a choice of an accepted request: {err}"))
+                f"the engine refused a choice of an accepted request: {err}", engine=False))
+            return False
+        except Exception as err:  # noqa: BLE001 - one request's error must not end the thread
+            logger.exception("add_request failed for %s", handle.request_id)
+            handle.put(Failed(f"request failed: {type(err).__name__}: {err}", engine=False))
             return False
         else:
             self._handles[handle.request_id] = handle

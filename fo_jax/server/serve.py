@@ -4,9 +4,16 @@
     fo-jax serve --offload --hot-slots 512 --seats 8 --capacity 2048 --max-queue 32
     fo-jax serve --model-dir runs/bpe --port 8080
 
+Start-up: the flags are checked as they are parsed (`fo_jax.flags`: a port outside
+[1, 65535], a non-finite size, an output path whose directory is missing exit 2 naming the
+flag), and the address is bound (`bind_socket`: a host of no interface, a port in use) before
+the model is built and compiled.
+
 Shutdown (SIGTERM, SIGINT, or `ServerThread.stop`): new requests get 503, in-flight ones get
 `--shutdown-timeout` seconds to finish and are then cancelled, the engine thread stops, the
-process prints one line of request counts and pool pages (`final_report`) and exits 0.
+process prints one line of request counts and pool pages (`final_report`) and exits 0. If the
+engine thread dies (a fault of the engine's own state), the server shuts down the same way and
+the process exits 1, saying so.
 
 `ServerThread` runs the same server in a background thread (tests, benchmarks).
 """
@@ -15,10 +22,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import signal
+import socket
+import sys
 import threading
 import time
 
+from fo_jax import flags
 from fo_jax.server.driver import EngineDriver
 
 SHUTDOWN_MARGIN = 30.0  # seconds uvicorn waits for connections after the drain
@@ -30,15 +41,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None,
                         help="the name of /v1/models (default: the config's name)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=flags.port, default=8000)
     parser.add_argument("--max-queue", type=int, default=64,
                         help="requests that may wait for a seat; more get HTTP 429")
-    parser.add_argument("--shutdown-timeout", type=float, default=10.0,
+    parser.add_argument("--max-body-mb", type=flags.megabytes, default=16.0,
+                        help="request bodies above this many MB (1e6 bytes) get HTTP 413")
+    parser.add_argument("--shutdown-timeout", type=flags.seconds, default=10.0,
                         help="seconds in-flight requests get to finish on shutdown")
     parser.add_argument("--no-warmup", action="store_true",
                         help="skip the start-up request that compiles the programs")
     parser.add_argument("--log-level", default="info")
-    parser.add_argument("--metrics-jsonl", default=None, metavar="PATH",
+    parser.add_argument("--metrics-jsonl", type=flags.output_path, default=None, metavar="PATH",
                         help="append the engine's counters here as JSON lines (after warm-up)")
     parser.add_argument("--metrics-every", type=int, default=16,
                         help="engine steps between two reads of the device counters")
@@ -51,7 +64,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "preset with random weights (tiny, small) or --weights")
     parser.add_argument("--model-dir", default=None, help="a model directory (fo_jax.embedded)")
     parser.add_argument("--weights", default=None, help="safetensors weights for a --model preset")
-    parser.add_argument("--seed", type=int, default=0, help="random weights of a --model preset")
+    parser.add_argument("--seed", type=flags.seed, default=0,
+                        help="random weights of a --model preset")
     parser.add_argument("--seats", type=int, default=4, help="requests decoded at once")
     parser.add_argument("--capacity", type=int, default=None,
                         help="tokens per seat, prompt + output (default: min(max_seq_len, 2048))")
@@ -69,17 +83,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: offloaded to host memory) or device (the paged KV on the "
                              "device: its pages count against --device-gb, with admission and "
                              "preemption by bytes)")
-    parser.add_argument("--host-pool-gb", type=float, default=None,
+    parser.add_argument("--host-pool-gb", type=flags.gigabytes, default=None,
                         help="with --offload: host KV pool shared by the seats, in GB (default "
                              "every seat full at once)")
     parser.add_argument("--prefix-cache", action="store_true",
                         help="reuse earlier prompts' prefixes: offloaded, their pool pages; "
                              "resident, their KV rows, copied from a prefix store in device "
                              "memory")
-    parser.add_argument("--prefix-cache-gb", type=float, default=None,
+    parser.add_argument("--prefix-cache-gb", type=flags.gigabytes, default=None,
                         help="with --prefix-cache, resident: the prefix store's size in GB "
                              "(default: one seat's rows)")
-    parser.add_argument("--device-gb", type=float, default=None,
+    parser.add_argument("--device-gb", type=flags.gigabytes, default=None,
                         help="with --offload: device budget of request state in GB (hot caches, "
                              "indexer-key pages, prefill buffers, and the KV pages with "
                              "--pool-memory device: the planner's arithmetic); "
@@ -129,9 +143,10 @@ class Served:
 
 def build_served(engine, tokenizer, *, model_name: str, max_queue: int = 64,
                  shutdown_timeout: float = 10.0, stop_token_ids=None, chat_template=None,
-                 stats_every: int = 16) -> Served:
-    """An app and its driver over `engine` (the driver starts with the app)."""
-    from fo_jax.server.app import build_app
+                 stats_every: int = 16, max_body_bytes: int | None = None) -> Served:
+    """An app and its driver over `engine` (the driver starts with the app). `max_body_bytes`:
+    larger request bodies get 413 (None: `fo_jax.server.app.MAX_BODY_BYTES`)."""
+    from fo_jax.server.app import MAX_BODY_BYTES, build_app
 
     if stop_token_ids is None:  # a checkpoint's EOS ids, or fo_jax's document separator
         eos = tuple(getattr(tokenizer, "eos_ids", ()) or ())
@@ -145,7 +160,8 @@ def build_served(engine, tokenizer, *, model_name: str, max_queue: int = 64,
     driver = EngineDriver(engine, max_queue=max_queue, stats_every=stats_every)
     app = build_app(driver, tokenizer=tokenizer, model_name=model_name,
                     capacity=engine.capacity, stop_token_ids=tuple(stop_token_ids),
-                    chat_template=chat_template, shutdown_timeout=shutdown_timeout)
+                    chat_template=chat_template, shutdown_timeout=shutdown_timeout,
+                    max_body_bytes=MAX_BODY_BYTES if max_body_bytes is None else max_body_bytes)
     return Served(app, driver, model_name, engine.capacity)
 
 
@@ -167,6 +183,11 @@ def _server_class():
             else:
                 self.should_exit = True
 
+        def engine_failed(self) -> None:
+            """The engine thread has died (a fault of its own state): shut down (the
+            process then exits non-zero)."""
+            self.should_exit = True
+
     return GracefulServer
 
 
@@ -175,7 +196,8 @@ def make_server(served: Served, *, host: str = "127.0.0.1", port: int = 8000,
     """A uvicorn server for `served`. On shutdown, in-flight requests get `shutdown_timeout`
     seconds, then the driver cancels them after the engine's current step (their clients get
     finish_reason "cancelled"); uvicorn closes connections still open `SHUTDOWN_MARGIN` seconds
-    after that (a step that compiles a program can take that long)."""
+    after that (a step that compiles a program can take that long). The server shuts down by
+    itself if the engine thread dies."""
     import uvicorn
 
     config = uvicorn.Config(served.app, host=host, port=port, log_level=log_level,
@@ -183,6 +205,7 @@ def make_server(served: Served, *, host: str = "127.0.0.1", port: int = 8000,
                             lifespan="on")
     server = _server_class()(config)
     server.driver, server.drain_timeout = served.driver, shutdown_timeout
+    served.driver.on_failure = server.engine_failed
     return server
 
 
@@ -410,11 +433,43 @@ def path_name(offload) -> str:
     return "paged, pool on the device" if offload.host_memory_kind == "device" else "offloaded"
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), as uvicorn binds one, not listening yet (a client
+    is refused until the server starts). Raises ValueError naming the flag if it cannot be
+    bound (an address of no interface of this machine, a port in use), so that `serve`
+    stops before the model is built."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        where = f"{host}:{port}" if family == socket.AF_INET else f"[{host}]:{port}"
+        if err.errno == errno.EADDRINUSE:
+            raise ValueError(f"argument --port: cannot listen on {where}: the port is in use "
+                             "(choose another --port)") from None
+        raise ValueError(f"argument --host: cannot listen on {where}: {err.strerror or err} "
+                         "(give an address of this machine, e.g. 127.0.0.1 or 0.0.0.0)"
+                         ) from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def run(args) -> int:
-    """`fo-jax serve` (flags: `add_arguments`)."""
+    """`fo-jax serve` (flags: `add_arguments`). The address is bound before the model is
+    built: a host or port that cannot be had stops the command at once."""
     if args.metrics_every < 1:
         raise ValueError(f"--metrics-every {args.metrics_every} must be >= 1 (engine steps "
                          "between two reads)")
+    sock = bind_socket(args.host, args.port)
+    try:
+        return _serve(args, sock)
+    finally:
+        sock.close()
+
+
+def _serve(args, sock: socket.socket) -> int:
     engine, config, tokenizer, offload = build_engine(args)
     capacity = engine.capacity
     if not args.no_warmup:
@@ -426,18 +481,23 @@ def run(args) -> int:
         engine.metrics = MetricsLog(engine, path=args.metrics_jsonl, every=args.metrics_every)
     name = args.served_model_name or config.name
     served = build_served(engine, tokenizer, model_name=name, max_queue=args.max_queue,
-                          shutdown_timeout=args.shutdown_timeout)
+                          shutdown_timeout=args.shutdown_timeout,
+                          max_body_bytes=int(args.max_body_mb * 1e6))
     server = make_server(served, host=args.host, port=args.port, log_level=args.log_level,
                          shutdown_timeout=args.shutdown_timeout)
     ranks = "" if args.devices is None else f" x {args.devices} devices"
     print(f"fo-jax serve: {name} ({path_name(offload)}, {args.seats} "
           f"seats{ranks} "
           f"of {capacity} tokens) on http://{args.host}:{args.port}/v1", flush=True)
-    server.run()
+    server.run(sockets=[sock])
     if engine.metrics is not None:
         engine.metrics.flush()
     print(final_report(served), flush=True)
-    return 0 if served.driver.failure is None else 1
+    if served.driver.failure is not None:
+        print(f"fo-jax serve: {served.driver.failure}: the engine stopped, exit status 1",
+              file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 def final_report(served: Served) -> str:
@@ -464,5 +524,6 @@ def final_report(served: Served) -> str:
     return line
 
 
-__all__ = ["Served", "ServerThread", "add_arguments", "add_engine_arguments", "build_engine",
-           "build_served", "final_report", "make_server", "path_name", "run", "warm_up"]
+__all__ = ["Served", "ServerThread", "add_arguments", "add_engine_arguments", "bind_socket",
+           "build_engine", "build_served", "final_report", "make_server", "path_name", "run",
+           "warm_up"]

@@ -28,6 +28,10 @@ def test_poisson_workload_shapes_and_shared_prefix():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(rate=0.0), "rate=0.0 > 0"),
     (dict(prompt_len=(5, 2)), r"prompt_len=\(5, 2\) must be a range 1 <= lo <= hi"),
+    (dict(rate=float("nan")), r"rate=nan > 0 \(a finite number\)"),
+    (dict(rate=float("inf")), r"rate=inf > 0 \(a finite number\)"),
+    (dict(prefix_len=-1, shared_fraction=0.5), "prefix_len=-1 must be >= 0"),
+    (dict(shared_fraction=float("nan")), r"shared_fraction=nan must be a fraction in \[0, 1\]"),
 ])
 def test_bad_workloads(kwargs, message):
     args = dict(rate=1.0, prompt_len=(1, 2), output_len=(1, 2), vocab=10)
@@ -76,8 +80,9 @@ def test_bench_serve_refuses_bad_flags_first(capsys):
     for flags in (["--device-gb", "1"], ["--reserve", "prompt"]):
         assert cli.main(["bench-serve", "--model", "tiny", *flags]) == 2
         assert want in capsys.readouterr().err
-    assert cli.main(["bench-serve", "--model", "tiny", "--offload", "--device-gb", "0"]) == 2
-    assert "--device-gb must be > 0, got 0.0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # fo_jax.flags.gigabytes: as argparse parses it
+        cli.main(["bench-serve", "--model", "tiny", "--offload", "--device-gb", "0"])
+    assert "argument --device-gb: 0.0 must be a size in GB" in capsys.readouterr().err
     assert cli.main(["bench-serve", "--model", "tiny", "--offload", "--pool-memory", "hbm"]) == 2
     assert ("--pool-memory hbm: choose pinned_host (the KV pages in host memory: offloaded) or "
             "device (the paged KV on the device, its pages counted against --device-gb)"

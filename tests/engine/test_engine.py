@@ -236,7 +236,8 @@ def test_cancel_and_release():
     (dict(max_tokens=0), "max_tokens=0 must be an int >= 1"),
     (dict(temperature=-1.0), r"temperature=-1.0 of request 0 must be a finite number >= 0"),
     (dict(top_p=0.0), r"top_p=0.0 of request 0 must be a number in \(0, 1\]"),
-    (dict(stop_token_ids=[CONFIG.vocab_size]), "stop_token_ids .* must be ids in"),
+    (dict(stop_token_ids=[CONFIG.vocab_size]),
+     r"stop token id 256 at position 0 is outside the vocabulary \[0, 256\)"),
     (dict(stop_token_ids=list(range(9))), "9 stop token ids, at most max_stop_ids=8"),
     (dict(stop=[""]), "stop strings must be non-empty strings"),
     (dict(stop=["x"]), "stop strings need a tokenizer"),
@@ -247,6 +248,26 @@ def test_cancel_and_release():
     (dict(logprobs=21), r"logprobs=21 must be None .* or an int in \[0, max_logprobs=20\] "
                         r"\(the most likely tokens returned besides the sampled one; "
                         r"Engine\(max_logprobs=...\) raises the bound\)"),
+    # Ids past int64 are named, not an OverflowError of a cast (a server's engine thread died
+    # of one); values that are not ints are refused, not truncated (1.5 ran as token 1).
+    *[(dict(prompt=[1, big]), rf"prompt token {big} at position 1 is outside the vocabulary")
+      for big in (2**63, 2**64, 10**30)],
+    (dict(prompt=[None]), r"prompt token None at position 0 is not an int \(token ids are "
+                          r"ints in \[0, 256\)\)"),
+    (dict(prompt=[1.5]), "prompt token 1.5 at position 0 is not an int"),
+    (dict(prompt=[1, True]), "prompt token True at position 1 is not an int"),
+    (dict(prompt=np.asarray([1.0, 2.0])), "prompt token 1.0 at position 0 is not an int"),
+    (dict(prompt="abc"), "prompt token 'a' at position 0 is not an int"),
+    (dict(stop_token_ids=[1.7]), "stop token id 1.7 at position 0 is not an int"),
+    (dict(stop_token_ids=[False]), "stop token id False at position 0 is not an int"),
+    (dict(stop_token_ids=[2**64]), "stop token id 18446744073709551616 at position 0 is "
+                                   "outside the vocabulary"),
+    (dict(seed=2**64), r"seed=18446744073709551616 must be an int in \[-2\*\*63, 2\*\*63\)"),
+    (dict(seed=-2**63 - 1), r"seed=-9223372036854775809 must be an int in \[-2\*\*63"),
+    (dict(temperature="0.5"), "temperature='0.5' must be a number"),
+    (dict(top_p=None), "top_p=None must be a number"),
+    (dict(stop=["ab"] * 17), r"17 stop strings, at most 16 per request"),
+    (dict(stop=["x" * 257]), r"a stop string of 257 characters, at most 256 per string"),
 ])
 def test_bad_requests_are_refused_before_anything_changes(kwargs, message):
     engine = _engine("ring")
@@ -269,6 +290,10 @@ def test_bad_requests_are_refused_before_anything_changes(kwargs, message):
     (dict(reserve="all"), r"reserve='all' must be one of \('full', 'prompt'\)"),
     (dict(device_bytes=0), "device_bytes=0 must be an int >= 1 .bytes of device memory for "
                            "request state., or None"),
+    # A chunk past max(capacity, the default 256) only pads the prefill buffers: 10**9 was
+    # accepted and the first step died of a MemoryError.
+    (dict(prefill_chunk=10**9), r"prefill_chunk=1000000000 must be <= max\(capacity, 256\) = "
+                                r"256: a prompt fits a seat of capacity=32 tokens"),
 ])
 def test_bad_settings(kwargs, message):
     args = dict(seats=2, capacity=CAPACITY, offload=_offload())

@@ -192,3 +192,13 @@ def test_bad_metrics_every():
     with pytest.raises(ValueError, match=r"^metrics_every=0 must be an int >= 1$"):
         Engine(_params(), CONFIG, seats=1, capacity=CAPACITY, metrics_path="unused.jsonl",
                metrics_every=0)  # refused before anything is allocated
+
+
+def test_a_path_that_cannot_be_written_is_refused_at_once(tmp_path):
+    """`serve --metrics-jsonl /nonexistent/dir/m.jsonl` started, then its first record failed
+    the request in flight and ended the engine thread."""
+    with pytest.raises(ValueError, match="^/nonexistent/dir/m.jsonl: the directory "
+                                         "/nonexistent/dir does not exist: create it first$"):
+        MetricsLog(None, path="/nonexistent/dir/m.jsonl")
+    with pytest.raises(ValueError, match=f"^{tmp_path} is a directory: give a file path$"):
+        MetricsLog(None, path=tmp_path)

@@ -40,6 +40,8 @@ class FakeEngine:
             assert self.gate.wait(5)
         if not prompt:
             raise ValueError("prompt must be a non-empty list of token ids")
+        if prompt[0] == 2**63:  # an error add_request did not foresee
+            raise OverflowError("Python int too large to convert to C long")
         self.added.append((request_id, seed, self.steps))
         self.requests[request_id] = dict(max=max_tokens, tokens=[], reason=None, n=len(prompt))
         self.waiting.append(request_id)
@@ -209,8 +211,31 @@ def test_queue_bound_cancel_and_stop():
     assert asyncio.run(left_running())[-1].finish_reason == "cancelled"
 
 
+def test_an_error_of_one_request_does_not_end_the_engine_thread():
+    """An exception add_request raises for one request (not a ValueError: a refusal) fails
+    that request alone; the requests before and after it run."""
+    engine = FakeEngine(seats=1)
+    driver = EngineDriver(engine, max_queue=4)
+    driver.start()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        a = driver.submit([1], loop=loop, max_tokens=3)
+        bad = driver.submit([2**63], loop=loop, max_tokens=3)
+        b = driver.submit([1], loop=loop, max_tokens=2)
+        return await asyncio.gather(_drain(a), _drain(bad), _drain(b))
+
+    a, bad, b = asyncio.run(main())
+    assert bad == [Failed("request failed: OverflowError: Python int too large to convert to "
+                          "C long", engine=False)]
+    assert a[-1].finish_reason == b[-1].finish_reason == "length"
+    assert driver.alive and driver.accepting and driver.failure is None
+    assert driver.stop(timeout=5)
+
+
 def test_engine_failure_reaches_every_request():
-    driver = EngineDriver(FakeEngine(seats=1, fail_at=3), max_queue=4)
+    failed = threading.Event()
+    driver = EngineDriver(FakeEngine(seats=1, fail_at=3), max_queue=4, on_failure=failed.set)
     driver.start()
 
     async def main():
@@ -219,6 +244,7 @@ def test_engine_failure_reaches_every_request():
 
     items = asyncio.run(main())
     assert items[-1] == Failed("engine failure: RuntimeError: device lost")
+    assert failed.wait(5)  # the server shuts down: the process exits non-zero
     driver._thread.join(5)
     assert not driver.alive and not driver.accepting
     with pytest.raises(NotAccepting, match="device lost"):

@@ -3,6 +3,7 @@ output equals the engine's own; backpressure (429), refused requests (400), bad 
 disconnects cancel, metrics add up, graceful shutdown."""
 
 import asyncio
+import concurrent.futures
 import json
 import threading
 import time
@@ -372,6 +373,79 @@ def test_n_choices_each_equal_the_request_with_seed_plus_index_alone(server):
         "request)")
 
 
+def test_token_ids_past_int64_are_refused_and_the_engine_goes_on(server):
+    """Ids past int64 once ended the engine thread (an OverflowError): every later request
+    got 503. Now each gets 400 naming the id, and the requests after them run."""
+    url = server.url + "/v1/completions"
+    for big in (2**63, 2**64, 10**30):
+        resp = httpx.post(url, json={"prompt": [big], "max_tokens": 4})
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["message"] == (
+            f"prompt token {big} at position 0 is outside the vocabulary [0, "
+            f"{CONFIG.vocab_size})")
+    for prompt in ([1, 2, 3], "def f():"):
+        resp = httpx.post(url, json={"prompt": prompt, "max_tokens": 2}, timeout=30)
+        assert resp.status_code == 200, resp.text
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def _strict_json(text: str):
+    """JSON as the standard has it: NaN and Infinity are not JSON (a client's parser fails)."""
+    def refuse(constant):
+        raise AssertionError(f"{constant} in a JSON reply")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", '{"prompt": "x"'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}]'),
+])
+@pytest.mark.parametrize("field,value", [("temperature", "NaN"), ("temperature", "Infinity"),
+                                         ("temperature", "-Infinity"), ("top_p", "NaN")])
+def test_non_finite_sampling_values_get_4xx_naming_the_field(server, path, body, field, value):
+    """NaN and Infinity (Python's json reads them) were echoed by the 422 handler, whose JSON
+    encoder then failed: 500."""
+    resp = httpx.post(server.url + path, content=f'{body}, "{field}": {value}}}',
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == 422, resp.text
+    error = _strict_json(resp.text)["error"]
+    got = {"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}[value]
+    assert error["param"] == field
+    assert error["message"] == f"invalid request: {field}: must be a finite number, got {got}"
+
+
+def test_lone_surrogates_are_refused_naming_the_field(server):
+    r"""A JSON string may hold a lone surrogate ("\ud800"), which is no Unicode text: the
+    tokenizer failed on it (500)."""
+    resp = httpx.post(server.url + "/v1/completions", content='{"prompt": "def \\ud800 f"}',
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "prompt"
+    assert resp.json()["error"]["message"] == (
+        "prompt: a lone surrogate (U+D800) at character 4 is not Unicode text: send the text "
+        "as UTF-8 (or a character outside the BMP as its surrogate pair)")
+    chat = httpx.post(server.url + "/v1/chat/completions",
+                      content='{"messages": [{"role": "user", "content": "ok"}, '
+                              '{"role": "user", "content": "\\udfff"}]}',
+                      headers={"content-type": "application/json"})
+    assert chat.status_code == 400, chat.text
+    assert chat.json()["error"]["param"] == "messages.1.content"
+    assert "a lone surrogate (U+DFFF) at character 0" in chat.json()["error"]["message"]
+
+
+def test_stop_strings_are_bounded(server):
+    """A 100k-character stop string streamed nothing until the end (the server holds back
+    its length - 1 characters): long ones, and too many, are refused naming the limit."""
+    url = server.url + "/v1/completions"
+    long = httpx.post(url, json={"prompt": "x", "stop": ["a" * 100_000], "stream": True})
+    assert long.status_code == 400
+    assert long.json()["error"]["message"] == (
+        "a stop string of 100000 characters, at most 256 per string")
+    many = httpx.post(url, json={"prompt": "x", "stop": [f"s{i}" for i in range(17)]})
+    assert many.status_code == 400
+    assert many.json()["error"]["message"] == "17 stop strings, at most 16 per request"
+
+
 def test_client_dropped_mid_stream_is_cancelled(server):
     before = _idle(server)
     with httpx.Client(timeout=30) as client:
@@ -510,3 +584,80 @@ def test_chat_uses_the_checkpoints_template_and_eos():
         assert reply.usage.prompt_tokens == len(TOKENIZER.encode(want))
     finally:
         assert srv.stop(timeout=20)
+
+
+class _GatedTokenizer:
+    """The embedded tokenizer, whose `encode` waits until the test opens `gate` (a long
+    prompt being tokenized)."""
+
+    sep = SEP
+
+    def __init__(self):
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def encode(self, text):
+        self.entered.set()
+        assert self.gate.wait(10), "the gate was not opened"
+        return TOKENIZER.encode(text)
+
+    def decode(self, ids):
+        return TOKENIZER.decode(ids)
+
+
+def test_tokenizing_leaves_the_event_loop_free_and_big_bodies_get_413():
+    """A prompt is tokenized off the event loop (a 20 MB one held every stream and /health
+    for 46 s): /health answers while an encode is under way. A body above `max_body_bytes`
+    gets 413 naming the limit, from its Content-Length or, chunked, once that many bytes came
+    in."""
+    tokenizer = _GatedTokenizer()
+    served = build_served(_engine(), tokenizer, model_name=NAME, max_body_bytes=4096)
+    srv = ServerThread(served, shutdown_timeout=2.0).start()
+    url = srv.url + "/v1/completions"
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(httpx.post, url, json={"prompt": "x" * 3000}, timeout=30)
+            assert tokenizer.entered.wait(10)
+            assert httpx.get(srv.url + "/health", timeout=5).json() == {"status": "ok"}
+            tokenizer.gate.set()
+            assert slow.result().status_code == 400  # longer than a seat
+        limit = "the server takes at most 4,096 (fo-jax serve --max-body-mb)"
+        big = httpx.post(url, content=b'{"prompt": "' + b"x" * 5000 + b'"}',
+                         headers={"content-type": "application/json"})
+        assert big.status_code == 413
+        assert big.json()["error"]["message"] == f"request body of 5,014 bytes: {limit}"
+        chunked = httpx.post(url, content=iter([b'{"prompt": "', b"x" * 3000, b"x" * 3000]),
+                             headers={"content-type": "application/json"})
+        assert "content-length" not in chunked.request.headers
+        assert chunked.status_code == 413
+        assert chunked.json()["error"]["message"] == (
+            f"request body of more than 4,096 bytes: {limit}")
+        fits = httpx.post(url, content=iter([b'{"prompt": [1, 2], ', b'"max_tokens": 1}']),
+                          headers={"content-type": "application/json"}, timeout=30)
+        assert fits.status_code == 200, fits.text  # a chunked body under the limit
+    finally:
+        tokenizer.gate.set()
+        assert srv.stop(timeout=20)
+
+
+def test_an_engine_failure_stops_the_server():
+    """The engine thread ends only on a fault of its own state (here: its step raises); then
+    the request in flight gets 500 and the server shuts down (`fo-jax serve` exits 1)."""
+    engine = _engine()
+
+    def broken():
+        raise RuntimeError("device lost")
+
+    engine.step = broken
+    srv = ServerThread(build_served(engine, TOKENIZER, model_name=NAME),
+                       shutdown_timeout=2.0).start()
+    try:
+        resp = httpx.post(srv.url + "/v1/completions", json={"prompt": [1, 2]}, timeout=30)
+        assert resp.status_code == 500
+        assert resp.json()["error"]["message"] == "engine failure: RuntimeError: device lost"
+        srv.thread.join(20)
+        assert not srv.thread.is_alive()  # no stop() called: the server stopped by itself
+        assert final_report(srv.served).startswith(
+            "fo-jax serve: stopped: requests received 1, completed 0, cancelled 0, rejected 0, "
+            "failed 1")
+    finally:
+        srv.stop(timeout=5)
