@@ -1,0 +1,145 @@
+"""Benchmark tables of the docs pages, generated from the results' JSON lines (not retyped).
+
+A page holds each table between `<!-- results: NAME -->` and `<!-- /results -->`;
+`python docs/results.py` rewrites them from the files, `python docs/results.py --check` fails
+when a page differs from what its files give (tests/test_docs.py runs the check). Each table
+says its machine, jax version, commit, the commit's date, its command and its file.
+"""
+
+import argparse
+import json
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import textwrap
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+H200 = "experiments/results/h200/decode_bench.jsonl"
+DP = "experiments/results/dp_serving/dp_serving.jsonl"
+
+
+def _rows(path: str, **match):
+    rows = [json.loads(line) for line in (ROOT / path).read_text().splitlines() if line.strip()]
+    return [r for r in rows if all(r.get(k) == v for k, v in match.items())]
+
+
+def _date(commit: str) -> str:
+    try:
+        run = subprocess.run(["git", "-C", str(ROOT), "show", "-s", "--format=%cs", commit],
+                             capture_output=True, text=True, timeout=30)
+    except OSError:
+        return "date unknown"
+    return run.stdout.strip() or "date unknown"
+
+
+def _source(rows, path: str, command: str) -> str:
+    first = rows[0]
+    machine = first["device"] if first["backend"] != "cpu" else "CPU"
+    return (f"{machine}, jax {first['jax']}, commit {first['git']} ({_date(first['git'])}); "
+            f"`{command}`; `{path}`.")
+
+
+def h200_management() -> str:
+    rows = _rows(H200, question="management")
+    sizes = sorted({r["hot_slots"] for r in rows})
+    head = " | ".join(f"C = {c // 1024}k" for c in sizes)
+    out = [f"| policy | {head} |", "|---" * (len(sizes) + 1) + "|"]
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        cells = []
+        for c in sizes:
+            r = next(r for r in rows if r["policy"] == policy and r["hot_slots"] == c)
+            cells.append(f"{r['seconds'] * 1e3:.3f} ms, {r['ratio']:.2f}x "
+                         f"[{r['ratio_q25']:.2f}-{r['ratio_q75']:.2f}]")
+        out.append(f"| {policy} | " + " | ".join(cells) + " |")
+    r = rows[0]
+    note = (f"Management per step, median ms and median [IQR] ratio to C = {sizes[0] // 1024}k "
+            f"(k = {r['k']}, W = {r['ways']}, batch {r['batch']}, {r['context'] // 1024}k "
+            f"context, {r['misses_per_step']:.0f} misses per request per step, {r['rounds']} "
+            f"rounds of {r['inner']} steps). ")
+    command = ("experiments/decode_bench.py --what management --multiples 1 4 16 --rounds 7 "
+               "--inner 10 --policies ring clock lru")
+    return note + _source(rows, H200, command) + "\n\n" + "\n".join(out)
+
+
+def h200_step() -> str:
+    rows = _rows(H200, question="step")
+    out = ["| policy | workload | offloaded / resident [IQR] | hit rate | resident ms | "
+           "offloaded ms |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['policy']} | {r['workload']} | {r['ratio']:.2f} "
+                   f"[{r['ratio_q25']:.2f}-{r['ratio_q75']:.2f}] | {r['hit_rate']:.2f} | "
+                   f"{r['resident_s'] * 1e3:.2f} | {r['offload_s'] * 1e3:.2f} |")
+    r = rows[0]
+    note = (f"Whole decode step on `{r['model']}`, median of {r['steps']} paired steps (batch "
+            f"{r['batch']}, {r['context'] // 1024}k context, C = {r['hot_slots']}, W = "
+            f"{r['ways']}). ")
+    command = ("experiments/decode_bench.py --what step --policy ring clock --batch 8 "
+               "--context 32768 --steps 10 --warmup 10")
+    return note + _source(rows, H200, command) + "\n\n" + "\n".join(out)
+
+
+def dp_serving() -> str:
+    rows = _rows(DP, question="dp_serving")
+    rules = list(dict.fromkeys(r["rule"] for r in rows))
+    seeds = sorted({r["seed"] for r in rows})
+    base = {r["seed"]: r for r in rows if r["rule"] == rules[0]}
+    base_mean = statistics.mean(base[s]["spread"] for s in seeds)
+    out = [f"| rule | largest / mean rank, per step ({len(seeds)} seeds) | mean | "
+           f"vs {rules[0]} (mean) | tokens / s vs {rules[0]} |", "|---|---|---|---|---|"]
+    for rule in rules:
+        by_seed = {r["seed"]: r for r in rows if r["rule"] == rule}
+        spreads = [by_seed[s]["spread"] for s in seeds]
+        speed = [by_seed[s]["tokens_per_s"] / base[s]["tokens_per_s"] for s in seeds]
+        out.append(f"| {rule} | " + ", ".join(f"{x:.2f}" for x in spreads)
+                   + f" | {statistics.mean(spreads):.2f} | "
+                   f"{statistics.mean(spreads) / base_mean:.2f}x | "
+                   f"{statistics.mean(speed):.2f}x ({min(speed):.2f}-{max(speed):.2f}x) |")
+    command = f"PYTHONPATH=. python experiments/dp_serving.py --seeds {' '.join(map(str, seeds))}"
+    return _source(rows, DP, command) + "\n\n" + "\n".join(out)
+
+
+TABLES = {"h200_management": h200_management, "h200_step": h200_step,
+          "dp_serving": dp_serving}
+BLOCK = re.compile(r"(<!-- results: (\w+) -->\n)((?:(?!<!-- results: ).)*?)(<!-- /results -->)",
+                   re.S)
+
+
+def render(text: str) -> str:
+    """Return `text` with every results block regenerated."""
+    def sub(match):
+        name = match.group(2)
+        if name not in TABLES:
+            raise KeyError(f"no results table named {name!r} (known: {sorted(TABLES)})")
+        note, table = TABLES[name]().split("\n\n")
+        note = textwrap.fill(note, 96, break_long_words=False, break_on_hyphens=False)
+        return match.group(1) + "\n" + note + "\n\n" + table + "\n\n" + match.group(4)
+    return BLOCK.sub(sub, text)
+
+
+def _undated(text: str) -> str:
+    """`text` without the commits' dates (a shallow clone cannot date a commit)."""
+    return re.sub(r"\((\d{4}-\d{2}-\d{2}|date unknown)\)", "(date)", text)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="only report pages that differ")
+    args = parser.parse_args(argv)
+    stale = []
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        text = page.read_text()
+        new = render(text)
+        if _undated(new) != _undated(text) or (new != text and not args.check):
+            stale.append(str(page.relative_to(ROOT)))
+            if not args.check:
+                page.write_text(new)
+    if args.check and stale:
+        print("results tables out of date (run python docs/results.py):", *stale, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
