@@ -18,6 +18,8 @@ import textwrap
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 H200 = "experiments/results/h200/decode_bench.jsonl"
 DP = "experiments/results/dp_serving/dp_serving.jsonl"
+RANKS = "experiments/results/rank_imbalance/rank_imbalance.jsonl"
+REPLAY = "docs/replay/replay.jsonl"
 
 
 def _rows(path: str, **match):
@@ -100,8 +102,63 @@ def dp_serving() -> str:
     return _source(rows, DP, command) + "\n\n" + "\n".join(out)
 
 
+def rank_imbalance() -> str:
+    rows = _rows(RANKS, question="rank_imbalance")
+    rules = list(dict.fromkeys(r["rule"] for r in rows))
+    cells = list(dict.fromkeys((r["mix"], r["load"]) for r in rows))
+    out = ["| mix | load | misses / rank / step | max / mean: " + " | ".join(rules)
+           + " | free moves | p99 (max - mean): round robin, least_misses |",
+           "|---" * (len(rules) + 5) + "|"]
+    for mix, load in cells:
+        by_rule = {r["rule"]: r for r in rows if (r["mix"], r["load"]) == (mix, load)}
+        base = by_rule[rules[0]]
+        out.append(f"| {mix} | {load:.2f} | {base['misses_per_rank_step']:.1f} | "
+                   + " | ".join(f"{by_rule[rule]['spread']:.2f}" for rule in rules)
+                   + f" | {base['free_moves_spread']:.2f} | {base['excess_p99']:.0f}, "
+                   f"{by_rule['least_misses']['excess_p99']:.0f} |")
+    r = rows[0]
+    note = (f"{r['ranks']} ranks of {r['seats']} seats, {r['steps']} steps ({r['warmup']} of "
+            f"warm-up) x {len(r['seeds'])} seeds. ")
+    command = "python experiments/rank_imbalance.py"
+    return note + _source(rows, RANKS, command) + "\n\n" + "\n".join(out)
+
+
+def replay_8192() -> str:
+    rows = [r for r in _rows(REPLAY, question="replay", ways=1)
+            if r["meta"].get("context") == 8192 and not r.get("synthetic")]
+    multiples = sorted({r["multiple"] for r in rows})
+    names = {"belady": "belady (MIN)", "ring": "ring (default)"}
+    policies = ["belady", "ring", "lru", "clock", "hisparse", "random", "score-mean",
+                "score-ema", "score-max"]
+
+    def cell(policy, multiple, text):
+        found = [r for r in rows if r["policy"] == policy and r["multiple"] == multiple]
+        return text(found[0]) if found else "-"
+
+    def moved(r):
+        mb = r["h2d_bytes_per_token"] / 2**20
+        return f"{r['misses_per_request_group_step']:.1f}; {mb:.{1 if mb >= 0.1 else 2}f}"
+
+    out = ["| policy | " + " | ".join(f"C = {m} k" for m in multiples) + " |",
+           "|---" * (len(multiples) + 1) + "|"]
+    for policy in policies:
+        text = ((lambda r: f"{r['hit_rate']:.3f}") if policy == "belady" else
+                (lambda r: f"{r['hit_rate']:.3f} ({r['ratio_to_belady']:.2f}x)"))
+        out.append(f"| {names.get(policy, policy)} | "
+                   + " | ".join(cell(policy, m, text) for m in multiples) + " |")
+    for policy, label in (("ring", "ring: misses / request / group / step; H2D MB / token"),
+                          ("belady", "belady: the same")):
+        out.append(f"| {label} | " + " | ".join(cell(policy, m, moved) for m in multiples) + " |")
+    r = rows[0]
+    note = (f"Traces of {r['meta']['context']}-token windows: {r['steps']} steps each, context "
+            f"{r['context']} at the first, k = {r['topk']}, {r['groups']} groups. ")
+    command = "python experiments/replay.py --trace ... --prefetch"
+    return note + _source(rows, REPLAY, command) + "\n\n" + "\n".join(out)
+
+
 TABLES = {"h200_management": h200_management, "h200_step": h200_step,
-          "dp_serving": dp_serving}
+          "dp_serving": dp_serving, "rank_imbalance": rank_imbalance,
+          "replay_8192": replay_8192}
 BLOCK = re.compile(r"(<!-- results: (\w+) -->\n)((?:(?!<!-- results: ).)*?)(<!-- /results -->)",
                    re.S)
 
