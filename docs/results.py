@@ -20,6 +20,8 @@ H200 = "experiments/results/h200/decode_bench.jsonl"
 DP = "experiments/results/dp_serving/dp_serving.jsonl"
 RANKS = "experiments/results/rank_imbalance/rank_imbalance.jsonl"
 REPLAY = "docs/replay/replay.jsonl"
+POISSON = "experiments/results/serving/poisson.jsonl"
+LATENCY = "experiments/results/serving/latency.jsonl"
 
 
 def _rows(path: str, **match):
@@ -156,22 +158,59 @@ def replay_8192() -> str:
     return note + _source(rows, REPLAY, command) + "\n\n" + "\n".join(out)
 
 
+def serving_budget() -> str:
+    rows = _rows(POISSON, workload="poisson")
+    out = ["| cell | seats | mean / peak running | tokens/s | TTFT p50 / p99 | TPOT p50 | "
+           "programs per token | engine host work |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cell = "resident" if r["path"] == "resident" else "offloaded"
+        out.append(f"| {cell}, N = {r['steps_per_call']} | {r['seats']} | "
+                   f"{r['mean_running']:.2f} / {r['peak_running']} | {r['tokens_per_s']:.1f} "
+                   f"({r['ratio']:.2f}x) | {r['ttft_p50']:.1f} / {r['ttft_p99']:.1f} s | "
+                   f"{r['tpot_p50'] * 1e3:.0f} ms | {r['programs_per_token']:.3f} | "
+                   f"{r['host_share']:.1%} |")
+    r = rows[0]
+    command = (f"experiments/serving_bench.py --model {r['model']} --capacity {r['capacity']} "
+               f"--requests {r['requests']} --rate {r['rate']:g} --device-budget-mb "
+               f"{r['device_budget_bytes'] // 10**6}")
+    return _source(rows, POISSON, command) + "\n\n" + "\n".join(out)
+
+
+def serving_latency() -> str:
+    rows = _rows(LATENCY, experiment="serving_latency")
+    out = ["| server | TTFT p50 / p99 | inter-token p50 / p99 | tokens/s |", "|---|---|---|---|"]
+    for r in rows:
+        n = r["decode_steps_per_call"]
+        name = ("offloaded" if r["offload"] else "resident") + f", {n} step{'s' * (n > 1)} per call"
+        out.append(f"| {name} | {r['ttft_p50'] * 1e3:.0f} / {r['ttft_p99'] * 1e3:.0f} ms | "
+                   f"{r['itl_p50'] * 1e3:.1f} / {r['itl_p99'] * 1e3:.0f} ms | "
+                   f"{r['tokens_per_second']:.0f} |")
+    r = rows[0]
+    command = (f"experiments/serving_latency.py --clients {r['clients']} --seats {r['seats']} "
+               f"--capacity {r['capacity']} --max-tokens {r['max_tokens']}")
+    return _source(rows, LATENCY, command) + "\n\n" + "\n".join(out)
+
+
 TABLES = {"h200_management": h200_management, "h200_step": h200_step,
           "dp_serving": dp_serving, "rank_imbalance": rank_imbalance,
-          "replay_8192": replay_8192}
-BLOCK = re.compile(r"(<!-- results: (\w+) -->\n)((?:(?!<!-- results: ).)*?)(<!-- /results -->)",
-                   re.S)
+          "replay_8192": replay_8192, "serving_budget": serving_budget,
+          "serving_latency": serving_latency}
+BLOCK = re.compile(r"^( *)(<!-- results: (\w+) -->\n)((?:(?!<!-- results: ).)*?)( *<!-- /results -->)",
+                   re.S | re.M)
 
 
 def render(text: str) -> str:
     """Return `text` with every results block regenerated."""
     def sub(match):
-        name = match.group(2)
+        indent, name = match.group(1), match.group(3)
         if name not in TABLES:
             raise KeyError(f"no results table named {name!r} (known: {sorted(TABLES)})")
         note, table = TABLES[name]().split("\n\n")
-        note = textwrap.fill(note, 96, break_long_words=False, break_on_hyphens=False)
-        return match.group(1) + "\n" + note + "\n\n" + table + "\n\n" + match.group(4)
+        note = textwrap.fill(note, 96 - len(indent), break_long_words=False,
+                             break_on_hyphens=False)
+        body = "\n".join(indent + line for line in (note + "\n\n" + table).split("\n"))
+        body = re.sub(r"^ +$", "", body, flags=re.M)
+        return indent + match.group(2) + "\n" + body + "\n\n" + match.group(5)
     return BLOCK.sub(sub, text)
 
 
