@@ -22,6 +22,7 @@ RANKS = "experiments/results/rank_imbalance/rank_imbalance.jsonl"
 REPLAY = "docs/replay/replay.jsonl"
 POISSON = "experiments/results/serving/poisson.jsonl"
 LATENCY = "experiments/results/serving/latency.jsonl"
+AUTO = "experiments/results/auto_offload/auto_offload.jsonl"
 
 
 def _rows(path: str, **match):
@@ -191,10 +192,26 @@ def serving_latency() -> str:
     return _source(rows, LATENCY, command) + "\n\n" + "\n".join(out)
 
 
+def auto_offload() -> str:
+    rows = _rows(AUTO)
+    short = next(r["short"] for r in rows if r.get("served"))
+    out = ["| workload | cell | seats | peak running | tokens/s | vs auto | moves | H2D kB | "
+           "same tokens |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if not r.get("served"):
+            out.append(f"| {r['workload']} | {r['cell']} | {r['seats']} | cannot hold these "
+                       f"requests (prompt + output > {short} tokens) | | | | | |")
+            continue
+        out.append(f"| {r['workload']} | {r['cell']} | {r['seats']} | {r['peak_running']} | "
+                   f"{r['tokens_per_s']:.1f} | {r['ratio_to_auto']:.2f} | {r['migrations']} | "
+                   f"{r['h2d_bytes'] / 1e3:.1f} | {'yes' if r['same_tokens'] else 'no'} |")
+    return _source(rows, AUTO, "python experiments/auto_offload_bench.py") + "\n\n" + "\n".join(out)
+
+
 TABLES = {"h200_management": h200_management, "h200_step": h200_step,
           "dp_serving": dp_serving, "rank_imbalance": rank_imbalance,
           "replay_8192": replay_8192, "serving_budget": serving_budget,
-          "serving_latency": serving_latency}
+          "serving_latency": serving_latency, "auto_offload": auto_offload}
 BLOCK = re.compile(r"^( *)(<!-- results: (\w+) -->\n)((?:(?!<!-- results: ).)*?)( *<!-- /results -->)",
                    re.S | re.M)
 
