@@ -18,6 +18,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 SKIP = re.compile(r"^<!-- skip: \S.* -->$")
 SHELLS = ("bash", "sh", "shell", "console")
 MAX_SKIPPED = 4
+BUILT = {"fo_jax/offload/ffi/lib/"}  # named by the pages, made by a build command
 
 
 def _name(page: pathlib.Path) -> str:
@@ -133,3 +134,18 @@ def test_readme_links_resolve():
     assert len(links) > 10, links
     missing = [t for t in links if not (ROOT / t).exists()]
     assert not missing, missing
+
+
+def test_named_files_exist():
+    """Every file or folder of the repository that README.md or a docs page names (scripts,
+    tests, results files) exists, so a moved script or results file shows up here."""
+    path = re.compile(r"(?<![\w/.])((?:experiments|tests|fo_jax|pallas_kernels|docs)/"
+                      r"(?:[\w.-]+/)*(?:[\w.-]*\w\.(?:py|sh|jsonl|json|png|log|npz)\b|(?=[`\s),;])))")
+    named, missing = 0, []
+    for page in PAGES:
+        for match in path.finditer(page.read_text()):
+            named += 1
+            if not (ROOT / match.group(1)).exists() and match.group(1) not in BUILT:
+                missing.append(f"{_name(page)}: {match.group(1)}")
+    assert named > 100, named
+    assert not missing, "named but not in the repository:\n" + "\n".join(sorted(set(missing)))
