@@ -50,3 +50,13 @@ def test_test_files_have_distinct_names():
     root = pathlib.Path(__file__).parent
     names = collections.Counter(p.name for p in root.rglob("test_*.py"))
     assert not [n for n, c in names.items() if c > 1], names.most_common(3)
+
+
+def test_docs_pages_are_declared():
+    """BUILD's DOCS_PAGES (the data of the docs and README tests) lists README.md and every
+    page under docs/, and nothing else."""
+    namespace = {name: (lambda *_, **__: None) for name in ("py_library", "py_binary",
+                                                             "py_test", "glob", "package")}
+    exec((ROOT / "BUILD").read_text(), namespace)
+    pages = {"README.md"} | {str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")}
+    assert set(namespace["DOCS_PAGES"]) == pages, set(namespace["DOCS_PAGES"]) ^ pages

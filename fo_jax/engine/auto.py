@@ -99,8 +99,8 @@ class AutoEngine:
         offload.page_size).
       prefix_cache_bytes, prefix_cache_memory: the resident tier's prefix store (see
         `Engine`); the offloaded tier's cache lives in its pool.
-      Every other keyword (decode_steps_per_call, prefill_chunk, tokenizer, max_stop_ids,
-      query_block, implementation, ...) goes to both engines.
+      engine_kwargs: every other keyword (decode_steps_per_call, prefill_chunk, tokenizer,
+        max_stop_ids, query_block, implementation, ...) goes to both engines.
     Raises:
       ValueError: bad settings, before anything is allocated.
     """

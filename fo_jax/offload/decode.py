@@ -92,12 +92,17 @@ def gather_attend(hot, host_kv, table, layer, plan: GroupPlan, q_lat, q_pe, *, s
 
     Args:
       hot: [L, B, C + 2Z, D+R] device rows of every layer (new tokens already in the tail).
-      host_kv: [L, F, Z, D+R] host pool; table: [B, P] page table; layer: [] int; plan: the
-      group's plan; q_lat [B, W, H, D],
-      q_pe [B, W, H, R]; access: how the misses leave host pages (fo_jax.offload.host).
+      host_kv: [L, F, Z, D+R] host pool.
+      table: [B, P] page table.
+      layer: [] int.
+      plan: the group's plan.
+      q_lat: [B, W, H, D].
+      q_pe: [B, W, H, R].
+      access: how the misses leave host pages (fo_jax.offload.host).
     Returns:
-      (hot with every miss of this layer written into its victim slot,
-       out [B, W, H, D] float32).
+      The pair (hot with every miss of this layer written into its victim slot,
+      out [B, W, H, D] float32).
+
     Touches ceil(max over the batch of misses / chunk) * chunk host rows per request ("gather";
     "slices": exactly the misses) and W K + M device rows: scatters and gathers
     index the full array directly, so no layer-sized slice is copied.
