@@ -76,10 +76,12 @@ def run_workload(engine: Engine, requests, *, warm: bool = True,
     if metrics_path is not None:
         MetricsLog(engine, every=metrics_every)  # a bad setting is refused before any work
     if warm:  # compile every program (each prefill bucket up to the longest prompt), untimed;
-        # reversed: the same length without filling a prefix cache with a workload prompt
+        # reversed: the same length without filling a prefix cache with a workload prompt.
+        # Two decode calls: the second compiles the sum of the offload statistics too.
         longest = max((r[1] for r in requests), key=len)
         ranks = getattr(engine, "ranks", None)  # a DataParallelEngine: warm every rank
-        warm_ids = [engine.add_request(longest[::-1], max_tokens=2,
+        call_tokens = engine.n_steps * (getattr(engine, "num_drafts", 0) + 1)
+        warm_ids = [engine.add_request(longest[::-1], max_tokens=2 * call_tokens + 1,
                                        **({} if ranks is None else {"rank": r}))
                     for r in range(ranks or 1)]
         engine.run()
