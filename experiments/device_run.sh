@@ -37,6 +37,7 @@
 #
 #   OUT=results/device bash experiments/device_run.sh          # on the accelerator machine
 #   SMOKE=1 OUT=/tmp/dev bash experiments/device_run.sh         # tiny sizes, any backend
+#                                        (limits and budgets x3: a busy CPU compiles slowly)
 #   PARTS="ffi_library access_rates summary" OUT=... bash experiments/device_run.sh
 set -u
 OUT=${OUT:-results/device}
@@ -44,11 +45,12 @@ mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 smoke=${SMOKE:+--smoke}
+x=${SMOKE:+3}; x=${x:-1}  # limits and budgets: x3 in smoke mode
 full() { [ -z "${SMOKE:-}" ] && echo "$@"; }  # these flags at full size only
 PARTS=${PARTS:-ffi_library ffi_checks prefill_exact engine_exact access_rates access_gather \
 decode_ratio serving_saturation summary}
 part() {  # part NAME SECONDS COMMAND...: run, tee to $OUT/NAME.log; its exit status
-  local name=$1 limit=$2; shift 2
+  local name=$1 limit=$(( $2 * x )); shift 2
   case " $PARTS " in *" $name "*) ;; *) return 0 ;; esac
   rm -f "$OUT/$name.jsonl"
   echo "=== $name (limit ${limit}s) $(date +%T)"
@@ -65,7 +67,7 @@ part ffi_library ${LIBRARY_S:-30} $PY experiments/host_copy_check.py $smoke \
   $(full --require-gpu) --out "$OUT/ffi_library.jsonl" || {
   echo "=== stopping: every other part needs the host-copy library (see above)"; exit 1; }
 part ffi_checks ${CHECKS_S:-90} $PY experiments/accelerator_check.py $smoke --access ffi \
-  --checks hlo decode prefill --budget-s 60 --grace-s 20 --hlo "$OUT/hlo" \
+  --checks hlo decode prefill --budget-s $((60 * x)) --grace-s $((20 * x)) --hlo "$OUT/hlo" \
   --out "$OUT/ffi_checks.jsonl"
 part prefill_exact ${PREFILL_S:-55} $PY experiments/prefill_diagnosis.py $smoke \
   --host-access ffi --variants ffi device_pools host_fenced host_no_history \
@@ -74,9 +76,9 @@ part engine_exact ${ENGINE_S:-40} $PY experiments/engine_check.py $smoke --host-
   --out "$OUT/engine_exact.jsonl"
 part access_rates ${RATES_S:-70} $PY experiments/accelerator_check.py $smoke --access ffi \
   --checks access $(full --row-counts 64 256 1024 4096) --row-bytes 656 1152 \
-  --budget-s 45 --grace-s 12 --out "$OUT/access_rates.jsonl"
+  --budget-s $((45 * x)) --grace-s $((12 * x)) --out "$OUT/access_rates.jsonl"
 part access_gather ${GATHER_S:-25} $PY experiments/accelerator_check.py $smoke --access gather \
-  --checks access $(full --row-counts 4096) --budget-s 8 --grace-s 10 \
+  --checks access $(full --row-counts 4096) --budget-s $((8 * x)) --grace-s $((10 * x)) \
   --out "$OUT/access_gather.jsonl"
 part decode_ratio ${DECODE_S:-75} $PY experiments/decode_bench.py $smoke --what step \
   --policy ring --host-access ffi \

@@ -78,7 +78,7 @@ def test_default_parts_at_full_size(tmp_path):
             assert "--access ffi" in line or "--host-access ffi" in line, line
     by_part = dict(zip(PARTS, runs))
     assert "--require-gpu" in by_part["ffi_library"]
-    assert "--checks hlo decode prefill" in by_part["ffi_checks"]
+    assert "--checks hlo decode prefill --budget-s 60 --grace-s 20" in by_part["ffi_checks"]
     assert "--row-counts 64 256 1024 4096 --row-bytes 656 1152" in by_part["access_rates"]
     assert "--batch 8 32 1" in by_part["decode_ratio"]
     assert "--context 32768" in by_part["decode_ratio"]
@@ -89,6 +89,7 @@ def test_default_parts_at_full_size(tmp_path):
 def test_smoke_flags_and_a_missing_library_stops_the_run(tmp_path):
     done = _run(tmp_path, python=None, SMOKE="1", PARTS=None, fail="host_copy_check")
     assert done.returncode == 1
+    assert "=== ffi_library (limit 90s)" in done.stdout  # smoke: limits x3 (a busy CPU)
     assert "=== ffi_library exit 1" in done.stdout
     assert "=== stopping: every other part needs the host-copy library" in done.stdout
     runs = [line for line in (tmp_path / "calls").read_text().splitlines()
