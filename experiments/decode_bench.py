@@ -19,10 +19,13 @@ noisy, absolute times are not stable):
               for two workloads: `locality` (a favoured tenth of the tokens: a working set
               smaller than the hot cache) and `uniform` (low locality: hit rate about C / S).
               Median and spread of per-step times, the paired ratio, and the hit rate, for
-              each policy of `--policy` (ring and CLOCK side by side: `--policy ring clock`).
+              each policy of `--policy` (ring and CLOCK side by side: `--policy ring clock`),
+              at each batch of `--batch` in turn, rows moved as `--host-access` says (default:
+              the backend's, `fo_jax.offload.config.default_host_access`). Each batch's rows
+              are appended to `--out` as it ends.
 
     python experiments/decode_bench.py                       # both, CPU sizes
-    python experiments/decode_bench.py --what step --batch 16 --context 65536   # the GPU run
+    python experiments/decode_bench.py --what step --batch 8 32 1 --host-access ffi  # a GPU
     python experiments/decode_bench.py --smoke               # seconds; run by the tests
 """
 
@@ -45,7 +48,7 @@ from fo_jax import resident  # noqa: E402
 from fo_jax.config import get_config  # noqa: E402
 from fo_jax.model.dsa import init_params  # noqa: E402
 from fo_jax.offload import decode as offload_decode  # noqa: E402
-from fo_jax.offload.config import OffloadConfig  # noqa: E402
+from fo_jax.offload.config import HOST_ACCESS, OffloadConfig  # noqa: E402
 from fo_jax.offload.manage import manage_group  # noqa: E402
 
 
@@ -163,14 +166,14 @@ def bench_management(cells, *, batch, ways, k, context, rounds, warmup_rounds, i
 
 
 def run_management(args, meta):
-    k, ways = args.k, args.ways
+    k, ways, batch = args.k, args.ways, args.batch[0]
     sizes = [m * k for m in args.multiples]
     cells = [(policy, c) for policy in args.policies for c in sizes]
-    result = bench_management(cells, batch=args.batch, ways=ways, k=k,
+    result = bench_management(cells, batch=batch, ways=ways, k=k,
                               context=args.mgmt_context, rounds=args.rounds,
                               warmup_rounds=args.warmup_rounds, inner=args.inner)
     misses = result[cells[0]]["misses_per_step"]
-    print(f"\nmanagement per step: k={k}, W={ways}, batch={args.batch}, "
+    print(f"\nmanagement per step: k={k}, W={ways}, batch={batch}, "
           f"context={args.mgmt_context}; {misses:g} misses per request per step in every cell; "
           f"{args.rounds} interleaved rounds (+{args.warmup_rounds} warm-up) of {args.inner} "
           "steps per cell")
@@ -187,7 +190,7 @@ def run_management(args, meta):
                   f"{lo * 1e3:>8.3f}-{hi * 1e3:<8.3f}   {ratio:.2f}x [{r25:.2f}-{r75:.2f}] "
                   f"[{rlo:.2f}-{rhi:.2f}]")
             rows.append({**meta, "question": "management", "policy": policy, "hot_slots": c,
-                         "k": k, "ways": ways, "batch": args.batch,
+                         "k": k, "ways": ways, "batch": batch,
                          "context": args.mgmt_context, "seconds": med, "seconds_q25": q25,
                          "seconds_q75": q75, "seconds_min": lo, "seconds_max": hi,
                          "ratio": ratio, "ratio_q25": r25, "ratio_q75": r75,
@@ -209,30 +212,37 @@ WORKLOADS = {
 def run_step(args, meta):
     config = get_config(args.model)
     config = dataclasses.replace(config, max_ways=args.ways)
-    context, batch = args.context, args.batch
+    context = args.context
     hot = max(context // 4, config.index_topk * args.ways)
     page = 64 if hot >= 64 else 16
     capacity = -(-(context + (args.warmup + args.steps + 8) * args.ways) // page) * page
     offloads = {policy: OffloadConfig(hot_slots=hot, page_size=page, capacity=capacity,
-                                      policy=policy, miss_chunk=args.miss_chunk)
+                                      policy=policy, miss_chunk=args.miss_chunk,
+                                      host_access=args.host_access)
                 for policy in args.policy}
     params = init_params(config, jax.random.key(0))
-    print(f"\nwhole decode step: {config.name}, batch {batch}, W {args.ways}, context "
-          f"{context}, C {hot} ({', '.join(offloads)}), backend {meta['backend']}; "
-          f"{args.steps} timed steps after {args.warmup} warm-up steps, the paths "
-          "alternating step by step; median [IQR] of per-step times and of paired ratios")
+    access = next(iter(offloads.values())).host_access
     rows = []
-    for workload in args.workloads:
-        heavy = args.heavy if WORKLOADS[workload] is None else WORKLOADS[workload]
-        rows += _bench_step(args, meta, config, offloads, params, workload, heavy)
+    for batch in args.batch:
+        print(f"\nwhole decode step: {config.name}, batch {batch}, W {args.ways}, context "
+              f"{context}, C {hot} ({', '.join(offloads)}), host_access {access}, backend "
+              f"{meta['backend']}; {args.steps} timed steps after {args.warmup} warm-up steps, "
+              "the paths alternating step by step; median [IQR] of per-step times and of "
+              "paired ratios")
+        got = []
+        for workload in args.workloads:
+            heavy = args.heavy if WORKLOADS[workload] is None else WORKLOADS[workload]
+            got += _bench_step(args, meta, config, offloads, params, workload, heavy, batch)
+        write_jsonl(args.out, got)  # batch by batch: a batch cut short loses no other
+        rows += got
     return rows
 
 
-def _bench_step(args, meta, config, offloads, params, workload, heavy):
+def _bench_step(args, meta, config, offloads, params, workload, heavy, batch):
     """Resident and each policy's offloaded step, alternating step by step on the same
     tokens and state contents; one row per policy (its ratio to resident, and to the first
     policy, both paired within each step)."""
-    context, batch = args.context, args.batch
+    context = args.context
     states = {policy: synthetic_states(config, offload, batch, context, seed=1, heavy=heavy)
               for policy, offload in offloads.items()}
     first = next(iter(offloads))
@@ -290,6 +300,7 @@ def _bench_step(args, meta, config, offloads, params, workload, heavy):
         rows.append({**meta, "question": "step", "model": config.name, "batch": batch,
                      "ways": args.ways, "context": context,
                      "hot_slots": offloads[policy].hot_slots, "policy": policy,
+                     "host_access": offloads[policy].host_access,
                      "workload": workload, "heavy": heavy, "resident_s": res_med,
                      "resident_q25": res_q25, "resident_q75": res_q75, "offload_s": off_med,
                      "offload_q25": off_q25, "offload_q75": off_q75, "ratio": ratio,
@@ -305,7 +316,10 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (seconds)")
     parser.add_argument("--k", type=int, default=2048)
     parser.add_argument("--ways", type=int, default=1)
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--batch", type=int, nargs="+", default=[4],
+                        help="step: the batches timed in turn; management: one batch")
+    parser.add_argument("--host-access", default=None, choices=HOST_ACCESS,
+                        help="step: how the offloaded step moves rows (default: the backend's)")
     parser.add_argument("--multiples", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--mgmt-context", type=int, default=131072)
     parser.add_argument("--model", default="small")
@@ -331,9 +345,12 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="append JSON lines here")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.k, args.batch, args.mgmt_context, args.rounds, args.inner = 16, 2, 2048, 3, 4
+        args.k, args.batch, args.mgmt_context, args.rounds, args.inner = 16, [2], 2048, 3, 4
         args.model, args.context, args.steps, args.ways = "tiny", 200, 3, 2
         args.warmup, args.multiples = 2, [2, 4]  # each (policy, C) compiles its own program
+    if args.what != "step" and len(args.batch) > 1:
+        parser.error(f"--batch {' '.join(map(str, args.batch))}: the management benchmark "
+                     "takes one batch (run --what step for several)")
     if args.what != "step" and min(args.multiples) < args.ways:
         parser.error(f"C = {min(args.multiples)}k < k * W = {args.ways}k: every step's "
                      "selections must fit the hot cache; raise --multiples or lower --ways")
@@ -341,9 +358,9 @@ def main(argv=None):
     rows = []
     if args.what in ("management", "both"):
         rows += run_management(args, meta)
+        write_jsonl(args.out, rows)
     if args.what in ("step", "both"):
-        rows += run_step(args, meta)
-    write_jsonl(args.out, rows)
+        rows += run_step(args, meta)  # appends its rows batch by batch
     return rows
 
 

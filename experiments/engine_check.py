@@ -5,9 +5,11 @@ seats prefill and decode side by side) through the resident engine and through t
 engine (shared page pool, a hot cache smaller than the contexts so decoding misses, prefix
 cache on, requests sharing a prompt prefix), and compares every request's tokens. Prints the
 first token where a request parts, and each engine's wall time and step counters; appends one
-JSON line to `--out`.
+JSON line to `--out`. `--host-access` chooses how the offloaded engine moves rows (default:
+the backend's, `fo_jax.offload.config.default_host_access`).
 
     python experiments/engine_check.py                  # the embedded trained model
+    python experiments/engine_check.py --host-access ffi
     python experiments/engine_check.py --smoke          # tiny random model (the tests)
 """
 
@@ -28,7 +30,7 @@ from fo_jax.config import get_config  # noqa: E402
 from fo_jax.embedded import embedded_available, load_embedded  # noqa: E402
 from fo_jax.engine import Engine  # noqa: E402
 from fo_jax.model.dsa import init_params  # noqa: E402
-from fo_jax.offload.config import OffloadConfig  # noqa: E402
+from fo_jax.offload.config import HOST_ACCESS, OffloadConfig  # noqa: E402
 
 
 def requests(vocab: int, count: int, seed: int, prompt_len, output_len, prefix_len: int):
@@ -58,6 +60,8 @@ def main(argv=None):
     parser.add_argument("--hot-slots", type=int, default=None,
                         help="default: the smallest the model allows (misses)")
     parser.add_argument("--steps-per-call", type=int, default=4)
+    parser.add_argument("--host-access", default=None, choices=HOST_ACCESS,
+                        help="the offloaded engine's (default: the backend's)")
     parser.add_argument("--out", default=None, help="append JSON lines here")
     args = parser.parse_args(argv)
     if args.smoke or not embedded_available():
@@ -76,7 +80,8 @@ def main(argv=None):
                        prefill_chunk=chunk)
     resident_engine = Engine(params, config, capacity=args.capacity, **common_args)
     want, resident_s = serve(resident_engine, reqs)
-    offload = OffloadConfig(hot_slots=hot, page_size=page, capacity=args.capacity)
+    offload = OffloadConfig(hot_slots=hot, page_size=page, capacity=args.capacity,
+                            host_access=args.host_access)
     offload_engine = Engine(params, config, offload=offload, prefix_cache=True, **common_args)
     got, offload_s = serve(offload_engine, reqs)
     parted = {}
@@ -90,14 +95,15 @@ def main(argv=None):
     if stats is not None:
         hits, misses = int(np.sum(stats.hits)), int(np.sum(stats.misses))
     row = {**run_metadata(), "model": model, "requests": len(reqs), "seats": args.seats,
-           "capacity": args.capacity, "hot_slots": hot,
+           "capacity": args.capacity, "hot_slots": hot, "host_access": offload.host_access,
            "tokens": sum(len(t) for t in want.values()), "equal": not parted,
            "parted_at": parted, "resident_s": resident_s, "offload_s": offload_s,
            "hits": hits, "misses": misses,
            "prefix_hit_tokens": offload_engine.counters["prefix_hit_tokens"],
            "pool_after": offload_engine.pool_occupancy()}
     print(f"engine check on {row['backend']} ({row['device']}), jax {jax.__version__}: {model}, "
-          f"{len(reqs)} requests, {args.seats} seats, C={hot}")
+          f"{len(reqs)} requests, {args.seats} seats, C={hot}, host_access "
+          f"{offload.host_access}")
     print(f"  tokens equal: {row['equal']} ({row['tokens']} tokens"
           + (f"; parted: {parted}" if parted else "") + ")")
     print(f"  resident {resident_s:.2f} s, offloaded {offload_s:.2f} s "

@@ -6,16 +6,23 @@ one chunk on top of a history through several variants of the offloaded program 
 each with the resident program, layer by layer:
 
   host_pools      the pools in `pinned_host` memory (what the engine runs)
+  ffi             host pools, host_access="ffi" whatever `--host-access` says: fo_jax's copy
+                  targets are the only ops that touch host memory, so on a GPU the computing
+                  program holds no host value (the variant that must be exact)
   device_pools    the same program with the pools in device memory (no host memory space)
   host_fenced     host pools, each layer's new rows put behind `lax.optimization_barrier`
                   before their write-back (the rows are final on the device first)
   host_no_history host pools, a new batch (no history: no loads)
 
-If `device_pools` is exact and `host_pools` is not, the host memory space changes the
-arithmetic (work XLA's host offloader moves to the host); if neither is, the two programs
-fuse the model's arithmetic differently. `--hlo DIR` writes each compiled program's text.
+Every variant but `ffi` moves rows the way `--host-access` says (default: the backend's,
+`fo_jax.offload.config.default_host_access`). If `device_pools` is exact and `host_pools` is
+not, the host memory space changes the arithmetic (work XLA's host offloader moves to the
+host); if neither is, the two programs fuse the model's arithmetic differently. `--hlo DIR`
+writes each compiled program's text. One JSON line per variant is appended to `--out` as it
+ends.
 
     python experiments/prefill_diagnosis.py --out results/prefill_diagnosis.jsonl
+    python experiments/prefill_diagnosis.py --host-access ffi   # every variant through ffi
     python experiments/prefill_diagnosis.py --smoke      # tiny sizes, any backend (the tests)
 """
 
@@ -40,9 +47,10 @@ from fo_jax import resident  # noqa: E402
 from fo_jax.config import get_config  # noqa: E402
 from fo_jax.model.dsa import init_params  # noqa: E402
 from fo_jax.offload import prefill as offload_prefill  # noqa: E402
+from fo_jax.offload.config import HOST_ACCESS, default_host_access  # noqa: E402
 from fo_jax.offload.state import HostPages, read_back, to_memory_kind  # noqa: E402
 
-VARIANTS = ("host_pools", "device_pools", "host_fenced", "host_no_history")
+VARIANTS = ("host_pools", "ffi", "device_pools", "host_fenced", "host_no_history")
 
 
 @contextlib.contextmanager
@@ -86,6 +94,8 @@ def main(argv=None):
     parser.add_argument("--chunk", type=int, default=1024)
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--host-access", default=None, choices=HOST_ACCESS,
+                        help="how every variant but `ffi` moves rows (default: the backend's)")
     parser.add_argument("--hlo", default=None, help="write each compiled program's text here")
     parser.add_argument("--out", default=None, help="append JSON lines here")
     args = parser.parse_args(argv)
@@ -105,8 +115,10 @@ def main(argv=None):
     table = jnp.arange(b * (cap // z), dtype=jnp.int32).reshape(b, -1)
     meta = {**run_metadata(), "preset": args.preset, "batch": b, "history": hist,
             "chunk": chunk, "page_size": z}
+    access = args.host_access or default_host_access()
     print(f"prefill diagnosis on {meta.get('backend')} ({meta.get('device')}), "
-          f"jax {jax.__version__}: {args.preset}, batch {b}, history {hist}, chunk {chunk}")
+          f"jax {jax.__version__}: {args.preset}, batch {b}, history {hist}, chunk {chunk}, "
+          f"host_access {access} (the ffi variant: ffi)")
 
     def resident_state(history):
         return resident.ResidentState(kv=kv + 0, index_keys=ik + 0,
@@ -122,13 +134,15 @@ def main(argv=None):
             lengths=jnp.full((b,), history, jnp.int32))
 
     run_res = functools.partial(resident.prefill, params, config=config, check=False)
-    run_off = functools.partial(offload_prefill.prefill, params, config=config,
-                                num_buffers=min(3, config.num_layers), distance=1, check=False)
     references = {}
     rows = []
     for variant in args.variants:
         history = 0 if variant == "host_no_history" else hist
         kind = "device" if variant == "device_pools" else "pinned_host"
+        variant_access = "ffi" if variant == "ffi" else access
+        run_off = functools.partial(offload_prefill.prefill, params, config=config,
+                                    num_buffers=min(3, config.num_layers), distance=1,
+                                    check=False, host_access=variant_access)
         if history not in references:
             want, want_state = run_res(resident_state(history), tokens)
             references[history] = (want, want_state.kv)
@@ -145,18 +159,22 @@ def main(argv=None):
             if args.hlo:
                 _dump(args.hlo, variant, offload_prefill.lower_prefill(
                     params, offload_state(history, kind), tokens, config=config,
-                    num_buffers=min(3, config.num_layers), distance=1, check=False))
+                    num_buffers=min(3, config.num_layers), distance=1, check=False,
+                    host_access=variant_access))
         pages = read_back(got_state.host.kv).reshape(kv.shape)
-        row = {**meta, "variant": variant, **_compare(got, want, jnp.asarray(pages), want_kv),
+        row = {**meta, "variant": variant, "host_access": variant_access,
+               **_compare(got, want, jnp.asarray(pages), want_kv),
                "repeats_itself": bool(jnp.array_equal(again, got)),
                "wall_s": time.perf_counter() - start}
         rows.append(row)
+        write_jsonl(args.out, [row])  # as it comes: a variant that hangs loses no other
         print(f"[{'exact' if row['logits_equal'] and row['kv_equal'] else 'differs'}] "
               f"{variant:16s} logits equal {row['logits_equal']} (max |diff| "
               f"{row['logits_max_abs_diff']:.3g}); KV equal {row['kv_equal']}, first layer "
               f"differing {row['first_layer_differing']}, rows differing per layer "
               f"{row['kv_rows_differing_per_layer']}; repeats itself {row['repeats_itself']}")
-    write_jsonl(args.out, rows)
+    exact = sum(r["logits_equal"] and r["kv_equal"] for r in rows)
+    print(f"{exact} of {len(rows)} variants exact")
     return rows
 
 

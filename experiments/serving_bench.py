@@ -22,6 +22,14 @@ Ratios are to the first cell of the same run (these machines are noisy).
 
     python experiments/serving_bench.py                         # small model, CPU sizes
     python experiments/serving_bench.py --smoke                 # seconds; run by the tests
+    python experiments/serving_bench.py --closed-loop --seats 16 --workloads poisson
+
+With `--closed-loop` the engine runs at saturation instead: the same requests, arrival times
+ignored, `--seats` of them in the engine at once (each finished one replaced at once by the
+next, `fo_jax.engine.bench.run_workload(concurrency=...)`) until all are done, on each of
+`--paths` (resident and offloaded) with the same `--seats` seats: the paths compare at equal
+batch, so the offloaded / resident TPOT ratio is the cost of offloading per step (the target:
+<= 1.2). The budget then sizes nothing.
 
 With `--shared-prefix F` (default 0.8) a second workload gives F of the prompts one
 `--prefix-len`-token system prompt before their own tokens, served with and without the prefix
@@ -45,7 +53,7 @@ from fo_jax.config import get_config  # noqa: E402
 from fo_jax.engine import Engine, MemoryCosts  # noqa: E402
 from fo_jax.engine.bench import poisson_workload, run_workload  # noqa: E402
 from fo_jax.model.dsa import init_params  # noqa: E402
-from fo_jax.offload.config import OffloadConfig  # noqa: E402
+from fo_jax.offload.config import HOST_ACCESS, OffloadConfig  # noqa: E402
 from fo_jax.offload.state import device_bytes_formula  # noqa: E402
 
 
@@ -104,7 +112,9 @@ def main(argv=None):
     parser.add_argument("--prompt-len", type=int, nargs=2, default=[64, 384])
     parser.add_argument("--output-len", type=int, nargs=2, default=[16, 64])
     parser.add_argument("--prefill-chunk", type=int, default=128)
-    parser.add_argument("--steps-per-call", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--steps-per-call", type=int, nargs="+", default=None,
+                        help="decode steps per program, one cell each (default: 1 16; smoke: "
+                             "1 4)")
     parser.add_argument("--shared-prefix", type=float, default=0.8,
                         help="prefix workload: fraction of prompts sharing the system prompt "
                              "(0: skip that workload)")
@@ -115,8 +125,16 @@ def main(argv=None):
                         help="prefix workload: the paths served with and without the cache")
     parser.add_argument("--workloads", nargs="+", choices=("poisson", "shared_prefix"),
                         default=["poisson", "shared_prefix"])
-    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS),
-                        help="poisson workload: the paths measured")
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=None,
+                        help="poisson workload: the paths measured (default: all; closed "
+                             "loop: resident offload)")
+    parser.add_argument("--closed-loop", action="store_true",
+                        help="poisson workload: arrival times ignored, --seats requests in the "
+                             "engine at once on every path (saturation)")
+    parser.add_argument("--seats", type=int, default=None,
+                        help="closed loop: seats of every path (default: --max-seats)")
+    parser.add_argument("--host-access", default=None, choices=HOST_ACCESS,
+                        help="how the offloaded engine moves rows (default: the backend's)")
     parser.add_argument("--out", default=None, help="append JSON lines here")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -124,13 +142,25 @@ def main(argv=None):
         # prefill compiles for histories of 0, 2 and 4 pages (its buckets), no more.
         args.model, args.capacity, args.page_size, args.requests = "tiny", 64, 4, 5
         args.prompt_len, args.output_len, args.prefill_chunk = [4, 16], [2, 6], 8
-        args.rate, args.device_budget_mb, args.steps_per_call = 50.0, 0.2, [1, 4]
+        args.rate, args.device_budget_mb = 50.0, 0.2
+        args.steps_per_call = args.steps_per_call or [1, 4]
         args.prefix_len, args.prefix_paths = 8, ["offload"]
+    args.steps_per_call = args.steps_per_call or [1, 16]
+    if args.paths is None:
+        args.paths = ["resident", "offload"] if args.closed_loop else list(PATHS)
+    if args.closed_loop and "paged_device" in args.paths:
+        parser.error("--closed-loop runs every path at the same --seats; paged_device sizes "
+                     "its seats by the device budget: leave it out of --paths")
+    if args.seats is not None and not args.closed_loop:
+        parser.error("--seats is for --closed-loop (the Poisson cells size seats by the "
+                     "device budget)")
+    seats_closed = args.seats or args.max_seats
     config = get_config(args.model).replace(max_ways=1)
     if args.capacity > config.max_seq_len:
         config = config.replace(max_seq_len=args.capacity)
     hot = args.hot_slots or config.index_topk
-    offload = OffloadConfig(hot_slots=hot, page_size=args.page_size, capacity=args.capacity)
+    offload = OffloadConfig(hot_slots=hot, page_size=args.page_size, capacity=args.capacity,
+                            host_access=args.host_access)
     params = init_params(config, jax.random.key(0))
     requests = workload(args, config.vocab_size)
     budget = int(args.device_budget_mb * 1e6)
@@ -138,7 +168,10 @@ def main(argv=None):
     print(f"serving: {config.name}, seat capacity {args.capacity}, device budget "
           f"{budget / 1e6:g} MB, {args.requests} requests at {args.rate:g}/s, prompts "
           f"{args.prompt_len[0]}-{args.prompt_len[1]}, outputs {args.output_len[0]}-"
-          f"{args.output_len[1]} tokens, greedy; C = {hot} when offloaded")
+          f"{args.output_len[1]} tokens, greedy; C = {hot} when offloaded (host_access "
+          f"{offload.host_access})"
+          + (f"; closed loop: {seats_closed} seats on every path, every seat busy"
+             if args.closed_loop else ""))
     print(f"{'cell':22s}{'seats':>6s}{'mean/peak run':>15s}{'tok/s':>9s}{'ratio':>7s}"
           f"{'TTFT p50/p99 s':>17s}{'TPOT p50 ms':>13s}{'prog/tok':>10s}{'host share':>12s}"
           f"{'preempt':>9s}")
@@ -155,7 +188,7 @@ def main(argv=None):
                           num_buffers=2)
         else:
             per_seat = seat_bytes(config, path, args.capacity, offload)
-            seats = min(args.max_seats, budget // per_seat)
+            seats = seats_closed if args.closed_loop else min(args.max_seats, budget // per_seat)
             kwargs = dict(offload=None if path == "resident" else offload)
         if seats < 1:
             print(f"{path}: one seat (and its capacity) needs more than the budget; skipped")
@@ -163,7 +196,8 @@ def main(argv=None):
         for n in args.steps_per_call:
             engine = Engine(params, config, seats=int(seats), capacity=args.capacity,
                             decode_steps_per_call=n, prefill_chunk=args.prefill_chunk, **kwargs)
-            fig = run_workload(engine, requests)
+            fig = run_workload(engine, requests,
+                               concurrency=int(seats) if args.closed_loop else None)
             base = base or fig["tokens_per_s"]
             name = f"{path} N={n}"
             tpot = "-" if fig["tpot_p50"] is None else f"{fig['tpot_p50'] * 1e3:.1f}"
@@ -173,17 +207,35 @@ def main(argv=None):
                   f"{fig['programs_per_token']:>10.3f}{fig['host_share']:>12.3f}"
                   f"{engine.counters['preemptions']:>9d}")
             rows.append({**meta, "model": config.name, "path": path, "steps_per_call": n,
-                         "workload": "poisson", "pool_size": pages,
+                         "workload": "closed_loop" if args.closed_loop else "poisson",
+                         "host_access": offload.host_access if path != "resident" else None,
+                         "pool_size": pages,
                          "preemptions": engine.counters["preemptions"],
                          "seats": int(seats), "seat_device_bytes": int(per_seat),
                          "device_budget_bytes": budget, "capacity": args.capacity,
                          "hot_slots": hot if path != "resident" else None,
                          "requests": args.requests, "rate": args.rate,
                          "ratio": fig["tokens_per_s"] / base, **fig})
+            write_jsonl(args.out, rows[-1:])  # cell by cell: a cell cut short loses no other
+    if args.closed_loop:
+        print(tpot_ratio_line(rows))
     if args.shared_prefix > 0 and "shared_prefix" in args.workloads:
-        rows += _prefix_cells(args, config, params, offload, budget, meta)
-    write_jsonl(args.out, rows)
+        prefix_rows = _prefix_cells(args, config, params, offload, budget, meta)
+        write_jsonl(args.out, prefix_rows)
+        rows += prefix_rows
     return rows
+
+
+def tpot_ratio_line(rows) -> str:
+    """Offloaded / resident TPOT p50 per steps-per-call, from the closed-loop rows."""
+    parts = []
+    for n in sorted({r["steps_per_call"] for r in rows}):
+        by = {r["path"]: r for r in rows if r["steps_per_call"] == n}
+        if {"resident", "offload"} <= set(by) and by["resident"]["tpot_p50"] \
+                and by["offload"]["tpot_p50"] is not None:
+            parts.append(f"N={n} x{by['offload']['tpot_p50'] / by['resident']['tpot_p50']:.2f}")
+    return ("TPOT p50 offloaded / resident at saturation (target <= 1.2): "
+            + (", ".join(parts) or "no pair of resident and offloaded cells"))
 
 
 def _prefix_cells(args, config, params, offload, budget, meta):

@@ -5,11 +5,16 @@ experiments/serving_bench.py).
                                 vocab=config.vocab_size)
     figures = run_workload(engine, requests)     # tokens/s, TTFT, TPOT, hit rate, pool ...
     print("\\n".join(summary_lines(figures)))
+    figures = run_workload(engine, requests, concurrency=engine.seats)   # closed loop
 
 The host clock drives arrivals: a request is added once its arrival time has passed, so an
-engine whose steps are slower sees more requests waiting. Figures are of the timed run only:
-every program is compiled first by an untimed request as long as the longest prompt (one per
-rank of a `DataParallelEngine`, whose imbalance figures are added).
+engine whose steps are slower sees more requests waiting. In a closed loop (`concurrency`)
+arrival times are ignored: before every step the engine holds that many unfinished requests
+(while any are left), each one that finished replaced by the next, until all are done (with
+concurrency >= seats, every seat is busy while requests remain: the engine at saturation).
+Figures are of the timed run only: every program is compiled first by an untimed request as
+long as the longest prompt (one per rank of a `DataParallelEngine`, whose imbalance figures
+are added).
 """
 
 from __future__ import annotations
@@ -68,8 +73,11 @@ def _reset(engine: Engine) -> None:
 
 
 def run_workload(engine: Engine, requests, *, warm: bool = True,
-                 metrics_path: str | None = None, metrics_every: int = 16) -> dict:
-    """Feed `requests` by their arrival times and step until all finish; the run's figures.
+                 metrics_path: str | None = None, metrics_every: int = 16,
+                 concurrency: int | None = None) -> dict:
+    """Feed `requests` by their arrival times (or, with `concurrency`, in a closed loop: that
+    many in the engine at once, each finished one replaced at once by the next) and step until
+    all finish; the run's figures.
 
     Figures: wall seconds, output tokens and tokens/s, mean / peak running requests per step,
     TTFT and time per output token (p50 / p99), compiled programs per output token (host
@@ -79,14 +87,18 @@ def run_workload(engine: Engine, requests, *, warm: bool = True,
     With `metrics_path`, the timed run's counters go there as JSON lines every
     `metrics_every` steps (`fo_jax.engine.metrics.MetricsLog`, attached after the warm-up).
     """
+    if concurrency is not None and concurrency < 1:
+        raise ValueError(f"concurrency={concurrency} must be >= 1 (requests kept in the engine)")
     if metrics_path is not None:
         # a bad setting or path is refused before any work
         MetricsLog(engine, path=metrics_path, every=metrics_every)
     if warm:  # compile every program (each prefill bucket up to the longest prompt), untimed;
-        # reversed: the same length without filling a prefix cache with a workload prompt
+        # reversed: the same length without filling a prefix cache with a workload prompt.
+        # Two decode calls: the second compiles the sum of the offload statistics too.
         longest = max((r[1] for r in requests), key=len)
         ranks = getattr(engine, "ranks", None)  # a DataParallelEngine: warm every rank
-        warm_ids = [engine.add_request(longest[::-1], max_tokens=2,
+        call_tokens = engine.n_steps * (getattr(engine, "num_drafts", 0) + 1)
+        warm_ids = [engine.add_request(longest[::-1], max_tokens=2 * call_tokens + 1,
                                        **({} if ranks is None else {"rank": r}))
                     for r in range(ranks or 1)]
         engine.run()
@@ -99,9 +111,15 @@ def run_workload(engine: Engine, requests, *, warm: bool = True,
     start = time.perf_counter()
     pending = list(enumerate(requests))
     ids, running = {}, []
+
+    def admit(now: float) -> bool:  # whether the next request goes in now
+        if concurrency is not None:  # closed loop: the engine's unfinished requests
+            return engine.num_running() + engine.num_waiting() < concurrency
+        return pending[0][1][0] <= now
+
     while pending or engine.has_unfinished():
         now = time.perf_counter() - start
-        while pending and pending[0][1][0] <= now:
+        while pending and admit(now):
             i, (_, prompt, max_tokens) = pending.pop(0)
             ids[i] = engine.add_request(prompt, max_tokens=max_tokens)
         if not engine.has_unfinished():

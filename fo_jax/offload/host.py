@@ -59,9 +59,9 @@ compiler drops memory spaces and compiles every move to nothing):
     (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` raises it).
 
 `experiments/accelerator_check.py` compiles every setting at real sizes on an accelerator and
-reports compile success, bitwise equality and GB/s against a bulk `jax.device_put`, so that the
-first accelerator run can pick the setting that compiles and is fast without touching anything
-else.
+reports compile success, bitwise equality, the host-compute ops and host-memory faults of the
+compiled programs, and GB/s against `fo_jax.offload.ffi.read_bulk` (one contiguous copy by the
+copy engine) and a bulk `jax.device_put` of the same bytes.
 """
 
 from __future__ import annotations

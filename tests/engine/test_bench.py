@@ -1,5 +1,6 @@
 """`fo-jax bench-serve` and fo_jax.engine.bench: a Poisson workload through the engine, the
-figures it reports, and bad workload flags refused before any weights are read."""
+figures it reports, bad workload flags refused before any weights are read, and the closed
+loop (every seat busy) that ignores arrival times."""
 
 import argparse
 import json
@@ -8,7 +9,8 @@ import numpy as np
 import pytest
 
 from fo_jax import cli
-from fo_jax.engine.bench import poisson_workload
+from fo_jax.engine.bench import poisson_workload, run_workload
+from fo_jax.engine.engine import RequestOutput
 from fo_jax.server.serve import add_engine_arguments, build_engine
 
 
@@ -156,3 +158,74 @@ def test_mtp_drafter_flag_loads_the_checkpoints_mtp_layer(capsys, tmp_path):
             "--model-dir", parity, "--capacity", "64", "--prefill-chunk", "16", "--num-drafts",
             "1", "--drafter", "mtp", "--prefix-cache", *flags]))[0]
         assert engine.drafter == "mtp" and engine.mtp_prefix is not None
+
+
+class _Engine:
+    """Stands in for an engine in `run_workload`: `seats` seats, a request takes max_tokens
+    steps once seated; records the unfinished requests before every step."""
+
+    def __init__(self, seats: int):
+        self.seats, self.n_steps = seats, 1
+        self.timings = dict.fromkeys(("prefill_s", "decode_s", "step_s"), 1.0)
+        self.counters = dict.fromkeys(("prefill_calls", "decode_calls", "prefill_tokens",
+                                       "prefix_hit_tokens", "steps", "decode_tokens"), 1)
+        self.stats, self.waiting, self.running, self.done, self.before = None, [], {}, {}, []
+
+    def add_request(self, prompt, *, max_tokens):
+        rid = str(len(self.waiting) + len(self.running) + len(self.done))
+        self.waiting.append((rid, max_tokens))
+        return rid
+
+    def has_unfinished(self):
+        return bool(self.waiting or self.running)
+
+    def num_waiting(self):
+        return len(self.waiting)
+
+    def num_running(self):
+        return len(self.running)
+
+    def step(self):  # before: (unfinished in the engine, requests not yet finished)
+        self.before.append((self.num_running() + self.num_waiting(), 5 - len(self.done)))
+        while self.waiting and len(self.running) < self.seats:
+            rid, left = self.waiting.pop(0)
+            self.running[rid] = [left, []]
+        outs = []
+        for rid, request in list(self.running.items()):
+            request[0] -= 1
+            request[1].append(7)
+            if request[0] == 0:
+                self.done[rid] = self.running.pop(rid)[1]
+            outs.append(self._output(rid, request[1], request[0] == 0))
+        return outs
+
+    def _output(self, rid, tokens, finished):
+        return RequestOutput(rid, tokens[-1:], list(tokens), None, finished, None, 1, 0.1, 0.01)
+
+    def run(self):
+        while self.has_unfinished():
+            self.step()
+        return {rid: self._output(rid, tokens, True) for rid, tokens in self.done.items()}
+
+    def release(self, rid):
+        return None
+
+    def pool_occupancy(self):
+        return None
+
+
+@pytest.mark.parametrize("concurrency", [1, 2, 3])
+def test_a_closed_loop_keeps_its_concurrency(concurrency):
+    requests = [(1.0 * i, [1, 2], m) for i, m in enumerate([3, 1, 2, 4, 2])]  # 1 s apart
+    engine = _Engine(seats=2)
+    figures = run_workload(engine, requests, warm=False, concurrency=concurrency)
+    # Before every step the engine holds `concurrency` unfinished requests, fewer only when
+    # fewer are left; arrival times are ignored (the run never sleeps until the next one).
+    assert engine.before and all(n == min(concurrency, left) for n, left in engine.before)
+    assert figures["output_tokens"] == 12 and figures["wall_s"] < 0.9
+    assert figures["peak_running"] == min(concurrency, 2)
+
+
+def test_a_closed_loop_needs_a_request_in_flight():
+    with pytest.raises(ValueError, match=r"concurrency=0 must be >= 1"):
+        run_workload(_Engine(seats=1), [(0.0, [1], 1)], warm=False, concurrency=0)

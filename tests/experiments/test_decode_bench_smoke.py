@@ -3,14 +3,16 @@
 import json
 
 import numpy as np
+import pytest
 
 
 def test_smoke(load_experiment, tmp_path, capsys):
     out = tmp_path / "bench.jsonl"
     rows = load_experiment("decode_bench").main(
-        ["--smoke", "--policy", "ring", "clock", "--out", str(out)])
+        ["--smoke", "--policy", "ring", "clock", "--host-access", "ffi", "--out", str(out)])
     printed = capsys.readouterr().out
     assert "management per step" in printed and "whole decode step" in printed
+    assert "host_access ffi" in printed
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     # 3 policies x 2 hot-cache sizes; the step: 2 policies x 2 workloads (locality, uniform).
     assert len(lines) == len(rows) == 3 * 2 + 2 * 2
@@ -35,6 +37,7 @@ def test_smoke(load_experiment, tmp_path, capsys):
         ("locality", "clock"), ("locality", "ring"), ("uniform", "clock"), ("uniform", "ring")]
     for step in steps:
         assert step["ratio"] > 0 and 0 <= step["hit_rate"] <= 1
+        assert step["host_access"] == "ffi" and step["batch"] == 2
         assert step["ratio_q25"] <= step["ratio"] <= step["ratio_q75"]
         assert step["resident_q25"] <= step["resident_s"] <= step["resident_q75"]
         assert step["ratio_to_ring"] > 0
@@ -49,3 +52,10 @@ def test_smoke(load_experiment, tmp_path, capsys):
     load_experiment("plot_decode_bench").main([str(out), "--out", str(png)])
     assert png.stat().st_size > 0
     assert np.isfinite([r["ratio"] for r in lines]).all()
+
+
+def test_management_takes_one_batch(load_experiment, capsys):
+    with pytest.raises(SystemExit):
+        load_experiment("decode_bench").main(["--what", "both", "--batch", "8", "32"])
+    assert ("--batch 8 32: the management benchmark takes one batch (run --what step for "
+            "several)") in capsys.readouterr().err

@@ -3,6 +3,8 @@ offloaded), two steps-per-call settings, as JSON lines."""
 
 import json
 
+import pytest
+
 
 def test_smoke(load_experiment, tmp_path, capsys):
     out = tmp_path / "serving.jsonl"
@@ -40,3 +42,35 @@ def test_smoke(load_experiment, tmp_path, capsys):
     assert off["cached_tokens"] == 0 < on["cached_tokens"]
     assert on["prefill_tokens"] == off["prefill_tokens"] - on["cached_tokens"]
     assert on["output_tokens"] == off["output_tokens"]
+
+
+def test_closed_loop(load_experiment, tmp_path, capsys):
+    """At saturation: resident and offloaded at the same seats, every seat busy, the same
+    greedy tokens; the TPOT ratio printed against its target."""
+    out = tmp_path / "closed.jsonl"
+    module = load_experiment("serving_bench")
+    rows = module.main(["--smoke", "--closed-loop", "--seats", "2", "--steps-per-call", "2",
+                        "--workloads", "poisson", "--host-access", "ffi", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert [(r["path"], r["workload"], r["seats"]) for r in rows] == [
+        ("resident", "closed_loop", 2), ("offload", "closed_loop", 2)]
+    assert [json.loads(line) for line in out.read_text().splitlines()] == rows
+    assert all(r["peak_running"] == 2 and r["tpot_p50"] > 0 for r in rows)
+    assert rows[0]["output_tokens"] == rows[1]["output_tokens"]
+    assert rows[1]["host_access"] == "ffi" and rows[0]["host_access"] is None
+    ratio = rows[1]["tpot_p50"] / rows[0]["tpot_p50"]
+    assert (f"TPOT p50 offloaded / resident at saturation (target <= 1.2): N=2 x{ratio:.2f}"
+            in printed)
+
+
+def test_closed_loop_flags(load_experiment, capsys):
+    module = load_experiment("serving_bench")
+    for flags, message in (
+            (["--closed-loop", "--paths", "paged_device"],
+             "--closed-loop runs every path at the same --seats; paged_device sizes its seats "
+             "by the device budget: leave it out of --paths"),
+            (["--seats", "4"], "--seats is for --closed-loop (the Poisson cells size seats by "
+                               "the device budget)")):
+        with pytest.raises(SystemExit):
+            module.main(["--smoke", *flags])
+        assert message in capsys.readouterr().err
