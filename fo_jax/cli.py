@@ -32,11 +32,26 @@ DEFAULT_PROMPT = (
     "    \"\"\"Return the lines of the file at *path*.\"\"\"\n"
 )
 DEFAULT_MODEL = "trained-small"
+# The offload demo (`generate --offload` without --prompt): a real Python source the package
+# ships, long enough that the hot cache holds a fraction of it (the embedded model's C = 512
+# slots against ~3,000 tokens of context).
+DEMO_SOURCE = "offload/manage.py"  # relative to the fo_jax package
+DEMO_TOKENS = 3072
 
 
 def printable(text: str) -> str:
     """Text for a terminal: control characters (but newlines) shown as U+FFFD."""
     return "".join(ch if ch == "\n" or ch.isprintable() else "\ufffd" for ch in text)
+
+
+def demo_prompt(tokenizer, limit: int) -> tuple[list[int], str]:
+    """The offload demo's prompt: (ids, text) of the first min(DEMO_TOKENS, limit) tokens of
+    fo_jax's own `DEMO_SOURCE`, a file every install has."""
+    import pathlib
+
+    text = (pathlib.Path(__file__).parent / DEMO_SOURCE).read_text()
+    ids = tokenizer.encode(text).tolist()[:max(1, min(DEMO_TOKENS, limit))]
+    return ids, tokenizer.decode(ids)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -64,7 +79,10 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="safetensors weights for a --model preset (default: random)")
     gen.add_argument("--seed", type=flags.seed, default=0,
                      help="sampling seed (and the random weights of a --model preset)")
-    gen.add_argument("--prompt", default=DEFAULT_PROMPT)
+    gen.add_argument("--prompt", default=None,
+                     help="the prompt text (default: with --offload, the first ~3,000 tokens "
+                          f"of fo_jax/{DEMO_SOURCE}, a context longer than the hot cache; "
+                          "else a short function header)")
     gen.add_argument("--batch", type=int, default=1, help="copies of the prompt to run")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -406,15 +424,19 @@ def _cmd_generate(args) -> int:
     resolve_implementation(args.implementation, args.interpret)  # before anything runs
     prefill_chunk = gen.PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk
     gen.check_prefill_chunk(prefill_chunk)
-    prompt_text = args.prompt
-    if args.chat:
-        if not args.prompt:
+    demo = args.prompt is None and args.offload and not args.chat
+    prompt_text = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    if demo:  # leave room for the new tokens within max_seq_len, in whole pages
+        room = config.max_seq_len - args.max_new_tokens - args.page_size
+        prompt, prompt_text = demo_prompt(tokenizer, room)
+    elif args.chat:
+        if not prompt_text:
             raise ValueError("--prompt is empty: give at least one character")
-        prompt_text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
+        prompt_text = tokenizer.apply_chat_template([{"role": "user", "content": prompt_text}],
                                                     add_generation_prompt=True)
         prompt = tokenizer.encode(prompt_text, add_special_tokens=False).tolist()
     else:
-        prompt = tokenizer.encode(args.prompt).tolist()
+        prompt = tokenizer.encode(prompt_text).tolist()
     stop_tokens = tuple(getattr(tokenizer, "eos_ids", ()))
     if not prompt:
         raise ValueError("--prompt is empty: give at least one character")
@@ -511,7 +533,11 @@ def _cmd_generate(args) -> int:
                            f"{int(hits[0]) + 1} tokens")
             tokens = tokens[:hits[0]]
         print(f"--- request {b} ---")
-        print(printable(prompt_text + tokenizer.decode(tokens)))
+        shown = prompt_text
+        if demo:  # a few thousand tokens: show where the prompt ends
+            shown = (f"[the prompt: the first {len(prompt)} tokens of fo_jax/{DEMO_SOURCE}, "
+                     "ending with]\n" + prompt_text[-240:])
+        print(printable(shown + tokenizer.decode(tokens)))
     print("--- summary ---")
     print(f"model: {config.name}   path: {engine.name}   batch: {args.batch}")
     print(f"generated: {result.tokens.size} tokens in {result.seconds:.2f} s "
@@ -535,6 +561,11 @@ def _cmd_generate(args) -> int:
         rate = ("no decode step ran (--max-new-tokens 1)" if extra["hit_rate"] is None
                 else f"hit rate {extra['hit_rate']:.3f}, misses {extra['misses']}")
         print(f"hot cache: {engine.offload.hot_slots} slots/layer, policy {policy}; {rate}")
+        if engine.offload.hot_slots >= capacity:
+            # C >= k W (every way's top-k at once) is the decode step's own rule, so a context
+            # shorter than that is served from a hot cache larger than itself.
+            print(f"(the hot cache holds the whole context of {capacity} positions: offload "
+                  "saves device memory only for contexts longer than the hot cache)")
         print(f"bytes moved per token: H2D {_fmt_bytes(extra['h2d_bytes_per_token'])}, "
               f"D2H {_fmt_bytes(extra['d2h_bytes_per_token'])}; "
               f"host KV {_fmt_bytes(extra['host_kv_bytes'])}")
