@@ -426,6 +426,8 @@ def build_app(driver: EngineDriver, *, tokenizer, model_name: str, capacity: int
             ids = await asyncio.to_thread(_encode_chat, body.messages)
         except _NotText as err:
             return _not_text(err)
+        except ValueError as err:  # the chat template refused the messages (raise_exception)
+            return _not_text(_NotText("messages", str(err)))
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
             max_tokens = max(1, capacity - len(ids))

@@ -17,6 +17,7 @@ import pytest
 from fo_jax import resident
 from fo_jax.embedded import load_embedded
 from fo_jax.engine import Engine
+from fo_jax.server.protocol import simple_chat_template
 from fo_jax.server.serve import ServerThread, build_served, final_report, warm_up
 
 # The embedded model (read from the package in 0.3 s; random tiny weights take longer to make),
@@ -431,6 +432,34 @@ def test_lone_surrogates_are_refused_naming_the_field(server):
     assert chat.status_code == 400, chat.text
     assert chat.json()["error"]["param"] == "messages.1.content"
     assert "a lone surrogate (U+DFFF) at character 0" in chat.json()["error"]["message"]
+
+
+def test_a_chat_template_that_refuses_the_messages_gets_400():
+    """A checkpoint's chat template may refuse messages (`raise_exception("roles must
+    alternate")`: a ValueError of `apply_chat_template`): the client's input, so 400 naming
+    `messages`, not a 500."""
+    def template(messages):
+        if len(messages) > 1 and messages[-1].role == messages[-2].role:
+            raise ValueError("the chat template of ckpt refused the messages: Conversation "
+                             "roles must alternate user/assistant/user/assistant/...")
+        return simple_chat_template(messages)
+
+    engine = _engine()
+    srv = ServerThread(build_served(engine, TOKENIZER, model_name=NAME, chat_template=template),
+                       shutdown_timeout=1.0).start()
+    try:
+        url = srv.url + "/v1/chat/completions"
+        refused = httpx.post(url, json={"messages": [{"role": "user", "content": "a"},
+                                                     {"role": "user", "content": "b"}]})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "messages"
+        assert refused.json()["error"]["message"].endswith(
+            "Conversation roles must alternate user/assistant/user/assistant/...")
+        fine = httpx.post(url, json={"messages": [{"role": "user", "content": "a"}],
+                                     "max_tokens": 2})
+        assert fine.status_code == 200, fine.text
+    finally:
+        assert srv.stop(timeout=20)
 
 
 def test_stop_strings_are_bounded(server):
