@@ -97,6 +97,7 @@ _KINDS = {
     **{key: "positive" for key in ("rms_norm_eps", "routed_scaling_factor", "rope_theta")},
     "norm_topk_prob": "bool", "indexer_rope_interleave": "bool",
 }
+MAX_LAYERS = 4096  # num_hidden_layers above this is refused as a typo, not built
 _MOE_ONLY = ("num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
              "first_k_dense_replace")
 _EXPECTED = {"size": "an int >= 1", "count": "an int >= 0", "count?": "an int >= 0 or null",
@@ -205,6 +206,10 @@ def config_from_hf(config: dict | str | os.PathLike, *, name: str | None = None,
     fields.setdefault("index_rope_interleave", model_type == "glm_moe_dsa")
     fields.update(_rope_fields(hf, where))
     num_layers = hf["num_hidden_layers"]
+    if num_layers > MAX_LAYERS:  # per-layer tables are built below: 10**9 would hang here
+        raise ValueError(f"{where} num_hidden_layers={num_layers} is above {MAX_LAYERS}: no "
+                         "DSA model has that many (DeepSeek-V3.2 has 61, GLM-5.2 78); check "
+                         "the value")
     fields["indexer_layers"] = _indexer_layers(hf, num_layers, where)
     _check_mlp_layer_types(hf, num_layers, where)
     stored = hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"

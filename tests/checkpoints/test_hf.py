@@ -349,6 +349,10 @@ BAD_CONFIGS = {
                            "config.json hidden_size='7168' must be an int >= 1, got a str"),
     "negative num_hidden_layers": (dict(DEEPSEEK_V32, num_hidden_layers=-1),
                                    "config.json num_hidden_layers=-1 must be an int >= 1"),
+    # 10**9 layers built its per-layer tables for minutes: refused at once.
+    "absurd num_hidden_layers": (dict(DEEPSEEK_V32, num_hidden_layers=10**9),
+                                 "config.json num_hidden_layers=1000000000 is above 4096: no "
+                                 "DSA model has that many"),
     "float vocab_size": (dict(DEEPSEEK_V32, vocab_size=129280.0),
                          "config.json vocab_size=129280.0 must be an int >= 1, got a float"),
     "bool index_topk": (dict(DEEPSEEK_V32, index_topk=True),
