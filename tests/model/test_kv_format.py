@@ -5,9 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fo_jax import resident
 from fo_jax.config import get_config
 from fo_jax.model.kv_format import (dequantize_kv_rows, fp8_row_bytes, kv_fill, load_kv_rows,
                                     quantize_kv_rows, store_kv_rows)
+from fo_jax.offload.config import OffloadConfig
+from fo_jax.offload.state import DecodeState
 
 TINY = get_config("tiny")
 
@@ -98,6 +101,25 @@ def test_row_bytes_of_the_presets():
     assert fp8.bytes_per_token == 61 * 656 + 61 * 256
 
 
+def test_host_bytes_per_token_and_layer_from_the_arrays_at_deepseek_widths():
+    # The state's own arrays at the deepseek_v32 widths, traced (jax.eval_shape allocates
+    # nothing): 656 host bytes per token and layer, plus 256 device bytes of indexer key per
+    # token and indexer (DeepSeek: one indexer per layer).
+    config = get_config("deepseek_v32").replace(kv_format="fp8_ds_mla")
+    offload = OffloadConfig(hot_slots=8192, page_size=64, capacity=16384)
+    state = jax.eval_shape(lambda: DecodeState.create(config, offload, batch=1))
+    num_l, frames, z, width = state.host.kv.shape
+    tokens = frames * z
+    host = state.host.kv.size * state.host.kv.dtype.itemsize
+    keys = state.index_keys.size * state.index_keys.dtype.itemsize
+    assert state.host.kv.dtype == jnp.uint8 and width == 656
+    assert host // (num_l * tokens) == 656 and host % (num_l * tokens) == 0
+    assert keys // (config.num_groups * tokens) == 256
+    assert (host + keys) // tokens == config.bytes_per_token
+    hot = state.hot.size * state.hot.dtype.itemsize
+    assert hot == num_l * (8192 + 2 * 64) * 656
+
+
 @pytest.mark.parametrize("change,error,message", [
     (dict(kv_format="fp8"), ValueError,
      r"kv_format='fp8' is not supported; use one of \('bf16', 'fp8_ds_mla'\)"),
@@ -120,3 +142,10 @@ def test_invalid_rows_are_rejected():
         quantize_kv_rows(jnp.zeros((1, 208)), kv_lora_rank=200)
     with pytest.raises(ValueError, match=r"fill=1.0 cannot fill an fp8_ds_mla cache"):
         kv_fill(1.0, jnp.uint8)
+
+
+def test_pallas_path_refuses_the_fp8_format():
+    config = TINY.replace(kv_format="fp8_ds_mla")
+    with pytest.raises(NotImplementedError, match=r"implementation='pallas' \(CopySFA\) reads "
+                                                  r"kv_format='bf16' rows, not 'fp8_ds_mla'"):
+        resident.ResidentBackend(config, False, implementation="pallas")
