@@ -4,7 +4,7 @@
                     [--prompt TEXT]
                     [--model-dir DIR [--chat]] [--draft none|ngram|mtp] ...
     fo-jax plan (--model glm52 | --model-dir DIR) --context 128000 [--budget-gb 29]
-                [--hot-slots 16384]
+                [--hot-slots 16384] [--kv-format bf16|fp8_ds_mla]
     fo-jax serve [--model-dir DIR] [--port 8000] [--seats N --offload ...]   (fo_jax.server)
                  [--offload --pool-memory device --device-gb G --reserve prompt]
     fo-jax bench-serve [--offload --prefix-cache ...] [--requests 16 --rate 4 ...]
