@@ -443,12 +443,13 @@ def test_permuted_page_table_over_a_larger_pool(params):
                     dict(distance=1, num_buffers=3, pool="permuted", host_access="slices")])
 
 
-@pytest.mark.parametrize("kv_format,access", [("bf16", None), ("fp8_ds_mla", "slices")])
+@pytest.mark.parametrize("kv_format,access", [("bf16", None), ("fp8_ds_mla", "ffi")])
 def test_handoff_with_a_permuted_table_and_decode_steps(kv_format, access):
     # Prefill into a permuted pool, hand off, decode: logits bitwise the resident path's; the
     # handed state equals DecodeState.from_resident with the same pool size and table. In the
     # fp8_ds_mla format every pool, buffer, hot and tail row is uint8 (52 bytes here): the
-    # second chunk loads history bytes, the handoff gathers them, the steps miss on them.
+    # second chunk loads history bytes, the handoff gathers them, the steps miss on them,
+    # all through the FFI copies (the GPU default; the decode tests run gather and slices).
     config = TINY.replace(num_layers=2, indexer_layers=(0,), index_topk=8, max_ways=2,
                           kv_format=kv_format)
     params = _params_for(config)
