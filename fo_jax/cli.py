@@ -4,7 +4,7 @@
                     [--prompt TEXT]
                     [--model-dir DIR [--chat]] [--draft none|ngram|mtp] ...
     fo-jax plan (--model glm52 | --model-dir DIR) --context 128000 [--budget-gb 29]
-                [--hot-slots 16384]
+                [--hot-slots 16384] [--kv-format bf16|fp8_ds_mla]
     fo-jax serve [--model-dir DIR] [--port 8000] [--seats N --offload ...]   (fo_jax.server)
                  [--offload --pool-memory device --device-gb G --reserve prompt]
     fo-jax bench-serve [--offload --prefix-cache ...] [--requests 16 --rate 4 ...]
@@ -165,6 +165,8 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--tail-block", type=int, default=64)
     plan.add_argument("--num-buffers", type=int, default=4, help="prefill layer buffers")
     plan.add_argument("--chunk", type=int, default=None, help="prefill chunk tokens")
+    plan.add_argument("--kv-format", default=None, choices=("bf16", "fp8_ds_mla"),
+                      help="how KV rows are stored (default: the config's, bf16 for presets)")
     return parser
 
 
@@ -237,6 +239,8 @@ def _cmd_plan(args) -> int:
         config, kind = _model_dir_config(args.model_dir)
     else:
         config = get_config("glm52" if args.model is None else args.model)
+    if args.kv_format is not None:
+        config = config.replace(kv_format=args.kv_format)
     plan = plan_capacity(config, args.context, budget_gb=args.budget_gb,
                          hot_slots=args.hot_slots, tail_block=args.tail_block,
                          num_buffers=args.num_buffers, prefill_chunk=args.chunk)

@@ -23,6 +23,7 @@ from typing import Any
 import jax.numpy as jnp
 
 _DTYPES = ("float32", "bfloat16", "float16")
+KV_FORMATS = ("bf16", "fp8_ds_mla")
 INT32_MAX = 2**31 - 1
 
 
@@ -51,7 +52,11 @@ class ModelConfig:
       max_seq_len: S, the context capacity of a request.
       max_ways: the largest W a decode step accepts (multi-token prediction: 1 + drafts).
       dtype: parameters and activations.
-      kv_dtype: the KV cache and the indexer keys.
+      kv_dtype: the KV cache (in the "bf16" kv_format) and the indexer keys.
+      kv_format: how a KV row is stored: "bf16", D + R values in kv_dtype; "fp8_ds_mla",
+        DeepSeek's FP8 layout, D float8_e4m3fn latent values, D / min(128, D) float32
+        power-of-two scales and R bfloat16 RoPE values in one uint8 row of `kv_row_width`
+        bytes (656 at D = 512, R = 64; fo_jax.model.kv_format). The indexer keys stay kv_dtype.
       index_fp8: simulate FP8 (e4m3) indexer q/k with power-of-two scales per 128 values.
       rope_theta: RoPE base.
       norm_eps: RMSNorm / LayerNorm epsilon.
@@ -99,6 +104,7 @@ class ModelConfig:
     max_ways: int = 4
     dtype: str = "float32"
     kv_dtype: str = "bfloat16"
+    kv_format: str = "bf16"
     index_fp8: bool = False
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
@@ -137,6 +143,16 @@ class ModelConfig:
                     f"ModelConfig.{field}={getattr(self, field)!r} is not supported; "
                     f"use one of {_DTYPES}"
                 )
+        if self.kv_format not in KV_FORMATS:
+            raise ValueError(f"ModelConfig.kv_format={self.kv_format!r} is not supported; use "
+                             f"one of {KV_FORMATS}")
+        if self.kv_format == "fp8_ds_mla":
+            d = self.kv_lora_rank
+            if d > 128 and d % 128:
+                raise ValueError(
+                    f"kv_format='fp8_ds_mla' needs kv_lora_rank % 128 == 0 when kv_lora_rank > "
+                    f"128 (one float32 scale per 128 latent values), got kv_lora_rank={d}; use "
+                    f"{(d // 128) * 128} or {(d // 128 + 1) * 128}, or kv_format='bf16'")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE pairs)")
         n = self.index_head_dim
@@ -287,9 +303,29 @@ class ModelConfig:
         return jnp.dtype(self.kv_dtype)
 
     @property
+    def kv_row_width(self) -> int:
+        """The last axis of a stored KV row: D + R values ("bf16"), or
+        Y = D + 4 D / min(128, D) + 2 R bytes ("fp8_ds_mla": 656 at D = 512, R = 64)."""
+        if self.kv_format == "fp8_ds_mla":
+            d = self.kv_lora_rank
+            return d + 4 * (d // min(128, d)) + 2 * self.qk_rope_head_dim
+        return self.kv_width
+
+    @property
+    def kv_row_dtype(self) -> Any:
+        """The dtype of stored KV rows: kv_dtype ("bf16") or uint8 ("fp8_ds_mla")."""
+        return jnp.dtype(jnp.uint8) if self.kv_format == "fp8_ds_mla" else self.jnp_kv_dtype
+
+    @property
+    def kv_row_bytes(self) -> int:
+        """Bytes of one token's KV row in one layer (1,152 in bf16, 656 in fp8_ds_mla at real
+        size)."""
+        return self.kv_row_width * self.kv_row_dtype.itemsize
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """KV bytes of one token over all layers: L * (D + R) * bytes."""
-        return self.num_layers * self.kv_width * self.jnp_kv_dtype.itemsize
+        """KV bytes of one token over all layers: L * kv_row_bytes."""
+        return self.num_layers * self.kv_row_bytes
 
     @property
     def index_bytes_per_token(self) -> int:
@@ -298,7 +334,7 @@ class ModelConfig:
 
     @property
     def bytes_per_token(self) -> int:
-        """kappa = (L * (D + R) + G * N) * bytes_per_elem."""
+        """kappa = L * kv_row_bytes + G * N * bytes_per_elem."""
         return self.kv_bytes_per_token + self.index_bytes_per_token
 
     @classmethod

@@ -36,6 +36,7 @@ import numpy as np
 
 from fo_jax import resident
 from fo_jax.config import ModelConfig, sequence_capacity_check
+from fo_jax.model.kv_format import load_kv_rows
 from fo_jax.drafting import make_drafter
 from fo_jax.engine.loop import (
     LoopOutput,
@@ -143,6 +144,11 @@ def _first_non_finite(rows, lengths) -> tuple[int, int, int] | None:
     stored = np.arange(rows.shape[2])[None, :] < np.asarray(lengths)[:, None]  # [B, S]
     bad = np.argwhere(~np.all(np.isfinite(rows), axis=-1) & stored[None])
     return tuple(int(x) for x in bad[0]) if bad.size else None
+
+
+def _kv_values(rows, config) -> np.ndarray:
+    """KV rows as the float32 values they hold (fp8_ds_mla bytes dequantized; debug checks)."""
+    return np.asarray(load_kv_rows(jnp.asarray(rows), kv_lora_rank=config.kv_lora_rank))
 
 
 def _check_finite(where: str, lengths, parts, logits) -> None:
@@ -373,7 +379,8 @@ class ResidentEngine(_Lengths):
         return (logits, h[0]) if hidden else logits
 
     def _check_state(self, where: str, logits) -> None:
-        _check_finite(where, self.lengths, [("KV of layer", "holds", self.state.kv),
+        _check_finite(where, self.lengths, [("KV of layer", "holds",
+                                             _kv_values(self.state.kv, self.config)),
                                             ("indexer keys of group", "hold",
                                              self.state.index_keys)], logits)
 
@@ -491,7 +498,8 @@ class OffloadEngine(_Lengths):
     def _check_state(self, where: str, logits, selected=None) -> None:
         state = self.state
         # Per-request rows and keys, read through the page table: [L, B, S, D+R], [G, B, S, N].
-        _check_finite(where, self.lengths, [("host KV of layer", "holds", state.token_rows()),
+        _check_finite(where, self.lengths, [("host KV of layer", "holds",
+                                             _kv_values(state.token_rows(), self.config)),
                                             ("indexer keys of group", "hold",
                                              state.token_index_keys())], logits)
         try:

@@ -41,3 +41,13 @@ def interpret_params(interpret):
 
         return pltpu.InterpretParams(dma_execution_mode="on_wait")
     return interpret
+
+
+def check_kv_format(implementation: str, kv_format: str) -> None:
+    """Raise NotImplementedError for a cache format the chosen implementation cannot read:
+    CopySFA (the Pallas path) attends over float rows, not fp8_ds_mla bytes."""
+    if implementation == "pallas" and kv_format != "bf16":
+        raise NotImplementedError(
+            f"implementation='pallas' (CopySFA) reads kv_format='bf16' rows, not "
+            f"{kv_format!r}: use implementation='xla' (which dequantizes the K rows it "
+            "gathers) or kv_format='bf16'")

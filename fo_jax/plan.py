@@ -9,7 +9,10 @@ Per token the model stores
 
     kappa = (L * (D + R) + G * N) * bytes_per_elem
 
-i.e. a KV row of every layer plus an indexer key of every indexer group. Without offloading a
+i.e. a KV row of every layer plus an indexer key of every indexer group. `(D + R) * bytes`
+below stands for the row of the config's `kv_format` (`ModelConfig.kv_row_bytes`): (D + R) *
+bytes_per_elem in "bf16" (1,152 at D = 512, R = 64), D + 4 D / 128 + 2 R in "fp8_ds_mla"
+(656); the indexer keys stay in kv_dtype. Without offloading a
 request of S tokens keeps `S * kappa` on the device. With offloading the device keeps, per request:
 
     hot cache      C * L * (D + R) * bytes        (C slots in every layer)
@@ -42,7 +45,8 @@ class CapacityPlan:
 
     Attributes:
       model: preset name of the config.
-      kv_dtype: dtype of the KV cache and the indexer keys.
+      kv_dtype: dtype of the KV cache (bf16 format) and the indexer keys.
+      kv_format: how a KV row is stored ("bf16" or "fp8_ds_mla", `ModelConfig.kv_format`).
       num_layers: L.
       num_groups: G, indexer groups.
       context: S, tokens of one request (prompt + generated).
@@ -77,6 +81,7 @@ class CapacityPlan:
 
     model: str
     kv_dtype: str
+    kv_format: str
     num_layers: int
     num_groups: int
     context: int
@@ -155,8 +160,7 @@ def offload_request_bytes(config: ModelConfig, context: int, *, hot_slots: int, 
                           num_buffers: int) -> RequestBytes:
     """The parts of one offloaded request of `context` (S) tokens, in bytes. No validation:
     `plan_capacity` and the engine check their arguments first."""
-    elem = config.jnp_kv_dtype.itemsize
-    row_bytes = config.kv_width * elem  # one token, one layer: (D + R) * bytes
+    row_bytes = config.kv_row_bytes  # one token, one layer, in the config's kv_format
     num_layers = config.num_layers
     return RequestBytes(
         hot_cache=hot_slots * num_layers * row_bytes,
@@ -226,8 +230,7 @@ def plan_capacity(
         _check_int("prefill_chunk", prefill_chunk, 1)
         chunk = min(prefill_chunk, context)
 
-    elem = config.jnp_kv_dtype.itemsize
-    row_bytes = config.kv_width * elem  # one token, one layer: (D + R) * bytes
+    row_bytes = config.kv_row_bytes  # one token, one layer, in the config's kv_format
     num_groups = config.num_groups
     budget_bytes = float(budget_gb) * GB
 
@@ -249,6 +252,7 @@ def plan_capacity(
     return CapacityPlan(
         model=config.name,
         kv_dtype=config.kv_dtype,
+        kv_format=config.kv_format,
         num_layers=num_layers,
         num_groups=num_groups,
         context=context,
@@ -323,7 +327,7 @@ def format_plan(plan: CapacityPlan) -> str:
     ]
     width = max(len(row[0]) for row in rows if isinstance(row, tuple)) + 2
     lines = [
-        f"fo-jax plan: {plan.model}, context {plan.context:,} tokens, {plan.kv_dtype} KV,"
+        f"fo-jax plan: {plan.model}, context {plan.context:,} tokens, {_kv_label(plan)} KV,"
         f" device budget {budget}"
     ]
     for row in rows:
@@ -335,3 +339,10 @@ def format_plan(plan: CapacityPlan) -> str:
             label, value = row
             lines.append(f"  {label + ':':<{width}}{value}")
     return "\n".join(lines)
+
+
+def _kv_label(plan: CapacityPlan) -> str:
+    """"bfloat16" for the bf16 format, "fp8_ds_mla (indexer keys bfloat16)" for the other."""
+    if plan.kv_format == "bf16":
+        return plan.kv_dtype
+    return f"{plan.kv_format} (indexer keys {plan.kv_dtype})"

@@ -25,7 +25,8 @@ import numpy as np
 
 from fo_jax.config import ModelConfig
 from fo_jax.model.attention import dense_attention, softmax_scale, sparse_attention
-from fo_jax.kernels import interpret_params, resolve_implementation
+from fo_jax.model.kv_format import kv_fill
+from fo_jax.kernels import check_kv_format, interpret_params, resolve_implementation
 from fo_jax.model.forward import forward, over_query_blocks, xla_select
 
 # Queries per block in prefill (selection and attention): bounds their temporaries.
@@ -38,7 +39,8 @@ class ResidentState:
     """The resident KV state of a batch.
 
     Attributes:
-      kv: [L, B, S, D + R] kv_dtype: every layer's KV row of every position.
+      kv: [L, B, S, D + R] kv_dtype: every layer's KV row of every position (under
+        kv_format="fp8_ds_mla", [L, B, S, Y] uint8 rows: `ModelConfig.kv_row_width`).
       index_keys: [G, B, S, N] kv_dtype: every group's indexer key of every position.
       lengths: [B] int32: tokens stored per request.
     """
@@ -52,7 +54,8 @@ class ResidentState:
                fill: float = 0.0) -> "ResidentState":
         """An empty state for `batch` requests of up to `capacity` tokens (default max_seq_len).
 
-        `fill` is the value of unwritten rows (tests use NaN so a stray read shows).
+        `fill` is the value of unwritten rows (tests use NaN so a stray read shows; in the
+        fp8_ds_mla format NaN is the byte 0xFF, `kv_fill`).
         """
         capacity = config.max_seq_len if capacity is None else capacity
         if batch < 1:
@@ -63,7 +66,8 @@ class ResidentState:
                 f"{config.name!r}")
         dt = config.jnp_kv_dtype
         return cls(
-            kv=jnp.full((config.num_layers, batch, capacity, config.kv_width), fill, dt),
+            kv=jnp.full((config.num_layers, batch, capacity, config.kv_row_width),
+                        kv_fill(fill, config.kv_row_dtype), config.kv_row_dtype),
             index_keys=jnp.full((config.num_groups, batch, capacity, config.index_head_dim),
                                 fill, dt),
             lengths=jnp.zeros((batch,), jnp.int32),
@@ -91,6 +95,7 @@ class ResidentBackend:
 
     def __init__(self, config: ModelConfig, dense: bool, implementation: str = "xla",
                  interpret=False, query_block: int | None = None):
+        check_kv_format(implementation, config.kv_format)
         self.config, self.dense = config, dense
         self.implementation, self.interpret = implementation, interpret_params(interpret)
         self.query_block = query_block

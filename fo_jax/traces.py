@@ -236,6 +236,7 @@ def record_decode_trace(config, offload, *, lengths, steps: int, ways: int, seed
     import jax.numpy as jnp
 
     from fo_jax.model.dsa import init_params
+    from fo_jax.model.kv_format import store_kv_rows
     from fo_jax.offload import decode as offload_decode
     from fo_jax.offload.state import DecodeState
 
@@ -245,8 +246,9 @@ def record_decode_trace(config, offload, *, lengths, steps: int, ways: int, seed
         raise ValueError(f"lengths up to {int(lengths.max())} plus {steps} steps of {ways} ways "
                          f"exceed offload.capacity={cap}")
     keys = jax.random.split(jax.random.key(seed), 4)
-    kv = jax.random.normal(keys[0], (config.num_layers, batch, cap, config.kv_width),
-                           jnp.float32).astype(config.jnp_kv_dtype)
+    kv = store_kv_rows(jax.random.normal(keys[0], (config.num_layers, batch, cap,
+                                                   config.kv_width), jnp.float32),
+                       config=config)
     ik = jax.random.normal(keys[1], (config.num_groups, batch, cap, config.index_head_dim),
                            jnp.float32)
     favoured = jax.random.bernoulli(keys[2], heavy, (1, batch, cap, 1))

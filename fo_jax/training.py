@@ -202,6 +202,11 @@ def train_forward(params: dict, tokens: jax.Array, *, config: ModelConfig, stage
     """
     if stage not in STAGES:
         raise ValueError(f"stage={stage!r} must be one of {STAGES}")
+    if config.kv_format != "bf16":
+        raise NotImplementedError(
+            f"training runs with kv_format='bf16', got {config.kv_format!r} (its rows are "
+            "quantized bytes, with no gradient): train with config.replace(kv_format='bf16') "
+            "and serve the trained weights with the FP8 cache")
     batch, num_t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(num_t, dtype=jnp.int32), (batch, num_t))
     causal = jnp.arange(num_t)[None, :] <= jnp.arange(num_t)[:, None]  # [T, S]

@@ -16,6 +16,9 @@ Every shape comment, docstring and einsum string in the project uses these lette
        page table [B, P] of int32 page ids (-1: not held)
 
 A KV row is `D + R` wide (576 at real size): the RMS-normed latent followed by the RoPE key.
+Under `kv_format="fp8_ds_mla"` the cache stores it as Y = D + 4 D / min(128, D) + 2 R uint8
+bytes (656 at real size; fo_jax.model.kv_format), so the last axis of stored KV arrays (written
+`D + R` in their shape comments) is Y there.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 from typing import TypeAlias
 
 import jax
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, Shaped, UInt8
 
 PRNGKey: TypeAlias = jax.Array
 
@@ -49,5 +52,7 @@ __all__ = [
     "PRNGKey",
     "Selection",
     "SelectionMask",
+    "Shaped",
     "Tokens",
+    "UInt8",
 ]

@@ -28,6 +28,16 @@ def test_plan_hot_cache_figures(capsys):
     assert "4 buffers" in out
 
 
+def test_plan_with_the_fp8_kv_format(capsys):
+    # GLM-5.2 with 656-byte rows: 78 * 656 = 51,168 B of KV per token + 21 * 128 * 2 = 5,376 B
+    # of indexer keys = 56,544 B (against 95,232 in bf16).
+    assert main(["plan", "--model", "glm52", "--context", "128000",
+                 "--kv-format", "fp8_ds_mla"]) == 0
+    out = capsys.readouterr().out
+    assert "fp8_ds_mla (indexer keys bfloat16) KV" in out
+    assert "56.54 kB" in out and "51.17 kB" in out and "5.38 kB" in out
+
+
 def test_generate_offload_check_passes(capsys):
     code = main(["generate", "--model", "tiny",
                  "--offload", "--check", "--max-new-tokens", "6", "--prompt",

@@ -128,3 +128,30 @@ def test_other_presets_plan():
     plan = plan_capacity(tiny, 100, hot_slots=64, num_buffers=2)
     assert plan.bytes_per_token == (4 * 40 + 2 * 16) * 2
     assert "fo-jax plan: tiny" in format_plan(plan)
+
+
+def test_fp8_kv_format_at_deepseek_widths_matches_the_state_arrays():
+    # DeepSeek-V3.2 with the 656-byte rows: every KV figure of the plan is that of the arrays a
+    # DecodeState of this config and setting holds (jax.eval_shape: nothing allocated).
+    import jax
+
+    from fo_jax.offload.config import OffloadConfig
+    from fo_jax.offload.state import DecodeState
+
+    config = get_config("deepseek_v32").replace(kv_format="fp8_ds_mla")
+    context, hot_slots, z = 16_384, 8_192, 64
+    plan = plan_capacity(config, context, hot_slots=hot_slots, tail_block=z)
+    # 61 layers * 656 B = 40,016 B of KV per token (against 61 * 1,152 = 70,272 in bf16), and
+    # 61 indexer keys of 128 bfloat16 = 15,616 B.
+    assert plan.kv_bytes_per_token == 40_016 and plan.index_bytes_per_token == 15_616
+    state = jax.eval_shape(lambda: DecodeState.create(
+        config, OffloadConfig(hot_slots=hot_slots, page_size=z, capacity=context), batch=1))
+    nbytes = lambda x: x.size * x.dtype.itemsize  # noqa: E731
+    assert plan.host_bytes_per_request == nbytes(state.host.kv)
+    assert plan.hot_cache_bytes + plan.tail_bytes == nbytes(state.hot)
+    assert plan.index_key_bytes == nbytes(state.index_keys)
+    text = format_plan(plan)
+    assert "fp8_ds_mla (indexer keys bfloat16) KV" in text
+    bf16 = plan_capacity(config.replace(kv_format="bf16"), context, hot_slots=hot_slots,
+                         tail_block=z)
+    assert bf16.host_bytes_per_request * 656 == plan.host_bytes_per_request * 1152

@@ -57,10 +57,11 @@ MEMORIES = ("device", "pinned_host")
 
 
 def mtp_block_bytes(config: ModelConfig, tokens: int) -> int:
-    """Bytes of the MTP layer's rows of `tokens` tokens: KV rows [T, D+R] + indexer keys
-    [T, N] of its one layer and group, in the KV dtype."""
-    per_token = config.kv_width + config.index_head_dim
-    return int(tokens) * per_token * config.jnp_kv_dtype.itemsize
+    """Bytes of the MTP layer's rows of `tokens` tokens: KV rows [T, D+R] (`kv_row_bytes`
+    each, the config's kv_format) + indexer keys [T, N] of its one layer and group, in the KV
+    dtype."""
+    per_token = config.kv_row_bytes + config.index_head_dim * config.jnp_kv_dtype.itemsize
+    return int(tokens) * per_token
 
 
 class MTPPrefixStore:

@@ -69,11 +69,11 @@ from fo_jax.engine.pages import PagePool, PrefixCache
 
 def block_bytes(config: ModelConfig, block_tokens: int, *, mtp: bool = False) -> int:
     """Bytes of one block of T tokens: KV rows of every layer [L, T, D+R] + indexer keys of
-    every group [G, T, N], in the KV dtype; with `mtp`, + the MTP layer's rows of the same
+    every group [G, T, N] (`ModelConfig.bytes_per_token`: the rows in the config's kv_format,
+    the keys in the KV dtype); with `mtp`, + the MTP layer's rows of the same
     tokens ([T, D+R] + [T, N], `fo_jax.engine.mtp_prefix.mtp_block_bytes`)."""
-    per_token = config.num_layers * config.kv_width + config.num_groups * config.index_head_dim
     extra = mtp_block_bytes(config, block_tokens) if mtp else 0
-    return int(block_tokens) * per_token * config.jnp_kv_dtype.itemsize + extra
+    return int(block_tokens) * config.bytes_per_token + extra
 
 
 class ResidentPrefixStore:

@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fo_jax.model.kv_format import load_kv_rows, store_kv_rows
 from fo_jax.model.layers import F32, rms_norm, rope, rope_inv_freq
-from fo_jax.typing import Array, Bool, Float
+from fo_jax.typing import Array, Bool, Float, Shaped
 
 
 def query_lowrank(lp: dict, h: jax.Array, *, config) -> jax.Array:
@@ -38,7 +39,8 @@ def attention_inputs(lp: dict, h: jax.Array, qr: jax.Array, positions: jax.Array
       lp: one layer's parameters.
       h: [B, T, E] normed input; qr: [B, T, q_lora_rank]; positions: [B, T].
     Returns:
-      q_lat [B, T, H, D] f32, q_pe [B, T, H, R] f32, kv_new [B, T, D + R] in kv_dtype.
+      q_lat [B, T, H, D] f32, q_pe [B, T, H, R] f32, kv_new [B, T, D + R] as the cache stores
+      it (`store_kv_rows`: kv_dtype values, or [B, T, Y] uint8 fp8_ds_mla rows).
     """
     heads, nope, r = config.num_heads, config.qk_nope_head_dim, config.qk_rope_head_dim
     d, v = config.kv_lora_rank, config.v_head_dim
@@ -51,25 +53,26 @@ def attention_inputs(lp: dict, h: jax.Array, qr: jax.Array, positions: jax.Array
     kv = jnp.matmul(h, lp["wkv_a"])
     c_kv = rms_norm(kv[..., :d], lp["kv_norm"], config.norm_eps)
     k_pe = rope(kv[..., d:], positions, inv_freq, interleaved=True)
-    kv_new = jnp.concatenate([c_kv, k_pe], axis=-1).astype(config.jnp_kv_dtype)
+    kv_new = store_kv_rows(jnp.concatenate([c_kv, k_pe], axis=-1), config=config)
     return q_lat, q_pe.astype(F32), kv_new
 
 
 def sparse_attention(q_lat: Float[Array, "B T H D"], q_pe: Float[Array, "B T H R"],
-                     rows: Float[Array, "B T K DR"], mask: Bool[Array, "B T K"], *,
+                     rows: Shaped[Array, "B T K DR"], mask: Bool[Array, "B T K"], *,
                      scale: float) -> Float[Array, "B T H D"]:
     """Attention of each query over its own K gathered rows, in the given order.
 
     Args:
       q_lat: [B, T, H, D] f32; q_pe: [B, T, H, R] f32.
-      rows: [B, T, K, D + R] (any float dtype; rows where mask is False may hold anything,
-        NaN included: they are zeroed before use).
+      rows: [B, T, K, D + R] (any float dtype), or [B, T, K, Y] uint8 fp8_ds_mla rows,
+        dequantized here (only these K per query); rows where mask is False may hold anything,
+        NaN included: they are zeroed before use.
       mask: [B, T, K] bool.
     Returns:
       [B, T, H, D] float32 latent outputs (0 for a query with no selected token).
     """
     d = q_lat.shape[-1]
-    rows = jnp.where(mask[..., None], rows.astype(F32), 0.0)
+    rows = jnp.where(mask[..., None], load_kv_rows(rows, kv_lora_rank=d), 0.0)
     c_kv, k_pe = rows[..., :d], rows[..., d:]
     logits = jnp.einsum("bthd,btkd->bthk", q_lat, c_kv)
     logits = (logits + jnp.einsum("bthr,btkr->bthk", q_pe, k_pe)) * scale
@@ -77,15 +80,16 @@ def sparse_attention(q_lat: Float[Array, "B T H D"], q_pe: Float[Array, "B T H R
 
 
 def dense_attention(q_lat: Float[Array, "B T H D"], q_pe: Float[Array, "B T H R"],
-                    cache: Float[Array, "B S DR"], mask: Bool[Array, "B T S"], *,
+                    cache: Shaped[Array, "B S DR"], mask: Bool[Array, "B T S"], *,
                     scale: float) -> Float[Array, "B T H D"]:
     """Attention of each query over all S cached rows, restricted by mask [B, T, S].
 
-    cache: [B, S, D + R]. The reference `sparse_attention` is checked against (masked to exactly
-    the selected set) and the dense model (top-k >= context) is built on.
+    cache: [B, S, D + R] (or [B, S, Y] uint8 fp8_ds_mla rows: dense attention reads every
+    row, so all are dequantized). The reference `sparse_attention` is checked against (masked
+    to exactly the selected set) and the dense model (top-k >= context) is built on.
     """
     d = q_lat.shape[-1]
-    rows = cache.astype(F32)
+    rows = load_kv_rows(cache, kv_lora_rank=d)
     # Rows outside every mask (e.g. NaN-poisoned, unwritten) must not reach the output.
     used = jnp.any(mask, axis=1)  # [B, S]
     rows = jnp.where(used[..., None], rows, 0.0)

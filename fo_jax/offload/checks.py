@@ -51,6 +51,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from fo_jax.config import ModelConfig
+from fo_jax.model.kv_format import load_kv_rows
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.offload.host import host_rows_at
 from fo_jax.offload.state import DecodeState
@@ -83,16 +84,17 @@ def _static_checks(state: DecodeState, config: ModelConfig, offload: OffloadConf
     """Shapes and dtypes of the state, at trace time (chex raises AssertionError)."""
     batch = state.hot.shape[1]
     groups, layers = config.num_groups, config.num_layers
-    chex.assert_shape(state.hot, (layers, batch, offload.rows, config.kv_width))
+    chex.assert_shape(state.hot, (layers, batch, offload.rows, config.kv_row_width))
     frames = state.host.kv.shape[1]
-    chex.assert_shape(state.host.kv, (layers, frames, offload.page_size, config.kv_width))
+    chex.assert_shape(state.host.kv, (layers, frames, offload.page_size, config.kv_row_width))
     chex.assert_shape(state.index_keys, (groups, frames, offload.page_size,
                                          config.index_head_dim))
     chex.assert_shape(state.table, (batch, offload.num_pages))
     chex.assert_shape(state.slots.token_to_slot, (groups, batch, offload.capacity))
     chex.assert_shape(state.slots.slot_to_token, (groups, batch, offload.hot_slots))
     chex.assert_shape(state.lengths, (batch,))
-    chex.assert_type([state.hot, state.host.kv], config.jnp_kv_dtype)
+    chex.assert_type([state.hot, state.host.kv], config.kv_row_dtype)
+    chex.assert_type(state.index_keys, config.jnp_kv_dtype)
     chex.assert_type([state.slots.token_to_slot, state.slots.slot_to_token, state.lengths,
                       state.step, state.table], jnp.int32)
 
@@ -202,8 +204,10 @@ def _check_selection(state: DecodeState, config: ModelConfig, offload: OffloadCo
     read = (chosen & ((slot >= 0) | in_tail))[group_of]
     tail_row = c + ((tok_l // z) % 2) * z + tok_l % z
     row = jnp.where(slot_l >= 0, slot_l, tail_row)
-    got = state.hot[layers, b_l, row]  # [L, B, W K, D + R]
-    finite = jnp.all(jnp.isfinite(got), axis=-1)
+    got = state.hot[layers, b_l, row]  # [L, B, W K, D + R] (Y bytes in fp8_ds_mla)
+    # The values the rows hold (fp8_ds_mla rows dequantized: the rows read, W K per layer).
+    finite = jnp.all(jnp.isfinite(load_kv_rows(got, kv_lora_rank=config.kv_lora_rank)),
+                     axis=-1)
     _check(read & ~finite,
            "layer {l} group {g} request {b}: device row {s} read for token {t} holds a "
            "non-finite value (rows below {c} are hot slots, then the tail blocks)",

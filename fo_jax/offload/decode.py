@@ -34,7 +34,7 @@ from jax.experimental import checkify
 
 from fo_jax.config import ModelConfig
 from fo_jax.model.attention import softmax_scale, sparse_attention
-from fo_jax.kernels import interpret_params, resolve_implementation
+from fo_jax.kernels import check_kv_format, interpret_params, resolve_implementation
 from fo_jax.model.forward import forward, xla_select
 from fo_jax.model.indexer import indexer_scores, select_topk
 from fo_jax.offload import checks
@@ -123,6 +123,7 @@ class OffloadBackend:
     def __init__(self, config: ModelConfig, offload: OffloadConfig, host_kv, tail_start, step,
                  implementation: str = "xla", interpret=False, active=None,
                  keep_scores: bool = False, table=None):
+        check_kv_format(implementation, config.kv_format)
         self.config, self.offload = config, offload
         # [B] bool or None: a request that is not active selects nothing, so its hot cache,
         # slot maps and policy state stay as they are (see `decode_step`).
@@ -261,7 +262,7 @@ def _decode_jit(params, state: DecodeState, tokens, active=None, *, config: Mode
         step=state.step + 1,
     )
     group_stats = [s for s, _ in backend.group_stats]
-    row_bytes = config.kv_width * config.jnp_kv_dtype.itemsize
+    row_bytes = config.kv_row_bytes
     layers_per_group = jnp.asarray([hi - lo for lo, hi in config.group_bounds], jnp.int32)
     union = jnp.stack([s.union for s in group_stats])  # [G, B]
     stats = DecodeStats(
@@ -305,9 +306,10 @@ def check_state(state: DecodeState, *, config: ModelConfig, offload: OffloadConf
     check_table(state.table, batch=batch, num_pages=offload.num_pages, num_frames=frames,
                 values=False)
     expect = {
-        "hot": (state.hot.shape, (config.num_layers, batch, offload.rows, config.kv_width)),
+        "hot": (state.hot.shape, (config.num_layers, batch, offload.rows,
+                                  config.kv_row_width)),
         "host.kv": (state.host.kv.shape, (config.num_layers, frames, offload.page_size,
-                                          config.kv_width)),
+                                          config.kv_row_width)),
         "index_keys": (state.index_keys.shape, (config.num_groups, frames, offload.page_size,
                                                 config.index_head_dim)),
         "slots.token_to_slot": (state.slots.token_to_slot.shape,
@@ -327,8 +329,12 @@ def check_state(state: DecodeState, *, config: ModelConfig, offload: OffloadConf
                 f"state.{name} has shape {tuple(got)}, expected {want} for config "
                 f"{config.name!r} and {offload}: build the state with the same settings "
                 "(DecodeState.from_resident / to_decode_state) that step it")
-    if state.hot.dtype != config.jnp_kv_dtype:
-        raise ValueError(f"state.hot is {state.hot.dtype}, expected kv_dtype {config.kv_dtype}")
+    for name, leaf in (("hot", state.hot), ("host.kv", state.host.kv)):
+        if leaf.dtype != config.kv_row_dtype:
+            raise ValueError(
+                f"state.{name} is {leaf.dtype}, expected {config.kv_row_dtype} (kv_format="
+                f"{config.kv_format!r}, kv_dtype={config.kv_dtype!r}): build the state with the "
+                "config that steps it")
     kind = memory_kind(state.host.kv)
     if kind is not None and kind != offload.host_memory_kind:
         raise ValueError(f"host pages live in memory kind {kind!r} but the offload setting says "

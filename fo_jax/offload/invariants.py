@@ -6,9 +6,11 @@ serving loop. Each failed check raises `AssertionError` naming the group, reques
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 from fo_jax.config import ModelConfig
+from fo_jax.model.kv_format import dequantize_kv_rows
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.offload.state import DecodeState, read_back, shared_page_conflict
 
@@ -29,7 +31,8 @@ def check_invariants(state: DecodeState, *, config: ModelConfig, offload: Offloa
         (nothing lost);
       * with `selected` [G, B, W, K] (the last step's selection, from DecodeStats): every
         selected token is resident afterwards, or was served from that step's tail blocks;
-      * with `poisoned`: every empty slot holds NaN on every layer;
+      * with `poisoned`: every empty slot holds NaN on every layer (in the fp8_ds_mla format:
+        every byte 0xFF, which decodes to NaN);
       * with `finite`: every occupied slot and every tail row of a stored token is finite;
       * with `occupied_before` [G, B] (`occupied_slots` before the last step): no group and
         request has fewer occupied slots now (once full, the cache stays full).
@@ -37,11 +40,14 @@ def check_invariants(state: DecodeState, *, config: ModelConfig, offload: Offloa
     middle of a prefill holds host pages and indexer keys but no decode rows yet
     (`fo_jax.engine.Engine.prefilling_seats`).
     The jittable twin that runs inside compiled loops is fo_jax.offload.checks.
+    Rows are compared as stored (fp8_ds_mla rows byte for byte); NaN and finiteness are those
+    of the values the rows hold.
     """
     c, z = offload.hot_slots, offload.page_size
     t2s = np.asarray(state.slots.token_to_slot)
     s2t = np.asarray(state.slots.slot_to_token)
     lengths = np.asarray(state.lengths)
+    fp8 = state.hot.dtype == np.uint8  # fp8_ds_mla rows: compared byte by byte
     hot = np.asarray(state.hot).astype(np.float32)
     host = read_back(state.host.kv).astype(np.float32)  # [L, F, Z, D+R]
     table = np.asarray(state.table)
@@ -94,13 +100,13 @@ def check_invariants(state: DecodeState, *, config: ModelConfig, offload: Offloa
                     f"layer {layer} request {b}: hot slot {occupied[~same][:1]} differs from "
                     f"host row of token {tok_of[occupied][~same][:1]}")
                 if finite:
-                    ok = np.all(np.isfinite(got), axis=-1)
+                    ok = np.all(np.isfinite(_values(got, config, fp8)), axis=-1)
                     assert np.all(ok), (
                         f"layer {layer} request {b}: hot slot {occupied[~ok][:1]} of token "
                         f"{tok_of[occupied][~ok][:1]} holds a non-finite value")
                 if poisoned:
                     empty = np.flatnonzero(tok_of < 0)
-                    assert np.all(np.isnan(hot[layer, b, empty])), (
+                    assert np.all(_poisoned(hot[layer, b, empty], fp8)), (
                         f"layer {layer} request {b}: an empty slot holds a non-NaN value")
             if selected is not None:
                 sel_all = np.asarray(selected)
@@ -117,7 +123,7 @@ def check_invariants(state: DecodeState, *, config: ModelConfig, offload: Offloa
             row = c + ((p // z) % 2) * z + p % z
             assert np.array_equal(hot[:, b, row], host_tok[:, b, p]), (
                 f"request {b}: tail row of token {p} differs from its host row")
-            assert not finite or np.all(np.isfinite(hot[:, b, row])), (
+            assert not finite or np.all(np.isfinite(_values(hot[:, b, row], config, fp8))), (
                 f"request {b}: tail row of token {p} holds a non-finite value")
     if occupied_before is not None:
         now, before = np.sum(s2t >= 0, axis=-1), np.asarray(occupied_before)
@@ -135,6 +141,19 @@ def check_invariants(state: DecodeState, *, config: ModelConfig, offload: Offloa
             assert np.all(same), (
                 f"request {b}: host pages differ from the resident KV at "
                 f"(layer, token) {np.argwhere(~np.all(same, axis=-1))[:1].tolist()}")
+
+
+def _values(rows: np.ndarray, config: ModelConfig, fp8: bool) -> np.ndarray:
+    """The float values stored rows hold (fp8_ds_mla bytes, given as float32, dequantized)."""
+    if not fp8:
+        return rows
+    return np.asarray(dequantize_kv_rows(jnp.asarray(rows.astype(np.uint8)),
+                                         kv_lora_rank=config.kv_lora_rank))
+
+
+def _poisoned(rows: np.ndarray, fp8: bool) -> np.ndarray:
+    """Whether every value of the rows is the poison: NaN, or the byte 0xFF in fp8_ds_mla."""
+    return rows == 0xFF if fp8 else np.isnan(rows)
 
 
 def occupied_slots(state: DecodeState) -> np.ndarray:

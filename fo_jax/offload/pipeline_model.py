@@ -199,12 +199,13 @@ def layer_transfer_bytes(config: ModelConfig, history_tokens: int, chunk: int) -
     """(H2D bytes, D2H bytes) of one offloaded layer in one prefill forward.
 
     H2D loads the layer's `history_tokens` KV rows written by earlier chunks; D2H writes back the
-    `chunk` new rows. A row is (D + R) * bytes_per_elem (1,152 B for bf16 at 512 + 64).
+    `chunk` new rows. A row is `kv_row_bytes` (1,152 B for bf16 at 512 + 64, 656 B in
+    fp8_ds_mla).
     Token granularity: a partly filled history block would add at most one block each way.
     """
     _check_count("history_tokens", history_tokens, 0)
     _check_count("chunk", chunk, 1)
-    row = config.kv_width * config.jnp_kv_dtype.itemsize
+    row = config.kv_row_bytes
     return history_tokens * row, chunk * row
 
 

@@ -61,6 +61,7 @@ import numpy as np
 
 from fo_jax.config import ModelConfig
 from fo_jax.model.attention import dense_attention, softmax_scale, sparse_attention
+from fo_jax.model.kv_format import kv_fill
 from fo_jax.model.forward import forward, over_query_blocks, xla_select
 from fo_jax.offload.config import (
     MEMORY_KINDS,
@@ -183,7 +184,8 @@ class PrefillState:
     """What the offloaded prefill reads and writes between chunks.
 
     Attributes:
-      host: HostPages, kv [L, F, Z, D + R] kv_dtype in `pinned_host` memory (the
+      host: HostPages, kv [L, F, Z, D + R] kv_dtype (or [L, F, Z, Y] uint8 fp8_ds_mla rows,
+        `ModelConfig.kv_row_width`) in `pinned_host` memory (the
         authoritative KV, a pool of F pages; token t of request b, layer l at
         kv[l, table[b, t // Z], t % Z]).
       table: [B, P] int32 page table into both pools (-1: page not held); S = P * Z.
@@ -222,11 +224,12 @@ class PrefillState:
         dt = config.jnp_kv_dtype
         table, num_frames = make_table(table, num_frames, batch=batch,
                                        num_pages=capacity // page_size)
-        shape = (config.num_layers, num_frames, page_size, config.kv_width)
-        host = jax.device_put(np.full(shape, fill, dt), host_sharding(memory_kind))
+        shape = (config.num_layers, num_frames, page_size, config.kv_row_width)
+        host = jax.device_put(np.full(shape, kv_fill(fill, config.kv_row_dtype),
+                                      config.kv_row_dtype), host_sharding(memory_kind))
         return cls(
             host=HostPages(kv=host),
-            table=table,
+            table=jnp.asarray(table),
             index_keys=jnp.full((config.num_groups, num_frames, page_size,
                                  config.index_head_dim), fill, dt),
             lengths=jnp.zeros((batch,), jnp.int32),
@@ -246,7 +249,7 @@ class PrefillState:
 
     def token_rows(self) -> np.ndarray:
         """[L, B, S, D + R] numpy: every request's host rows read through the table (debug
-        reads, O(L B S); pages not held read as NaN)."""
+        reads, O(L B S); pages not held read as NaN, bytes 0xFF in fp8_ds_mla)."""
         return np.asarray(pool_to_tokens(jnp.asarray(read_back(self.host.kv)), self.table,
                                          jnp.nan))
 
@@ -260,8 +263,8 @@ class PrefillState:
 
 
 def layer_bytes(config: ModelConfig, *, batch: int, capacity: int) -> int:
-    """Bytes of one full-layer KV buffer: B * S * (D + R) * bytes (the prefill holds n of them)."""
-    return batch * capacity * config.kv_width * config.jnp_kv_dtype.itemsize
+    """Bytes of one full-layer KV buffer: B * S * kv_row_bytes (the prefill holds n of them)."""
+    return batch * capacity * config.kv_row_bytes
 
 
 # The backend ----------------------------------------------------------------------------------
@@ -331,7 +334,8 @@ class OffloadPrefillBackend:
                 rows = jnp.zeros((batch, 0, width), buffers.dtype)
             if span > loaded:
                 rows = jnp.concatenate(
-                    [rows, jnp.full((batch, span - loaded, width), jnp.nan, buffers.dtype)],
+                    [rows, jnp.full((batch, span - loaded, width),
+                                    kv_fill(jnp.nan, buffers.dtype), buffers.dtype)],
                     axis=1)
             rows = jnp.where(when, rows, old)
             buffers = jax.lax.dynamic_update_slice(buffers, rows[None], (target, 0, 0, 0))
@@ -394,10 +398,10 @@ def _prefill_jit(params, state: PrefillState, tokens, num_new, *, config: ModelC
     backend = OffloadPrefillBackend(config, dense, schedule, history_pages=history_pages,
                                     poison=poison, on_host=on_host, access=host_access,
                                     query_block=query_block, table=state.table)
-    width = config.kv_width
+    width, row_dtype = config.kv_row_width, config.kv_row_dtype
     carry = {
         "buffers": jnp.full((schedule.num_buffers, batch, cap, width),
-                            jnp.nan if poison else 0.0, config.jnp_kv_dtype),
+                            kv_fill(jnp.nan if poison else 0.0, row_dtype), row_dtype),
         "binding": jnp.full((schedule.num_buffers,), -1, jnp.int32),
         "host": state.host.kv,
         "index_keys": state.index_keys,
@@ -592,7 +596,8 @@ def to_decode_state(state: PrefillState, *, config: ModelConfig, offload: Offloa
 
     # The same placement as DecodeState.from_resident; rows gathered from host pages.
     row_tok, slots, policy = initial_layout(config, offload, lengths_np)
-    hot = _gather_hot(host, state.table, jnp.asarray(row_tok), jnp.asarray(fill, jnp.float32),
+    hot = _gather_hot(host, state.table, jnp.asarray(row_tok),
+                      jnp.asarray(kv_fill(fill, host.dtype), host.dtype),
                       chunk=offload.miss_chunk, on_host=in_host_memory(host),
                       access=offload.host_access)
     return committed(DecodeState(host=HostPages(kv=host), table=state.table, hot=hot,
@@ -621,7 +626,8 @@ def join_seats(state: DecodeState, joined, *, config: ModelConfig, offload: Offl
     row_tok, slots, policy = initial_layout(config, offload, lengths_np)
     row_tok = np.where(joined[:, None], row_tok, -1)  # read the joined seats' rows only
     host = state.host.kv
-    hot = _gather_hot(host, state.table, jnp.asarray(row_tok), jnp.asarray(fill, jnp.float32),
+    hot = _gather_hot(host, state.table, jnp.asarray(row_tok),
+                      jnp.asarray(kv_fill(fill, host.dtype), host.dtype),
                       chunk=offload.miss_chunk, on_host=in_host_memory(host),
                       access=offload.host_access)
     old = (state.hot, state.slots, state.policy)

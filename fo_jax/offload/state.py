@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fo_jax.config import ModelConfig
+from fo_jax.model.kv_format import kv_fill
 from fo_jax.offload.config import OffloadConfig
 
 
@@ -90,7 +91,8 @@ def committed(tree):
     `jax.default_device` too).
     """
     device = default_device()
-    return jax.tree.map(lambda x: x if x.committed else jax.device_put(x, device), tree)
+    return jax.tree.map(lambda x: x if isinstance(x, jax.core.Tracer) or x.committed
+                        else jax.device_put(x, device), tree)
 
 
 @jax.tree_util.register_dataclass
@@ -99,8 +101,8 @@ class HostPages:
     """The authoritative KV of every layer, a pool of pages of Z tokens.
 
     Attributes:
-      kv: [L, F, Z, D + R] kv_dtype, in `pinned_host` memory (or `device` memory under
-        Pallas interpret mode): token t of request b, layer l is kv[l, table[b, t // Z], t % Z]
+      kv: [L, F, Z, D + R] kv_dtype (or [L, F, Z, Y] uint8 fp8_ds_mla rows), in `pinned_host`
+        memory (or `device` memory under Pallas interpret mode): token t of request b, layer l is kv[l, table[b, t // Z], t % Z]
         for the state's page table [B, P].
     """
 
@@ -197,7 +199,8 @@ def pool_to_tokens(pool, table, fill=0.0):
     batch, pages = table.shape
     x, _, z, y = pool.shape
     got = pool[:, jnp.maximum(table, 0)]  # [X, B, P, Z, Y]
-    got = jnp.where((table >= 0)[None, :, :, None, None], got, jnp.asarray(fill, pool.dtype))
+    got = jnp.where((table >= 0)[None, :, :, None, None], got,
+                    jnp.asarray(kv_fill(fill, pool.dtype), pool.dtype))
     return got.reshape(x, batch, pages * z, y)
 
 
@@ -205,11 +208,12 @@ def tokens_to_pool(rows, table, num_frames: int, fill=0.0):
     """The pool [X, F, Z, Y] holding per-request rows [X, B, P Z, Y] at table [B, P].
 
     Pages not held by any request hold `fill`; rows of a page not held (-1) are dropped.
+    (`fill` is a float; uint8 fp8_ds_mla rows get its bytes, `kv_fill`.)
     """
     x, batch, s, y = rows.shape
     pages = table.shape[1]
     z = s // pages
-    pool = jnp.full((x, num_frames, z, y), fill, rows.dtype)
+    pool = jnp.full((x, num_frames, z, y), kv_fill(fill, rows.dtype), rows.dtype)
     target = jnp.where(table >= 0, table, num_frames)
     return pool.at[:, target].set(rows.reshape(x, batch, pages, z, y), mode="drop")
 
@@ -296,7 +300,7 @@ class DecodeState:
     Attributes:
       host: HostPages, kv [L, F, Z, D + R].
       table: [B, P] int32 page table into both pools (-1: page not held).
-      hot: [L, B, C + 2Z, D + R] kv_dtype device rows.
+      hot: [L, B, C + 2Z, D + R] kv_dtype device rows ([.., Y] uint8 in fp8_ds_mla).
       index_keys: [G, F, Z, N] kv_dtype, the indexer-key pool.
       slots: CacheSlots.
       policy: PolicyState.
@@ -335,7 +339,7 @@ class DecodeState:
 
     def token_rows(self) -> np.ndarray:
         """[L, B, S, D + R] numpy: every request's host rows read through the table (debug
-        reads, O(L B S); pages not held read as NaN)."""
+        reads, O(L B S); pages not held read as NaN, bytes 0xFF in fp8_ds_mla)."""
         host = jnp.asarray(read_back(self.host.kv))
         return np.asarray(pool_to_tokens(host, self.table, jnp.nan))
 
@@ -353,7 +357,8 @@ class DecodeState:
         """Hand a prefilled batch over to the offloaded decode path.
 
         Args:
-          kv: [L, B, S', D + R] the resident KV (S' <= offload.capacity).
+          kv: [L, B, S', D + R] the resident KV (S' <= offload.capacity), as the config's
+            kv_format stores it (`ModelConfig.kv_row_width`, `kv_row_dtype`).
           index_keys: [G, B, S', N]; lengths: [B].
           fill: value of rows that hold no token (tests use NaN so a stray read shows).
           num_frames: F, pages in the pools; default B P.
@@ -371,15 +376,17 @@ class DecodeState:
         if s_in > cap:
             raise ValueError(f"the prefilled KV has {s_in} positions but offload capacity is "
                              f"{cap}; raise OffloadConfig.capacity")
-        want_kv = (config.num_layers, batch, s_in, config.kv_width)
+        want_kv = (config.num_layers, batch, s_in, config.kv_row_width)
         want_keys = (config.num_groups, batch, s_in, config.index_head_dim)
         if tuple(kv.shape) != want_kv or tuple(index_keys.shape) != want_keys:
             raise ValueError(f"kv {tuple(kv.shape)} / index_keys {tuple(index_keys.shape)} do "
                              f"not match config {config.name!r}: expected {want_kv} / "
                              f"{want_keys}")
-        if kv.dtype != config.jnp_kv_dtype or index_keys.dtype != config.jnp_kv_dtype:
+        if kv.dtype != config.kv_row_dtype or index_keys.dtype != config.jnp_kv_dtype:
             raise ValueError(f"kv {kv.dtype} / index_keys {index_keys.dtype} must be the "
-                             f"config's kv_dtype {config.kv_dtype}")
+                             f"config's {config.kv_row_dtype} / {config.jnp_kv_dtype} "
+                             f"(kv_format={config.kv_format!r}, kv_dtype={config.kv_dtype!r}): "
+                             "build them with the config the state is for")
         lengths_np = np.asarray(lengths).astype(np.int32)
         if lengths_np.shape != (batch,) or np.any(lengths_np < 0) or np.any(lengths_np > s_in):
             raise ValueError(f"lengths {lengths_np.tolist()} must be {batch} counts in "
@@ -387,13 +394,15 @@ class DecodeState:
         table, num_frames = make_table(table, num_frames, batch=batch,
                                        num_pages=offload.num_pages)
         check_table_covers(table, lengths_np, z)
-        kv = jnp.pad(kv, ((0, 0), (0, 0), (0, cap - s_in), (0, 0)), constant_values=fill)
+        kv_fill_value = kv_fill(fill, kv.dtype)
+        kv = jnp.pad(kv, ((0, 0), (0, 0), (0, cap - s_in), (0, 0)),
+                     constant_values=kv_fill_value)
         index_keys = jnp.pad(index_keys, ((0, 0), (0, 0), (0, cap - s_in), (0, 0)),
                              constant_values=fill)
         # Rows past each request's length hold `fill` (nothing is stored there yet).
         positions = jnp.arange(cap)
         stored = positions[None, :] < jnp.asarray(lengths_np)[:, None]  # [B, S]
-        kv = jnp.where(stored[None, :, :, None], kv, jnp.asarray(fill, kv.dtype))
+        kv = jnp.where(stored[None, :, :, None], kv, jnp.asarray(kv_fill_value, kv.dtype))
         index_keys = jnp.where(stored[None, :, :, None], index_keys,
                                jnp.asarray(fill, index_keys.dtype))
         pages = tokens_to_pool(kv, table, num_frames, fill)
@@ -404,8 +413,8 @@ class DecodeState:
         # Device rows: row r of request b holds token row_tok[b, r], or `fill`.
         gathered = kv[:, jnp.arange(batch)[:, None], jnp.asarray(np.maximum(row_tok, 0))]
         hot = jnp.where(jnp.asarray(row_tok >= 0)[None, :, :, None], gathered,
-                        jnp.asarray(fill, kv.dtype))
-        return committed(cls(host=host, table=table, hot=hot, index_keys=key_pool,
+                        jnp.asarray(kv_fill_value, kv.dtype))
+        return committed(cls(host=host, table=jnp.asarray(table), hot=hot, index_keys=key_pool,
                              slots=slots, policy=policy, lengths=jnp.asarray(lengths_np),
                              step=jnp.asarray(1, jnp.int32)))
 
@@ -416,7 +425,7 @@ class DecodeState:
         (default B P) and the page table `table` (default the identity table; see
         `from_resident`). A serving engine builds it once with its pool size and a table of
         -1 rows, then `assign_pages` as requests join."""
-        kv = jnp.zeros((config.num_layers, batch, 1, config.kv_width), config.jnp_kv_dtype)
+        kv = jnp.zeros((config.num_layers, batch, 1, config.kv_row_width), config.kv_row_dtype)
         keys = jnp.zeros((config.num_groups, batch, 1, config.index_head_dim),
                          config.jnp_kv_dtype)
         return cls.from_resident(kv, keys, np.zeros(batch, np.int32), config=config,
@@ -424,9 +433,10 @@ class DecodeState:
 
 
 def make_table(table, num_frames, *, batch: int, num_pages: int):
-    """(table [B, P] int32 device array, F) from the constructors' arguments, validated.
+    """(table [B, P] int32 numpy array, F) from the constructors' arguments, validated.
 
-    Default F = B P; default table the identity (which needs F >= B P).
+    Default F = B P; default table the identity (which needs F >= B P). The table comes back
+    in numpy so the constructors' value checks work under `jax.eval_shape` too.
     """
     if num_frames is None:
         num_frames = batch * num_pages
@@ -438,8 +448,9 @@ def make_table(table, num_frames, *, batch: int, num_pages: int):
             raise ValueError(f"the identity page table needs num_frames >= B P = "
                              f"{batch * num_pages}, got {num_frames}: pass a table")
         table = identity_table(batch, num_pages)
+    table = np.asarray(table)
     check_table(table, batch=batch, num_pages=num_pages, num_frames=num_frames)
-    return jnp.asarray(table, jnp.int32), num_frames
+    return table.astype(np.int32), num_frames
 
 
 def rollback(state: DecodeState, num_drop) -> DecodeState:
@@ -520,18 +531,18 @@ def initial_layout(config: ModelConfig, offload: OffloadConfig, lengths: np.ndar
 def device_bytes_formula(config: ModelConfig, offload: OffloadConfig, batch: int) -> dict:
     """Device bytes of a DecodeState by the design's formula.
 
-    KV: (C + 2Z) rows of D + R per layer and request; indexer keys of all S tokens per group
-    (a pool of F = B P pages of Z, the default); the page table [B, P] int32; maps:
+    KV: (C + 2Z) rows of `kv_row_bytes` per layer and request; indexer keys of all S tokens
+    per group (a pool of F = B P pages of Z, the default); the page table [B, P] int32; maps:
     token_to_slot [G, S] + slot_to_token [G, C] int32; policy: stamp [G, C] (+ last_used
     [G, C] for lru) + hand [G] int32 (+ ref [G, C] int8 for clock); lengths, step, key.
     """
-    kvb = config.jnp_kv_dtype.itemsize
+    kvb = config.jnp_kv_dtype.itemsize  # indexer keys
     c, z, s = offload.hot_slots, offload.page_size, offload.capacity
     g = config.num_groups
     lru = c if offload.policy == "lru" else 0
     clock = c if offload.policy == "clock" else 0
     parts = {
-        "kv": config.num_layers * batch * (c + 2 * z) * config.kv_width * kvb,
+        "kv": config.num_layers * batch * (c + 2 * z) * config.kv_row_bytes,
         "index_keys": g * batch * s * config.index_head_dim * kvb,
         "table": 4 * batch * (s // z),
         "maps": 4 * g * batch * (s + c),

@@ -30,16 +30,23 @@ def _admission(**kwargs):
     return Admission(COSTS, **settings_)
 
 
-def test_costs_are_the_planners():
-    config = get_config("tiny")
+# Bytes of one KV row of the tiny model (D = 32, R = 8) in each format: bf16 (D + R) * 2;
+# fp8_ds_mla D + 4 (one scale: blocks of min(128, D)) + 2 R.
+ROW_BYTES = {"bf16": 40 * 2, "fp8_ds_mla": 32 + 4 + 2 * 8}
+
+
+@pytest.mark.parametrize("kv_format", list(ROW_BYTES))
+def test_costs_are_the_planners(kv_format):
+    config = get_config("tiny").replace(kv_format=kv_format)
+    row = ROW_BYTES[kv_format]
     hot_slots, page, buffers = min_hot_slots(config), 16, 2
     costs = MemoryCosts.from_config(config, page_size=page, hot_slots=hot_slots,
                                     num_buffers=buffers)
-    # tiny: L = 4, D + R = 40, G = 2, N = 16, bfloat16; C = 64.
-    assert costs.seat_device_bytes == 64 * 4 * 40 * 2 + 2 * 16 * 4 * 40 * 2 + 4 * 2 * 64
+    # tiny: L = 4, a row of `row` bytes, G = 2, N = 16 bfloat16 keys; C = 64.
+    assert costs.seat_device_bytes == 64 * 4 * row + 2 * 16 * 4 * row + 4 * 2 * 64
     assert costs.page_device_bytes == 16 * 2 * 16 * 2 + 4 * 2 * 16
-    assert costs.page_host_bytes == 16 * 4 * 40 * 2
-    assert costs.page_prefill_bytes == 2 * 16 * 40 * 2
+    assert costs.page_host_bytes == 16 * 4 * row
+    assert costs.page_prefill_bytes == 2 * 16 * row
     for context in (16, 256, 1024):
         plan = plan_capacity(config, context, hot_slots=hot_slots, tail_block=page,
                              num_buffers=buffers, budget_gb=1.0)

@@ -43,11 +43,11 @@ def _offload(path="ring"):
                          host_access=access or None)
 
 
-def _engine(path="ring", *, n=2, seats=SEATS, tokenizer=None, **kwargs):
+def _engine(path="ring", *, n=2, seats=SEATS, tokenizer=None, config=CONFIG, **kwargs):
     offload = None if path == "resident" else _offload(path)
     if offload is not None and "host_pool_bytes" not in kwargs:
         kwargs.setdefault("num_pages", PAGES)
-    return Engine(_params(), CONFIG, seats=seats, capacity=CAPACITY, offload=offload,
+    return Engine(_params(), config, seats=seats, capacity=CAPACITY, offload=offload,
                   decode_steps_per_call=n, prefill_chunk=8, query_block=None,
                   tokenizer=tokenizer, **kwargs)
 
@@ -57,9 +57,9 @@ def _prompt(seed, length):
 
 
 @functools.cache
-def _solo(prompt, max_tokens, temperature, seed, stop_ids=()):
+def _solo(prompt, max_tokens, temperature, seed, stop_ids=(), config=CONFIG):
     """The request alone in a resident engine of the same seats: the reference."""
-    engine = _engine("resident")
+    engine = _engine("resident", config=config)
     rid = engine.add_request(list(prompt), max_tokens=max_tokens, temperature=temperature,
                              seed=seed, stop_token_ids=stop_ids)
     out = engine.run()[rid]
@@ -157,6 +157,30 @@ def test_random_schedules(requests, arrivals, cancels, path, pool):
         engine.prefix.check()
     else:
         assert occupancy["cached"] == 0
+
+
+def test_fp8_cache_schedule_with_preemption_and_a_shared_prefix():
+    """kv_format="fp8_ds_mla" (uint8 rows in the pool, hot cache, tails and prefill buffers):
+    three requests, two sharing a cached prefix, growing in the 8-page pool until the youngest
+    is preempted (pages dropped: its prompt is prefilled again and its tokens replayed), each
+    gets the tokens of its solo run on the resident fp8 engine bit for bit."""
+    config = CONFIG.replace(kv_format="fp8_ds_mla")
+    engine = _engine("ring", config=config, prefix_cache=True, reserve="prompt")
+    assert engine.state.host.kv.dtype == np.uint8
+    assert engine.costs.page_host_bytes == 4 * config.num_layers * 52  # Z L Y, Y = 52 bytes
+    requests = [(SYSTEM + _prompt(1, 9), 8, 0.0, 0), (SYSTEM + _prompt(2, 3), 8, 0.9, 1),
+                (_prompt(3, 5), 8, 0.0, 0)]
+    ids = [engine.add_request(p, max_tokens=m, temperature=t, seed=s)
+           for p, m, t, s in requests]
+    while engine.has_unfinished():
+        engine.step()
+        check_invariants(engine.state, config=config, offload=_offload("ring"),
+                         seats=engine.decoding_seats())
+    assert engine.counters["preemptions"] > 0
+    outputs = engine.run()
+    for rid, (prompt, max_tokens, temperature, seed) in zip(ids, requests):
+        want, reason = _solo(tuple(prompt), max_tokens, temperature, seed, config=config)
+        assert (tuple(outputs[rid].token_ids), outputs[rid].finish_reason) == (want, reason)
 
 
 def test_more_requests_than_seats_wait_and_reuse_seats():

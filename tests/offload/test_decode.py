@@ -1,5 +1,7 @@
 """The offloaded decode step against the resident one: bit for bit, with invariants each step."""
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -108,6 +110,37 @@ def test_offloaded_decode_with_moe_layers_is_bitwise_resident():
     config, _, params = setup[:3]
     assert config.moe and "dense_mlp" in params and "moe" in params
     _run(*setup, steps=steps)
+
+
+@pytest.mark.parametrize("access", ["gather", "slices", "ffi"])
+def test_fp8_cache_offloaded_decode_is_bitwise_resident(access):
+    # kv_format="fp8_ds_mla": both paths store uint8 rows (D e4m3 bytes, a float32 scale, R
+    # bfloat16: 52 bytes at the tiny widths), quantized by the same write and dequantized only
+    # after the gather. Through each host access (the misses' copies move bytes): offloaded
+    # equals resident bit for bit, the hot rows equal the host rows byte for byte, empty
+    # slots hold the poison bytes 0xFF (request 0 has fewer tokens than slots).
+    steps = 6
+    config, offload, params, res, dec, rng = _setup(
+        batch=2, ways=2, k=4, hot=12, page=4, lengths=[9, 30], policy="lru", shared=False,
+        steps=steps, num_layers=2, kv_format="fp8_ds_mla")
+    offload = dataclasses.replace(offload, host_access=access)
+    dec = DecodeState.from_resident(res.kv, res.index_keys, res.lengths, config=config,
+                                    offload=offload, fill=NAN)
+    assert res.kv.dtype == dec.hot.dtype == dec.host.kv.dtype == jnp.uint8
+    assert dec.host.kv.shape[-1] == config.kv_row_width == 52
+    misses, empty = 0, 0
+    for _ in range(steps):
+        tokens = rng.integers(0, config.vocab_size, (2, 2), dtype=np.int32)
+        want, res = resident.decode_step(params, res, tokens, config=config)
+        got, dec, stats = offload_decode.decode_step(params, dec, tokens, config=config,
+                                                     offload=offload)
+        chex.assert_trees_all_equal(got, want)
+        check_invariants(dec, config=config, offload=offload, resident_kv=res.kv,
+                         selected=stats.selected, poisoned=True, finite=True)
+        misses += int(np.sum(stats.union))
+        empty += int(np.sum(np.asarray(dec.slots.slot_to_token) < 0))
+        assert int(stats.d2h_bytes[0]) == config.num_layers * 2 * 52
+    assert misses > 0 and empty > 0  # rows were copied; empty (poisoned) slots were checked
 
 
 # Scenarios several tests set up (the same shapes: the prefill and steps compile once).
@@ -236,6 +269,15 @@ def test_handoff_validates_its_inputs():
     with pytest.raises(ValueError, match=r"must be 2 counts in \[0, "):
         DecodeState.from_resident(res.kv, res.index_keys, np.array([10, -1]), config=config,
                                   offload=offload)
-    with pytest.raises(ValueError, match=r"must be the config's kv_dtype bfloat16"):
+    with pytest.raises(ValueError, match=r"kv float32 / index_keys bfloat16 must be the "
+                                         r"config's bfloat16 / bfloat16 \(kv_format='bf16', "
+                                         r"kv_dtype='bfloat16'\)"):
         DecodeState.from_resident(res.kv.astype(jnp.float32), res.index_keys, res.lengths,
                                   config=config, offload=offload)
+    # fp8_ds_mla: bfloat16 rows are not the uint8 rows the config stores.
+    with pytest.raises(ValueError, match=r"kv bfloat16 / index_keys bfloat16 must be the "
+                                         r"config's uint8 / bfloat16 \(kv_format='fp8_ds_mla'"):
+        DecodeState.from_resident(jnp.zeros(res.kv.shape[:-1] + (52,), jnp.bfloat16),
+                                  res.index_keys, res.lengths,
+                                  config=config.replace(kv_format="fp8_ds_mla"),
+                                  offload=offload)

@@ -443,12 +443,17 @@ def test_permuted_page_table_over_a_larger_pool(params):
                     dict(distance=1, num_buffers=3, pool="permuted", host_access="slices")])
 
 
-def test_handoff_with_a_permuted_table_and_decode_steps():
+@pytest.mark.parametrize("kv_format,access", [("bf16", None), ("fp8_ds_mla", "ffi")])
+def test_handoff_with_a_permuted_table_and_decode_steps(kv_format, access):
     # Prefill into a permuted pool, hand off, decode: logits bitwise the resident path's; the
-    # handed state equals DecodeState.from_resident with the same pool size and table.
-    config = TINY.replace(num_layers=2, indexer_layers=(0,), index_topk=8, max_ways=2)
+    # handed state equals DecodeState.from_resident with the same pool size and table. In the
+    # fp8_ds_mla format every pool, buffer, hot and tail row is uint8 (52 bytes here): the
+    # second chunk loads history bytes, the handoff gathers them, the steps miss on them,
+    # all through the FFI copies (the GPU default; the decode tests run gather and slices).
+    config = TINY.replace(num_layers=2, indexer_layers=(0,), index_topk=8, max_ways=2,
+                          kv_format=kv_format)
     params = _params_for(config)
-    offload = OffloadConfig(hot_slots=16, page_size=8, capacity=64)
+    offload = OffloadConfig(hot_slots=16, page_size=8, capacity=64, host_access=access)
     rng = np.random.default_rng(6)
     table, frames = _pool_table("permuted", 2, 8)
     chunks = [(_tokens(rng, (2, 25), config), [25, 25]),  # 50 and 43 tokens, one width
@@ -458,7 +463,9 @@ def test_handoff_with_a_permuted_table_and_decode_steps():
                              num_frames=frames, table=table)
     for tokens, num_new in chunks:
         _, rs = resident.prefill(params, rs, tokens, num_new, config=config)
-        _, ps = prefill(params, ps, tokens, num_new, config=config, num_buffers=2)
+        _, ps = prefill(params, ps, tokens, num_new, config=config, num_buffers=2,
+                        poison=True, host_access=access)
+    assert ps.host.kv.dtype == config.kv_row_dtype
     handed = to_decode_state(ps, config=config, offload=offload, fill=NAN)
     want = DecodeState.from_resident(rs.kv, rs.index_keys, rs.lengths, config=config,
                                      offload=offload, fill=NAN, num_frames=frames, table=table)
