@@ -16,13 +16,13 @@ import sys
 import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-H200 = "experiments/results/h200/decode_bench.jsonl"
-DP = "experiments/results/dp_serving/dp_serving.jsonl"
-RANKS = "experiments/results/rank_imbalance/rank_imbalance.jsonl"
-REPLAY = "docs/replay/replay.jsonl"
+H200 = "experiments/results/accelerator/h200/decode_bench.jsonl"
+DP = "experiments/results/serving/dp_serving/dp_serving.jsonl"
+RANKS = "experiments/results/traces/rank_imbalance/rank_imbalance.jsonl"
+REPLAY = "experiments/results/traces/replay/replay.jsonl"
 POISSON = "experiments/results/serving/poisson.jsonl"
 LATENCY = "experiments/results/serving/latency.jsonl"
-AUTO = "experiments/results/auto_offload/auto_offload.jsonl"
+AUTO = "experiments/results/serving/auto_offload/auto_offload.jsonl"
 
 
 def _rows(path: str, **match):
@@ -63,7 +63,8 @@ def h200_management() -> str:
             f"(k = {r['k']}, W = {r['ways']}, batch {r['batch']}, {r['context'] // 1024}k "
             f"context, {r['misses_per_step']:.0f} misses per request per step, {r['rounds']} "
             f"rounds of {r['inner']} steps). ")
-    command = ("experiments/decode_bench.py --what management --multiples 1 4 16 --rounds 7 "
+    command = ("python -m experiments.decode.decode_bench --what management --multiples 1 4 16 "
+               "--rounds 7 "
                "--inner 10 --policies ring clock lru")
     return note + _source(rows, H200, command) + "\n\n" + "\n".join(out)
 
@@ -80,7 +81,8 @@ def h200_step() -> str:
     note = (f"Whole decode step on `{r['model']}`, median of {r['steps']} paired steps (batch "
             f"{r['batch']}, {r['context'] // 1024}k context, C = {r['hot_slots']}, W = "
             f"{r['ways']}). ")
-    command = ("experiments/decode_bench.py --what step --policy ring clock --batch 8 "
+    command = ("python -m experiments.decode.decode_bench --what step --policy ring clock "
+               "--batch 8 "
                "--context 32768 --steps 10 --warmup 10")
     return note + _source(rows, H200, command) + "\n\n" + "\n".join(out)
 
@@ -101,7 +103,7 @@ def dp_serving() -> str:
                    + f" | {statistics.mean(spreads):.2f} | "
                    f"{statistics.mean(spreads) / base_mean:.2f}x | "
                    f"{statistics.mean(speed):.2f}x ({min(speed):.2f}-{max(speed):.2f}x) |")
-    command = f"PYTHONPATH=. python experiments/dp_serving.py --seeds {' '.join(map(str, seeds))}"
+    command = f"python -m experiments.serving.dp_serving --seeds {' '.join(map(str, seeds))}"
     return _source(rows, DP, command) + "\n\n" + "\n".join(out)
 
 
@@ -122,7 +124,7 @@ def rank_imbalance() -> str:
     r = rows[0]
     note = (f"{r['ranks']} ranks of {r['seats']} seats, {r['steps']} steps ({r['warmup']} of "
             f"warm-up) x {len(r['seeds'])} seeds. ")
-    command = "python experiments/rank_imbalance.py"
+    command = "python -m experiments.traces.rank_imbalance"
     return note + _source(rows, RANKS, command) + "\n\n" + "\n".join(out)
 
 
@@ -155,7 +157,7 @@ def replay_8192() -> str:
     r = rows[0]
     note = (f"Traces of {r['meta']['context']}-token windows: {r['steps']} steps each, context "
             f"{r['context']} at the first, k = {r['topk']}, {r['groups']} groups. ")
-    command = "python experiments/replay.py --trace ... --prefetch"
+    command = "python -m experiments.traces.replay --trace ... --prefetch"
     return note + _source(rows, REPLAY, command) + "\n\n" + "\n".join(out)
 
 
@@ -171,7 +173,8 @@ def serving_budget() -> str:
                    f"{r['tpot_p50'] * 1e3:.0f} ms | {r['programs_per_token']:.3f} | "
                    f"{r['host_share']:.1%} |")
     r = rows[0]
-    command = (f"experiments/serving_bench.py --model {r['model']} --capacity {r['capacity']} "
+    command = (f"python -m experiments.serving.serving_bench --model {r['model']} "
+               f"--capacity {r['capacity']} "
                f"--requests {r['requests']} --rate {r['rate']:g} --device-budget-mb "
                f"{r['device_budget_bytes'] // 10**6}")
     return _source(rows, POISSON, command) + "\n\n" + "\n".join(out)
@@ -187,7 +190,8 @@ def serving_latency() -> str:
                    f"{r['itl_p50'] * 1e3:.1f} / {r['itl_p99'] * 1e3:.0f} ms | "
                    f"{r['tokens_per_second']:.0f} |")
     r = rows[0]
-    command = (f"experiments/serving_latency.py --clients {r['clients']} --seats {r['seats']} "
+    command = (f"python -m experiments.serving.serving_latency --clients {r['clients']} "
+               f"--seats {r['seats']} "
                f"--capacity {r['capacity']} --max-tokens {r['max_tokens']}")
     return _source(rows, LATENCY, command) + "\n\n" + "\n".join(out)
 
@@ -205,7 +209,8 @@ def auto_offload() -> str:
         out.append(f"| {r['workload']} | {r['cell']} | {r['seats']} | {r['peak_running']} | "
                    f"{r['tokens_per_s']:.1f} | {r['ratio_to_auto']:.2f} | {r['migrations']} | "
                    f"{r['h2d_bytes'] / 1e3:.1f} | {'yes' if r['same_tokens'] else 'no'} |")
-    return _source(rows, AUTO, "python experiments/auto_offload_bench.py") + "\n\n" + "\n".join(out)
+    return (_source(rows, AUTO, "python -m experiments.serving.auto_offload_bench") + "\n\n"
+            + "\n".join(out))
 
 
 TABLES = {"h200_management": h200_management, "h200_step": h200_step,

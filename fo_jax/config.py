@@ -7,7 +7,7 @@ consecutive layers (GLM-5.2 style).
 
 Presets:
   * `tiny`: tests (4 layers, 2 indexer groups, top-k 16, widths of a few dozen).
-  * `trained-small`: the shapes `experiments/train.py` trains (a 2048-id byte-level BPE,
+  * `trained-small`: the shapes `experiments/training/train.py` trains (a 2048-id byte-level BPE,
     4 layers, width 256, 2 indexer groups, top-k 128, trained on 2048-token windows).
   * `small`: CPU benchmarks (wide enough that indexer and attention costs are realistic
     relative to each other, long context).
@@ -377,7 +377,7 @@ PRESETS: dict[str, ModelConfig] = {
         mlp_hidden=1024, index_n_heads=8, index_head_dim=64, index_topk=512,
         indexer_layers=(0, 2), max_seq_len=131072, max_ways=4,
     ),
-    # The model `experiments/train.py` trains on 2 CPU cores (fo_jax.training): BPE tokens,
+    # The model `experiments/training/train.py` trains on 2 CPU cores (fo_jax.training): BPE tokens,
     # 4 layers in 2 indexer groups, top-k 128 of a 2048-token training context (4x room).
     "trained-small": ModelConfig(
         name="trained-small", vocab_size=2048, dim=256, num_layers=4, num_heads=4,

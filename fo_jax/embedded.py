@@ -1,7 +1,7 @@
 """Model directories, and the trained model that ships inside the package.
 
-A model directory (what `experiments/train.py` writes, and what `fo-jax generate --model-dir`
-reads) holds:
+A model directory (what `experiments/training/train.py` writes, and what `fo-jax generate
+--model-dir` reads) holds:
 
     config.json          {"model": ModelConfig fields, "tokenizer": {...}, ...}
     model.safetensors    the weights (fo_jax names, fo_jax.weights); a training run's directory
@@ -9,9 +9,9 @@ reads) holds:
     tokenizer.json       a byte-level BPE (fo_jax.tokenizer); absent for byte models
 
 The embedded model (`EMBEDDED_DIR`, preset `trained-small`) is a training run of
-`experiments/train.py` on the Python standard library's sources, its weights rounded to bfloat16
-(8.8 MB) and read back as the config's dtype (float32): `fo-jax generate` runs it by default
-and prints Python-like text. Its held-out loss and training command are in its config.json
+`experiments/training/train.py` on the Python standard library's sources, its weights rounded to
+bfloat16 (8.8 MB) and read back as the config's dtype (float32): `fo-jax generate` runs it by
+default and prints Python-like text. Its held-out loss and training command are in its config.json
 ("trained") and in the README.
 """
 

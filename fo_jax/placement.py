@@ -21,8 +21,8 @@ load (then most free seats, then lowest index) that still has a seat, and add it
 load: greedy longest-processing-time-first. Everything here is host-side Python on [R] loads
 and [n] costs: O(n log n + n R) per call, O(R) for one request; nothing touches device memory.
 
-Measured (experiments/rank_imbalance.py; the README's "Rank imbalance"): least_misses cuts the
-excess of the busiest rank over the mean by 12-49% where requests differ in locality and seats
+Measured (experiments/traces/rank_imbalance.py; the README's "Rank imbalance"): least_misses cuts
+the excess of the busiest rank over the mean by 12-49% where requests differ in locality and seats
 are free; no rule helps when every seat is taken or when the spread comes from bursts within
 requests rather than from which requests share a rank.
 """
@@ -61,9 +61,9 @@ def update_estimate(estimate: float, observed: float, *, weight: float = 0.05) -
     weight * observed + (1 - weight) * estimate (an EMA). O(1).
 
     The default keeps a long memory: a request's misses come in bursts (its focus moves, a
-    tail block leaves the tail) and a placement wants its mean; in experiments/rank_imbalance.py
-    weight 0.25 followed the bursts and placed worse than round robin on topic-shift requests,
-    0.05 did not.
+    tail block leaves the tail) and a placement wants its mean; in
+    experiments/traces/rank_imbalance.py weight 0.25 followed the bursts and placed worse than round
+    robin on topic-shift requests, 0.05 did not.
     """
     if not 0 < weight <= 1:
         raise ValueError(f"update_estimate: {weight=} must be in (0, 1] (the newest step's "

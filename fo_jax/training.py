@@ -388,7 +388,7 @@ def save_run_config(path: str | os.PathLike, config: ModelConfig, tc: TrainConfi
 
 
 def load_run(directory: str | os.PathLike, stage: str = "sparse") -> tuple[ModelConfig, dict]:
-    """(config, params) of a run written by experiments/train.py: `config.json` and
+    """(config, params) of a run written by experiments/training/train.py: `config.json` and
     `{stage}.safetensors` in `directory`."""
     from fo_jax.weights import load_params
 

@@ -1,7 +1,8 @@
 """Two processes x four CPU devices, joined by jax.distributed (gloo collectives), decode a batch
 data-parallel exactly as one process on one device does: same greedy tokens, same logits, bit
 for bit, on both decode paths (resident, and offloaded: host pools split over the processes'
-devices), in one launch (experiments/multiprocess_decode.py is the program each process runs)."""
+devices), in one launch (experiments/decode/multiprocess_decode.py is the program each process
+runs)."""
 
 import importlib.util
 import json
@@ -15,7 +16,7 @@ from fo_jax import distributed
 from fo_jax.config import get_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "experiments" / "multiprocess_decode.py"
+MODULE = "experiments.decode.multiprocess_decode"
 CONFIG = get_config("tiny")
 PROCESSES, DEVICES_PER_PROCESS = 2, 4
 BATCH, PROMPT_LEN, STEPS, SEED = 8, 8, 2, 0
@@ -26,7 +27,7 @@ TIMEOUT_S = 240
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("multiprocess_decode", SCRIPT)
+    spec = importlib.util.find_spec(MODULE)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -38,7 +39,7 @@ def test_two_processes_decode_as_one_device(tmp_path):
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     # launch kills every child on its way out (failure, time limit, or an exception here).
     results = distributed.launch(
-        [str(SCRIPT), "--config", CONFIG.name, "--batch", str(BATCH), "--prompt-len",
+        ["-m", MODULE, "--config", CONFIG.name, "--batch", str(BATCH), "--prompt-len",
          str(PROMPT_LEN), "--steps", str(STEPS), "--seed", str(SEED), "--out", str(tmp_path),
          "--path", "both"],
         processes=PROCESSES, devices_per_process=DEVICES_PER_PROCESS, timeout_s=TIMEOUT_S,

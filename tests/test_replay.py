@@ -42,7 +42,7 @@ def test_replay_reproduces_decode_step(policy, ways, tmp_path):
 
 def test_replay_reproduces_prefilled_document_decode():
     # The real-trace path: offloaded prefill of documents, the handoff, teacher-forced W-way
-    # decode steps (experiments/record_traces.py; the shapes of its --smoke, so one compile
+    # decode steps (experiments/traces/record_traces.py; the shapes of its --smoke, so one compile
     # serves both). The replay reproduces the run's stats; the recorded scores are the
     # selection's own.
     import jax

@@ -1,5 +1,5 @@
 """A Poisson stream of requests through the engine, and what it measured (`fo-jax bench-serve`,
-experiments/serving_bench.py).
+experiments/serving/serving_bench.py).
 
     requests = poisson_workload(16, rate=2.0, prompt_len=(64, 256), output_len=(16, 48),
                                 vocab=config.vocab_size)

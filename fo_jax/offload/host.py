@@ -58,10 +58,10 @@ compiler drops memory spaces and compiles every move to nothing):
   - XLA's pinned host pool on GPU is capped at 64 GB by default
     (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` raises it).
 
-`experiments/accelerator_check.py` compiles every setting at real sizes on an accelerator and
-reports compile success, bitwise equality, the host-compute ops and host-memory faults of the
-compiled programs, and GB/s against `fo_jax.offload.ffi.read_bulk` (one contiguous copy by the
-copy engine) and a bulk `jax.device_put` of the same bytes.
+`experiments/accelerator/accelerator_check.py` compiles every setting at real sizes on an
+accelerator and reports compile success, bitwise equality, the host-compute ops and host-memory
+faults of the compiled programs, and GB/s against `fo_jax.offload.ffi.read_bulk` (one contiguous
+copy by the copy engine) and a bulk `jax.device_put` of the same bytes.
 """
 
 from __future__ import annotations
@@ -349,7 +349,8 @@ def load_history(host_kv, table, layer, *, history_pages: int, on_host: bool,
     # (the decode miss gather's pattern). A gather of whole pages ([B, hp, Z, D+R]) reshaped
     # after its move to the device did not compile on an H200 (jax 0.11.2): XLA folded the
     # reshape into a bitcast from host to device memory ("Bitcast cannot have different memory
-    # spaces"). Rows run at 0.41x a bulk device_put there (experiments/load_history_variants.py).
+    # spaces"). Rows run at 0.41x a bulk device_put there
+    # (experiments/accelerator/load_history_variants.py).
     num_l, num_f = host_kv.shape[:2]
     rows_kv = host_kv.reshape(num_l, num_f * page, width)
     offsets = jnp.arange(history_pages * page, dtype=jnp.int32)

@@ -1,8 +1,8 @@
 """Parity with Hugging Face `transformers`: tiny checkpoints and its golden outputs.
 
 tests/fixtures/parity/<name>/ holds a checkpoint built with the `transformers` model classes
-and what `transformers` computed from it in float32 (experiments/make_parity_fixtures.py, run
-by a developer; no torch here): the prefill logits of a 40-token prompt, the logits of 20 greedy
+and what `transformers` computed from it in float32 (experiments/training/make_parity_fixtures.py,
+run by a developer; no torch here): the prefill logits of a 40-token prompt, the logits of 20 greedy
 decode steps, the greedy tokens and every full indexer layer's top-k. fo_jax loads the directory
 with `load_checkpoint` and must reproduce them:
 
@@ -50,7 +50,7 @@ CAPACITY = 64  # 40 prompt tokens + 20 decode steps, rounded up to whole pages
 # experts looped), so each sum rounds differently (~1e-7 relative per operation). Measured
 # over the three fixtures: at most 4.0e-6 (prefill) and 3.6e-6 (decode). 2e-5 leaves 5x room
 # and still catches small real mismatches: transformers' own 1e-6 eps in the GLM fixture's
-# q_a / kv_a norms (see experiments/make_parity_fixtures.py) moves its logits by 6.2e-5.
+# q_a / kv_a norms (see experiments/training/make_parity_fixtures.py) moves its logits by 6.2e-5.
 ATOL = 2e-5
 GAP = 1e-4
 

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).parents[2] / "experiments" / "device_run.sh"
-ROOT = SCRIPT.parents[1]
+ROOT = pathlib.Path(__file__).parents[2]
+SCRIPT = ROOT / "experiments" / "accelerator" / "device_run.sh"
 PARTS = ["ffi_library", "ffi_checks", "prefill_exact", "engine_exact", "access_rates",
          "access_gather", "decode_ratio", "serving_saturation", "summary"]
 needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
@@ -30,8 +30,10 @@ def test_script_parses():
                                   "host_copy_check", "device_summary"])
 def test_flags_exist(name):
     text = SCRIPT.read_text()
-    source = (SCRIPT.parent / f"{name}.py").read_text()
-    calls = re.findall(rf"experiments/{name}\.py(.*?)(?:\n(?!\s)|$)", text, re.S)
+    (path,) = (ROOT / "experiments").glob(f"*/{name}.py")
+    source = path.read_text()
+    module = f"experiments.{path.parent.name}.{name}"
+    calls = re.findall(rf"-m {re.escape(module)}(.*?)(?:\n(?!\s)|$)", text, re.S)
     assert calls, f"device_run.sh does not run {name}.py"
     for call in calls:
         for flag in set(re.findall(r"(--[a-z][a-z-]*)", call)) - {"--smoke"}:
@@ -43,7 +45,7 @@ def _run(tmp_path, *, python, fail=None, **env):
     succeeds, failing for the script named `fail`, when python is None)."""
     if python is None:
         stub = tmp_path / "python"
-        fails = (f'case "$1" in *{fail}*) echo "pretend failure"; exit 1;; esac\n'
+        fails = (f'case "$*" in *{fail}*) echo "pretend failure"; exit 1;; esac\n'
                  if fail else "")
         stub.write_text(f'#!/usr/bin/env bash\necho "$*" >> "{tmp_path}/calls"\n{fails}exit 0\n')
         stub.chmod(0o755)

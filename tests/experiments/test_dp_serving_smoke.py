@@ -1,4 +1,4 @@
-"""experiments/dp_serving.py's smoke run: the DataParallelEngine over a mixed stream, two
+"""experiments/serving/dp_serving.py's smoke run: the DataParallelEngine over a mixed stream, two
 ranks on one device, round robin and least_misses: JSON lines, a table, the same tokens
 under both rules, every pool empty at the end."""
 

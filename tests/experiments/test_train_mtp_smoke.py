@@ -1,5 +1,5 @@
-"""experiments/train_mtp.py trains an MTP layer for the embedded model (two steps here), and
-the parameters it writes load back for the model with an MTP layer, unchanged."""
+"""experiments/training/train_mtp.py trains an MTP layer for the embedded model (two steps here),
+and the parameters it writes load back for the model with an MTP layer, unchanged."""
 
 import jax
 import numpy as np

@@ -1,5 +1,5 @@
-"""experiments/train.py --smoke: both stages run, the log, the checkpoints, the evaluations and
-the loss plot come out; the weights load back into the inference path."""
+"""experiments/training/train.py --smoke: both stages run, the log, the checkpoints, the evaluations
+and the loss plot come out; the weights load back into the inference path."""
 
 import json
 import pathlib

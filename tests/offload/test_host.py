@@ -5,7 +5,8 @@ dynamic slices on host memory and touching only the missed rows; the decode step
 bitwise equal to the resident path under "slices" (tests/offload/test_decode.py and
 test_prefill.py cover "gather", the default); every function and the decode step cross-lowered
 for CUDA on this CPU machine (`jax.export`), which checks that the lowering accepts the memory
-spaces, not that XLA's GPU passes compile it (experiments/accelerator_check.py does that on a GPU).
+spaces, not that XLA's GPU passes compile it (experiments/accelerator/accelerator_check.py does that
+on a GPU).
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ def test_host_reads_move_to_the_device_as_they_come(access):
     # did not compile: XLA folded the reshape into a bitcast from host to device memory
     # ("Bitcast cannot have different memory spaces of output (0) and operand (5)"). What a
     # gather or slice reads from host memory goes to the device as it is; a gather's rows then
-    # pass a barrier or land in a buffer (experiments/load_history_variants.py has the
+    # pass a barrier or land in a buffer (experiments/accelerator/load_history_variants.py has the
     # variants tried there; the prefill's own `rows[None]` broke the first fix the same way).
     _, pages, table = _pages()
     tokens, count = jnp.zeros((B, 5), jnp.int32), jnp.ones((B,), jnp.int32)

@@ -1,0 +1,1 @@
+"""Serving: the engine's throughput and latency, data parallel, automatic offload."""

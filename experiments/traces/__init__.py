@@ -1,0 +1,2 @@
+"""Traces and policies: attention traces, their replay, eviction policies, prefetch distance,
+rank imbalance."""

@@ -1,0 +1,1 @@
+"""The small model: training, the MTP layer, export as a model directory, parity fixtures."""
