@@ -63,6 +63,10 @@ SLOW_FILES = (
     "tests/offload/test_decode.py",
     "tests/engine/test_engine_mtp.py",
     "tests/experiments/test_device_diagnosis_smoke.py",
+    # Before the training smoke run, on purpose: run after it in the same worker, the serving
+    # latency smoke run ends the worker ("I/O operation on closed file", "lost sys.stderr";
+    # under output capture only, cause not found yet), so it is queued first.
+    "tests/experiments/test_serving_latency_smoke.py",
     "tests/experiments/test_train_smoke.py",
     "tests/test_multiprocess.py",
     "tests/checkpoints/test_mtp_checkpoint.py",
