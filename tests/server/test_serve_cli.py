@@ -55,7 +55,7 @@ def server(tmp_path_factory):
     cmd = [sys.executable, "-m", "fo_jax.cli", "serve", "--port", str(port), "--offload",
            "--seats", str(SEATS), "--capacity", str(CAPACITY), "--page-size", "16",
            "--prefill-chunk", str(CAPACITY), "--decode-steps-per-call", "2",
-           "--max-queue", str(MAX_QUEUE), "--shutdown-timeout", "1", "--log-level", "warning",
+           "--max-queue", str(MAX_QUEUE), "--shutdown-timeout", "0", "--log-level", "warning",
            "--metrics-jsonl", str(metrics), "--metrics-every", "4"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
@@ -217,8 +217,10 @@ def test_load_with_clients_leaving_mid_stream(server):
 def test_sigterm_under_many_streams(server):
     """SIGTERM while every seat decodes and requests wait (15 streaming clients, 5 waiting for
     a whole response): the listening socket closes, every stream ends with [DONE], every other
-    client gets its JSON body (finish_reason "cancelled" after the 1 s drain, or "length"), the
-    process exits 0, and its final line counts every request and no held page."""
+    client gets its JSON body (finish_reason "cancelled", or "length" for one that ended before
+    the signal was handled), the process exits 0, and its final line counts every request and no
+    held page. The server drains for 0 s, so the requests in flight are cancelled whatever this
+    machine's speed (with a 1 s drain, a fast machine finished all 20 within it)."""
     url = server.url
     streams = 20
     results, errors, started = [], [], threading.Event()
@@ -270,7 +272,7 @@ def test_sigterm_under_many_streams(server):
             time.sleep(0.02)
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)  # within the drain: no longer accepting (the socket closes; 503 before)
+        time.sleep(0.3)  # no longer accepting (the socket closes; 503 before)
         try:
             late = httpx.post(url + "/v1/completions", json={"prompt": "a"}, timeout=5)
             assert late.status_code == 503, late.text
