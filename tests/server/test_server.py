@@ -536,7 +536,7 @@ def test_load_accepted_complete_rejected_429_and_metrics_add_up(server):
 
 def test_shutdown_ends_in_flight_requests():
     """Shutdown: new requests get 503; in-flight streams end with finish_reason "cancelled"
-    and [DONE] once the drain time is over (0 here: at once; the CLI test drains 0.5 s); the
+    and [DONE] once the drain time is over (0 here, as in the CLI test: at once); the
     server and engine threads exit."""
     srv = _start(max_queue=4, shutdown_timeout=0.0)
     results = []
