@@ -410,7 +410,7 @@ def test_generate_refuses_before_running(capsys, monkeypatch, argv, message):
         raise AssertionError("parameters were built before the input was checked")
 
     monkeypatch.setattr("fo_jax.model.dsa.init_params", refuse)
-    monkeypatch.setattr("fo_jax.cli._available_bytes", lambda: 64e9)  # any machine alike
+    monkeypatch.setattr("fo_jax.resolve.available_bytes", lambda: 64e9)  # any machine alike
     assert main(["generate", "--model", "tiny", "--no-progress", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err, err
