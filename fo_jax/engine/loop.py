@@ -475,9 +475,9 @@ class MTPSeats:
     @classmethod
     def create(cls, config: ModelConfig, *, batch: int, capacity: int) -> "MTPSeats":
         """Empty seats (lengths 0): fill them with `mtp_feed` (a prompt's pairs) first."""
-        from fo_jax.model.mtp import create_state
+        from fo_jax.resident import create_mtp_state
 
-        return cls(state=create_state(config, batch=batch, capacity=capacity),
+        return cls(state=create_mtp_state(config, batch=batch, capacity=capacity),
                    draft=jnp.zeros((batch,), jnp.int32),
                    hidden=jnp.zeros((batch, config.dim), config.jnp_dtype))
 
@@ -488,12 +488,12 @@ class MTPSeats:
 
 def mtp_feed(params, mtp, seats: MTPSeats, hidden, tokens, num_new, *, config: ModelConfig,
              query_block: int | None = None) -> MTPSeats:
-    """Append T pairs per seat to the MTP state (`fo_jax.model.mtp.mtp_step`): hidden [B, T, E]
+    """Append T pairs per seat to the MTP state (`fo_jax.resident.mtp_step`): hidden [B, T, E]
     the main model's last hidden states, tokens [B, T] the tokens after them, the first
     num_new[b] real (0: the seat is not written and keeps its draft). A seat fed >= 1 pair
     takes its draft and h' at its last pair (`MTPDrafter.start` / `observe`). Pure and
     jit-able: one MTP layer over T tokens against its own cache of S rows."""
-    from fo_jax.model.mtp import mtp_step
+    from fo_jax.resident import mtp_step
 
     num_new = jnp.asarray(num_new, jnp.int32)
     logits, out, state = mtp_step(params, mtp, seats.state, hidden, tokens, num_new,
@@ -518,7 +518,7 @@ def mtp_drafts(params, mtp, seats: MTPSeats, active, num_drafts: int, *,
     previous one (`MTPDrafter.propose`): num_drafts - 1 MTP calls of one pair per seat. The
     chained pairs are speculative: `mtp_observe` forgets them. Inactive seats are not
     written (their drafts unspecified)."""
-    from fo_jax.model.mtp import mtp_step
+    from fo_jax.resident import mtp_step
 
     drafts, draft, hidden, state = [seats.draft], seats.draft, seats.hidden, seats.state
     ones = active.astype(jnp.int32)
