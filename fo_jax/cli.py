@@ -239,6 +239,7 @@ def _cmd_generate(args) -> int:
     from fo_jax.model import dsa
     from fo_jax.offload.config import OffloadConfig, check_hot_slots, min_hot_slots
     from fo_jax.resident import ResidentState
+    from fo_jax.sampling import check_sampling
     from fo_jax.tokenizer import ByteTokenizer
     from fo_jax.weights import load_params
 
@@ -255,7 +256,7 @@ def _cmd_generate(args) -> int:
     for flag in ("batch", "page_size", "max_new_tokens"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    gen.check_sampling(args.temperature, args.top_p)
+    check_sampling(args.temperature, args.top_p)
     if args.draft == "none" and args.num_drafts is not None:
         raise ValueError("--num-drafts applies with --draft ngram or mtp only")
     _, num_drafts = gen.check_draft(args.draft, args.num_drafts, config)

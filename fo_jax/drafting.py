@@ -20,7 +20,7 @@ step yields, never which tokens (greedy) or their distribution (sampled).
     verification step (with the step's hidden states and what was kept). It needs an engine
     that returns hidden states: `ResidentEngine(..., mtp=mtp_params)` or
     `OffloadEngine(..., mtp=mtp_params)`. The serving engine's decode loop runs the same rule
-    on the device (`fo_jax.engine.Engine(..., drafter="mtp")`, `fo_jax.engine.loop.MTPSeats`).
+    on the device (`fo_jax.engine.Engine(..., drafter="mtp")`, `fo_jax.decode_loop.MTPSeats`).
 """
 
 from __future__ import annotations

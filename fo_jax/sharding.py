@@ -68,8 +68,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fo_jax import generate, resident
 from fo_jax.config import ModelConfig
-from fo_jax.engine import loop as engine_loop
-from fo_jax.engine.loop import LoopOutput
+from fo_jax import decode_loop as engine_loop
+from fo_jax.decode_loop import LoopOutput
+from fo_jax.sampling import check_keys
 from fo_jax.model.moe import EXPERT_AXIS
 from fo_jax.offload import decode as offload_decode
 from fo_jax.offload import prefill as offload_prefill
@@ -681,14 +682,14 @@ def _loop_specs(mesh: Mesh, rules, seats, sampling, out):
 @functools.lru_cache(maxsize=16)
 def _loop_program(mesh: Mesh, step, n_steps: int, rules_key):
     """jit(shard_map(decode loop)) for (params, state, seats, sampling): every rank runs the
-    single-device loop (`fo_jax.engine.loop._loop_jit`) on its requests, its while_loop ending
+    single-device loop (`fo_jax.decode_loop.loop_jit`) on its requests, its while_loop ending
     when its own requests are done; the state is donated and keeps its shardings."""
     rules = dict(rules_key) if rules_key is not None else None
 
     offloaded = isinstance(step, engine_loop.OffloadedStep)
 
     def body(params, state, seats, sampling):
-        out, state, seats = engine_loop._loop_jit(params, state, seats, sampling,
+        out, state, seats = engine_loop.loop_jit(params, state, seats, sampling,
                                                   n_steps=n_steps, step=step)
         # The values every rank holds alike (the step counter, the random policy's key) may
         # differ here: each rank left its loop after its own number of steps.
@@ -752,7 +753,7 @@ def sharded_decode_loop(params, state, seats, n_steps: int, sampling, *, mesh: M
         if value != state.batch:
             raise ValueError(f"{name} hold {value} requests but the state holds "
                              f"{state.batch}: build them for the same batch")
-    engine_loop.check_keys(seats.keys, state.batch)
+    check_keys(seats.keys, state.batch)
     program = _loop_program(mesh, step, int(n_steps), _rules_key(rules))
     seat_specs, sampling_specs, _ = _loop_specs(
         mesh, rules, seats, sampling, engine_loop.LoopOutput(None, None, None, None))

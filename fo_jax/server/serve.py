@@ -292,7 +292,7 @@ def build_engine(args):
     import jax
 
     from fo_jax.engine import Engine
-    from fo_jax.engine.loop import check_drafting
+    from fo_jax.decode_loop import check_drafting
     from fo_jax.model import dsa
     from fo_jax.offload.config import (MEMORY_KINDS, OffloadConfig, check_hot_slots,
                                        min_hot_slots)

@@ -356,7 +356,8 @@ def loop_case(params, rng, *, ranks, batch, steps, resident_path=False):
     """The decode loop data-parallel (`sharded_decode_loop`): greedy and sampled requests with
     their own keys, stop tokens and max_new_tokens, so ranks leave their loops at different
     steps; tokens, stats, seats and state against each rank's single-device `decode_loop`."""
-    from fo_jax.engine.loop import OffloadedStep, ResidentStep, Sampling, Seats, decode_loop
+    from fo_jax.decode_loop import OffloadedStep, ResidentStep, Seats, decode_loop
+    from fo_jax.sampling import Sampling
 
     config = CONFIG
     lengths = [PROMPT] + rng.integers(1, PROMPT, batch - 1).tolist()
