@@ -323,8 +323,8 @@ def _cmd_generate(args) -> int:
                                 host_memory_kind="device" if args.interpret else "pinned_host")
         offload.validate_for(config)
     check_param_memory(config, args.max_param_gb,
-                        state_bytes=_kv_bytes(config, args.batch, capacity),
-                        state=f"the KV of --batch {args.batch} requests of {capacity} tokens")
+                       state_bytes=_kv_bytes(config, args.batch, capacity),
+                       state=f"the KV of --batch {args.batch} requests of {capacity} tokens")
     mtp = None
     if load is not None and args.draft == "mtp":
         _, params, mtp = load(mtp=True)
@@ -338,10 +338,10 @@ def _cmd_generate(args) -> int:
 
             mtp = init_mtp_params(config, jax.random.key(args.seed + 1))
     if args.devices is not None:
-        from fo_jax import sharding
+        from fo_jax import sharded_steps, sharding
 
         mesh = sharding.make_mesh(args.devices)
-        engine = sharding.DataParallelOffloadEngine(
+        engine = sharded_steps.DataParallelOffloadEngine(
             sharding.shard_params(params, mesh), config, mesh=mesh, offload=offload,
             batch=args.batch, prefill_chunk=prefill_chunk)
     elif args.offload:

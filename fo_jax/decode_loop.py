@@ -19,11 +19,11 @@ One call runs a `lax.while_loop` of decode steps: feed each request's last token
 next one on the device (`fo_jax.sampling.sample_tokens`: the arithmetic of
 `fo_jax.sampling.sample`, so the tokens equal those of a Python loop of single steps bit for
 bit), mark a request done on a stop token, on its `max_new_tokens`, or when its state is
-full (capacity), and stop early once every request is done. A done request takes no further token: the step runs with it inactive,
-so nothing of its state changes (length, host pages, hot cache, indexer keys: see the
-`active` argument of the steps). Offload statistics are summed on the device (`LoopStats`);
-the host sees nothing until it reads the outputs: one round trip per call instead of one per
-token.
+full (capacity), and stop early once every request is done. A done request takes no further
+token: the step runs with it inactive, so nothing of its state changes (length, host pages,
+hot cache, indexer keys: see the `active` argument of the steps). Offload statistics are
+summed on the device (`LoopStats`); the host sees nothing until it reads the outputs: one
+round trip per call instead of one per token.
 
 The state is donated and carried through the loop in place (tests/engine/test_loop.py checks
 the compiled loop's HLO with fo_jax.hlo_checks). One compiled program per (step, N, shapes):
@@ -477,7 +477,7 @@ def decode_loop(params, state, seats: Seats, n_steps: int, sampling: Sampling, *
             raise ValueError("mtp and mtp_seats are read only with num_drafts > 0: pass "
                              "num_drafts, or drop them")
         return loop_jit(params, state, seats, sampling, n_steps=int(n_steps), step=step,
-                         logprobs=None if logprobs is None else int(logprobs))
+                        logprobs=None if logprobs is None else int(logprobs))
     if mtp is not None or mtp_seats is not None:
         check_mtp_drafting(mtp, step.config, drafter=drafter)
         if not isinstance(mtp_seats, MTPSeats) or mtp_seats.batch != batch or \
@@ -551,7 +551,10 @@ def check_drafting(num_drafts, config: ModelConfig) -> None:
 @functools.partial(jax.jit, static_argnames=("n_steps", "step", "logprobs"),
                    donate_argnames=("state",))
 def loop_jit(params, state, seats: Seats, sampling: Sampling, *, n_steps: int, step,
-              logprobs: int | None = None):
+             logprobs: int | None = None):
+    """The decode loop without drafts, pure and jitted (the state donated): (LoopOutput, state,
+    seats). `decode_loop` validates, then runs it; the data-parallel loop
+    (`fo_jax.sharded_steps`) runs it per rank."""
     batch = seats.tokens.shape[0]
     capacity = state.capacity
     fed0 = jnp.zeros((batch,), jnp.int32)

@@ -156,9 +156,12 @@ class ResidentBackend:
 @functools.partial(jax.jit, static_argnames=("config", "dense", "implementation", "interpret",
                                              "query_block", "return_hidden"),
                    donate_argnames=("state",))
-def _forward_jit(params, state: ResidentState, tokens, num_new, *, config, dense,
-                 implementation="xla", interpret=False, query_block=None,
-                 return_hidden=False):
+def forward_jit(params, state: ResidentState, tokens, num_new, *, config, dense,
+                implementation="xla", interpret=False, query_block=None,
+                return_hidden=False):
+    """The resident forward over T new tokens per request, pure and jitted (the state
+    donated): (logits, new state[, hidden]). `prefill` and `decode_step` validate their
+    arguments, then run it; the data-parallel steps (`fo_jax.sharded_steps`) run it per rank."""
     num_t = tokens.shape[1]
     # Never past capacity, checked or not: tokens beyond the room left are padding (their KV is
     # dropped, their logits unspecified) and lengths stop at capacity.
@@ -199,7 +202,7 @@ def prefill(params, state: ResidentState, tokens, num_new=None, *, config: Model
     """
     args, static = _prefill_arguments(params, state, tokens, num_new, config=config,
                                       dense=dense, check=check, query_block=query_block)
-    return _forward_jit(*args, **static, return_hidden=bool(return_hidden))
+    return forward_jit(*args, **static, return_hidden=bool(return_hidden))
 
 
 def lower_prefill(params, state: ResidentState, tokens, num_new=None, *, config: ModelConfig,
@@ -210,11 +213,11 @@ def lower_prefill(params, state: ResidentState, tokens, num_new=None, *, config:
     nothing runs and nothing is donated."""
     args, static = _prefill_arguments(params, state, tokens, num_new, config=config,
                                       dense=dense, check=check, query_block=query_block)
-    return _forward_jit.lower(*args, **static)
+    return forward_jit.lower(*args, **static)
 
 
 def _prefill_arguments(params, state, tokens, num_new, *, config, dense, check, query_block):
-    """Validate `prefill`'s arguments: (positional args, static kwargs) of `_forward_jit`."""
+    """Validate `prefill`'s arguments: (positional args, static kwargs) of `forward_jit`."""
     check_live(state, "prefill")
     tokens, num_t = prepare_tokens(tokens, state.batch, config, check=check)
     num_new = (jnp.full((state.batch,), num_t, jnp.int32) if num_new is None
@@ -262,10 +265,10 @@ def decode_step(params, state: ResidentState, tokens, *, config: ModelConfig,
     if implementation == "pallas" and dense:
         raise ValueError("dense=True attends to every token: there is no selection for the "
                          "Pallas kernels to run; use implementation='xla'")
-    return _forward_jit(params, state, tokens, num_new, config=config,
-                        dense=dense, implementation=implementation,
-                        interpret=interpret_params(interpret),
-                        return_hidden=bool(return_hidden))
+    return forward_jit(params, state, tokens, num_new, config=config,
+                       dense=dense, implementation=implementation,
+                       interpret=interpret_params(interpret),
+                       return_hidden=bool(return_hidden))
 
 
 def rollback(state: ResidentState, num_drop) -> ResidentState:

@@ -83,7 +83,7 @@ def available_bytes() -> float | None:
 
 
 def check_param_memory(config, max_param_gb: float | None, *, state_bytes: int = 0,
-                        state: str = "") -> None:
+                       state: str = "") -> None:
     """Refuse a model whose parameters would not fit, before any is allocated; with
     `state_bytes`, also parameters + that state (`state` says what it is) above half of the
     available memory."""

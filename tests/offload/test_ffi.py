@@ -148,7 +148,7 @@ def _lowered(access):
     state = DecodeState.create(CONFIG, offload, batch=2)
     tokens = jnp.zeros((2, 1), jnp.int32)
     programs = {}
-    fn, a, k = hlo_checks.captured_call(offload_decode, "_decode_jit",
+    fn, a, k = hlo_checks.captured_call(offload_decode, "decode_jit",
                                         offload_decode.decode_step, _params(), state, tokens,
                                         config=CONFIG, offload=offload)
     programs["decode_step"] = hlo_checks.lower_for(fn, *a, **k)
@@ -160,13 +160,13 @@ def _lowered(access):
                                         seats, 2, sampling, step=step)
     programs["decode_loop"] = hlo_checks.lower_for(fn, *a, **k)
     pstate = offload_prefill.PrefillState.create(CONFIG, batch=2, capacity=32, page_size=4)
-    fn, a, k = hlo_checks.captured_call(offload_prefill, "_prefill_jit", offload_prefill.prefill,
+    fn, a, k = hlo_checks.captured_call(offload_prefill, "prefill_jit", offload_prefill.prefill,
                                         _params(), pstate, jnp.zeros((2, 4), jnp.int32),
                                         config=CONFIG, num_buffers=2, history_pages=2,
                                         check=False, host_access=access)
     programs["prefill"] = hlo_checks.lower_for(fn, *a, **k)
     programs["handoff"] = hlo_checks.lower_for(
-        offload_prefill._gather_hot, pstate.host.kv, pstate.table, jnp.zeros((2, 8), jnp.int32),
+        offload_prefill.gather_hot, pstate.host.kv, pstate.table, jnp.zeros((2, 8), jnp.int32),
         0.0, chunk=4, on_host=True, access=access)
     return programs
 
