@@ -76,7 +76,7 @@ from fo_jax.offload.host import (
     load_history,
     write_back_rows,
 )
-from fo_jax.offload.pipeline_model import (
+from fo_jax.offload.layer_schedule import (
     OnloadLayerMap,
     buffer_of_layer,
     default_onload_layer_map,
