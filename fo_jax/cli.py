@@ -126,7 +126,7 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="run the Pallas kernels in TPU interpret mode (slow; off TPU)")
     gen.add_argument("--devices", type=int, default=None,
                      help="with --offload: run data-parallel over this many devices (requests "
-                          "split over them, one host pool per device; fo_jax.sharding). On a "
+                          "split over them, one host pool per device; fo_jax.sharded_steps). On a "
                           "CPU, simulated devices need XLA_FLAGS=--xla_force_host_platform_"
                           "device_count=N")
     gen.add_argument("--no-progress", action="store_true")

@@ -17,14 +17,14 @@ local devices.
 
 The decode implementation is a `DecodePath` (--path): a state constructor (this process's rows),
 its placement over a mesh, prefill and decode step. RESIDENT is fo_jax.resident split over the
-`data` axis by plain jit. OFFLOADED is fo_jax.sharding's data-parallel offloaded steps (prefill,
+`data` axis by plain jit. OFFLOADED is fo_jax.sharded_steps' data-parallel offloaded steps (prefill,
 handoff, decode step in shard_map over `data`): each process builds only its own seats and its
 own part of the host pools (F / P frames, `pinned_host`), with page tables of rank-local frame
 ids, and joins them into global arrays with `distributed.global_tree`; with --check it is
 compared with the single-device offloaded steps of each device's B / D rows and F / D frames.
 `--path both` runs the two in one launch.
 
-The offloaded path calls fo_jax.sharding's public steps with their checks on: across processes
+The offloaded path calls fo_jax.sharded_steps' public steps with their checks on: across processes
 their value checks read the whole batch's lengths, page tables and token ids by gathering every
 process's rows (small arrays; the KV stays where it is), so every process validates the same
 values and compiles the same program.
