@@ -56,8 +56,8 @@ from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.offload.state import DecodeState, read_back
 from fo_jax.sampling import check_keys
-from fo_jax.sharding import (DATA, LAYOUTS, check_divides, check_sharded_tables, data_size,
-                             host_values, logical_spec, shard_state, shardings, specs,
+from fo_jax.sharding import (DATA, LAYOUTS, TABLES, check_divides, check_sharded_tables,
+                             data_size, host_values, logical_spec, shard_state, shardings, specs,
                              step_param_specs)
 
 
