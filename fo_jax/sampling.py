@@ -148,6 +148,7 @@ class Sampling:
 
 
 def is_key(keys) -> bool:
+    """Whether `keys` is an array of typed PRNG keys (`jax.random.key`, not raw uint32 data)."""
     return jnp.issubdtype(getattr(keys, "dtype", np.float32), jax.dtypes.prng_key)
 
 
