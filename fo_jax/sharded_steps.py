@@ -16,13 +16,13 @@ matmuls are not batch-invariant (a request's logits differ in the last bits betw
 4 and 2 on one device), and the random policy's victims differ.
 
 Expert parallelism (`make_mesh(n, expert=e)`): the MoE experts' w1 / w2 / w3 [L', X, ...]
-(`EXPERT_PARALLEL`) stay split over `expert` inside the steps: each device holds X / e experts
-and `fo_jax.model.moe.moe_mlp`, seeing a slice of them, computes only their (token, k) rows and
-sums the rows over `expert` (one all-reduce of [N K', E] per MoE layer, the program's only
-collective; exact, see `moe_mlp`), so logits and states stay bit for bit each rank's
-single-device run with the whole weights. The router (gate, gate_bias) and the shared experts
-are replicated. A data rank's tokens, state and attention are replicated over its `expert`
-devices (each runs them alike); only the experts' weights and rows are split.
+(`fo_jax.sharding.EXPERT_PARALLEL`) stay split over `expert` inside the steps: each device holds
+X / e experts and `fo_jax.model.moe.moe_mlp`, seeing a slice of them, computes only their
+(token, k) rows and sums the rows over `expert` (one all-reduce of [N K', E] per MoE layer, the
+program's only collective; exact, see `moe_mlp`), so logits and states stay bit for bit each
+rank's single-device run with the whole weights. The router (gate, gate_bias) and the shared
+experts are replicated. A data rank's tokens, state and attention are replicated over its
+`expert` devices (each runs them alike); only the experts' weights and rows are split.
 Weights split over `model` (heads, vocabulary) are stored split and gathered at the step's
 entry: no tensor-parallel step (split heads would sum partial products in another order: not
 bit for bit the single-device step).
