@@ -26,12 +26,13 @@ import argparse
 import sys
 
 from fo_jax import flags
+from fo_jax.resolve import (DEFAULT_MODEL, check_param_memory, checkpoint_bytes, format_bytes,
+                            model_dir_config, resolve_model)
 
 DEFAULT_PROMPT = (
     "import os\n\n\ndef read_lines(path):\n"
     "    \"\"\"Return the lines of the file at *path*.\"\"\"\n"
 )
-DEFAULT_MODEL = "trained-small"
 # The offload demo (`generate --offload` without --prompt): a real Python source the package
 # ships, long enough that the hot cache holds a fraction of it (the embedded model's C = 512
 # slots against ~3,000 tokens of context).
@@ -125,7 +126,7 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="run the Pallas kernels in TPU interpret mode (slow; off TPU)")
     gen.add_argument("--devices", type=int, default=None,
                      help="with --offload: run data-parallel over this many devices (requests "
-                          "split over them, one host pool per device; fo_jax.sharding). On a "
+                          "split over them, one host pool per device; fo_jax.sharded_steps). On a "
                           "CPU, simulated devices need XLA_FLAGS=--xla_force_host_platform_"
                           "device_count=N")
     gen.add_argument("--no-progress", action="store_true")
@@ -170,64 +171,6 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _model_dir_config(directory):
-    """(ModelConfig, "hf" or "fo_jax") of a --model-dir: a Hugging Face checkpoint's
-    config.json ("architectures") or a fo_jax model directory's ("model")."""
-    import pathlib
-
-    from fo_jax import embedded
-    from fo_jax.checkpoints import config_from_hf
-    from fo_jax.checkpoints.hf_config import read_json
-
-    path = pathlib.Path(directory) / "config.json"
-    if not path.exists():
-        return embedded.read_config(directory), "fo_jax"  # raises, naming what is missing
-    meta = read_json(path)  # ValueError naming the file unless a JSON object
-    if "model" in meta:
-        return embedded.read_config(directory), "fo_jax"
-    if "architectures" in meta:
-        return config_from_hf(path), "hf"  # errors name the file
-    raise ValueError(f"{path} has neither a \"model\" section (a fo_jax model directory) nor "
-                     "\"architectures\" (a Hugging Face checkpoint); got keys "
-                     f"{sorted(meta)[:8]}")
-
-
-def _checkpoint_bytes(directory, kind: str) -> int:
-    """Bytes of a model directory's weight files: the safetensors index's total_size, else
-    the files' sizes."""
-    import os
-    import pathlib
-
-    from fo_jax import embedded
-    from fo_jax.checkpoints.hf import INDEX, SINGLE, shard_files
-    from fo_jax.checkpoints.hf_config import read_json
-
-    directory = pathlib.Path(directory)
-    if kind == "fo_jax":
-        return os.path.getsize(embedded.weights_path(directory))
-    if (directory / INDEX).exists():
-        shards = shard_files(directory)  # ValueError naming the index unless well formed
-        meta = read_json(directory / INDEX).get("metadata") or {}
-        if not isinstance(meta, dict):
-            raise ValueError(f"{directory / INDEX}: metadata={meta!r:.40} must be an object "
-                             '({"total_size": bytes})')
-        total = meta.get("total_size")
-        if total is None:
-            return sum(os.path.getsize(directory / f) for f in shards)
-        if not isinstance(total, int) or isinstance(total, bool) or total < 0:
-            raise ValueError(f"{directory / INDEX}: metadata.total_size={total!r:.40} must be "
-                             "an int >= 0 (bytes)")
-        return total
-    return os.path.getsize(directory / SINGLE)
-
-
 def _cmd_plan(args) -> int:
     from fo_jax.config import get_config
     from fo_jax.model.dsa import param_bytes
@@ -236,7 +179,7 @@ def _cmd_plan(args) -> int:
     if args.model_dir is not None:
         if args.model is not None:
             raise ValueError("--model-dir brings its own config: drop --model")
-        config, kind = _model_dir_config(args.model_dir)
+        config, kind = model_dir_config(args.model_dir)
     else:
         config = get_config("glm52" if args.model is None else args.model)
     if args.kv_format is not None:
@@ -247,24 +190,12 @@ def _cmd_plan(args) -> int:
     print(format_plan(plan))
     if args.model_dir is not None:  # a preset has no checkpoint of its own to count
         weights = param_bytes(config)
-        files = _checkpoint_bytes(args.model_dir, kind)
+        files = checkpoint_bytes(args.model_dir, kind)
         print(f"\nWeights (every parameter as fo_jax holds it; multi-token-prediction layers "
-              f"not loaded)\n  weights:  {_fmt_bytes(weights)} {config.dtype} (checkpoint files "
-              f"{_fmt_bytes(files)}; device memory for weights + KV budget: "
-              f"{_fmt_bytes(weights + plan.budget_bytes)})")
+              f"not loaded)\n  weights:  {format_bytes(weights)} {config.dtype} (checkpoint files "
+              f"{format_bytes(files)}; device memory for weights + KV budget: "
+              f"{format_bytes(weights + plan.budget_bytes)})")
     return 0
-
-
-def _available_bytes() -> float | None:
-    """Host memory available now (Linux /proc/meminfo MemAvailable), or None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def _kv_bytes(config, batch: int, capacity: int) -> int:
@@ -277,75 +208,6 @@ def _kv_bytes(config, batch: int, capacity: int) -> int:
 
     shapes = jax.eval_shape(lambda: ResidentState.create(config, batch=batch, capacity=capacity))
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(shapes))
-
-
-def _check_param_memory(config, max_param_gb: float | None, *, state_bytes: int = 0,
-                        state: str = "") -> None:
-    """Refuse a model whose parameters would not fit, before any is allocated; with
-    `state_bytes`, also parameters + that state (`state` says what it is) above half of the
-    available memory."""
-    from fo_jax.model.dsa import param_bytes
-
-    need = param_bytes(config)
-    available = _available_bytes()
-    if max_param_gb is not None:
-        if not max_param_gb > 0:
-            raise ValueError(f"--max-param-gb must be > 0, got {max_param_gb}")
-        limit, what = max_param_gb * 1e9, f"--max-param-gb={max_param_gb}"
-    elif available is not None:
-        limit = available / 2
-        what = f"half of the available memory ({_fmt_bytes(limit)}; --max-param-gb to change)"
-    else:
-        limit = None
-    if limit is not None and need > limit:
-        raise ValueError(
-            f"the parameters of {config.name!r} take {_fmt_bytes(need)} ({config.dtype}), above "
-            f"{what}: `fo-jax generate` runs models that fit this machine (--model tiny or "
-            f"small); to size a deployment run `fo-jax plan --model {config.name} --context N`")
-    if state_bytes and available is not None and need + state_bytes > available / 2:
-        raise ValueError(
-            f"{state} ({_fmt_bytes(state_bytes)}) take {_fmt_bytes(need + state_bytes)} with "
-            f"the parameters, above half of the available memory ({_fmt_bytes(available / 2)})"
-            ": lower --batch, --max-new-tokens or the prompt's length")
-
-
-def _resolve_model(args):
-    """(config, load weights or None, tokenizer or None) from --model / --model-dir /
-    --weights, reading only config and tokenizer files: the embedded model and model
-    directories come with weights (`load()` reads them, after the memory check) and a
-    tokenizer; a preset gets random weights (or --weights) and the byte tokenizer."""
-    import functools
-
-    from fo_jax import embedded
-    from fo_jax.config import get_config
-    from fo_jax.tokenizer import load_tokenizer
-
-    if args.model_dir is not None:
-        if args.model is not None or args.weights is not None:
-            raise ValueError("--model-dir brings its own config and weights: drop --model / "
-                             "--weights")
-        config, kind = _model_dir_config(args.model_dir)
-        if kind == "fo_jax":
-            return (config, functools.partial(embedded.load_model_dir, args.model_dir),
-                    load_tokenizer(args.model_dir))
-        from fo_jax.checkpoints import load_checkpoint
-
-        tokenizer = load_tokenizer(args.model_dir)
-        if tokenizer.vocab_size > config.vocab_size:
-            raise ValueError(f"{args.model_dir}: tokenizer.json has {tokenizer.vocab_size} ids "
-                             f"but config.json vocab_size={config.vocab_size}")
-        return (config, functools.partial(load_checkpoint, args.model_dir, config,
-                                          progress=not args.no_progress), tokenizer)
-    name = DEFAULT_MODEL if args.model is None else args.model
-    if name == DEFAULT_MODEL and args.weights is None:
-        if not embedded.embedded_available():
-            embedded.load_embedded()  # raises, naming what is missing
-        return (embedded.read_config(embedded.EMBEDDED_DIR), embedded.load_embedded,
-                load_tokenizer(embedded.EMBEDDED_DIR))
-    config = get_config(name)
-    if name == DEFAULT_MODEL:  # its own weights file: its BPE tokenizer still applies
-        return config, None, load_tokenizer(embedded.EMBEDDED_DIR)
-    return config, None, None
 
 
 def _check_devices(args) -> None:
@@ -377,10 +239,11 @@ def _cmd_generate(args) -> int:
     from fo_jax.model import dsa
     from fo_jax.offload.config import OffloadConfig, check_hot_slots, min_hot_slots
     from fo_jax.resident import ResidentState
+    from fo_jax.sampling import check_sampling
     from fo_jax.tokenizer import ByteTokenizer
     from fo_jax.weights import load_params
 
-    config, load, tokenizer = _resolve_model(args)
+    config, load, tokenizer = resolve_model(args)
     if args.chat and not hasattr(tokenizer, "apply_chat_template"):
         kind = "bytes" if tokenizer is None else tokenizer.kind
         raise ValueError(f"--chat: the {kind} tokenizer has no chat template; --chat needs a "
@@ -393,7 +256,7 @@ def _cmd_generate(args) -> int:
     for flag in ("batch", "page_size", "max_new_tokens"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    gen.check_sampling(args.temperature, args.top_p)
+    check_sampling(args.temperature, args.top_p)
     if args.draft == "none" and args.num_drafts is not None:
         raise ValueError("--num-drafts applies with --draft ngram or mtp only")
     _, num_drafts = gen.check_draft(args.draft, args.num_drafts, config)
@@ -459,9 +322,9 @@ def _cmd_generate(args) -> int:
                                 policy=policy, host_access=args.host_access,
                                 host_memory_kind="device" if args.interpret else "pinned_host")
         offload.validate_for(config)
-    _check_param_memory(config, args.max_param_gb,
-                        state_bytes=_kv_bytes(config, args.batch, capacity),
-                        state=f"the KV of --batch {args.batch} requests of {capacity} tokens")
+    check_param_memory(config, args.max_param_gb,
+                       state_bytes=_kv_bytes(config, args.batch, capacity),
+                       state=f"the KV of --batch {args.batch} requests of {capacity} tokens")
     mtp = None
     if load is not None and args.draft == "mtp":
         _, params, mtp = load(mtp=True)
@@ -475,10 +338,10 @@ def _cmd_generate(args) -> int:
 
             mtp = init_mtp_params(config, jax.random.key(args.seed + 1))
     if args.devices is not None:
-        from fo_jax import sharding
+        from fo_jax import sharded_steps, sharding
 
         mesh = sharding.make_mesh(args.devices)
-        engine = sharding.DataParallelOffloadEngine(
+        engine = sharded_steps.DataParallelOffloadEngine(
             sharding.shard_params(params, mesh), config, mesh=mesh, offload=offload,
             batch=args.batch, prefill_chunk=prefill_chunk)
     elif args.offload:
@@ -557,8 +420,8 @@ def _cmd_generate(args) -> int:
               "drafts)")
     resident_bytes = ResidentState.create(config, batch=args.batch,
                                           capacity=capacity).device_bytes()
-    print(f"KV bytes on device: {_fmt_bytes(result.device_kv_bytes)}"
-          + (f"   (resident model: {_fmt_bytes(resident_bytes)}, "
+    print(f"KV bytes on device: {format_bytes(result.device_kv_bytes)}"
+          + (f"   (resident model: {format_bytes(resident_bytes)}, "
              f"{result.device_kv_bytes / resident_bytes:.2f}x)" if args.offload else ""))
     if args.offload:
         extra = result.extra
@@ -570,9 +433,9 @@ def _cmd_generate(args) -> int:
             # shorter than that is served from a hot cache larger than itself.
             print(f"(the hot cache holds the whole context of {capacity} positions: offload "
                   "saves device memory only for contexts longer than the hot cache)")
-        print(f"bytes moved per token: H2D {_fmt_bytes(extra['h2d_bytes_per_token'])}, "
-              f"D2H {_fmt_bytes(extra['d2h_bytes_per_token'])}; "
-              f"host KV {_fmt_bytes(extra['host_kv_bytes'])}")
+        print(f"bytes moved per token: H2D {format_bytes(extra['h2d_bytes_per_token'])}, "
+              f"D2H {format_bytes(extra['d2h_bytes_per_token'])}; "
+              f"host KV {format_bytes(extra['host_kv_bytes'])}")
     if args.check:
         if mismatch:
             print(f"CHECK FAILED: {mismatch[0]}")

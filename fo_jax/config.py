@@ -337,13 +337,6 @@ class ModelConfig:
         """kappa = L * kv_row_bytes + G * N * bytes_per_elem."""
         return self.kv_bytes_per_token + self.index_bytes_per_token
 
-    @classmethod
-    def from_hf(cls, config, **settings) -> "ModelConfig":
-        """The config of a Hugging Face DeepSeek-V3.2 / GLM-5 config.json (a dict, its path or
-        the checkpoint directory); see `fo_jax.checkpoints.config_from_hf` for `settings`."""
-        from fo_jax.checkpoints.hf_config import config_from_hf  # checkpoints imports config
-        return config_from_hf(config, **settings)
-
     def replace(self, **changes) -> "ModelConfig":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)

@@ -20,7 +20,7 @@ step yields, never which tokens (greedy) or their distribution (sampled).
     verification step (with the step's hidden states and what was kept). It needs an engine
     that returns hidden states: `ResidentEngine(..., mtp=mtp_params)` or
     `OffloadEngine(..., mtp=mtp_params)`. The serving engine's decode loop runs the same rule
-    on the device (`fo_jax.engine.Engine(..., drafter="mtp")`, `fo_jax.engine.loop.MTPSeats`).
+    on the device (`fo_jax.engine.Engine(..., drafter="mtp")`, `fo_jax.decode_loop.MTPSeats`).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ class MTPDrafter:
     """Drafts from the model's multi-token-prediction layer, greedy.
 
     MTP layer 0 maps (h_i, t_{i+1}) -- the main model's last hidden state at position i and the
-    token after it -- to logits of t_{i+2} (`fo_jax.model.mtp.mtp_step`). Its KV state (one
+    token after it -- to logits of t_{i+2} (`fo_jax.resident.mtp_step`). Its KV state (one
     layer, one indexer group: resident on the device) holds one pair per position the main
     model stores: `start` feeds the prompt's pairs (the last one pairs h_{T-1} with the first
     generated token), `observe` the pairs of the tokens a verification step kept. The first
@@ -188,7 +188,7 @@ class MTPDrafter:
         self._draft = self._hidden = self._real = None
 
     def _run(self, hidden, tokens, num_new, query_block=None):
-        from fo_jax.model.mtp import mtp_step
+        from fo_jax.resident import mtp_step
 
         logits, out, self.state = mtp_step(
             self.params, self.mtp, self.state, hidden, jnp.asarray(tokens, jnp.int32),
@@ -206,7 +206,7 @@ class MTPDrafter:
     def start(self, hidden, tokens: np.ndarray, lengths: np.ndarray, first) -> None:
         """After the prefill: hidden [B, T, E] of the padded prompts tokens [B, T] (lengths [B]
         real), first [B] the first generated tokens. Starts a new MTP state."""
-        from fo_jax.model.mtp import create_state
+        from fo_jax.resident import create_mtp_state
         from fo_jax.resident import QUERY_BLOCK
 
         tokens = np.asarray(tokens)
@@ -214,7 +214,7 @@ class MTPDrafter:
         nxt = np.zeros(tokens.shape, np.int64)
         nxt[:, :-1] = tokens[:, 1:]
         nxt[np.arange(self.batch), lengths - 1] = np.asarray(first)
-        self.state = create_state(self.config, batch=self.batch, capacity=self.capacity)
+        self.state = create_mtp_state(self.config, batch=self.batch, capacity=self.capacity)
         num_t = tokens.shape[1]
         chunk = num_t if self.prefill_chunk is None else int(self.prefill_chunk)
         draft = hid = None

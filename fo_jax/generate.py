@@ -11,7 +11,7 @@ token per request; `generate` samples (greedy at temperature 0, else temperature
 PRNG key). With a drafter (`draft="ngram"` or `"mtp"`, `fo_jax.drafting`) a generation
 verifies W - 1 drafted tokens per step and rolls the rejected ones back (`engine.rollback`):
 greedy, the same tokens in fewer steps; sampled, speculative sampling (the decode loop's rule,
-`fo_jax.engine.loop.speculative_tokens`): tokens of the same distribution. With
+`fo_jax.sampling.speculative_tokens`): tokens of the same distribution. With
 `decode_steps_per_call=N > 1` it runs N steps per compiled call instead
 (`fo_jax.engine.decode_loop`: sampling on the device, the same tokens).
 Offload statistics are summed on the device step by step (no host sync per step). Engines keep
@@ -23,9 +23,6 @@ prefill and every step and raise `StateCheckError` on a non-finite value or a br
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
-import numbers
 import time
 from collections.abc import Sequence
 from typing import Callable
@@ -38,15 +35,7 @@ from fo_jax import resident
 from fo_jax.config import ModelConfig, sequence_capacity_check
 from fo_jax.model.kv_format import load_kv_rows
 from fo_jax.drafting import make_drafter
-from fo_jax.engine.loop import (
-    LoopOutput,
-    OffloadedStep,
-    ResidentStep,
-    Sampling,
-    Seats,
-    decode_loop,
-    speculative_tokens,
-)
+from fo_jax.decode_loop import LoopOutput, OffloadedStep, ResidentStep, Seats, decode_loop
 from fo_jax.offload import decode as offload_decode
 from fo_jax.offload import prefill as offload_prefill
 from fo_jax.kernels import resolve_implementation
@@ -54,25 +43,13 @@ from fo_jax.offload.config import OffloadConfig, check_num_buffers
 from fo_jax.offload.invariants import check_invariants
 from fo_jax.offload import state as offload_state
 from fo_jax.offload.state import DecodeState
+from fo_jax.sampling import Sampling, check_sampling, sample, speculative_tokens
 
 
 class StateCheckError(RuntimeError):
     """The debug checks of an engine (`check=True`) found a bad state after a prefill or step:
     a non-finite value in stored rows or logits, or a broken invariant of the offloaded state.
     The engine keeps the state as it was found, for inspection."""
-
-
-def check_sampling(temperature, top_p) -> None:
-    """Raise unless temperature is a finite number >= 0 and top_p a number in (0, 1]."""
-    def real(x):
-        return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-    if not real(temperature) or not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 "
-                         "(0 = greedy, else the softmax temperature)")
-    if not real(top_p) or not 0 < top_p <= 1:
-        raise ValueError(f"top_p={top_p!r} must be a number in (0, 1] (the probability mass "
-                         "nucleus sampling keeps; 1 = all tokens)")
 
 
 # Prompt tokens per prefill call of the engines: bounds what grows with the chunk (the logits
@@ -109,32 +86,6 @@ def chunked_prefill(run, tokens: np.ndarray, lengths, chunk: int | None) -> jax.
         picked = logits[jnp.arange(batch), jnp.asarray(np.clip(end, 0, hi - lo - 1))]
         last = picked if last is None else jnp.where(here, picked, last)
     return last
-
-
-def sample(logits, key, *, temperature: float, top_p: float):
-    """Next tokens [B] from logits [B, V]: argmax at temperature 0, else nucleus sampling.
-
-    Top-p keeps the smallest set of most likely tokens whose probability reaches `top_p`
-    (always at least the most likely one). A NaN / infinite / negative temperature or a top_p
-    outside (0, 1] is refused (`check_sampling`).
-    """
-    check_sampling(temperature, top_p)
-    return _sample(logits, key, temperature=float(temperature), top_p=float(top_p))
-
-
-@functools.partial(jax.jit, static_argnames=("temperature", "top_p"))
-def _sample(logits, key, *, temperature: float, top_p: float):
-    if temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits.astype(jnp.float32) / temperature
-    order = jnp.argsort(-scaled, axis=-1)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each token
-    keep = before < top_p
-    sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
-    choice = jax.random.categorical(key, sorted_logits, axis=-1)
-    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
 def _first_non_finite(rows, lengths) -> tuple[int, int, int] | None:
@@ -641,7 +592,7 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
         W = 1 step's up to float rounding, so only a near-tie of the two largest logits
         could tell them apart), in fewer steps when drafts are accepted. Sampled
         (temperature > 0): speculative sampling, the decode loop's rule
-        (`fo_jax.engine.loop.speculative_tokens`): a draft d is accepted with probability
+        (`fo_jax.sampling.speculative_tokens`): a draft d is accepted with probability
         p(d), p the nucleus distribution `sample` draws from at the way before it; the first
         rejection samples p without d, renormalized; after num_drafts acceptances a bonus
         token is sampled. The tokens follow the distribution of sampling without drafts,
@@ -768,7 +719,7 @@ def _speculate(engine, drafter, num_drafts: int, prompts, first: np.ndarray,
     tokens of the W ways and a_b the longest prefix with d_i = g_i, it keeps e_b = min(a_b + 1,
     N - c_b) fed tokens and generates g_1 .. g_{e_b}: exactly the tokens W = 1 greedy decoding
     generates one per step. Sampled (temperature > 0): a_b drafts accepted and the token after
-    them by speculative sampling (`fo_jax.engine.loop.speculative_tokens`, one key for the
+    them by speculative sampling (`fo_jax.sampling.speculative_tokens`, one key for the
     batch: `key` split once per step, as `generate` does without drafts), the same cut e_b.
     A request already done (c_b = N) keeps nothing. Ways past the engine's capacity are dropped
     (only a done request's or a rejected draft's position can be; the ways a kept token reads

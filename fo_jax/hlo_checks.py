@@ -18,7 +18,7 @@ array happens to share a state array's shape and dtype):
     from fo_jax import hlo_checks
 
     # The program the public entry point runs (its validation, its donation), compiled only:
-    compiled = hlo_checks.compile_call(fo_jax.offload.decode, "_decode_jit", decode_step,
+    compiled = hlo_checks.compile_call(fo_jax.offload.decode, "decode_jit", decode_step,
                                        params, state, tokens, config=config, offload=offload,
                                        compiler_options=hlo_checks.FAST_COMPILE)
     # or a jitted function directly (static arguments as keywords):
@@ -202,7 +202,7 @@ def compile_call(module, name: str, entry, *args, compiler_options: dict | None 
     """Compile what `entry(*args, **kwargs)` would run: the call it makes to `module.<name>`.
 
     `entry` is a public function that validates its inputs and then calls the jitted
-    `module.<name>` (e.g. `compile_call(fo_jax.offload.prefill, "_prefill_jit",
+    `module.<name>` (e.g. `compile_call(fo_jax.offload.prefill, "prefill_jit",
     fo_jax.offload.prefill.prefill, params, state, tokens, config=config)`). The recorded call
     (`captured_call`) is compiled: the program a user runs, with its donation, not an outer
     `jax.jit` around `entry` (which would drop the donation and change the program).

@@ -27,7 +27,9 @@ from fo_jax.config import ModelConfig
 from fo_jax.model.attention import dense_attention, softmax_scale, sparse_attention
 from fo_jax.model.kv_format import kv_fill
 from fo_jax.kernels import check_kv_format, interpret_params, resolve_implementation
-from fo_jax.model.forward import forward, over_query_blocks, xla_select
+from fo_jax.model.forward import forward, forward_layers, over_query_blocks, xla_select
+from fo_jax.model.layers import matmul_f32, rms_norm
+from fo_jax.model.mtp import block_params, stack_config
 
 # Queries per block in prefill (selection and attention): bounds their temporaries.
 QUERY_BLOCK = 256
@@ -154,9 +156,12 @@ class ResidentBackend:
 @functools.partial(jax.jit, static_argnames=("config", "dense", "implementation", "interpret",
                                              "query_block", "return_hidden"),
                    donate_argnames=("state",))
-def _forward_jit(params, state: ResidentState, tokens, num_new, *, config, dense,
-                 implementation="xla", interpret=False, query_block=None,
-                 return_hidden=False):
+def forward_jit(params, state: ResidentState, tokens, num_new, *, config, dense,
+                implementation="xla", interpret=False, query_block=None,
+                return_hidden=False):
+    """The resident forward over T new tokens per request, pure and jitted (the state
+    donated): (logits, new state[, hidden]). `prefill` and `decode_step` validate their
+    arguments, then run it; the data-parallel steps (`fo_jax.sharded_steps`) run it per rank."""
     num_t = tokens.shape[1]
     # Never past capacity, checked or not: tokens beyond the room left are padding (their KV is
     # dropped, their logits unspecified) and lengths stop at capacity.
@@ -197,7 +202,7 @@ def prefill(params, state: ResidentState, tokens, num_new=None, *, config: Model
     """
     args, static = _prefill_arguments(params, state, tokens, num_new, config=config,
                                       dense=dense, check=check, query_block=query_block)
-    return _forward_jit(*args, **static, return_hidden=bool(return_hidden))
+    return forward_jit(*args, **static, return_hidden=bool(return_hidden))
 
 
 def lower_prefill(params, state: ResidentState, tokens, num_new=None, *, config: ModelConfig,
@@ -208,11 +213,11 @@ def lower_prefill(params, state: ResidentState, tokens, num_new=None, *, config:
     nothing runs and nothing is donated."""
     args, static = _prefill_arguments(params, state, tokens, num_new, config=config,
                                       dense=dense, check=check, query_block=query_block)
-    return _forward_jit.lower(*args, **static)
+    return forward_jit.lower(*args, **static)
 
 
 def _prefill_arguments(params, state, tokens, num_new, *, config, dense, check, query_block):
-    """Validate `prefill`'s arguments: (positional args, static kwargs) of `_forward_jit`."""
+    """Validate `prefill`'s arguments: (positional args, static kwargs) of `forward_jit`."""
     check_live(state, "prefill")
     tokens, num_t = prepare_tokens(tokens, state.batch, config, check=check)
     num_new = (jnp.full((state.batch,), num_t, jnp.int32) if num_new is None
@@ -260,10 +265,10 @@ def decode_step(params, state: ResidentState, tokens, *, config: ModelConfig,
     if implementation == "pallas" and dense:
         raise ValueError("dense=True attends to every token: there is no selection for the "
                          "Pallas kernels to run; use implementation='xla'")
-    return _forward_jit(params, state, tokens, num_new, config=config,
-                        dense=dense, implementation=implementation,
-                        interpret=interpret_params(interpret),
-                        return_hidden=bool(return_hidden))
+    return forward_jit(params, state, tokens, num_new, config=config,
+                       dense=dense, implementation=implementation,
+                       interpret=interpret_params(interpret),
+                       return_hidden=bool(return_hidden))
 
 
 def rollback(state: ResidentState, num_drop) -> ResidentState:
@@ -398,3 +403,54 @@ def clamp_new(num_new, lengths, num_t: int, capacity: int):
     write goes past capacity and lengths never exceed it, whatever was checked."""
     room = jnp.maximum(capacity - lengths, 0)
     return jnp.clip(num_new, 0, jnp.minimum(num_t, room)).astype(jnp.int32)
+
+
+# The multi-token-prediction layer (`fo_jax.model.mtp`) as a drafter: its step over its own
+# resident cache of one layer.
+
+@functools.partial(jax.jit, static_argnames=("config", "depth", "query_block"),
+                   donate_argnames=("state",))
+def mtp_step(params: dict, mtp: dict, state, hidden, tokens, num_new, *, config: ModelConfig,
+             depth: int = 0, query_block: int | None = None):
+    """Run MTP layer `depth` on T new (hidden, next token) pairs per request.
+
+    Args:
+      params: the main model's parameters (its embed / head are used unless `mtp` has its own).
+      mtp: the MTP parameters (`fo_jax.model.mtp.mtp_param_shapes`).
+      state: the layer's `ResidentState` (one layer, one indexer group: `create_mtp_state`),
+        donated; pair j of request b goes to position state.lengths[b] + j.
+      hidden: [B, T, E] the main model's last hidden states h_i (before the final norm).
+      tokens: [B, T] int32 the tokens t_{i+1} that follow them.
+      num_new: [B] int32: the first num_new[b] pairs of row b are real, the rest padding
+        (their KV dropped, their outputs unspecified); lengths stop at capacity.
+    Returns:
+      (logits [B, T, V] float32: the predictions of t_{i+2}; h' [B, T, E]: the layer's output,
+      the hidden state a chained draft feeds back in; the new state).
+    Work: one decoder layer over T tokens against the layer's own cache of S rows (plus the
+    [B, T, 2E] x [2E, E] projection and the [B, T, E] x [E, V] head).
+    """
+    sc = stack_config(config, 1)
+    p = block_params(mtp, depth)
+    embed = mtp["embed"][depth] if "embed" in mtp else params["embed"]
+    head = mtp["head"][depth] if "head" in mtp else params["head"]
+    eps = config.norm_eps
+    e = rms_norm(embed[tokens], p["enorm"][0], eps)
+    h = rms_norm(hidden.astype(e.dtype), p["hnorm"][0], eps)
+    x = jnp.concatenate([e, h], axis=-1) @ p["eh_proj"][0]
+    num_t = tokens.shape[1]
+    num_new = clamp_new(num_new, state.lengths, num_t, state.capacity)
+    offsets = jnp.arange(num_t, dtype=jnp.int32)
+    positions = state.lengths[:, None] + offsets[None, :]
+    write_pos = jnp.where(offsets[None, :] < num_new[:, None], positions, state.capacity)
+    backend = ResidentBackend(sc, False, "xla", False, query_block)
+    out, (kv, ik) = forward_layers(p, x, positions, write_pos, backend,
+                                   (state.kv, state.index_keys), config=sc,
+                                   query_block=query_block)
+    logits = matmul_f32(rms_norm(out, p["head_norm"][0], eps), head)
+    return logits, out, ResidentState(kv=kv, index_keys=ik, lengths=state.lengths + num_new)
+
+
+def create_mtp_state(config: ModelConfig, *, batch: int, capacity: int):
+    """An empty KV state of one MTP layer: [1, B, S, D + R] rows, [1, B, S, N] indexer keys
+    (one layer of the main model's resident cache), on the device."""
+    return ResidentState.create(stack_config(config, 1), batch=batch, capacity=capacity)

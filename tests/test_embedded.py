@@ -78,7 +78,7 @@ def test_generate_checks_flags_and_memory_before_reading_the_weights(capsys, mon
         raise AssertionError("the weights were read before the input was checked")
 
     monkeypatch.setattr(embedded, "load_model_dir", refuse)
-    monkeypatch.setattr("fo_jax.cli._available_bytes", lambda: 64e9)
+    monkeypatch.setattr("fo_jax.resolve.available_bytes", lambda: 64e9)
     assert main(["generate", "--no-progress", "--max-param-gb", "0.0001"]) == 2
     assert "above --max-param-gb=0.0001" in capsys.readouterr().err
     assert main(["generate", "--no-progress", "--batch", "0"]) == 2

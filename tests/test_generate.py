@@ -1,7 +1,6 @@
-"""Sampling and the generation loop over both engines."""
+"""The generation loop over both engines (sampling itself: tests/test_sampling.py)."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -11,21 +10,6 @@ from fo_jax.model.dsa import init_params
 from fo_jax.offload.config import OffloadConfig
 
 CONFIG = get_config("tiny")
-
-
-def test_sample_greedy_and_top_p():
-    logits = jnp.log(jnp.array([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3]]))
-    np.testing.assert_array_equal(gen.sample(logits, jax.random.key(0), temperature=0.0,
-                                             top_p=1.0), [1, 0])
-    # top_p small: only the most likely token survives, whatever the key.
-    for seed in range(5):
-        got = gen.sample(logits, jax.random.key(seed), temperature=1.0, top_p=0.05)
-        np.testing.assert_array_equal(got, [1, 0])
-    # top_p = 0.8 keeps {1, 2} for row 0 (0.6 + 0.3 reaches it), never token 0.
-    draws = np.stack([gen.sample(logits, jax.random.key(s), temperature=1.0, top_p=0.8)
-                      for s in range(60)])
-    assert set(draws[:, 0]) == {1, 2}
-    assert set(draws[:, 1]) <= {0, 2}
 
 
 def test_offload_engine_generates_the_resident_tokens():

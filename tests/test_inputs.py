@@ -24,6 +24,7 @@ from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.offload.invariants import check_invariants
 from fo_jax.offload.state import DecodeState, HostPages, to_memory_kind
+from fo_jax.sampling import sample
 
 TINY = get_config("tiny")
 # Two layers, one indexer each: small programs, quick to compile.
@@ -261,7 +262,7 @@ def test_resident_decode_and_prefills_compose_under_jit():
 def test_bad_sampling_settings_are_refused(kwargs, message):
     settings = {"temperature": 0.7, "top_p": 0.9, **kwargs}
     with pytest.raises(ValueError, match=message):
-        gen.sample(jnp.zeros((1, 4)), jax.random.key(0), **settings)
+        sample(jnp.zeros((1, 4)), jax.random.key(0), **settings)
     engine = gen.ResidentEngine(_params(), CONFIG, batch=1, capacity=8)
     with pytest.raises(ValueError, match=message):
         gen.generate(engine, [[1, 2]], max_new_tokens=2, **settings)
@@ -410,7 +411,7 @@ def test_generate_refuses_before_running(capsys, monkeypatch, argv, message):
         raise AssertionError("parameters were built before the input was checked")
 
     monkeypatch.setattr("fo_jax.model.dsa.init_params", refuse)
-    monkeypatch.setattr("fo_jax.cli._available_bytes", lambda: 64e9)  # any machine alike
+    monkeypatch.setattr("fo_jax.resolve.available_bytes", lambda: 64e9)  # any machine alike
     assert main(["generate", "--model", "tiny", "--no-progress", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err, err

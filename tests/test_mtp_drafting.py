@@ -11,8 +11,8 @@ from fo_jax import generate as gen
 from fo_jax import resident
 from fo_jax.checkpoints.hf import load_checkpoint
 from fo_jax.drafting import MTPDrafter, make_drafter
-from fo_jax.model.mtp import mtp_step
 from fo_jax.offload.config import OffloadConfig
+from fo_jax.resident import mtp_step
 
 # The parity fixture: DeepSeek-V3.2 of 3 layers (MoE, indexer per layer) with its MTP layer.
 PARITY = os.path.join(os.path.dirname(__file__), "fixtures", "parity", "deepseek_v32")
@@ -134,14 +134,14 @@ def test_mtp_step_pairs_match_one_at_a_time(model):
     engine = _engine(model)
     tokens, lengths = gen.pad_prompts(PROMPTS)
     _, hidden = engine.prefill(tokens, lengths, hidden=True)
-    from fo_jax.model.mtp import create_state
+    from fo_jax.resident import create_mtp_state
 
     nxt = jnp.asarray(np.roll(tokens, -1, axis=1), jnp.int32)
-    state = create_state(config, batch=2, capacity=CAPACITY)
+    state = create_mtp_state(config, batch=2, capacity=CAPACITY)
     whole, _, state = mtp_step(params, mtp, state, hidden, nxt, jnp.asarray(lengths),
                                config=config, query_block=resident.QUERY_BLOCK)
     assert np.asarray(state.lengths).tolist() == lengths.tolist()
-    state = create_state(config, batch=2, capacity=CAPACITY)
+    state = create_mtp_state(config, batch=2, capacity=CAPACITY)
     for i in range(int(lengths.min())):
         one, _, state = mtp_step(params, mtp, state, hidden[:, i:i + 1], nxt[:, i:i + 1],
                                  jnp.ones((2,), jnp.int32), config=config)

@@ -1,4 +1,5 @@
-"""Tests of the analytic prefill pipeline model (H2D, compute, D2H over rotating buffers)."""
+"""Tests of the prefill's layer schedule (fo_jax.offload.layer_schedule) and the analytic
+pipeline model that times it (H2D, compute, D2H over rotating buffers)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,16 @@ import numpy as np
 import pytest
 
 from fo_jax.config import get_config
+from fo_jax.offload.layer_schedule import (
+    buffer_of_layer,
+    default_onload_layer_map,
+    normalize_onload_layer_map,
+)
 from fo_jax.offload.pipeline_model import (
     HARDWARE_PROFILES,
-    buffer_of_layer,
     chunk_layer_times,
-    default_onload_layer_map,
     layer_prefill_flops,
     layer_transfer_bytes,
-    normalize_onload_layer_map,
     simulate_prefill_chunk,
     simulate_prefill_pipeline,
 )

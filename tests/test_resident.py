@@ -86,7 +86,7 @@ def test_topk_at_least_context_equals_dense(params):
 
 def test_one_trace_across_decode_steps(params):
     _, st = resident.prefill(params, _state(), _tokens(4, (2, 20)), config=CONFIG)
-    counted = chex.assert_max_traces(resident._forward_jit.__wrapped__, n=1)
+    counted = chex.assert_max_traces(resident.forward_jit.__wrapped__, n=1)
     step = jax.jit(counted, static_argnames=("config", "dense"), donate_argnames=("state",))
     for i in range(5):
         toks = jnp.asarray(_tokens(10 + i, (2, 2)))

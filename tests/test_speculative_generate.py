@@ -1,5 +1,5 @@
 """Speculative sampling in the host `generate` (a drafter at temperature > 0): the rule of the
-decode loop (`fo_jax.engine.loop.speculative_tokens`), so a request's tokens follow the nucleus
+decode loop (`fo_jax.sampling.speculative_tokens`), so a request's tokens follow the nucleus
 distribution token by token. (Offloaded equals resident bit for bit: tests/test_drafting.py;
 MTP drafts: tests/test_mtp_drafting.py.)"""
 

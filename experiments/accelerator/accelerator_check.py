@@ -524,7 +524,7 @@ def hlo_check(args, access):
     def decode():
         config, offload, params, _, dec, tokens = _decode_inputs(args, access)
         jitted, a, k = hlo_checks.captured_call(
-            offload_decode, "_decode_jit", offload_decode.decode_step, params, dec, tokens[0],
+            offload_decode, "decode_jit", offload_decode.decode_step, params, dec, tokens[0],
             config=config, offload=offload, check=False)
         return program_report("hlo_decode_step", access, args, jitted, a, k, dec.host.kv)
 
@@ -532,7 +532,7 @@ def hlo_check(args, access):
         config, params, _, make_offload, _, tokens, num_buffers = _prefill_inputs(args)
         state = make_offload()
         jitted, a, k = hlo_checks.captured_call(
-            offload_prefill, "_prefill_jit", offload_prefill.prefill, params, state, tokens,
+            offload_prefill, "prefill_jit", offload_prefill.prefill, params, state, tokens,
             config=config, num_buffers=num_buffers, distance=1, check=False,
             host_access=access)
         return program_report("hlo_prefill", access, args, jitted, a, k, state.host.kv)

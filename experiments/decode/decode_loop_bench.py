@@ -51,12 +51,13 @@ from experiments.common import run_metadata, synthetic_states, write_jsonl  # no
 from fo_jax import generate as gen  # noqa: E402
 from fo_jax import resident  # noqa: E402
 from fo_jax.config import get_config  # noqa: E402
-from fo_jax.engine import OffloadedStep, ResidentStep, Sampling, Seats, decode_loop  # noqa: E402
-from fo_jax.engine.loop import MTPSeats, mtp_feed_jit  # noqa: E402
+from fo_jax.decode_loop import (MTPSeats, OffloadedStep, ResidentStep, Seats, decode_loop,  # noqa: E402
+                                mtp_feed_jit)
 from fo_jax.model.dsa import init_params  # noqa: E402
 from fo_jax.offload import decode as offload_decode  # noqa: E402
 from fo_jax.offload.config import OffloadConfig  # noqa: E402
 from fo_jax.offload.state import DecodeState  # noqa: E402
+from fo_jax.sampling import Sampling, sample  # noqa: E402
 
 
 def _fresh(path, res, config, offload):
@@ -82,7 +83,7 @@ def _python(params, state, first, key, tokens, *, path, config, offload, tempera
             misses = stats.misses.astype(jnp.float32).sum()
             totals = misses if totals is None else totals + misses
         key, sub = jax.random.split(key)
-        nxt = gen.sample(logits[:, -1], sub, temperature=temperature, top_p=top_p)
+        nxt = sample(logits[:, -1], sub, temperature=temperature, top_p=top_p)
         out.append(nxt)
     result = np.stack([np.asarray(t) for t in out], axis=1)
     return result, time.perf_counter() - start, totals

@@ -17,14 +17,14 @@ local devices.
 
 The decode implementation is a `DecodePath` (--path): a state constructor (this process's rows),
 its placement over a mesh, prefill and decode step. RESIDENT is fo_jax.resident split over the
-`data` axis by plain jit. OFFLOADED is fo_jax.sharding's data-parallel offloaded steps (prefill,
+`data` axis by plain jit. OFFLOADED is fo_jax.sharded_steps' data-parallel offloaded steps (prefill,
 handoff, decode step in shard_map over `data`): each process builds only its own seats and its
 own part of the host pools (F / P frames, `pinned_host`), with page tables of rank-local frame
 ids, and joins them into global arrays with `distributed.global_tree`; with --check it is
 compared with the single-device offloaded steps of each device's B / D rows and F / D frames.
 `--path both` runs the two in one launch.
 
-The offloaded path calls fo_jax.sharding's public steps with their checks on: across processes
+The offloaded path calls fo_jax.sharded_steps' public steps with their checks on: across processes
 their value checks read the whole batch's lengths, page tables and token ids by gathering every
 process's rows (small arrays; the KV stays where it is), so every process validates the same
 values and compiles the same program.
@@ -52,7 +52,7 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from fo_jax import resident, sharding  # noqa: E402
+from fo_jax import resident, sharded_steps, sharding  # noqa: E402
 from fo_jax.config import ModelConfig, get_config  # noqa: E402
 from fo_jax.model.dsa import check_params, param_dtype, param_shapes  # noqa: E402
 from fo_jax.offload import decode as offload_decode  # noqa: E402
@@ -158,7 +158,7 @@ def offload_prefill_step(params, state, tokens, num_new, *, config: ModelConfig,
     """Prefill from an empty PrefillState and the handoff to a DecodeState.
 
     mesh None: `offload_prefill.prefill` + `to_decode_state` on one device. With a mesh:
-    `sharding.sharded_prefill` + `sharding.sharded_to_decode_state`, checks on: across
+    `sharded_steps.sharded_prefill` + `sharded_steps.sharded_to_decode_state`, checks on: across
     processes their value checks and static sizes read the whole batch's lengths, page table
     and token ids by gathering every process's rows (small arrays), so every process compiles
     the same program; the KV never crosses processes."""
@@ -168,24 +168,24 @@ def offload_prefill_step(params, state, tokens, num_new, *, config: ModelConfig,
         return logits, offload_prefill.to_decode_state(
             state, config=config, offload=_offload_config(config, state), fill=float("nan"))
     offload = _offload_config(config, state)
-    logits, state = sharding.sharded_prefill(params, state, tokens, num_new, mesh=mesh,
-                                             config=config, history_pages=0,
-                                             query_block=offload_prefill.QUERY_BLOCK)
-    return logits, sharding.sharded_to_decode_state(state, mesh=mesh, config=config,
-                                                    offload=offload, fill=float("nan"))
+    logits, state = sharded_steps.sharded_prefill(params, state, tokens, num_new, mesh=mesh,
+                                                  config=config, history_pages=0,
+                                                  query_block=offload_prefill.QUERY_BLOCK)
+    return logits, sharded_steps.sharded_to_decode_state(state, mesh=mesh, config=config,
+                                                         offload=offload, fill=float("nan"))
 
 
 def offload_decode_one(params, state, tokens, *, config: ModelConfig, mesh):
     """One offloaded decode step: `offload_decode.decode_step` (mesh None) or
-    `sharding.sharded_decode_step` (checks on, as for the prefill)."""
+    `sharded_steps.sharded_decode_step` (checks on, as for the prefill)."""
     offload = _offload_config(config, state)
     if mesh is None:
         logits, state, _ = offload_decode.decode_step(params, state, tokens, config=config,
                                                       offload=offload, implementation="xla")
     else:
-        logits, state, _ = sharding.sharded_decode_step(params, state, tokens, mesh=mesh,
-                                                        config=config, offload=offload,
-                                                        implementation="xla")
+        logits, state, _ = sharded_steps.sharded_decode_step(params, state, tokens, mesh=mesh,
+                                                             config=config, offload=offload,
+                                                             implementation="xla")
     return logits, state
 
 

@@ -46,10 +46,10 @@ from fo_jax import resident  # noqa: E402
 from fo_jax.config import get_config  # noqa: E402
 from fo_jax.model.dsa import init_params  # noqa: E402
 from fo_jax.offload import prefill as offload_prefill  # noqa: E402
+from fo_jax.offload.layer_schedule import default_onload_layer_map  # noqa: E402
 from fo_jax.offload.pipeline_model import (  # noqa: E402
     HARDWARE_PROFILES,
     chunk_layer_times,
-    default_onload_layer_map,
     simulate_prefill_pipeline,
 )
 

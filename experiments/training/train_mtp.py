@@ -29,7 +29,8 @@ import optax
 
 from fo_jax import resident
 from fo_jax.embedded import load_embedded
-from fo_jax.model.mtp import create_state, init_mtp_params, mtp_step
+from fo_jax.model.mtp import init_mtp_params
+from fo_jax.resident import create_mtp_state, mtp_step
 from fo_jax.training import load_split, sample_batch, split_files, stdlib_files
 
 
@@ -59,7 +60,7 @@ def _hidden(params, tokens, *, config):
 def _loss(mtp, params, hidden, tokens, *, config):
     """(mean cross entropy of t_{i+2}, top-1 accuracy) over the pairs (h_i, t_{i+1})."""
     batch, length = tokens.shape
-    state = create_state(config, batch=batch, capacity=length)
+    state = create_mtp_state(config, batch=batch, capacity=length)
     logits, _, _ = mtp_step(params, mtp, state, hidden[:, :-2], tokens[:, 1:-1],
                             jnp.full((batch,), length - 2, jnp.int32), config=config)
     target = tokens[:, 2:]

@@ -252,7 +252,7 @@ def load_checkpoint(directory: str | os.PathLike, config: ModelConfig | None = N
 
     Args:
       directory: holds config.json, the index and the shards.
-      config: the ModelConfig to load into (default: `ModelConfig.from_hf(directory,
+      config: the ModelConfig to load into (default: `config_from_hf(directory,
         **settings)`).
       progress: show a tqdm bar over the tensors.
       mtp: also load the num_nextn_predict_layers multi-token-prediction layers

@@ -1,7 +1,8 @@
 """The serving engine over the pure decode steps.
 
-`fo_jax.engine.loop`: the jit-compiled decode loop (`decode_loop`): up to N decode steps with
-on-device sampling, stop checks and summed statistics in one program.
+The jit-compiled decode loop it runs (`decode_loop`: up to N decode steps with on-device
+sampling, stop checks and summed statistics in one program) is `fo_jax.decode_loop`, below the
+engine, shared with `fo_jax.generate`; sampling is `fo_jax.sampling`. Both are re-exported here.
 `fo_jax.engine.engine`: continuous batching over seats (`Engine`).
 `fo_jax.engine.data_parallel`: R engines on R devices behind one request stream
 (`DataParallelEngine`), each request placed on a rank by a `fo_jax.placement` rule.
@@ -33,22 +34,21 @@ from fo_jax.engine.admission import (
 from fo_jax.engine.auto import AutoEngine
 from fo_jax.engine.data_parallel import DataParallelEngine
 from fo_jax.engine.engine import Engine, RequestOutput, TokenLogprobs
-from fo_jax.engine.loop import (
+from fo_jax.decode_loop import (
     LoopOutput,
     LoopStats,
     MTPSeats,
     OffloadedStep,
     ResidentStep,
-    Sampling,
     Seats,
     decode_loop,
     mtp_feed,
-    sample_tokens,
 )
 from fo_jax.engine.metrics import MetricsLog
 from fo_jax.engine.pages import NO_PAGE, PagePool, PoolExhausted, PrefixCache, RequestPages
 from fo_jax.engine.mtp_prefix import MTPPrefixStore
 from fo_jax.engine.resident_prefix import ResidentPrefixStore
+from fo_jax.sampling import Sampling, sample_tokens
 
 __all__ = ["NO_PAGE", "Admission", "AutoEngine", "DataParallelEngine", "Decision", "Engine",
            "LoopOutput", "LoopStats", "MTPPrefixStore", "MTPSeats", "MemoryCosts", "MetricsLog", "OffloadedStep",

@@ -39,7 +39,7 @@ recompiling. Each `step()`:
   3. (reserve="prompt") grows the decoding requests' pages for the call, preempting the
      youngest request when they cannot be had (below);
   4. runs `decode_steps_per_call` decode steps of the running seats in one program
-     (`fo_jax.engine.loop.decode_loop`: sampling, stop tokens, max_tokens and capacity on the
+     (`fo_jax.decode_loop.decode_loop`: sampling, stop tokens, max_tokens and capacity on the
      device), then reads the new tokens once, applies text stop strings, and frees the seats
      of finished requests.
 
@@ -131,10 +131,10 @@ that kept the pages, `counters["resumed_without_recompute"]` the resumes with ke
 `counters["replayed_tokens"]` the tokens replayed after dropped pages.
 
 Drafts (`num_drafts=D > 0`, `drafter="ngram"`): the decode loop verifies D n-gram drafts per
-request and step (steps of [seats, D + 1] ways; see `fo_jax.engine.loop`), drafted from each seat's history
+request and step (steps of [seats, D + 1] ways; see `fo_jax.decode_loop`), drafted from each seat's history
 (prompt + sampled tokens, [seats, capacity] on the device, set at its join and appended to by
 the loop): a greedy request keeps the drafts its greedy tokens confirm, a sampled one
-(temperature > 0) the ones speculative sampling accepts (`fo_jax.engine.loop.
+(temperature > 0) the ones speculative sampling accepts (`fo_jax.sampling.
 speculative_tokens`: its tokens follow the same distribution as without drafts, but are other
 random draws than a num_drafts=0 engine's for the same seed). Every program still has the same
 shapes whoever sits in the other seats and each request draws from its own key, so a
@@ -213,20 +213,17 @@ import numpy as np
 
 from fo_jax import resident
 from fo_jax.config import ModelConfig
-from fo_jax.engine.loop import (
+from fo_jax.decode_loop import (
     MTPSeats,
     OffloadedStep,
     ResidentStep,
-    Sampling,
     Seats,
-    _check_sampling_values,
     check_drafting,
     check_mtp_drafting,
     decode_loop,
     mtp_feed_jit,
-    sample_tokens,
-    token_logprobs,
 )
+from fo_jax.sampling import Sampling, check_sampling_values, sample_tokens, token_logprobs
 from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.engine.admission import ORDERS, RESERVES, MemoryCosts, RequestRefused
@@ -766,7 +763,7 @@ class Engine:
         for name, value in (("temperature", temperature), ("top_p", top_p)):
             if not isinstance(value, numbers.Real) or isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be a number")
-        _check_sampling_values(np.asarray([temperature]), np.asarray([top_p]))
+        check_sampling_values(np.asarray([temperature]), np.asarray([top_p]))
         if (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)
                 or not SEEDS[0] <= seed < SEEDS[1]):
             raise ValueError(f"seed={seed!r} must be an int in [-2**63, 2**63)")

@@ -13,7 +13,7 @@ a prediction of t_{i+2}:
 and vLLM's EAGLE-style MTP drafting feed it). The layer attends over its own KV cache of the
 earlier pairs: a `fo_jax.resident.ResidentState` of one layer and one indexer group, resident
 on the device ([1, B, S, D + R] KV rows and [1, B, S, N] indexer keys: one main layer's worth,
-small next to the main cache, so never offloaded).
+small next to the main cache, so never offloaded); the step is `fo_jax.resident.mtp_step`.
 
 Parameters (`mtp_param_shapes`): the main layers' stacks for n layers ("layers", "indexer",
 and "moe" or the dense MLP as the main model keeps it; every MTP layer is a MoE layer when the
@@ -27,15 +27,12 @@ model has experts, as layer L >= first_k_dense_replace is), plus
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 
 from fo_jax.config import ModelConfig
 from fo_jax.model.dsa import init_params, param_shapes
-from fo_jax.model.forward import forward_layers
-from fo_jax.model.layers import matmul_f32, rms_norm
 
 # Parameters of an MTP layer beyond a decoder layer's; the optional own copies of embed/head.
 EXTRA = ("enorm", "hnorm", "head_norm", "eh_proj")
@@ -113,55 +110,3 @@ def check_mtp_params(mtp: dict, config: ModelConfig) -> None:
 def block_params(mtp: dict, depth: int) -> dict:
     """MTP layer `depth` as the stacks of a one-layer model (leading axis of size 1)."""
     return jax.tree_util.tree_map(lambda a: a[depth:depth + 1], mtp)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "depth", "query_block"),
-                   donate_argnames=("state",))
-def mtp_step(params: dict, mtp: dict, state, hidden, tokens, num_new, *, config: ModelConfig,
-             depth: int = 0, query_block: int | None = None):
-    """Run MTP layer `depth` on T new (hidden, next token) pairs per request.
-
-    Args:
-      params: the main model's parameters (its embed / head are used unless `mtp` has its own).
-      mtp: the MTP parameters (`mtp_param_shapes`).
-      state: the layer's `fo_jax.resident.ResidentState` (one layer, one indexer group),
-        donated; pair j of request b goes to position state.lengths[b] + j.
-      hidden: [B, T, E] the main model's last hidden states h_i (before the final norm).
-      tokens: [B, T] int32 the tokens t_{i+1} that follow them.
-      num_new: [B] int32: the first num_new[b] pairs of row b are real, the rest padding
-        (their KV dropped, their outputs unspecified); lengths stop at capacity.
-    Returns:
-      (logits [B, T, V] float32: the predictions of t_{i+2}; h' [B, T, E]: the layer's output,
-      the hidden state a chained draft feeds back in; the new state).
-    Work: one decoder layer over T tokens against the layer's own cache of S rows (plus the
-    [B, T, 2E] x [2E, E] projection and the [B, T, E] x [E, V] head).
-    """
-    from fo_jax.resident import ResidentBackend, ResidentState, clamp_new
-
-    sc = stack_config(config, 1)
-    p = block_params(mtp, depth)
-    embed = mtp["embed"][depth] if "embed" in mtp else params["embed"]
-    head = mtp["head"][depth] if "head" in mtp else params["head"]
-    eps = config.norm_eps
-    e = rms_norm(embed[tokens], p["enorm"][0], eps)
-    h = rms_norm(hidden.astype(e.dtype), p["hnorm"][0], eps)
-    x = jnp.concatenate([e, h], axis=-1) @ p["eh_proj"][0]
-    num_t = tokens.shape[1]
-    num_new = clamp_new(num_new, state.lengths, num_t, state.capacity)
-    offsets = jnp.arange(num_t, dtype=jnp.int32)
-    positions = state.lengths[:, None] + offsets[None, :]
-    write_pos = jnp.where(offsets[None, :] < num_new[:, None], positions, state.capacity)
-    backend = ResidentBackend(sc, False, "xla", False, query_block)
-    out, (kv, ik) = forward_layers(p, x, positions, write_pos, backend,
-                                   (state.kv, state.index_keys), config=sc,
-                                   query_block=query_block)
-    logits = matmul_f32(rms_norm(out, p["head_norm"][0], eps), head)
-    return logits, out, ResidentState(kv=kv, index_keys=ik, lengths=state.lengths + num_new)
-
-
-def create_state(config: ModelConfig, *, batch: int, capacity: int):
-    """An empty KV state of one MTP layer: [1, B, S, D + R] rows, [1, B, S, N] indexer keys
-    (one layer of the main model's resident cache), on the device."""
-    from fo_jax.resident import ResidentState
-
-    return ResidentState.create(stack_config(config, 1), batch=batch, capacity=capacity)

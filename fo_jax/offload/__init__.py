@@ -3,12 +3,13 @@
 Decode: `DecodeState` (host pages, hot cache, cache slots, indexer keys, policy state),
 `decode_step` (pure, jitted, state donated), `manage_group` (the LIM logic), `gather_attend`
 (the CopySFA logic), `check_invariants` (numpy) and `check_state_jit` (on the device, under
-checkify). Prefill: `PrefillState`, `to_decode_state`, and the
-module `fo_jax.offload.prefill` whose `prefill` runs the layer buffers and `onload_layer_map`
-(not re-exported here: the name would shadow the module). `pipeline_model` simulates the
-prefill's copy engines. `host` holds every read and write of host memory, in the way
-`OffloadConfig.host_access` chooses. Host KV and indexer keys are page pools addressed by a
-per-request page table (`assign_pages` sets a seat's row; `check_table` validates one).
+checkify). Prefill: `PrefillState`, `to_decode_state`, and the module
+`fo_jax.offload.prefill` whose `prefill` runs the layer buffers and `onload_layer_map` (not
+re-exported here: the name would shadow the module); `layer_schedule` holds the buffer and load
+rules it runs by, `pipeline_model` simulates their timing on the copy engines. `host` holds
+every read and write of host memory, in the way `OffloadConfig.host_access` chooses. Host KV
+and indexer keys are page pools addressed by a per-request page table (`assign_pages` sets a
+seat's row; `check_table` validates one).
 """
 
 from fo_jax.offload.checks import check_state_jit

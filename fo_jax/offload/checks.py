@@ -8,7 +8,7 @@ transformation); shapes, dtypes and trees are checked at trace time with `chex.a
 
     # Inside your own compiled loop (the checker needs an enclosing checkify):
     def body(state, tokens):
-        logits, state, stats = _decode_jit(params, state, tokens, ..., debug=True)
+        logits, state, stats = decode_jit(params, state, tokens, ..., debug=True)
         return state, logits
     err, out = jax.jit(checkify.checkify(loop))(...)
     raise_on_error(err)

@@ -188,7 +188,7 @@ class OffloadBackend:
         rows = jnp.arange(hot.shape[1])[:, None]
         tail_row = oc.hot_slots + ((write_pos // oc.page_size) % 2) * oc.page_size \
             + write_pos % oc.page_size
-        # A position past capacity (write_pos = S: dropped by `_decode_jit`) writes nothing.
+        # A position past capacity (write_pos = S: dropped by `decode_jit`) writes nothing.
         tail_row = jnp.where(write_pos < oc.capacity, tail_row, oc.rows)
         hot = hot.at[l, rows, tail_row].set(kv_new, mode="drop")
         if self.implementation == "pallas":
@@ -212,9 +212,9 @@ class OffloadBackend:
 @functools.partial(jax.jit, static_argnames=("config", "offload", "implementation", "interpret",
                                              "debug", "scores", "return_hidden"),
                    donate_argnames=("state",))
-def _decode_jit(params, state: DecodeState, tokens, active=None, *, config: ModelConfig,
-                offload: OffloadConfig, implementation: str = "xla", interpret=False,
-                debug: bool = False, scores: bool = False, return_hidden: bool = False):
+def decode_jit(params, state: DecodeState, tokens, active=None, *, config: ModelConfig,
+               offload: OffloadConfig, implementation: str = "xla", interpret=False,
+               debug: bool = False, scores: bool = False, return_hidden: bool = False):
     """The step, pure. With `debug`, the invariants of fo_jax.offload.checks are checkified
     after the step (O(G B (S + C)) more work): trace it under `checkify.checkify`. With
     `scores`, stats.scores holds every group's indexer scores [G, B, W, S].
@@ -286,8 +286,8 @@ def _decode_jit(params, state: DecodeState, tokens, active=None, *, config: Mode
 def _decode_checked(params, state: DecodeState, tokens, active=None, *, config: ModelConfig,
                     offload: OffloadConfig, implementation: str, interpret, scores=False,
                     return_hidden=False):
-    """`_decode_jit` with debug checks, functionalised: (checkify.Error, step outputs)."""
-    step = functools.partial(_decode_jit, config=config, offload=offload,
+    """`decode_jit` with debug checks, functionalised: (checkify.Error, step outputs)."""
+    step = functools.partial(decode_jit, config=config, offload=offload,
                              implementation=implementation, interpret=interpret, debug=True,
                              scores=scores, return_hidden=return_hidden)
     return checkify.checkify(step, errors=checkify.user_checks)(params, state, tokens, active)
@@ -408,6 +408,6 @@ def decode_step(params, state: DecodeState, tokens, *, config: ModelConfig,
                                    return_hidden=bool(return_hidden))
         checks.raise_on_error(err)
         return out
-    return _decode_jit(params, state, tokens, active, config=config, offload=offload, debug=debug,
-                       implementation=implementation, interpret=interpret_params(interpret),
-                       scores=scores, return_hidden=bool(return_hidden))
+    return decode_jit(params, state, tokens, active, config=config, offload=offload, debug=debug,
+                      implementation=implementation, interpret=interpret_params(interpret),
+                      scores=scores, return_hidden=bool(return_hidden))

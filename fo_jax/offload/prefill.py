@@ -76,7 +76,7 @@ from fo_jax.offload.host import (
     load_history,
     write_back_rows,
 )
-from fo_jax.offload.pipeline_model import (
+from fo_jax.offload.layer_schedule import (
     OnloadLayerMap,
     buffer_of_layer,
     default_onload_layer_map,
@@ -384,10 +384,13 @@ class OffloadPrefillBackend:
     jax.jit, static_argnames=("config", "dense", "schedule", "history_pages", "poison", "on_host",
                               "host_access", "query_block", "return_hidden"),
     donate_argnames=("state",))
-def _prefill_jit(params, state: PrefillState, tokens, num_new, *, config: ModelConfig,
-                 dense: bool, schedule: PrefillSchedule, history_pages: int, poison: bool,
-                 on_host: bool, host_access: str = "gather", query_block: int | None = None,
-                 return_hidden: bool = False):
+def prefill_jit(params, state: PrefillState, tokens, num_new, *, config: ModelConfig,
+                dense: bool, schedule: PrefillSchedule, history_pages: int, poison: bool,
+                on_host: bool, host_access: str = "gather", query_block: int | None = None,
+                return_hidden: bool = False):
+    """The offloaded prefill of one chunk, pure and jitted (the state donated; arguments from
+    `prefill_arguments`): (logits, new state[, hidden]). `prefill` validates, then runs it; the
+    data-parallel prefill (`fo_jax.sharded_steps`) runs it per rank."""
     batch, num_t = tokens.shape
     cap = state.capacity
     # Never past capacity, checked or not: tokens beyond it are padding (dropped).
@@ -457,12 +460,12 @@ def prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelC
     Raises:
       ValueError: bad shapes, token ids, capacity or schedule, before anything runs.
     """
-    args, static = _prefill_arguments(
+    args, static = prefill_arguments(
         params, state, tokens, num_new, config=config, num_buffers=num_buffers,
         distance=distance, onload_layer_map=onload_layer_map, dense=dense,
         history_pages=history_pages, poison=poison, check=check, host_access=host_access,
         query_block=query_block)
-    return _prefill_jit(*args, **static, return_hidden=bool(return_hidden))
+    return prefill_jit(*args, **static, return_hidden=bool(return_hidden))
 
 
 def lower_prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelConfig,
@@ -473,18 +476,18 @@ def lower_prefill(params, state: PrefillState, tokens, num_new=None, *, config: 
     """The program `prefill` runs with these arguments, lowered (donation included): for
     checks of its compiled HLO and `memory_analysis()`. Same arguments and checks as `prefill`;
     nothing runs and nothing is donated."""
-    args, static = _prefill_arguments(
+    args, static = prefill_arguments(
         params, state, tokens, num_new, config=config, num_buffers=num_buffers,
         distance=distance, onload_layer_map=onload_layer_map, dense=dense,
         history_pages=history_pages, poison=poison, check=check, host_access=host_access,
         query_block=query_block)
-    return _prefill_jit.lower(*args, **static)
+    return prefill_jit.lower(*args, **static)
 
 
-def _prefill_arguments(params, state: PrefillState, tokens, num_new, *, config: ModelConfig,
-                       num_buffers, distance, onload_layer_map, dense, history_pages, poison,
-                       check, host_access, query_block):
-    """Validate `prefill`'s arguments: (positional args, static kwargs) of `_prefill_jit`."""
+def prefill_arguments(params, state: PrefillState, tokens, num_new, *, config: ModelConfig,
+                      num_buffers, distance, onload_layer_map, dense, history_pages, poison,
+                      check, host_access, query_block):
+    """Validate `prefill`'s arguments: (positional args, static kwargs) of `prefill_jit`."""
     check_query_block(query_block)
     host_access = default_host_access() if host_access is None else host_access
     check_host_access(host_access)
@@ -539,7 +542,7 @@ def _prefill_arguments(params, state: PrefillState, tokens, num_new, *, config: 
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "on_host", "access"))
-def _gather_hot(host_kv, table, tokens, fill, *, chunk: int, on_host: bool, access: str):
+def gather_hot(host_kv, table, tokens, fill, *, chunk: int, on_host: bool, access: str):
     """hot [L, B, M, D+R]: row m of request b is token tokens[b, m] of each layer, or fill."""
     num_l = host_kv.shape[0]
     batch, size = tokens.shape
@@ -554,7 +557,7 @@ def _gather_hot(host_kv, table, tokens, fill, *, chunk: int, on_host: bool, acce
 
 
 @jax.jit
-def _clear_unstored(pool, table, lengths, fill):
+def clear_unstored(pool, table, lengths, fill):
     """The key pool [G, F, Z, N] with every position >= length of a held page set to `fill`
     (what `DecodeState.from_resident` stores there); pages no request holds are left as they
     are. O(G F Z N): the handoff's one pass."""
@@ -588,18 +591,18 @@ def to_decode_state(state: PrefillState, *, config: ModelConfig, offload: Offloa
             "pages are handed over as they are")
     lengths_np = np.asarray(state.lengths).astype(np.int32)
     check_table_covers(state.table, lengths_np, offload.page_size)
-    index_keys = _clear_unstored(state.index_keys, state.table, jnp.asarray(lengths_np),
-                                 jnp.asarray(fill, state.index_keys.dtype))
+    index_keys = clear_unstored(state.index_keys, state.table, jnp.asarray(lengths_np),
+                                jnp.asarray(fill, state.index_keys.dtype))
     host = state.host.kv
     if host.sharding.memory_kind != offload.host_memory_kind:
         host = to_memory_kind(host, offload.host_memory_kind)
 
     # The same placement as DecodeState.from_resident; rows gathered from host pages.
     row_tok, slots, policy = initial_layout(config, offload, lengths_np)
-    hot = _gather_hot(host, state.table, jnp.asarray(row_tok),
-                      jnp.asarray(kv_fill(fill, host.dtype), host.dtype),
-                      chunk=offload.miss_chunk, on_host=in_host_memory(host),
-                      access=offload.host_access)
+    hot = gather_hot(host, state.table, jnp.asarray(row_tok),
+                     jnp.asarray(kv_fill(fill, host.dtype), host.dtype),
+                     chunk=offload.miss_chunk, on_host=in_host_memory(host),
+                     access=offload.host_access)
     return committed(DecodeState(host=HostPages(kv=host), table=state.table, hot=hot,
                                  index_keys=index_keys,
                                  slots=slots, policy=policy, lengths=jnp.asarray(lengths_np),
@@ -626,10 +629,10 @@ def join_seats(state: DecodeState, joined, *, config: ModelConfig, offload: Offl
     row_tok, slots, policy = initial_layout(config, offload, lengths_np)
     row_tok = np.where(joined[:, None], row_tok, -1)  # read the joined seats' rows only
     host = state.host.kv
-    hot = _gather_hot(host, state.table, jnp.asarray(row_tok),
-                      jnp.asarray(kv_fill(fill, host.dtype), host.dtype),
-                      chunk=offload.miss_chunk, on_host=in_host_memory(host),
-                      access=offload.host_access)
+    hot = gather_hot(host, state.table, jnp.asarray(row_tok),
+                     jnp.asarray(kv_fill(fill, host.dtype), host.dtype),
+                     chunk=offload.miss_chunk, on_host=in_host_memory(host),
+                     access=offload.host_access)
     old = (state.hot, state.slots, state.policy)
     hot, slots, merged = _merge_seats(old, (hot, slots, policy), jnp.asarray(joined))
     return dataclasses.replace(state, hot=hot, slots=slots,

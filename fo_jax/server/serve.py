@@ -291,16 +291,16 @@ def build_engine(args):
     `add_engine_arguments`, every flag checked before the weights are read."""
     import jax
 
-    from fo_jax.cli import _check_param_memory, _resolve_model
     from fo_jax.engine import Engine
-    from fo_jax.engine.loop import check_drafting
+    from fo_jax.decode_loop import check_drafting
     from fo_jax.model import dsa
     from fo_jax.offload.config import (MEMORY_KINDS, OffloadConfig, check_hot_slots,
                                        min_hot_slots)
+    from fo_jax.resolve import check_param_memory, resolve_model
     from fo_jax.tokenizer import ByteTokenizer
     from fo_jax.weights import load_params
 
-    config, load, tokenizer = _resolve_model(args)
+    config, load, tokenizer = resolve_model(args)
     if tokenizer is None:
         tokenizer = ByteTokenizer()
         if config.vocab_size < 256:
@@ -343,7 +343,7 @@ def build_engine(args):
                                 host_memory_kind=pool_memory or "pinned_host")
         offload.validate_for(config)
     devices = _devices(args)
-    _check_param_memory(config, args.max_param_gb)
+    check_param_memory(config, args.max_param_gb)
     mtp = None
     if load is not None and drafter == "mtp":
         _, params, mtp = load(mtp=True)

@@ -14,7 +14,7 @@ from fo_jax import weights
 from fo_jax.checkpoints import (config_from_hf, dequantize_fp8, load_checkpoint,
                                 save_checkpoint, tensor_names, to_hf_config)
 from fo_jax.checkpoints.safetensors_io import SafetensorsFile, write_safetensors
-from fo_jax.config import ModelConfig, get_config
+from fo_jax.config import get_config
 from fo_jax.model.dsa import init_params
 
 TINY = get_config("tiny")
@@ -64,7 +64,7 @@ def _glm(**changes):
 
 
 def test_deepseek_v32_config_json_is_the_preset_plus_moe():
-    config = ModelConfig.from_hf(DEEPSEEK_V32, name="deepseek_v32")
+    config = config_from_hf(DEEPSEEK_V32, name="deepseek_v32")
     want = get_config("deepseek_v32").replace(
         n_routed_experts=256, num_experts_per_tok=8, moe_hidden=2048, n_shared_experts=1,
         n_group=8, topk_group=4, routed_scaling_factor=2.5, first_k_dense_replace=3,

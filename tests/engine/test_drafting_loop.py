@@ -1,4 +1,4 @@
-"""Drafts inside the jitted decode loop (fo_jax.engine.loop, fo_jax.engine.engine): the device
+"""Drafts inside the jitted decode loop (fo_jax.decode_loop, fo_jax.engine.engine): the device
 n-gram drafter proposes what the host NGramDrafter proposes; a loop with drafts yields the
 tokens of host-driven drafting (`fo_jax.generate.generate(..., draft="ngram")`, greedy or
 sampled with the same key) and of W = 1 greedy decoding, in fewer steps; an engine with drafts gives every request the tokens it gets
@@ -17,11 +17,12 @@ from fo_jax import resident
 from fo_jax.config import get_config
 from fo_jax.drafting import NGramDrafter, ngram_drafts
 from fo_jax.engine.engine import Engine
-from fo_jax.engine import loop as engine_loop
-from fo_jax.engine.loop import OffloadedStep, ResidentStep, Sampling, Seats, decode_loop
+from fo_jax import decode_loop as loop
+from fo_jax.decode_loop import OffloadedStep, ResidentStep, Seats, decode_loop
 from fo_jax.model.dsa import init_params
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.offload.state import DecodeState
+from fo_jax.sampling import Sampling, sample
 
 # Two layers sharing one indexer, top-4, W <= 3: small programs. Seats of 32 tokens. KV in
 # float32: the last bits where a W-way step's rows differ from a W = 1 step's survive storage
@@ -78,7 +79,7 @@ def _loop(path, sampled=False):
     logits = engine.prefill(tokens, lengths)
     if sampled:
         key, sub = jax.random.split(jax.random.key(SAMPLED_KEY))
-        first = np.asarray(gen.sample(logits, sub, **SAMPLED))
+        first = np.asarray(sample(logits, sub, **SAMPLED))
         sampling = Sampling.create(2, max_new_tokens=MAX_NEW, **SAMPLED)
     else:
         key = jax.random.key(0)
@@ -161,13 +162,13 @@ def test_a_step_yields_the_confirmed_drafts_cut_at_stop_max_tokens_and_capacity(
                   generated=jnp.full((batch,), 5, jnp.int32), done=jnp.zeros((batch,), bool))
     lengths = jnp.asarray([10, 10, 10, CAPACITY - 2, 10, 10], jnp.int32)
     active = jnp.asarray([True] * 5 + [True])
-    tokens, count, _ = engine_loop.draft_step_tokens(fed, logits, lengths, seats, sampling,
+    tokens, count, _ = loop.draft_step_tokens(fed, logits, lengths, seats, sampling,
                                                      CAPACITY, active)
     # 0: all 3; 1: stop token 3 at way 1 ends it there; 2: max_new_tokens 6 - 5 generated;
     # 3: capacity - length = 2; 4: one draft confirmed; 5: sampled, both drafts accepted.
     np.testing.assert_array_equal(count, [3, 2, 1, 2, 2, 3])
     np.testing.assert_array_equal(tokens, np.broadcast_to(greedy, (6, 3)))
-    _, count, _ = engine_loop.draft_step_tokens(fed, logits, lengths, seats, sampling,
+    _, count, _ = loop.draft_step_tokens(fed, logits, lengths, seats, sampling,
                                                 CAPACITY, jnp.zeros((batch,), bool))
     np.testing.assert_array_equal(count, [0] * batch)
 
@@ -353,7 +354,7 @@ def test_draft_loop_carries_the_state_in_place():
     seats = Seats.create(np.zeros(batch, np.int32), jax.random.key(0), sampling=settings,
                          lengths=np.zeros(batch), capacity=capacity)
     compiled = hlo_checks.compile_call(
-        engine_loop, "_draft_loop_jit", decode_loop, params, state, seats, 5, settings,
+        loop, "_draft_loop_jit", decode_loop, params, state, seats, 5, settings,
         step=OffloadedStep(CONFIG, offload), num_drafts=DRAFTS,
         history=jnp.zeros((batch, capacity), jnp.int32),
         compiler_options=hlo_checks.FAST_COMPILE)

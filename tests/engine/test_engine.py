@@ -15,7 +15,7 @@ from fo_jax import resident
 from fo_jax.config import get_config
 from fo_jax.engine.admission import RequestRefused
 from fo_jax.engine.engine import Engine, TokenLogprobs
-from fo_jax.engine.loop import ResidentStep
+from fo_jax.decode_loop import ResidentStep
 from fo_jax.model.dsa import init_params
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.offload.invariants import check_invariants

@@ -1,4 +1,4 @@
-"""MTP drafts inside the jitted decode loop (fo_jax.engine.loop, fo_jax.engine.engine): the
+"""MTP drafts inside the jitted decode loop (fo_jax.decode_loop, fo_jax.engine.engine): the
 loop's drafts are those of the host `fo_jax.drafting.MTPDrafter` for the same history; an
 engine drafting with the MTP layer gives every request the tokens it gets alone in the same
 engine, bit for bit (offloaded: the resident engine's), through staggered arrivals, preemption
@@ -23,16 +23,17 @@ from fo_jax import generate as gen
 from fo_jax import hlo_checks
 from fo_jax import resident
 from fo_jax.config import get_config
-from fo_jax.engine import loop as engine_loop
+from fo_jax import decode_loop as loop
 from fo_jax.engine.engine import Engine
 from fo_jax.engine.mtp_prefix import mtp_block_bytes
-from fo_jax.engine.loop import (MTPSeats, OffloadedStep, ResidentStep, Sampling, Seats,
-                                decode_loop, mtp_feed_jit)
+from fo_jax.decode_loop import (MTPSeats, OffloadedStep, ResidentStep, Seats, decode_loop,
+                                mtp_feed_jit)
 from fo_jax.engine.resident_prefix import block_bytes
 from fo_jax.model.dsa import init_params
 from fo_jax.model.mtp import init_mtp_params
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.offload.state import DecodeState
+from fo_jax.sampling import Sampling
 
 # The model of tests/engine/test_drafting_loop.py (2 layers, top-4, W <= 3, float32 KV) with
 # one MTP layer (the main parameters do not change).
@@ -308,7 +309,7 @@ def test_mtp_draft_loop_carries_both_states_in_place():
     seats = Seats.create(np.zeros(batch, np.int32), jax.random.key(0), sampling=settings,
                          lengths=np.zeros(batch), capacity=capacity)
     compiled = hlo_checks.compile_call(
-        engine_loop, "_draft_loop_jit", decode_loop, params, state, seats, 5, settings,
+        loop, "_draft_loop_jit", decode_loop, params, state, seats, 5, settings,
         step=OffloadedStep(CONFIG, offload), num_drafts=DRAFTS, mtp=mtp, mtp_seats=mtp_seats,
         compiler_options=hlo_checks.FAST_COMPILE)
     assert " while(" in compiled.as_text()

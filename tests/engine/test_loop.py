@@ -1,4 +1,4 @@
-"""The jit-compiled decode loop (fo_jax.engine.loop): tokens bit for bit those of a Python loop
+"""The jit-compiled decode loop (fo_jax.decode_loop): tokens bit for bit those of a Python loop
 of single steps, stop tokens and per-request limits that freeze a finished request's state,
 early exit, statistics summed on the device, the state updated in place in the loop body."""
 
@@ -10,16 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fo_jax import generate as gen
 from fo_jax import hlo_checks
 from fo_jax import resident
 from fo_jax.config import get_config
-from fo_jax.engine import loop as engine_loop
-from fo_jax.engine.loop import OffloadedStep, ResidentStep, Sampling, Seats, decode_loop
+from fo_jax import decode_loop as loop
+from fo_jax.decode_loop import OffloadedStep, ResidentStep, Seats, decode_loop
 from fo_jax.model.dsa import init_params
 from fo_jax.offload import decode as offload_decode
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.offload.state import DecodeState
+from fo_jax.sampling import Sampling, sample
 
 # Two layers sharing one indexer (one group: the smallest program), top-4 of at most 24
 # positions: quick to compile.
@@ -60,7 +60,7 @@ def _step(path):
 
 
 def _python_loop(path, state, n, *, temperature, top_p, key, logits_out=None):
-    """The reference: n jitted single steps from Python, sampled by fo_jax.generate.sample
+    """The reference: n jitted single steps from Python, sampled by fo_jax.sampling.sample
     (each step's logits [B, V] appended to `logits_out` when given)."""
     step = _step(path)
     tokens, out, stats = jnp.asarray(FIRST), [], []
@@ -69,7 +69,7 @@ def _python_loop(path, state, n, *, temperature, top_p, key, logits_out=None):
         if logits_out is not None:
             logits_out.append(np.asarray(logits[:, -1], np.float32))
         key, sub = jax.random.split(key)
-        tokens = gen.sample(logits[:, -1], sub, temperature=temperature, top_p=top_p)
+        tokens = sample(logits[:, -1], sub, temperature=temperature, top_p=top_p)
         out.append(np.asarray(tokens))
         stats.append(st)
     return np.stack(out, axis=1), state, stats
@@ -164,7 +164,7 @@ def test_loop_over_several_calls_and_per_request_keys():
         row_tokens = []
         for b in range(2):
             ref_keys[b], sub = jax.random.split(ref_keys[b])
-            row_tokens.append(int(gen.sample(logits[b:b + 1, -1], sub, **SAMPLINGS["sampled"])[0]))
+            row_tokens.append(int(sample(logits[b:b + 1, -1], sub, **SAMPLINGS["sampled"])[0]))
         tokens = jnp.asarray(row_tokens, jnp.int32)
         want.append(row_tokens)
     state = _state("ring")
@@ -336,7 +336,7 @@ def test_loop_carries_the_state_in_place(path):
     settings = Sampling.create(HLO_BATCH, temperature=0.5, stop_tokens=[1, 2])
     seats = Seats.create(np.zeros(HLO_BATCH, np.int32), jax.random.key(0), sampling=settings,
                          lengths=np.zeros(HLO_BATCH), capacity=96)
-    compiled = hlo_checks.compile_call(engine_loop, "_loop_jit", decode_loop, params, state,
+    compiled = hlo_checks.compile_call(loop, "loop_jit", decode_loop, params, state,
                                        seats, HLO_STEPS, settings, step=step,
                                        compiler_options=hlo_checks.FAST_COMPILE)
     assert " while(" in compiled.as_text()

@@ -1,4 +1,4 @@
-"""Speculative sampling in the decode loop (fo_jax.engine.loop.speculative_tokens): a request at
+"""Speculative sampling in the decode loop (fo_jax.sampling.speculative_tokens): a request at
 temperature > 0 accepts a draft d with probability p(d) and on the first rejection samples the
 residual (p with d removed), so its tokens follow the nucleus distribution token by token;
 greedy rows are untouched; in the engine a sampled request's tokens equal its run alone, bit
@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 from fo_jax.config import get_config
-from fo_jax.engine import loop as engine_loop
 from fo_jax.engine.engine import Engine
-from fo_jax.engine.loop import Sampling
+from fo_jax.sampling import Sampling, speculative_tokens
 from fo_jax.model.dsa import init_params
 from fo_jax.offload.config import OffloadConfig
 
@@ -51,7 +50,7 @@ def _speculate(fed, logits, keys):
                         top_p=jnp.full(fed.shape[:1], TOP_P, jnp.float32),
                         stop_tokens=jnp.full((fed.shape[0], 1), -1, jnp.int32),
                         max_new_tokens=jnp.full(fed.shape[:1], 2**30, jnp.int32))
-    return engine_loop.speculative_tokens(fed, logits, keys, sampling,
+    return speculative_tokens(fed, logits, keys, sampling,
                                           jnp.ones(fed.shape[:1], bool))
 
 
@@ -144,7 +143,7 @@ def test_speculative_tokens_follow_the_nucleus_distribution(drafts, keys):
     np.testing.assert_array_equal(x1 == d1, accepted >= 1)
 
 
-_speculative_tokens = jax.jit(engine_loop.speculative_tokens)
+_speculative_tokens = jax.jit(speculative_tokens)
 
 
 def _greedy_reference(fed, logits):

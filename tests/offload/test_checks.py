@@ -232,7 +232,7 @@ def test_checks_run_inside_a_compiled_scan_of_steps(run):
         def body(state, tok):
             # The pure checker on the carried state, then the step with its own checks.
             checks.check_state_jit(state, config=CONFIG, offload=OFFLOAD)
-            logits, state, stats = offload_decode._decode_jit(
+            logits, state, stats = offload_decode.decode_jit(
                 params, state, tok, config=CONFIG, offload=OFFLOAD, debug=True)
             return state, stats.union
         return jax.lax.scan(body, state, tokens)

@@ -183,7 +183,7 @@ def test_device_bytes_match_the_formula(policy):
 def test_one_trace_across_steps():
     config, offload, params, res, dec, rng = _setup(**ONE)
     # The step's own pure function, counted: a second trace raises.
-    counted = chex.assert_max_traces(offload_decode._decode_jit.__wrapped__, n=1)
+    counted = chex.assert_max_traces(offload_decode.decode_jit.__wrapped__, n=1)
     step = jax.jit(counted, static_argnames=("config", "offload"), donate_argnames=("state",))
     for _ in range(6):  # crosses a tail-block boundary (page 4) and keeps one trace
         tokens = jnp.asarray(rng.integers(0, 256, (1, 1), dtype=np.int32))

@@ -54,7 +54,7 @@ def _compiled_decode(policy, ways, hot=HOT, capacity=CAPACITY, batch=BATCH, acce
         state = DecodeState.create(config, offload, batch=batch, num_frames=frames,
                                    table=table.astype(np.int32).reshape(batch, -1))
     tokens = np.zeros((batch, ways), np.int32)
-    compiled = hlo_checks.compile_call(offload_decode, "_decode_jit", offload_decode.decode_step,
+    compiled = hlo_checks.compile_call(offload_decode, "decode_jit", offload_decode.decode_step,
                                        _params(ways), state, tokens, config=config,
                                        offload=offload,
                                        compiler_options=hlo_checks.FAST_COMPILE)
@@ -126,7 +126,7 @@ def test_pallas_decode_step_updates_its_state_in_place(policy):
     offload = OffloadConfig(hot_slots=HOT, page_size=PAGE, capacity=CAPACITY, policy=policy)
     state = DecodeState.create(config, offload, batch=BATCH)
     compiled = hlo_checks.compile_call(
-        offload_decode, "_decode_jit", offload_decode.decode_step, _params(4), state,
+        offload_decode, "decode_jit", offload_decode.decode_step, _params(4), state,
         np.zeros((BATCH, 4), np.int32), config=config, offload=offload, implementation="pallas",
         compiler_options=hlo_checks.FAST_COMPILE)
     hlo_checks.assert_no_state_copies(compiled, state, ignore=COUNTERS)
@@ -151,7 +151,7 @@ def test_prefill_updates_buffers_and_host_pages_in_place(spare):
     state = offload_prefill.PrefillState.create(config, batch=BATCH, capacity=CAPACITY,
                                                 page_size=PAGE, num_frames=frames, table=table)
     state = dataclasses.replace(state, lengths=jnp.full((BATCH,), 8, jnp.int32))
-    compiled = hlo_checks.compile_call(offload_prefill, "_prefill_jit", offload_prefill.prefill,
+    compiled = hlo_checks.compile_call(offload_prefill, "prefill_jit", offload_prefill.prefill,
                                        params, state, np.zeros((BATCH, 8), np.int32),
                                        config=config, num_buffers=3,
                                        compiler_options=hlo_checks.FAST_COMPILE)

@@ -20,7 +20,7 @@ import pytest
 
 from fo_jax import hlo_checks, resident
 from fo_jax.config import get_config
-from fo_jax.engine import loop
+from fo_jax import decode_loop as loop
 from fo_jax.model.dsa import init_params
 from fo_jax.offload import decode as offload_decode
 from fo_jax.offload import ffi
@@ -28,6 +28,7 @@ from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload.config import OffloadConfig, default_host_access
 from fo_jax.offload.ffi import library
 from fo_jax.offload.state import DecodeState, to_memory_kind
+from fo_jax.sampling import Sampling
 
 L, F, Z, W = 3, 5, 4, 8  # pool [L, F, Z, W]: N = F Z = 20 rows per layer
 DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16, "uint8": np.uint8}
@@ -147,25 +148,25 @@ def _lowered(access):
     state = DecodeState.create(CONFIG, offload, batch=2)
     tokens = jnp.zeros((2, 1), jnp.int32)
     programs = {}
-    fn, a, k = hlo_checks.captured_call(offload_decode, "_decode_jit",
+    fn, a, k = hlo_checks.captured_call(offload_decode, "decode_jit",
                                         offload_decode.decode_step, _params(), state, tokens,
                                         config=CONFIG, offload=offload)
     programs["decode_step"] = hlo_checks.lower_for(fn, *a, **k)
     step = loop.OffloadedStep(CONFIG, offload)
-    sampling = loop.Sampling.create(2)
+    sampling = Sampling.create(2)
     seats = loop.Seats.create(np.array([1, 2], np.int32), jax.random.key(0), sampling=sampling,
                               lengths=state.lengths, capacity=state.capacity)
-    fn, a, k = hlo_checks.captured_call(loop, "_loop_jit", loop.decode_loop, _params(), state,
+    fn, a, k = hlo_checks.captured_call(loop, "loop_jit", loop.decode_loop, _params(), state,
                                         seats, 2, sampling, step=step)
     programs["decode_loop"] = hlo_checks.lower_for(fn, *a, **k)
     pstate = offload_prefill.PrefillState.create(CONFIG, batch=2, capacity=32, page_size=4)
-    fn, a, k = hlo_checks.captured_call(offload_prefill, "_prefill_jit", offload_prefill.prefill,
+    fn, a, k = hlo_checks.captured_call(offload_prefill, "prefill_jit", offload_prefill.prefill,
                                         _params(), pstate, jnp.zeros((2, 4), jnp.int32),
                                         config=CONFIG, num_buffers=2, history_pages=2,
                                         check=False, host_access=access)
     programs["prefill"] = hlo_checks.lower_for(fn, *a, **k)
     programs["handoff"] = hlo_checks.lower_for(
-        offload_prefill._gather_hot, pstate.host.kv, pstate.table, jnp.zeros((2, 8), jnp.int32),
+        offload_prefill.gather_hot, pstate.host.kv, pstate.table, jnp.zeros((2, 8), jnp.int32),
         0.0, chunk=4, on_host=True, access=access)
     return programs
 

@@ -315,7 +315,7 @@ def test_cross_lowers_for_cuda(access):
     config = TINY.replace(max_ways=1, index_topk=4)
     offload = OffloadConfig(hot_slots=8, page_size=4, capacity=32, host_access=access)
     state = DecodeState.create(config, offload, batch=1)
-    jax.export.export(offload_decode._decode_jit, platforms=("cuda",),
+    jax.export.export(offload_decode.decode_jit, platforms=("cuda",),
                       disabled_checks=export_checks())(
         init_params(config, jax.random.key(0)), state, jnp.zeros((1, 1), jnp.int32),
         config=config, offload=offload)
@@ -337,7 +337,7 @@ def test_decode_step_at_batch_1_copies_no_host_pages(access):
     config = TINY.replace(num_layers=2, indexer_layers=(0,), max_ways=1, index_topk=4)
     offload = OffloadConfig(hot_slots=8, page_size=4, capacity=64, host_access=access)
     state = DecodeState.create(config, offload, batch=1)
-    compiled = offload_decode._decode_jit.lower(
+    compiled = offload_decode.decode_jit.lower(
         init_params(config, jax.random.key(0)), state, jnp.zeros((1, 1), jnp.int32),
         config=config, offload=offload).compile().as_text()
     pages = "bf16[%s]" % ",".join(map(str, state.host.kv.shape))

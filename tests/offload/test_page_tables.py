@@ -95,7 +95,7 @@ def test_changing_the_table_never_recompiles():
     params = init_params(config, jax.random.key(0))
     empty = np.full((BATCH, offload.num_pages), -1, np.int32)
     state = DecodeState.create(config, offload, batch=BATCH, num_frames=frames, table=empty)
-    counted = chex.assert_max_traces(offload_decode._decode_jit.__wrapped__, n=1)
+    counted = chex.assert_max_traces(offload_decode.decode_jit.__wrapped__, n=1)
     step = jax.jit(counted, static_argnames=("config", "offload"), donate_argnames=("state",))
     assign = jax.jit(assign_pages, donate_argnums=0)
     state = assign(state, 0, jnp.asarray([7, 2, 9, 0], jnp.int32))

@@ -33,7 +33,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from fo_jax import resident, sharding  # noqa: E402
+from fo_jax import resident, sharded_steps, sharding  # noqa: E402
 from fo_jax.config import get_config  # noqa: E402
 from fo_jax.model.dsa import init_params  # noqa: E402
 from fo_jax.offload import decode as offload_decode  # noqa: E402
@@ -185,13 +185,13 @@ def decode_case(params, rng, *, ranks, batch, ways, policy, page, hot, steps, pe
     refs = [rank_state(state, r, ranks) for r in range(ranks)]
     check_decode_shardings(sharded, ranks)
     per = batch // ranks
-    step = functools.partial(sharding.sharded_decode_step, mesh=mesh, config=config,
+    step = functools.partial(sharded_steps.sharded_decode_step, mesh=mesh, config=config,
                              offload=offload)
     if hlo:
         # The program the step runs, compiled once here and stepped below (one compile).
         tokens = rng.integers(0, config.vocab_size, (batch, ways), dtype=np.int32)
-        compiled = sharding.lower_sharded_decode_step(params, sharded, tokens, mesh=mesh,
-                                                      config=config, offload=offload).compile()
+        compiled = sharded_steps.lower_sharded_decode_step(params, sharded, tokens, mesh=mesh,
+                                                           config=config, offload=offload).compile()
         check_compiled(compiled, sharded, ranks)
         token_sharding = compiled.input_shardings[0][2]
         step = lambda p, s, t: compiled(p, s, jax.device_put(t, token_sharding), None)  # noqa
@@ -218,7 +218,8 @@ def decode_case(params, rng, *, ranks, batch, ways, policy, page, hot, steps, pe
     if not hlo:  # one compiled program served every step (outputs placed as the inputs)
         statics = (("config", config), ("offload", offload), ("implementation", "xla"),
                    ("scores", False))
-        program = sharding._program(mesh, sharding._offload_decode, statics, inactive, None)
+        program = sharded_steps._program(mesh, sharded_steps._offload_decode, statics, inactive,
+                                         None)
         assert program._cache_size() == 1, program._cache_size()
     assert_state_equal(sharded, mesh, refs, ranks)
     log(f"decode ranks={ranks} B={batch} W={ways} policy={policy} Z={page} C={hot} "
@@ -259,8 +260,8 @@ def expert_parallel_case(rng, *, expert, steps):
     sharded = sharding.shard_state(state, mesh)
     refs = [rank_state(state, r, ranks) for r in range(ranks)]
     tokens = rng.integers(0, MOE.vocab_size, (batch, 1), dtype=np.int32)
-    compiled = sharding.lower_sharded_decode_step(placed, sharded, tokens, mesh=mesh,
-                                                  config=MOE, offload=offload).compile()
+    compiled = sharded_steps.lower_sharded_decode_step(placed, sharded, tokens, mesh=mesh,
+                                                       config=MOE, offload=offload).compile()
     # Each device holds X / expert experts of w1 / w2 / w3 [L', X, ...], in and inside.
     param_in = compiled.input_shardings[0][0]
     for name in ("w1", "w2", "w3"):
@@ -305,8 +306,8 @@ def expert_parallel_case(rng, *, expert, steps):
     refs = [rank_state(state, r, ranks) for r in range(ranks)]
     tokens = rng.integers(0, MOE.vocab_size, (batch, 6), dtype=np.int32)
     num_new = rng.integers(1, 7, batch).astype(np.int32)
-    logits, sharded = sharding.sharded_prefill(placed, sharded, tokens, num_new, mesh=mesh,
-                                               config=MOE, num_buffers=2, history_pages=4)
+    logits, sharded = sharded_steps.sharded_prefill(placed, sharded, tokens, num_new, mesh=mesh,
+                                                    config=MOE, num_buffers=2, history_pages=4)
     for r in range(ranks):
         seats = slice(r * per, (r + 1) * per)
         want, refs[r] = offload_prefill.prefill(params, refs[r], tokens[seats], num_new[seats],
@@ -341,8 +342,8 @@ def resident_case(params, rng, *, ranks, batch, ways, steps):
     per = batch // ranks
     for _ in range(steps):
         tokens = rng.integers(0, config.vocab_size, (batch, ways), dtype=np.int32)
-        logits, sharded = sharding.sharded_resident_decode_step(params, sharded, tokens,
-                                                                mesh=mesh, config=config)
+        logits, sharded = sharded_steps.sharded_resident_decode_step(params, sharded, tokens,
+                                                                     mesh=mesh, config=config)
         for r in range(ranks):
             seats = slice(r * per, (r + 1) * per)
             want, refs[r] = resident.decode_step(params, refs[r], tokens[seats], config=config)
@@ -356,7 +357,8 @@ def loop_case(params, rng, *, ranks, batch, steps, resident_path=False):
     """The decode loop data-parallel (`sharded_decode_loop`): greedy and sampled requests with
     their own keys, stop tokens and max_new_tokens, so ranks leave their loops at different
     steps; tokens, stats, seats and state against each rank's single-device `decode_loop`."""
-    from fo_jax.engine.loop import OffloadedStep, ResidentStep, Sampling, Seats, decode_loop
+    from fo_jax.decode_loop import OffloadedStep, ResidentStep, Seats, decode_loop
+    from fo_jax.sampling import Sampling
 
     config = CONFIG
     lengths = [PROMPT] + rng.integers(1, PROMPT, batch - 1).tolist()
@@ -383,8 +385,8 @@ def loop_case(params, rng, *, ranks, batch, steps, resident_path=False):
     mesh = sharding.make_mesh(ranks)
     sharded = sharding.shard_state(state, mesh)
     refs = [rank_state(state, r, ranks) for r in range(ranks)]
-    out, sharded, new_seats = sharding.sharded_decode_loop(params, sharded, seats, steps,
-                                                           sampling, mesh=mesh, step=step)
+    out, sharded, new_seats = sharded_steps.sharded_decode_loop(params, sharded, seats, steps,
+                                                                sampling, mesh=mesh, step=step)
     per = batch // ranks
     taken, wants = [], []
     for r in range(ranks):
@@ -438,9 +440,9 @@ def prefill_case(params, rng, *, ranks, batch, page, chunks, width):
         num_new = rng.integers(1, width + 1, batch).astype(np.int32)
         # Every page loaded each chunk: one program for both chunks.
         history = capacity // page
-        logits, sharded = sharding.sharded_prefill(params, sharded, tokens, num_new, mesh=mesh,
-                                                   config=CONFIG, num_buffers=2,
-                                                   history_pages=history)
+        logits, sharded = sharded_steps.sharded_prefill(params, sharded, tokens, num_new, mesh=mesh,
+                                                        config=CONFIG, num_buffers=2,
+                                                        history_pages=history)
         for r in range(ranks):
             seats = slice(r * per, (r + 1) * per)
             want, refs[r] = offload_prefill.prefill(params, refs[r], tokens[seats],
@@ -532,9 +534,9 @@ def empty_operand_case():
         assert empty.shape == (1, 2, 0), empty.shape
         return x * 2, empty + 1
 
-    run = jax.jit(sharding._data_parallel(body, sharding.make_mesh(4),
-                                          (spec("data"), spec(None, "data")),
-                                          (spec("data"), spec(None, "data"))))
+    run = jax.jit(sharded_steps._data_parallel(body, sharding.make_mesh(4),
+                                               (spec("data"), spec(None, "data")),
+                                               (spec("data"), spec(None, "data"))))
     x = np.arange(24, dtype=np.int32).reshape(8, 3)
     doubled, empty = run(jnp.asarray(x), jnp.zeros((1, 8, 0), jnp.int32))
     np.testing.assert_array_equal(np.asarray(doubled), 2 * x)

@@ -1,4 +1,5 @@
-"""Data-parallel steps over a mesh of 8 simulated CPU devices (fo_jax.sharding).
+"""Data-parallel steps over a mesh of 8 simulated CPU devices (fo_jax.sharding,
+fo_jax.sharded_steps).
 
 One subprocess runs every case of data_parallel_cases.py (XLA_FLAGS gives it 8 devices; this
 process, and the rest of the suite, keep one): the sharded offloaded decode (policies ring,
