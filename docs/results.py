@@ -23,6 +23,7 @@ REPLAY = "experiments/results/traces/replay/replay.jsonl"
 POISSON = "experiments/results/serving/poisson.jsonl"
 LATENCY = "experiments/results/serving/latency.jsonl"
 AUTO = "experiments/results/serving/auto_offload/auto_offload.jsonl"
+ACCESS = "experiments/results/accelerator/h200/accelerator_check.jsonl"
 
 
 def _rows(path: str, **match):
@@ -213,10 +214,27 @@ def auto_offload() -> str:
             + "\n".join(out))
 
 
+def h200_host_access() -> str:
+    rows = [r for r in _rows(ACCESS) if "gb_per_s" in r]
+    out = ["| access | setting | direction | MB moved | GB/s | bulk copy GB/s | host-compute ops "
+           "| bitwise |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['check']} | {r['host_access']} | {r['direction']} | "
+                   f"{r['moved_bytes'] / 2**20:.1f} | {r['gb_per_s']:.2f} | "
+                   f"{r['bulk_gb_per_s']:.1f} | {r['host_compute_ops']} | "
+                   f"{'yes' if r['bitwise'] else 'no'} |")
+    note = ("Each host access at real row size (576 bf16 values), against one bulk "
+            "`jax.device_put` of the same bytes in the same run; host-compute ops are those XLA left in the "
+            "compiled program. ")
+    return note + _source(rows, ACCESS, "python -m experiments.accelerator.accelerator_check") \
+        + "\n\n" + "\n".join(out)
+
+
 TABLES = {"h200_management": h200_management, "h200_step": h200_step,
           "dp_serving": dp_serving, "rank_imbalance": rank_imbalance,
           "replay_8192": replay_8192, "serving_budget": serving_budget,
-          "serving_latency": serving_latency, "auto_offload": auto_offload}
+          "serving_latency": serving_latency, "auto_offload": auto_offload,
+          "h200_host_access": h200_host_access}
 BLOCK = re.compile(r"^( *)(<!-- results: (\w+) -->\n)((?:(?!<!-- results: ).)*?)( *<!-- /results -->)",
                    re.S | re.M)
 
