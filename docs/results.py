@@ -33,6 +33,7 @@ PAGED = {"experiments/results/serving/paged_device_1024.jsonl": "",  # the defau
          "experiments/results/serving/paged_device_4096.jsonl":
              " --prompt-len 64 256 --output-len 16 48"}
 EMBEDDED = "fo_jax/assets/trained-small/config.json"
+KV_FORMAT = "experiments/results/decode/kv_format/accuracy.jsonl"
 TRAIN_LOG = "experiments/results/training/trained-small/log.jsonl"
 
 
@@ -348,6 +349,26 @@ def embedded_model() -> str:
     return note + "\n\n" + "\n".join(out)
 
 
+def kv_format_accuracy() -> str:
+    held = _rows(KV_FORMAT, question="held_out")
+    cmp = _rows(KV_FORMAT, question="fp8_vs_bf16")[0]
+    out = ["| KV format | bytes per row | held-out bits per byte |", "|---|---|---|"]
+    out += [f"| {r['kv_format']} | {r['row_bytes']} | {r['bits_per_byte']:.4f} |" for r in held]
+    first = cmp["greedy_first_difference"]
+    same = sum(d == cmp["gen"] for d in first)
+    differ = "; ".join(f"window {i + 1} from its token {d + 1} on" for i, d in enumerate(first)
+                       if d != cmp["gen"])
+    out.append(f"| fp8_ds_mla against bf16 | | {cmp['bits_per_byte_delta']:+.4f}; the same "
+               f"argmax at {cmp['top1_agreement']:.1%} of positions; {cmp['gen']} greedy tokens "
+               f"after each window identical in {same} of {len(first)} windows"
+               + (f" ({differ})" if differ else "") + " |")
+    r = held[0]
+    note = (f"The embedded model (`{r['model']}`), {r['docs']} held-out windows of "
+            f"{r['context']:,} tokens, resident prefill in chunks of {r['chunk']}. "
+            + _source(held, KV_FORMAT, "python -m experiments.decode.kv_format_accuracy"))
+    return note + "\n\n" + "\n".join(out)
+
+
 def _link(path: str) -> str:
     return f"[{path.rsplit('/', 1)[-1]}]({path})"
 
@@ -432,7 +453,8 @@ TABLES = {"h200_management": h200_management, "h200_step": h200_step,
           "h200_host_access": h200_host_access, "h200_decode_loop": h200_decode_loop,
           "cpu_decode_loop": cpu_decode_loop,
           "prefix_reuse": prefix_reuse, "paged_device": paged_device,
-          "embedded_model": embedded_model, "key_results": key_results}
+          "embedded_model": embedded_model, "key_results": key_results,
+          "kv_format_accuracy": kv_format_accuracy}
 BLOCK = re.compile(r"^( *)(<!-- results: (\w+) -->\n)((?:(?!<!-- results: ).)*?)( *<!-- /results -->)",
                    re.S | re.M)
 
