@@ -1,4 +1,4 @@
-"""Benchmark tables of the docs pages, generated from the results' JSON lines (not retyped).
+"""Benchmark tables of the README and the docs pages, generated from the results' JSON lines (not retyped).
 
 A page holds each table between `<!-- results: NAME -->` and `<!-- /results -->`;
 `python docs/results.py` rewrites them from the files, `python docs/results.py --check` fails
@@ -23,6 +23,18 @@ REPLAY = "experiments/results/traces/replay/replay.jsonl"
 POISSON = "experiments/results/serving/poisson.jsonl"
 LATENCY = "experiments/results/serving/latency.jsonl"
 AUTO = "experiments/results/serving/auto_offload/auto_offload.jsonl"
+ACCESS = "experiments/results/accelerator/h200/accelerator_check.jsonl"
+ACCESS_PAGED = "experiments/results/accelerator/h200/session2/access_gather.run3.jsonl"
+LOOP = "experiments/results/accelerator/h200/decode_loop_bench.jsonl"
+CPU_LOOP = "experiments/results/decode/decode_loop/cpu_tiny.jsonl"
+PREFIX = "experiments/results/serving/shared_prefix.jsonl"
+PREFIX_RESIDENT = "experiments/results/serving/shared_prefix_resident.jsonl"
+PAGED = {"experiments/results/serving/paged_device_1024.jsonl": "",  # the default lengths
+         "experiments/results/serving/paged_device_4096.jsonl":
+             " --prompt-len 64 256 --output-len 16 48"}
+EMBEDDED = "fo_jax/assets/trained-small/config.json"
+KV_FORMAT = "experiments/results/decode/kv_format/accuracy.jsonl"
+TRAIN_LOG = "experiments/results/training/trained-small/log.jsonl"
 
 
 def _rows(path: str, **match):
@@ -213,10 +225,236 @@ def auto_offload() -> str:
             + "\n".join(out))
 
 
+def h200_host_access() -> str:
+    first = [r for r in _rows(ACCESS) if "gb_per_s" in r]
+    paged = [r for r in _rows(ACCESS_PAGED) if "gb_per_s" in r]
+    out = ["| run | access | setting | direction | MB moved | GB/s | bulk `device_put` GB/s | "
+           "host-compute ops | bitwise |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in first + paged:
+        out.append(f"| {r['git']} | {r['check']} | {r['host_access']} | {r['direction']} | "
+                   f"{r['moved_bytes'] / 1e6:.1f} | {r['gb_per_s']:.2f} | "
+                   f"{r['bulk_gb_per_s']:.1f} | {r['host_compute_ops']} | "
+                   f"{'yes' if r['bitwise'] else 'no'} |")
+    note = ("Each host access at real row size (576 bf16 values), against one bulk "
+            "`jax.device_put` of the same bytes in the same run; host-compute ops are those XLA "
+            "left in the compiled program. The first run: "
+            + _source(first, ACCESS, "python -m experiments.accelerator.accelerator_check")
+            + " The second (the `access_gather` part of `device_run.sh`), after the page pools (`load_history` reads pages through the page "
+            "table), \"gather\" only: "
+            + _source(paged, ACCESS_PAGED, "python -m experiments.accelerator.accelerator_check "
+                      "--access gather --checks access"))
+    return note + "\n\n" + "\n".join(out)
+
+
+def _decode_loop(path: str) -> str:
+    rows = _rows(path, question="decode_loop")
+    out = ["| cell | steps per call | tokens/s | ratio to the Python loop [IQR] | programs per "
+           "token |", "|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['cell']} | {r['steps_per_call']} | {r['tokens_per_second']:.0f} | "
+                   f"{r['ratio']:.2f} [{r['ratio_q25']:.2f}-{r['ratio_q75']:.2f}] | "
+                   f"{r['dispatches_per_token']:.4g} |")
+    r = rows[0]
+    note = (f"Decode loop on `{r['model']}`, {r['path']}, batch {r['batch']}, "
+            f"{r['context']} tokens of context, {r['tokens']} new tokens per request per round, "
+            f"temperature {r['temperature']:g}, median [IQR] of {r['rounds']} interleaved rounds "
+            "(`python`: a Python loop of single decode steps; `loop N`: N steps per compiled "
+            "call). ")
+    command = (f"python -m experiments.decode.decode_loop_bench --model {r['model']} --batch "
+               f"{r['batch']} --context {r['context']}")
+    return note + _source(rows, path, command) + "\n\n" + "\n".join(out)
+
+
+def h200_decode_loop() -> str:
+    return _decode_loop(LOOP)
+
+
+def cpu_decode_loop() -> str:
+    return _decode_loop(CPU_LOOP)
+
+
+def _serving_cells(rows, label):
+    out = []
+    for r in rows:
+        out.append(f"| {label(r)} | {r['seats']} | {r['cached_tokens']:,} | "
+                   f"{r['prefill_tokens']:,} | {r['ttft_p50']:.1f} / {r['ttft_p99']:.1f} s | "
+                   f"{r['tokens_per_s']:.1f} | {r['output_tokens']} |")
+    return out
+
+
+def prefix_reuse() -> str:
+    head = ["| cell | seats | prompt tokens from the cache | tokens prefilled | TTFT p50 / p99 | "
+            "tokens/s | output tokens |", "|---|---|---|---|---|---|---|"]
+    offload, resident = _rows(PREFIX), _rows(PREFIX_RESIDENT)
+    out = head + _serving_cells(
+        offload, lambda r: f"{r['path']}, prefix {r['prefix_len']}, "
+                           f"{'prefix cache' if r['prefix_cache'] else 'no prefix cache'}")
+    out += _serving_cells(
+        resident, lambda r: f"{r['path']}, prefix {r['prefix_len']}, "
+                            f"{'prefix store' if r['prefix_cache'] else 'no prefix store'}")
+    o, s = offload[0], resident[0]
+    note = (f"{o['shared_fraction']:.0%} of the prompts start with the same prefix. Offloaded: "
+            f"{o['requests']} requests, N = {o['steps_per_call']}; "
+            + _source(offload, PREFIX, "python -m experiments.serving.serving_bench --model "
+                      "small --workloads shared_prefix")
+            + f" Resident (the prefix store copies rows): {s['requests']} requests, N = "
+            f"{s['steps_per_call']}; "
+            + _source(resident, PREFIX_RESIDENT, "python -m experiments.serving.serving_bench "
+                      "--prefix-paths resident --model small --capacity 1024 --requests 12 "
+                      "--rate 2 --prompt-len 32 96 --output-len 8 16 --prefix-len 512 "
+                      "--prefill-chunk 128 --steps-per-call 4 --max-seats 4"))
+    return note + "\n\n" + "\n".join(out)
+
+
+def paged_device() -> str:
+    out = ["| capacity | device budget | cell | seats | peak / mean running | tokens/s | vs "
+           "resident | output tokens |", "|---|---|---|---|---|---|---|---|"]
+    notes = []
+    for path in PAGED:
+        rows = _rows(path)
+        for r in rows:
+            out.append(f"| {r['capacity']} | {r['device_budget_bytes'] / 1e6:.0f} MB | "
+                       f"{r['path']} | {r['seats']} | {r['peak_running']} / "
+                       f"{r['mean_running']:.1f} | {r['tokens_per_s']:.1f} | "
+                       f"{r['ratio']:.2f}x | {r['output_tokens']} |")
+        r = rows[0]
+        command = (f"python -m experiments.serving.serving_bench --model {r['model']} "
+                   f"--capacity {r['capacity']} --requests {r['requests']} --rate "
+                   f"{r['rate']:g} --device-budget-mb {r['device_budget_bytes'] // 10**6}"
+                   f"{PAGED[path]} --workloads poisson --steps-per-call 16")
+        notes.append(f"Capacity {r['capacity']}: " + _source(rows, path, command))
+    return " ".join(notes) + "\n\n" + "\n".join(out)
+
+
+def embedded_model() -> str:
+    trained = json.loads((ROOT / EMBEDDED).read_text())["trained"]
+    bpb = trained["held_out_bits_per_byte"]
+    names = [("dense_at_512_float32", "dense model (after stage 1), on 512-token windows"),
+             ("dense_float32", "dense model"),
+             ("dense_run_sparse_float32", "dense model run with top-k attention"),
+             ("sparse_float32", "sparse model (after stage 2), float32"),
+             ("sparse", "sparse model, bf16 as shipped"),
+             ("sparse_run_dense", "sparse model, bf16, run with dense attention")]
+    out = [f"| held-out, {trained['eval_windows']} windows of {trained['eval_seq_len']} tokens "
+           "(bits per byte) | |", "|---|---|"]
+    out += [f"| {label} | {bpb[name]:.3f} |" for name, label in names if name in bpb]
+    run = _rows(TRAIN_LOG)[0]
+    note = (f"From the embedded model's own record (`{EMBEDDED}`, \"trained\"), written by "
+            "`python -m experiments.training.export_model` when the weights were exported: it "
+            "holds no jax version or commit. The training run it evaluates: "
+            + _source([run], TRAIN_LOG, "python -m experiments.training.train --out-dir runs/bpe "
+                      f"--dense-steps {trained['train']['dense_steps']} --sparse-steps "
+                      f"{trained['train']['sparse_steps']} --batch {trained['train']['batch']} "
+                      "--max-minutes 62"))
+    return note + "\n\n" + "\n".join(out)
+
+
+def kv_format_accuracy() -> str:
+    held = _rows(KV_FORMAT, question="held_out")
+    cmp = _rows(KV_FORMAT, question="fp8_vs_bf16")[0]
+    out = ["| KV format | bytes per row | held-out bits per byte |", "|---|---|---|"]
+    out += [f"| {r['kv_format']} | {r['row_bytes']} | {r['bits_per_byte']:.4f} |" for r in held]
+    first = cmp["greedy_first_difference"]
+    same = sum(d == cmp["gen"] for d in first)
+    differ = "; ".join(f"window {i + 1} from its token {d + 1} on" for i, d in enumerate(first)
+                       if d != cmp["gen"])
+    out.append(f"| fp8_ds_mla against bf16 | | {cmp['bits_per_byte_delta']:+.4f}; the same "
+               f"argmax at {cmp['top1_agreement']:.1%} of positions; {cmp['gen']} greedy tokens "
+               f"after each window identical in {same} of {len(first)} windows"
+               + (f" ({differ})" if differ else "") + " |")
+    r = held[0]
+    note = (f"The embedded model (`{r['model']}`), {r['docs']} held-out windows of "
+            f"{r['context']:,} tokens, resident prefill in chunks of {r['chunk']}. "
+            + _source(held, KV_FORMAT, "python -m experiments.decode.kv_format_accuracy"))
+    return note + "\n\n" + "\n".join(out)
+
+
+def _link(path: str) -> str:
+    return f"[{path.rsplit('/', 1)[-1]}]({path})"
+
+
+def key_results() -> str:
+    """The README's key results: one row per figure, each from its results file."""
+    mgmt = {(r["policy"], r["hot_slots"]): r for r in _rows(H200, question="management")}
+    sizes = sorted({c for _, c in mgmt})
+    ring = " / ".join(f"{mgmt['ring', c]['seconds'] * 1e3:.3f}" for c in sizes)
+    lru = " / ".join(f"{mgmt['lru', c]['seconds'] * 1e3:.3f}" for c in sizes)
+    step = next(r for r in _rows(H200, question="step")
+                if r["policy"] == "ring" and r["workload"] == "locality")
+    budget = {(r["path"], r["steps_per_call"]): r for r in _rows(POISSON, workload="poisson")}
+    res, off = budget["resident", 1], budget["offload", 1]
+    prefix = {r["prefix_cache"]: r for r in _rows(PREFIX)}
+    latency = next(r for r in _rows(LATENCY, experiment="serving_latency") if r["offload"])
+    replay = {r["policy"]: r for r in _rows(REPLAY, question="replay", ways=1)
+              if r["meta"].get("context") == 8192 and not r.get("synthetic")
+              and r["multiple"] == 8}
+    dp = [r for r in _rows(DP, question="dp_serving")]
+    spread = {rule: statistics.mean(r["spread"] for r in dp if r["rule"] == rule)
+              for rule in dict.fromkeys(r["rule"] for r in dp)}
+    trained = json.loads((ROOT / EMBEDDED).read_text())["trained"]
+    seeds = " ".join(str(s) for s in sorted({r["seed"] for r in dp}))
+    h200, cpu = "NVIDIA H200, jax 0.11.2", "2-core CPU"
+    rows = [
+        ("offloaded decode step equal to resident, bit for bit (every test configuration; 15 "
+         "steps after a real prompt on the GPU)", "2-core CPU; NVIDIA H200, jax 0.11.2",
+         "fo-jax generate --offload --check",
+         _link("experiments/results/accelerator/h200/device_run.log")),
+        (f"management per step flat in C: ring {ring} ms at C = "
+         + " / ".join(f"{c // 1024}k" for c in sizes) + f" (LRU {lru})", h200,
+         "python -m experiments.decode.decode_bench --what management", _link(H200)),
+        (f"whole decode step on `{step['model']}`, {step['context'] // 1024}k context: "
+         f"offloaded / resident {step['ratio']:.2f}x (hit rate {step['hit_rate']:.2f})", h200,
+         f"python -m experiments.decode.decode_bench --what step --batch {step['batch']} "
+         f"--context {step['context']}", _link(H200)),
+        (f"serving at one {res['device_budget_bytes'] // 10**6} MB device budget: offloaded holds "
+         f"{off['mean_running'] / res['mean_running']:.1f}x the concurrent requests of resident, "
+         f"{off['tokens_per_s'] / res['tokens_per_s']:.2f}x the tokens/s", cpu,
+         f"python -m experiments.serving.serving_bench --model {res['model']} --capacity "
+         f"{res['capacity']} --device-budget-mb {res['device_budget_bytes'] // 10**6}",
+         _link(POISSON)),
+        (f"prefix cache, {prefix[True]['shared_fraction']:.0%} shared "
+         f"{prefix[True]['prefix_len']}-token prefix: {prefix[True]['prefill_tokens']:,} tokens "
+         f"prefilled instead of {prefix[False]['prefill_tokens']:,}, TTFT p50 "
+         f"{prefix[True]['ttft_p50']:.1f} s instead of {prefix[False]['ttft_p50']:.1f} s", cpu,
+         "python -m experiments.serving.serving_bench --workloads shared_prefix", _link(PREFIX)),
+        (f"`fo-jax serve`, {latency['clients']} streaming clients: TTFT p50 "
+         f"{latency['ttft_p50'] * 1e3:.0f} ms, inter-token p50 {latency['itl_p50'] * 1e3:.1f} ms, "
+         f"{latency['tokens_per_second']:.0f} tokens/s offloaded", cpu,
+         f"python -m experiments.serving.serving_latency --clients {latency['clients']} --seats "
+         f"{latency['seats']} --capacity {latency['capacity']} --max-tokens "
+         f"{latency['max_tokens']}", _link(LATENCY)),
+        (f"hot-cache hit rate on real traces, 8192-token documents, C = 8k: ring "
+         f"{replay['ring']['hit_rate']:.3f}, LRU {replay['lru']['hit_rate']:.3f}, Belady's MIN "
+         f"{replay['belady']['hit_rate']:.3f}", cpu,
+         "python -m experiments.traces.replay --trace ... --prefetch", _link(REPLAY)),
+        (f"placement over {dp[0]['ranks']} data-parallel ranks: least_misses takes the busiest "
+         f"rank's load over the mean to {spread['least_misses'] / spread['round_robin']:.2f}x "
+         "round robin's", f"{cpu}, {dp[0]['ranks']} simulated devices",
+         f"python -m experiments.serving.dp_serving --seeds {seeds}", _link(DP)),
+        (f"the embedded model: {trained['held_out_bits_per_byte']['sparse']:.3f} bits per byte "
+         "held-out (bf16, top-k 128 attention)", f"{cpu}, 62 minutes",
+         "python -m experiments.training.train --out-dir runs/bpe --dense-steps "
+         f"{trained['train']['dense_steps']} --sparse-steps {trained['train']['sparse_steps']}",
+         f"{_link(EMBEDDED)} (\"trained\"), {_link(TRAIN_LOG)}"),
+    ]
+    out = ["| figure | machine | command | results |", "|---|---|---|---|"]
+    out += [f"| {figure} | {machine} | `{command}` | {link} |"
+            for figure, machine, command, link in rows]
+    note = ("Ratios are to a baseline measured in the same run. Every figure with its command, "
+            "date and context: [benchmarks](docs/benchmarks/index.md); this table is generated "
+            "from the results files by `python docs/results.py`.")
+    return note + "\n\n" + "\n".join(out)
+
+
 TABLES = {"h200_management": h200_management, "h200_step": h200_step,
           "dp_serving": dp_serving, "rank_imbalance": rank_imbalance,
           "replay_8192": replay_8192, "serving_budget": serving_budget,
-          "serving_latency": serving_latency, "auto_offload": auto_offload}
+          "serving_latency": serving_latency, "auto_offload": auto_offload,
+          "h200_host_access": h200_host_access, "h200_decode_loop": h200_decode_loop,
+          "cpu_decode_loop": cpu_decode_loop,
+          "prefix_reuse": prefix_reuse, "paged_device": paged_device,
+          "embedded_model": embedded_model, "key_results": key_results,
+          "kv_format_accuracy": kv_format_accuracy}
 BLOCK = re.compile(r"^( *)(<!-- results: (\w+) -->\n)((?:(?!<!-- results: ).)*?)( *<!-- /results -->)",
                    re.S | re.M)
 
@@ -246,7 +484,7 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true", help="only report pages that differ")
     args = parser.parse_args(argv)
     stale = []
-    for page in sorted((ROOT / "docs").rglob("*.md")):
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
         text = page.read_text()
         new = render(text)
         if _undated(new) != _undated(text) or (new != text and not args.check):

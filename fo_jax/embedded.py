@@ -11,8 +11,8 @@ A model directory (what `experiments/training/train.py` writes, and what `fo-jax
 The embedded model (`EMBEDDED_DIR`, preset `trained-small`) is a training run of
 `experiments/training/train.py` on the Python standard library's sources, its weights rounded to
 bfloat16 (8.8 MB) and read back as the config's dtype (float32): `fo-jax generate` runs it by
-default and prints Python-like text. Its held-out loss and training command are in its config.json
-("trained") and in the README.
+default and prints Python-like text. Its held-out losses and training settings are in its
+config.json ("trained"); the run and its results: docs/guides/training.md.
 """
 
 from __future__ import annotations

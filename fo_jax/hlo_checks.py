@@ -1,11 +1,10 @@
 """Performance invariants of compiled steps, read from the optimized HLO and its memory analysis.
 
-A decode or prefill step may be bit-for-bit right and still cost O(C) or O(S) per step because
-XLA copied a whole state array: a scatter whose operand is still read afterwards, an
-unordered gather and scatter on the same buffer, a `lax.cond` over a buffer, a loop carry
-that cannot alias. Nothing in the results shows it; the optimized HLO does. The checks here
-turn that class of bug into a test failure on any machine (a CPU is enough: copy insertion
-and buffer aliasing are decided before any backend code is emitted).
+A step may be bit-for-bit right and still cost O(C) or O(S) per step because XLA copied a whole
+state array; these checks read the optimized HLO and fail, naming the instruction, so that the
+regression fails a test on any machine (a CPU is enough: copy insertion and buffer aliasing are
+decided before any backend code is emitted). Why, and which bugs they caught:
+docs/design/performance-invariants.md.
 
 Pools and page tables (fo_jax.offload.state: host KV [L, F, Z, D+R], indexer keys
 [G, F, Z, N], the page table [B, P] int32) are ordinary state leaves here: a step that copies

@@ -2,7 +2,7 @@
 
 With data-parallel decode every rank copies its own requests' misses from its own host pool,
 and the step ends when the slowest rank ends: the rank with the most misses sets the step
-time (the design notes report +8.8 ms per step from this imbalance). A request stays on the
+time. A request stays on the
 rank it was placed on until it finishes, so placement is the one point where the scheduler can
 spread the misses. Rules (R ranks, n requests placed at once):
 
@@ -21,10 +21,8 @@ load (then most free seats, then lowest index) that still has a seat, and add it
 load: greedy longest-processing-time-first. Everything here is host-side Python on [R] loads
 and [n] costs: O(n log n + n R) per call, O(R) for one request; nothing touches device memory.
 
-Measured (experiments/traces/rank_imbalance.py; the README's "Rank imbalance"): least_misses cuts
-the excess of the busiest rank over the mean by 12-49% where requests differ in locality and seats
-are free; no rule helps when every seat is taken or when the spread comes from bursts within
-requests rather than from which requests share a rank.
+What each rule buys in simulation (experiments/traces/rank_imbalance.py) and in the engine
+(experiments/serving/dp_serving.py): docs/benchmarks/rank-imbalance.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """Training a small DSA model: corpus, byte tokenizer, training forward, the DeepSeek-V3.2 recipe.
 
-Corpus: the `.py` sources of the Python standard library of the running interpreter
-(`sysconfig.get_paths()["stdlib"]`, 12-32 MB of code and docstrings depending on whether the
-interpreter ships its test suite (~30 MB train / 2 MB held-out on the development machine), with
-long-range structure:
-imports used hundreds of lines later, class names, indentation). Every machine that runs fo_jax
-has it, so nothing is downloaded. It is distributed under the Python Software Foundation License
-(PSF License Version 2); the trained weights are a statistical summary of it. Files are split into
-train / held-out by a hash of their path relative to the stdlib root (deterministic, no overlap),
-and the documents of a split are concatenated with a separator token between them.
-
-Tokenizer (fo_jax.tokenizer): a byte-level BPE trained on the train split with the `tokenizers`
-library (`trained-small`: 2048 ids, ~3 bytes of code per token, saved as `tokenizer.json`), or bytes
-(ids 0-255, SEP 256 between documents, vocab 260: no training, used by the smoke run and tests).
-BPE gives the model about three times the text per unit of compute; losses are reported in bits
-per byte either way (nats of the targets / ln 2 / the bytes those targets stand for).
+Corpus (`stdlib_files`, `split_files`, `load_split`): the `.py` sources of the Python standard
+library of the running interpreter (`sysconfig.get_paths()["stdlib"]`; PSF License Version 2),
+split into train / held-out by a hash of each file's path relative to the stdlib root
+(deterministic, no overlap); a split's documents are concatenated with a separator token
+between them. Tokens: a byte-level BPE (fo_jax.tokenizer, `train_bpe`) or bytes (`encode` /
+`decode`: ids 0-255, SEP 256, vocab 260). Losses are in bits per byte either way (nats of the
+targets / ln 2 / the bytes those targets stand for).
 
 Recipe (DeepSeek-V3.2, small scale), as `train_forward` + `losses`:
   * stage "dense": every layer attends to the whole causal prefix; LM cross-entropy trains the
@@ -26,9 +18,11 @@ Recipe (DeepSeek-V3.2, small scale), as `train_forward` + `losses`:
   * stage "sparse": each layer attends to the top-k tokens of its group's indexer (the
     project's selection rule, `select_topk`); the indexer KL is restricted to the selected set
     (p and q renormalised over it).
-The training forward computes exactly what `fo_jax.resident.prefill` computes (dense=True for
-stage "dense"; the top-k for "sparse") on a batch starting at position 0, so trained weights mean
-the same thing at inference (a test checks the logits).
+Contract: the training forward computes exactly what `fo_jax.resident.prefill` computes
+(dense=True for stage "dense"; the top-k for "sparse") on a batch starting at position 0, so
+trained weights mean the same thing at inference (tests/test_train.py checks the logits).
+Why this corpus and tokenizer, the run that trained the embedded model, and its results:
+docs/guides/training.md.
 """
 
 from __future__ import annotations

@@ -36,13 +36,13 @@ def test_docstring_blocks_become_literal():
 
 
 def test_results_tables_match_their_json_lines():
-    """The benchmark tables between `<!-- results: NAME -->` markers are what docs/results.py
-    makes of the results files (a retyped or stale figure fails)."""
+    """The benchmark tables between `<!-- results: NAME -->` markers (README and docs pages) are
+    what docs/results.py makes of the results files (a retyped or stale figure fails)."""
     sys.path.insert(0, str(ROOT / "docs"))
     try:
         import results
     finally:
         sys.path.remove(str(ROOT / "docs"))
-    pages = [p.read_text() for p in (ROOT / "docs").rglob("*.md")]
+    pages = [p.read_text() for p in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]]
     assert sum(page.count("<!-- results: ") for page in pages) == len(results.TABLES)
     assert results.main(["--check"]) == 0

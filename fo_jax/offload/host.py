@@ -11,57 +11,17 @@ the device:
   load_history      prefill: one layer's first pages of every request, host -> device
   write_back_rows   prefill: the chunk's new rows of one layer, device -> host
 
-The rows move in one of three ways (`HOST_ACCESS`), chosen by `OffloadConfig.host_access` for
-decode and the handoff, and by `prefill(..., host_access=...)` for the prefill (the offloaded
-engine passes its OffloadConfig's setting to both; None resolves by backend,
-`fo_jax.offload.config.default_host_access`):
+Each moves its rows in one of three ways (`fo_jax.offload.config.HOST_ACCESS`: "ffi", fo_jax's
+own copy custom calls, `fo_jax.offload.ffi`; "gather", one gather / scatter on the host array;
+"slices", one dynamic slice per row), chosen by `OffloadConfig.host_access` for decode and the
+handoff and by `prefill(..., host_access=...)` for the prefill; None resolves by backend
+(`fo_jax.offload.config.default_host_access`). Contract: all three give the same bits
+(tests/offload/test_host.py runs every function, the decode step and the prefill under each);
+writes to pages not held (-1) are dropped; every access runs inside `jit` (eager indexing of a
+host array fails). Memory kinds: `memory_kind`, `in_host_memory`, `to_host`, `to_device`.
 
-  "ffi"     fo_jax's own copy targets (`fo_jax.offload.ffi`): one custom call per access that
-            takes the pool itself and a row list computed on the device; reads return device
-            rows, writes update the pool in place (aliased). On a GPU (CUDA target) the kernel
-            reads and writes the pinned pool directly, and no other op touches host memory
-            (`fo_jax.hlo_checks.host_memory_faults` checks the lowered programs); on a CPU a
-            C++ target with the same semantics runs it, so every bitwise test covers it.
-            The default on a GPU with the CUDA library.
-  "gather"  one `lax.gather` on the host array per chunk of `chunk` miss rows, with indices
-            moved to host memory, then one move of those rows to the device; writes are one
-            `lax.scatter` into the host array with indices and rows moved to host memory.
-            The default elsewhere.
-  "slices"  only `lax.dynamic_slice` / `lax.dynamic_update_slice` of single rows with explicit
-            memory-space moves: a loop whose trip count is the number of rows that move (the
-            misses, not M; the valid written rows, not T), each trip one dynamic slice of one
-            host row moved to the device (reads), or one device row moved to host memory and
-            written with a dynamic update slice whose operands all live in host memory (writes).
-
-All three give the same bits (tests/offload/test_host.py runs every function, the decode step
-and the prefill under each). Their costs differ. On an H200 (jax 0.11.2), XLA ran "gather"'s
-gathers and scatters as host compute (misses 5.3 GB/s, write-through 0.8, prefill write-back
-0.96) and "slices" at one tiny DMA per row (0.07 GB/s); "ffi" exists to move rows at link
-bandwidth. `load_history` moves whole pages: one gather of pages ("gather"), one dynamic slice
-per page ("slices") or one page per item of the copy ("ffi"), since a request's pages need not
-be contiguous in the pool.
-
-What is known about accelerators (design brief, section 5; none of it shows on a CPU, whose
-compiler drops memory spaces and compiles every move to nothing):
-
-  - XLA's host-offloading pass (`host_offloader.cc`) walks down from a host array: pure moves
-    (bitcast, copy, async start/done), loops, calls and custom calls pass; a `dynamic-slice` /
-    `slice` whose result moves to the device becomes a real DMA of just that slice (the
-    pattern "slices" is built from); ANY other op on host memory, a gather included, is turned
-    into host compute (XLA warns of "very high overhead").
-  - A scatter with dynamic indices into a `pinned_host` array hits an open XLA CHECK failure
-    (openxla/xla#34565): "gather"'s writes may not compile on an accelerator.
-  - On GPU the verifier rejects a dynamic-update-slice that changes memory space
-    (openxla/xla#47362): "slices" moves each row to host memory before its dynamic update
-    slice, so operand, update and result share one memory space.
-  - Eager indexing of a host array fails (jax#34041): every access here runs inside `jit`.
-  - XLA's pinned host pool on GPU is capped at 64 GB by default
-    (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` raises it).
-
-`experiments/accelerator/accelerator_check.py` compiles every setting at real sizes on an
-accelerator and reports compile success, bitwise equality, the host-compute ops and host-memory
-faults of the compiled programs, and GB/s against `fo_jax.offload.ffi.read_bulk` (one contiguous
-copy by the copy engine) and a bulk `jax.device_put` of the same bytes.
+What each setting compiles to, what it costs on an H200, and what is known about host memory on
+accelerators: docs/design/offloaded-decode.md ("Host memory access").
 """
 
 from __future__ import annotations

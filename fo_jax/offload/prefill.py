@@ -5,49 +5,24 @@
                             num_buffers=4, distance=1)
     decode_state = to_decode_state(state, config=config, offload=offload)
 
-FlashOffloading's prefill (design brief, section 2): the device holds `num_buffers` full-layer KV
-buffers [n, B, S, D+R] instead of all L layers. Buffer 0 holds layer 0 for the whole prefill (it
-is loaded before the layer loop, so compute starts at once); buffers 1 .. n-1 rotate over layers
->= 1, layer j in buffer `buffer_of_layer(j, n)` = 1 + (j - 1) % (n - 1). A binding table [n]
-(the layer each buffer holds, -1 none) rides in the loop carry next to the buffers; the indexer
-keys live apart and are never touched by rotation. Host KV [L, F, Z, D+R] and indexer keys
-[G, F, Z, N] are pools read and written through the state's page table [B, P] (history loads,
-write-backs, key writes, the selection's key reads); the layer buffers are per request
-[n, B, S, D+R]. `PrefillState.create` builds the identity table by default.
+`prefill` appends a chunk of tokens per request with the KV of only `num_buffers` layers on the
+device (`[n, B, S, D+R]`: buffer 0 holds layer 0, the others rotate over the later layers); the
+host KV `[L, F, Z, D+R]` and the indexer keys `[G, F, Z, N]` are pools addressed through the
+state's page table `[B, P]` (`PrefillState.create` builds the identity table by default). At
+each layer the chunk's rows are written back to host pages and the layers of
+`onload_layer_map[i]` (or the `distance` schedule) are prefetched; a map that loads a buffer
+whose layer is not yet done, a layer twice or never, is a ValueError before tracing.
+`to_decode_state` hands the result to the offloaded decode step without putting all layers on
+the device.
 
-It is a backend of the shared layer loop `fo_jax.model.forward`, so the attention math is the
-resident path's own. At layer i (`OffloadPrefillBackend.attend`):
+Contract: results are bit for bit those of `fo_jax.resident.prefill` (the same logits for real
+tokens, host pages equal to the resident KV, the same indexer keys; tests/offload/
+test_prefill.py), under every `host_access`; the state is donated; `history_pages` is static
+(one compiled program per value); rows of a buffer past the loaded history are never read
+(`poison=True` sets them to NaN to show it).
 
-  1. find layer i's buffer in the binding table (its history was loaded by an earlier prefetch);
-  2. write the chunk's new KV rows into it;
-  3. attend over history + chunk: the group's top-k rows gathered in canonical order
-     (`sparse_attention`), or the whole causal prefix (`dense_attention`, `dense=True`), over
-     blocks of `query_block` queries as the resident path does (temporaries [B, Q, K, D+R]);
-  4. write back only the chunk's rows of layer i to host pages (`write_back_rows`, an explicit
-     move to `jax.memory.Space.Host`);
-  5. prefetch the layers `onload_layer_map[i]` into their buffers (`load_history`, an explicit
-     move to `jax.memory.Space.Device`) and bind them. The buffers are updated in place: a
-     `lax.cond` holds only the host read of the loaded rows [B, history_pages * Z, D+R] (so
-     nothing is read when the static schedule has no load; the layer index is traced), one
-     `dynamic_update_slice` writes them, and an optimization barrier orders the write after
-     step 3's reads (unordered, XLA copied all n buffers at every layer).
-
-Both host accesses live in `fo_jax.offload.host`; `prefill(..., host_access=...)` chooses how
-the write-back moves its rows ("gather" or "slices", the same bits).
-
-The scheduling point of map entry i is the end of layer i (after its write-back), so a load may
-go to a buffer whose previous layer is <= i; `normalize_onload_layer_map` (shared with the
-pipeline model) rejects everything else before tracing. Loads read whole pages up to the history:
-`history_pages` = ceil(max(lengths) / Z) pages of every request of the batch (one rectangular
-slice; a static size, so one compiled program per history length: pass `history_pages` rounded
-up to bucket them), and nothing at all when every request is new.
-Rows of a buffer past the loaded pages are left stale (the previous layer's), or set to NaN with
-`poison=True` so that a stray read shows; real queries never read them.
-
-Write-back takes the rows from the chunk's new KV (already on the device), so on an accelerator
-it need not hold the buffer; on CPU every move compiles to nothing (a CPU has no copy engine).
-Results are bit for bit those of `fo_jax.resident.prefill`: same logits for real tokens, host
-pages equal to the resident KV, the same indexer keys (tests/offload/test_prefill.py).
+Design (the buffer rotation, the five steps of a layer, in-place loads, scheduling points):
+docs/design/offloaded-prefill.md.
 """
 
 from __future__ import annotations

@@ -165,7 +165,7 @@ class Body(BaseModel):
             elif name not in type(self).model_fields:
                 return Refusal(param=name, message=(
                     f"unknown field {name!r}: this server does not implement it (see the "
-                    "README's server section for the fields it takes); drop it"))
+                    "serving guide, docs/guides/serving.md, for the fields it takes); drop it"))
         return None
 
 

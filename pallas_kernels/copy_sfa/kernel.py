@@ -1,50 +1,20 @@
 """CopySFA: sparse MLA attention whose gather also installs the hot-cache misses from host memory.
 
-One program per request b (grid (B,), "parallel"): the misses of a step are the union over the
-W ways, so they are installed once per request and every way reads the same updated cache;
-a program per (b, w) would need cross-program ordering on the installs. Inside a program:
+    out, hot_updated = copy_sfa(q_lat, q_pe, hot, host, read_slot, miss_token, miss_slot,
+                                num_miss, scale=scale, layer=l, page_table=table)
 
-1. Miss copies start first (the compute order is NOT changed: no misses-first tile): for every
-   valid miss i, start `host[b, miss_token[i]] -> miss_buf[i]` (VMEM, one DMA semaphore per
-   miss). These are the slow copies; nothing waits for them yet.
-2. The W * K/block_k tiles run in canonical order (way by way, ascending k), through a
-   double-buffered VMEM workspace `[2, block_k, D+R]`. Filling tile s+1 has two phases:
-     a. before tile s is computed: hits (`hot[b, slot] -> workspace`) and padding
-        (a zero row -> workspace) start, so they fly while tile s computes;
-     b. after tile s is computed: misses. A miss row is never read from the hot cache: it is
-        copied from `miss_buf[i]` (VMEM -> VMEM) after waiting for miss i's own host load.
-        The first use of miss i waits that load and starts its install
-        `miss_buf[i] -> hot[b, miss_slot[i]]` (the aliased output); later uses of the same miss
-        (other ways) find it loaded. So host latency overlaps the compute of the tile before.
-   Tile s waits only for its own workspace half (one semaphore per half, counted in bytes),
-   then scores `[H, block_k]`, masks padding with -inf and updates an online softmax in float32.
-3. At the end, misses never read are loaded and installed too, and all installs are waited.
+The Pallas TPU kernel of the contract in reference.py (`copy_sfa_reference` is its oracle): one
+program per request; the misses' host rows are DMA'd into VMEM first, the W * K / block_k tiles
+of selected rows are then attended in canonical order through a double-buffered workspace (hits
+read from the hot cache, misses from their VMEM copy, padding as zero rows), and every miss is
+installed in its victim slot of `hot`, which is updated in place (the aliased `hot_updated`
+output: donate `hot` under jit). With `layer` only that layer of the stacked `hot` / `host` is
+touched; with `page_table` `host` is a page pool. `host` may be a host-memory-kind array (the
+miss DMAs then read host memory); in interpret mode it must be device-kind
+(NotImplementedError otherwise).
 
-Reading a miss from VMEM (not from its victim slot after the install) removes a round trip
-through HBM and any read of a slot while its install is in flight. The wrapper computes, in XLA,
-for every selected entry where it comes from (`read_src`: slot >= 0, -1 padding, -2 - i for
-miss i), from `read_slot` and the miss pairs (a [B, C2] int32 slot -> miss scatter and a
-[B, W, K] gather).
-
-Padding rows are filled with zeros (never the hot row, which may be NaN) so that the value
-matmul sees 0 * 0 there; their scores are -inf.
-
-Memory: VMEM holds the miss buffer `[M, D+R]` and the workspace `[2, block_k, D+R]` (at M = 8192
-bf16 rows of 576: 9.4 MB + 1.2 MB); the kernel uses M + 3 DMA semaphores. Neither has been
-checked on a TPU (no TPU here): only the cross-lowering is tested.
-
-Stacked layers: with `layer`, `hot` is [L, B, C2, D+R] and `host` [L, B, S, D+R]. The layer
-index reaches the kernel by scalar prefetch (SMEM, next to `num_miss`) and is the leading index
-of every DMA into or out of `hot` and `host`, so the kernel touches only that layer's rows; the
-whole stack is the aliased output. Indexing `hot[l]` / `host[l]` in XLA instead would copy a
-whole layer in (and the updated one back) on every call: O(C2 + S) bytes per layer per step
-where the kernel moves O(K + M) rows, and for a host-memory `host` across PCIe.
-
-Memory spaces: `hot` is `pl.ANY` (HBM), aliased to the `hot_updated` output. `host` is taken in
-the host memory space (`pl.HOST`, i.e. `jax.memory.Space.Host`) when it is a host-memory-kind
-array, so the miss DMAs read host memory directly; otherwise `pl.ANY`. Known jax bug (0.10.2,
-0.12): a jit that holds an interpret-mode kernel and a non-default memory kind fails, so under
-interpret mode `host` must be a device-kind array (NotImplementedError otherwise).
+Design (the order of copies and compute, why misses are read from VMEM, VMEM and semaphore
+budget, why the layer index is scalar-prefetched): docs/design/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,63 +1,30 @@
 """LIM (lightning-indexer-manage): indexer scores of all tokens fused with the hot-cache lookup.
 
-The Pallas TPU kernel (`lim_scores`) walks the S tokens of each request in tiles of `block_s`.
-For every tile it DMAs the indexer keys `[block_s, N]` and the slot map `[block_s]` into VMEM
-(double-buffered: the copy of tile i + 1 starts before tile i is computed), scores the tile for
-all W ways at once (one `[W * I, N] x [N, block_s]` matmul, ReLU, head weights, sum over heads),
-and writes, per way and token, the float32 score and an int32 payload. The selection
-(`lim_select`) runs in XLA on those outputs, because `lax.top_k` cannot be lowered in Mosaic.
+    scores, payload = lim_scores(q_index, weights, index_keys, token_to_slot, visible, ...)
+    tokens, slots, top = lim_select(scores, payload, k=k)   # lax.top_k, in XLA
+    tokens, slots, top = lim(...)                           # both: lim_reference's results
 
-Payload design and bit budget
------------------------------
-A selected token needs three things: its score (the ordering key), its token index (the host
-source of a miss and the canonical order) and its slot (where a hit is read). They do not fit in
-one 32-bit word: a full float32 score (32 bits) + a token index (20 bits at S = 1M) + a slot
-(15 bits at C = 32k) = 67 bits. An order-preserving key (score bits high, payload bits low,
-bitcast to a positive float32 so top_k stays on its fast path) would have to drop low score
-bits, and then near-equal scores would tie and be re-ordered by the payload: a different
-selection than `lax.top_k` of the float32 scores, which breaks losslessness. So:
+`lim_scores` is the Pallas TPU kernel: for every way and token, the float32 indexer score (-inf
+exactly where s >= visible[b, w]) and an int32 payload: the token's hot-cache slot if it is
+resident (>= 0), `MISS` (-1) if it is visible and not resident, `HIDDEN` (-2) if the way may not
+see it. `lim_select` takes the top-k by score alone (the payload rides along and never enters
+the ordering, so the selection is `lax.top_k` of the float32 scores, bit for bit; the token
+indices are top_k's own int32 indices) and returns it in canonical order (ascending token,
+padding last). `lim_reference` (reference.py) is the pure-jnp oracle.
 
-  score   float32, all 32 bits, the only ordering key; -inf exactly where s >= visible[b, w].
-  token   not stored: `lax.top_k` returns int32 indices into the S axis, which ARE the token
-          indices.                                     Budget: S <= 2**31 - 1 (31 bits).
-  payload int32, one per (way, token), gathered with the top_k indices so it rides along the
-          selection and never enters the ordering:
-            payload >= 0   visible, resident in hot-cache slot `payload`
-            payload == -1  visible, not resident (a miss)                  (MISS)
-            payload == -2  not visible to this way (s >= visible[b, w])     (HIDDEN)
-          Budget: the slot takes the 31 non-negative bits, C <= 2**31 - 1; the negative half
-          holds the two sentinels, so the payload alone tells padding from a miss.
+Forms: per request (`index_keys` [B, S, N], `token_to_slot` [B, S]); stacked groups (`group`:
+[G, B, S, N] and [G, B, S], only group `group` is read); paged keys (`page_table` [B, P] int32:
+`index_keys` a pool [F, Z, N] or [G, F, Z, N], key of token t of request b at
+index_keys[page_table[b, t // Z], t % Z]). `index_keys` may be a host-memory-kind array (the
+tile DMAs then read host memory); in interpret mode it must be device-kind, and
+`keys_memory_space=Space.Host` models the host DMA.
 
-Configurations over the budget are rejected at trace time with a ValueError naming the numbers
-(S over 31 bits; a slot map or visibility in a dtype other than int32). Slot values below -1
-would collide with HIDDEN: that is a value check, `check_lim_inputs`, not a trace-time one.
+Contracts: S <= `MAX_TOKENS` and slots <= `MAX_SLOTS` (2**31 - 1); the slot map and visibility
+are int32. Static violations raise ValueError at trace time; value checks (slot ids in range,
+none below -1) are `check_lim_inputs`.
 
-Stacked groups
---------------
-With `group`, `index_keys` is [G, B, S, N] and `token_to_slot` [G, B, S] (every indexer
-group's keys and slot map, as a decode step stacks them). The group index reaches the kernel by
-scalar prefetch (SMEM, next to the per-request horizon) and is the leading index of the tile
-DMAs, so the kernel reads only that group; slicing `index_keys[g]` in XLA instead would copy a
-whole [B, S, N] group before the kernel reads it again (and pull it across PCIe when the keys
-are in host memory). The slot map is DMA'd as [1, block_s] rows of the [.., B, S] array: no
-reshape, which on a TPU would re-tile (copy) the whole map.
-
-Paged keys
-----------
-With `page_table` [B, P] int32, `index_keys` is a pool [F, Z, N] (or [G, F, Z, N]) shared by
-the batch: token t of request b has key index_keys[page_table[b, t // Z], t % Z]. The table is
-scalar-prefetched (SMEM) and a tile's keys are one DMA per page (block_s a multiple of Z) or one
-DMA inside a page (Z a multiple of block_s); the slot map stays per request.
-
-Memory spaces
--------------
-`token_to_slot` is read from device memory (`pl.ANY`). `index_keys` is read from device memory,
-or, if it is a host-memory-kind array (`jax.memory.Space.Host`, e.g. `pinned_host`), from the
-host memory space: the tile DMAs then read host memory directly (cross-lowers for TPU with
-jax 0.12; not run on a TPU here). Known jax bug (0.10.2, 0.12): a jit that holds an
-interpret-mode kernel and an array of a non-default memory kind fails, so under interpret mode
-the keys stay a device-kind array and `keys_memory_space=Space.Host` makes the kernel treat
-them as host memory (the interpreter models the DMA the same way).
+Design (tiling, the payload's bit budget, why the group and page table are scalar-prefetched,
+memory spaces): docs/design/kernels.md.
 """
 
 from __future__ import annotations

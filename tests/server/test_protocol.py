@@ -103,8 +103,8 @@ def test_numbers_take_integers_and_the_prompt_shapes_stay():
      "echo=True is not supported: echoing the prompt is not implemented: send echo=false or "
      "omit it"),
     ({"top_k": 5}, "top_k",
-     "unknown field 'top_k': this server does not implement it (see the README's server "
-     "section for the fields it takes); drop it"),
+     "unknown field 'top_k': this server does not implement it (see the serving guide, "
+     "docs/guides/serving.md, for the fields it takes); drop it"),
 ])
 def test_unimplemented_completion_fields_are_refused_by_name(body, param, message):
     refusal = CompletionRequest.model_validate({**PROMPT, **body}).refusal()
@@ -154,8 +154,8 @@ def test_unimplemented_completion_fields_are_refused_by_name(body, param, messag
      "unknown message field 'mood': a message has role and content (and null name, "
      "tool_calls, function_call, audio, refusal); drop it"),
     ({"min_p": 0.1}, "min_p",
-     "unknown field 'min_p': this server does not implement it (see the README's server "
-     "section for the fields it takes); drop it"),
+     "unknown field 'min_p': this server does not implement it (see the serving guide, "
+     "docs/guides/serving.md, for the fields it takes); drop it"),
 ])
 def test_unimplemented_chat_fields_are_refused_by_name(body, param, message):
     refusal = ChatCompletionRequest.model_validate({**CHAT, **body}).refusal()
