@@ -77,6 +77,11 @@ def _build_parser() -> argparse.ArgumentParser:
                           "with the generation prompt")
     gen.add_argument("--weights", default=None,
                      help="safetensors weights for a --model preset (default: random)")
+    gen.add_argument("--checkpoint-weights", default=None, choices=("fp8", "dequantize"),
+                     help="a Hugging Face --model-dir's FP8 weights: fp8 keeps them FP8 (1 "
+                          "byte a weight plus its block scales, multiplied in FP8), dequantize "
+                          "converts them to the model's dtype on load (default: fp8 for a "
+                          "checkpoint with a quantization_config)")
     gen.add_argument("--seed", type=flags.seed, default=0,
                      help="sampling seed (and the random weights of a --model preset)")
     gen.add_argument("--prompt", default=None,
@@ -320,22 +325,33 @@ def _resolve_model(args):
     from fo_jax.config import get_config
     from fo_jax.tokenizer import load_tokenizer
 
+    fp8 = getattr(args, "checkpoint_weights", None)
     if args.model_dir is not None:
         if args.model is not None or args.weights is not None:
             raise ValueError("--model-dir brings its own config and weights: drop --model / "
                              "--weights")
         config, kind = _model_dir_config(args.model_dir)
+        if kind == "fo_jax" and fp8 is not None:
+            raise ValueError(f"--checkpoint-weights {fp8}: {args.model_dir} is a fo_jax model "
+                             "directory; the flag applies to a Hugging Face checkpoint's FP8 "
+                             "weights")
         if kind == "fo_jax":
             return (config, functools.partial(embedded.load_model_dir, args.model_dir),
                     load_tokenizer(args.model_dir))
         from fo_jax.checkpoints import load_checkpoint
+        from fo_jax.checkpoints.hf import resolve_weights
 
         tokenizer = load_tokenizer(args.model_dir)
         if tokenizer.vocab_size > config.vocab_size:
             raise ValueError(f"{args.model_dir}: tokenizer.json has {tokenizer.vocab_size} ids "
                              f"but config.json vocab_size={config.vocab_size}")
         return (config, functools.partial(load_checkpoint, args.model_dir, config,
-                                          progress=not args.no_progress), tokenizer)
+                                          progress=not args.no_progress,
+                                          weights=resolve_weights(fp8, args.model_dir)),
+                tokenizer)
+    if fp8 is not None:
+        raise ValueError(f"--checkpoint-weights {fp8} applies to a Hugging Face checkpoint's "
+                         "FP8 weights: add --model-dir")
     name = DEFAULT_MODEL if args.model is None else args.model
     if name == DEFAULT_MODEL and args.weights is None:
         if not embedded.embedded_available():
