@@ -27,8 +27,8 @@ float32 (the block size of `quantization_config.weight_block_size`) is, with `we
 transposed to fo_jax's [in, out] layout; 1 byte per value plus 4 per block) that the model's
 linear layers multiply in FP8 (`fo_jax.model.linear.linear`: activations quantized per block
 as the reference's `act_quant`, in the `scale_fmt` the quantization_config names). That holds
-for the projections (`FP8_PARAMS`: attention, indexer wq_b / wk, dense MLP, experts, shared
-experts) whose stack is FP8 in every layer; any other FP8 tensor (a router, the head), and
+for the projections (`fo_jax.model.dsa.FP8_PARAMS`: attention, indexer wq_b / wk, dense MLP,
+experts, shared experts) whose stack is FP8 in every layer; any other FP8 tensor (a router, the head), and
 every one with `weights="dequantize"`, is dequantised on load:
 w[i, j] = float32(q[i, j]) * scale_inv[i // 128, j // 128], then cast to `config.dtype` (the
 reference's `weight_dequant`). Tensors of multi-token-prediction layers (layer numbers
@@ -57,7 +57,7 @@ from fo_jax.checkpoints.hf_config import (config_from_hf, hf_quantization, hf_sc
 from fo_jax.checkpoints.names import MTP_SHARED, Slot, mtp_layer, mtp_tensor_names, tensor_names
 from fo_jax.checkpoints.safetensors_io import SafetensorsFile, write_safetensors
 from fo_jax.config import ModelConfig
-from fo_jax.model.dsa import check_params, param_dtype, param_shapes
+from fo_jax.model.dsa import FP8_PARAMS, check_params, param_dtype, param_shapes
 from fo_jax.model.linear import Fp8Weight
 from fo_jax.model.mtp import check_mtp_params, mtp_param_shapes
 
@@ -65,13 +65,6 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 SCALE = "_scale_inv"
 WEIGHTS = ("fp8", "dequantize")
-# The parameters a checkpoint's FP8 weights stay FP8 in: (stack, name) -> every use is a
-# `linear` (or, wkv_b, a `dequantize`) of fo_jax.model. Under "mtp" too.
-FP8_PARAMS = frozenset(
-    [("layers", n) for n in ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo", "w1", "w2", "w3")]
-    + [("dense_mlp", n) for n in ("w1", "w2", "w3")]
-    + [("moe", n) for n in ("w1", "w2", "w3", "shared_w1", "shared_w2", "shared_w3")]
-    + [("indexer", "wq_b"), ("indexer", "wk")])
 
 
 def shard_files(directory: str | os.PathLike) -> dict[str, list[str]]:
@@ -534,6 +527,6 @@ def _leaf(params: dict, slot: Slot):
     return leaf
 
 
-__all__ = ["FP8_PARAMS", "WEIGHTS", "all_finite", "dequantize_fp8", "inspect_checkpoint",
+__all__ = ["WEIGHTS", "all_finite", "dequantize_fp8", "inspect_checkpoint",
            "load_checkpoint", "read_hf_config", "resolve_weights", "save_checkpoint",
            "shard_files", "to_hf_config"]

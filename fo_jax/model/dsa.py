@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fo_jax.config import ModelConfig
+from fo_jax.model.linear import Fp8Weight
 
 
 def param_shapes(config: ModelConfig) -> dict:
@@ -93,18 +94,53 @@ def param_dtype(path: tuple[str, ...], config: ModelConfig):
     return jnp.float32 if path[-1] == "gate_bias" else config.jnp_dtype
 
 
-def param_bytes(config: ModelConfig) -> int:
+# The parameters that may be held in FP8 (`Fp8Weight`): (stack, name) of the projections, every
+# use of which is a `fo_jax.model.linear.linear` (or, wkv_b, a `dequantize`); under "mtp" too.
+# The routers, the head, the embedding, norms and the indexer's weights_proj stay as they are.
+FP8_PARAMS = frozenset(
+    [("layers", n) for n in ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo", "w1", "w2", "w3")]
+    + [("dense_mlp", n) for n in ("w1", "w2", "w3")]
+    + [("moe", n) for n in ("w1", "w2", "w3", "shared_w1", "shared_w2", "shared_w3")]
+    + [("indexer", "wq_b"), ("indexer", "wk")])
+
+
+def param_bytes(config: ModelConfig, *, fp8_block: tuple[int, int] | None = None) -> int:
     """Bytes of every parameter of `config` (`param_dtype`), from the shapes alone: what
-    `init_params` would allocate, known before allocating anything."""
+    `init_params` would allocate, known before allocating anything. With `fp8_block` (bI, bO),
+    the `FP8_PARAMS` as `Fp8Weight`s in blocks of that shape (what `quantize_params` or an
+    FP8 checkpoint loaded with weights="fp8" holds): 1 byte per value plus 4 per block
+    (partial last blocks counted whole)."""
     leaves = jax.tree_util.tree_flatten_with_path(
         param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))[0]
     count = 0
     for path, shape in leaves:
+        keys = tuple(k.key for k in path)
         size = 1
         for n in shape:
             size *= n
-        count += size * jnp.dtype(param_dtype(tuple(k.key for k in path), config)).itemsize
+        if fp8_block is not None and keys[-2:] in FP8_PARAMS:
+            blocks = 1
+            for n in shape[:-2] + tuple(-(-n // b) for n, b in zip(shape[-2:], fp8_block)):
+                blocks *= n
+            count += size + 4 * blocks
+            continue
+        count += size * jnp.dtype(param_dtype(keys, config)).itemsize
     return count
+
+
+def quantize_params(params: dict, block: tuple[int, int] = (128, 128),
+                    scale_fmt: str | None = None) -> dict:
+    """`params` with the `FP8_PARAMS` stacks as `Fp8Weight`s of `block` (bI, bO) blocks
+    (`Fp8Weight.quantize`: scales amax / 448), the rest as it is: random FP8 weights from
+    `init_params`, or the shapes of an FP8 model under `jax.eval_shape`. Touches every
+    quantized weight once."""
+    def convert(path, leaf):
+        keys = tuple(k.key for k in path)
+        if keys[-2:] in FP8_PARAMS:
+            return Fp8Weight.quantize(leaf, block, scale_fmt)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(convert, params)
 
 
 _ONES = {"norm", "attn_norm", "q_norm", "kv_norm", "ffn_norm", "k_norm_w"}

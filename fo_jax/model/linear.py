@@ -26,6 +26,7 @@ None picks "fp8_dot" on GPU and "dequantize" elsewhere (`resolve_fp8_implementat
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -53,8 +54,10 @@ class Fp8Weight:
         of two), as the checkpoint's quantization_config names it.
     """
 
-    q: jax.typing.ArrayLike  # a jax array; numpy while a checkpoint loads on the host
-    scale_inv: jax.typing.ArrayLike
+    # jax arrays (numpy while a checkpoint loads on the host; any pytree leaf under
+    # jax.eval_shape or tree_map, hence Any)
+    q: Any
+    scale_inv: Any
     block: tuple[int, int] = (128, 128)
     scale_fmt: str | None = None
 

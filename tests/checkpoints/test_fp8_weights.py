@@ -11,8 +11,7 @@ import pytest
 
 from fo_jax import resident
 from fo_jax.checkpoints import load_checkpoint, save_checkpoint, tensor_names
-from fo_jax.checkpoints.hf import FP8_PARAMS
-from fo_jax.model.dsa import init_params, param_shapes
+from fo_jax.model.dsa import FP8_PARAMS, init_params, param_bytes, param_shapes
 from fo_jax.model.linear import Fp8Weight, dequantize
 from fo_jax.offload import decode as offload_decode
 from fo_jax.offload.config import OffloadConfig
@@ -58,6 +57,9 @@ def test_fp8_weights_occupy_fp8_bytes_and_hold_the_checkpoint_values(tmp_path, b
         target = plain[keys[0]][keys[1]]
         np.testing.assert_array_equal(np.asarray(dequantize(leaf)), np.asarray(target))
     assert fp8_bytes > 0
+    # Every parameter's bytes: what the planner counts for FP8 weights in these blocks.
+    assert sum(leaf.nbytes for _, leaf in _leaves(kept)) == param_bytes(
+        config, fp8_block=(block[1], block[0])) < param_bytes(config)
     # And those are the checkpoint's dequantised tensors, at their places.
     for name, slot in tensor_names(config).items():
         if name in dequantized and slot.path in {("layers", "wq_a"), ("moe", "w2")}:
