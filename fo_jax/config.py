@@ -13,6 +13,8 @@ Presets:
     relative to each other, long context).
   * `deepseek_v32`, `glm5`, `glm52`: the real shapes, used for planning and shape checks only
     (no weights ship with the project).
+  * `deepseek_v32_width`: DeepSeek-V3.2's widths with 4 layers (1 dense, 3 MoE), for real-width
+    runs on an accelerator with random FP8 weights.
 """
 
 from __future__ import annotations
@@ -426,6 +428,14 @@ PRESETS: dict[str, ModelConfig] = {
         **_REAL_MOE,
     ),
 }
+
+
+# DeepSeek-V3.2 at its real width with 4 of its 61 layers (1 dense, 3 MoE: 256 experts of
+# 2048, k = 2048, an indexer per layer): the accelerator's real-width runs
+# (experiments/decode/real_width.py, random FP8 weights from `fo_jax.model.dsa.init_fp8_params`).
+PRESETS["deepseek_v32_width"] = PRESETS["deepseek_v32"].replace(
+    name="deepseek_v32_width", num_layers=4, indexer_layers=(0, 1, 2, 3),
+    first_k_dense_replace=1, max_ways=1)
 
 
 def get_config(name: str) -> ModelConfig:

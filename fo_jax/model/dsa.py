@@ -29,6 +29,8 @@ Matrices are stored [in, out] (x @ w); safetensors files use the DeepSeek refere
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -126,6 +128,46 @@ def param_bytes(config: ModelConfig, *, fp8_block: tuple[int, int] | None = None
             continue
         count += size * jnp.dtype(param_dtype(keys, config)).itemsize
     return count
+
+
+def init_fp8_params(config: ModelConfig, key: jax.Array,
+                    block: tuple[int, int] = (128, 128)) -> dict:
+    """Random parameters with the `FP8_PARAMS` as `Fp8Weight`s, drawn on the device one
+    matrix at a time: the values `quantize_params(init_params(config, key), block)` would
+    hold in law (normal(0, fan_in^-0.5), then FP8 with amax / 448 block scales), but at most one
+    float32 matrix of temporaries per stack, not the whole model in bfloat16 (a real-width MoE
+    layer's experts are 22 GB in bfloat16, 11 GB in FP8). Leaf i draws with the i-th of
+    `split(key, number of leaves)`, matrix j of an FP8 stack with the j-th of `split` of
+    that. One compiled program."""
+    treedef, specs = _leaf_specs(config)
+    leaves = jax.tree_util.tree_flatten_with_path(
+        param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))[0]
+    fp8 = tuple(tuple(k.key for k in path)[-2:] in FP8_PARAMS for path, _ in leaves)
+    return jax.tree_util.tree_unflatten(treedef, _draw_fp8_leaves(specs, fp8, tuple(block), key))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _draw_fp8_leaves(specs: tuple, fp8: tuple, block: tuple, key: jax.Array) -> list:
+    keys = jax.random.split(key, len(specs))
+    out = []
+    for spec, is_fp8, leaf_key in zip(specs, fp8, keys):
+        if not is_fp8:
+            out.append(_draw_leaves((spec,), leaf_key)[0])
+            continue
+        _, shape, _ = spec
+        count = 1
+        for n in shape[:-2]:
+            count *= n
+
+        def one(k, shape=shape):
+            w = jax.random.normal(k, shape[-2:], jnp.float32) * shape[-2] ** -0.5
+            q = Fp8Weight.quantize(w, block)
+            return q.q, q.scale_inv
+
+        q, scale = jax.lax.map(one, jax.random.split(leaf_key, count))
+        out.append(Fp8Weight(q.reshape(shape), scale.reshape(shape[:-2] + scale.shape[1:]),
+                             block))
+    return out
 
 
 def quantize_params(params: dict, block: tuple[int, int] = (128, 128),

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from fo_jax.model.layers import F32, matmul_f32, swiglu_mlp
-from fo_jax.model.linear import linear, ragged_linear
+from fo_jax.model.linear import is_fp8, linear, ragged_linear
 
 
 def route(h: jax.Array, gate: jax.Array, gate_bias: jax.Array, *, config):
@@ -140,7 +140,13 @@ def expert_rows(x: jax.Array, experts: jax.Array, p: dict, *, first=None,
     rows and weights are the same too, but the grouped matmul has another shape (X_l groups at
     other row offsets), which XLA may block differently: equal to rounding, not promised bit
     for bit.
+
+    FP8 experts (`Fp8Weight`) take the tiles path unless "ragged_dot" is asked for: a tile
+    multiplies by one expert's FP8 weights (`linear`: XLA's FP8 dot on GPU), where the grouped
+    matmul would dequantize every expert of the layer first (`ragged_linear`).
     """
+    if implementation is None and is_fp8(p["w1"]):
+        implementation = "tiles"
     implementation = resolve_implementation(implementation)
     num_local = p["w1"].shape[0]
     top = experts.shape[-1]

@@ -123,3 +123,31 @@ def test_bad_inputs_are_refused():
         linear(jnp.ones((2, 40)), _weight(shape=(2, 40, 24)))
     assert resolve_fp8_implementation(None) == (
         "fp8_dot" if jax.default_backend() == "gpu" else "dequantize")
+
+
+def test_random_fp8_params_and_the_moe_over_them():
+    from fo_jax.config import get_config
+    from fo_jax.model.dsa import (FP8_PARAMS, init_fp8_params, init_params, param_bytes,
+                                  quantize_params)
+    from fo_jax.model.moe import moe_mlp, moe_mlp_reference
+
+    config = get_config("tiny").replace(n_routed_experts=4, num_experts_per_tok=2,
+                                        moe_hidden=16, first_k_dense_replace=1)
+    drawn = init_fp8_params(config, jax.random.key(0), (16, 16))
+    quantized = quantize_params(init_params(config, jax.random.key(0)), (16, 16))
+    for params in (drawn, quantized):
+        leaves = jax.tree_util.tree_flatten_with_path(
+            params, is_leaf=lambda x: isinstance(x, Fp8Weight))[0]
+        for path, leaf in leaves:
+            keys = tuple(k.key for k in path)
+            assert isinstance(leaf, Fp8Weight) == (keys[-2:] in FP8_PARAMS), keys
+        assert sum(leaf.nbytes for _, leaf in leaves) == param_bytes(config, fp8_block=(16, 16))
+    # normal(0, fan_in^-0.5) before rounding: the experts' w1 [.., E = 64, M] has std 1/8.
+    assert abs(float(jnp.std(dequantize(drawn["moe"]["w1"]))) - 64 ** -0.5) < 0.01
+    # The MoE over FP8 experts (tiles, one expert's FP8 weights per tile) is the dense-mask
+    # reference over the same weights, up to float32 rounding.
+    layer = jax.tree_util.tree_map(lambda a: a[0], drawn["moe"])
+    h = jax.random.normal(jax.random.key(1), (2, 5, config.dim))
+    np.testing.assert_allclose(np.asarray(moe_mlp(h, layer, config=config)),
+                               np.asarray(moe_mlp_reference(h, layer, config=config)),
+                               rtol=1e-5, atol=1e-5)
