@@ -28,8 +28,8 @@ transposed to fo_jax's [in, out] layout; 1 byte per value plus 4 per block) that
 linear layers multiply in FP8 (`fo_jax.model.linear.linear`: activations quantized per block
 as the reference's `act_quant`, in the `scale_fmt` the quantization_config names). That holds
 for the projections (`fo_jax.model.dsa.FP8_PARAMS`: attention, indexer wq_b / wk, dense MLP,
-experts, shared experts) whose stack is FP8 in every layer; any other FP8 tensor (a router, the head), and
-every one with `weights="dequantize"`, is dequantised on load:
+experts, shared experts) whose stack is FP8 in every layer; any other FP8 tensor (a router,
+the head), and every one with `weights="dequantize"`, is dequantised on load:
 w[i, j] = float32(q[i, j]) * scale_inv[i // 128, j // 128], then cast to `config.dtype` (the
 reference's `weight_dequant`). Tensors of multi-token-prediction layers (layer numbers
 L .. L + num_nextn_predict_layers - 1) are skipped, unless `load_checkpoint(..., mtp=True)`
@@ -481,6 +481,14 @@ def save_checkpoint(directory: str | os.PathLike, params: dict, config: ModelCon
     mtp: the multi-token-prediction layers' parameters (`fo_jax.model.mtp`), written as layers
     L .. L + num_nextn_predict_layers - 1 (their own embed / head only if they hold one)."""
     check_params(params, config)
+    fp8 = [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_flatten_with_path(
+        {"params": params, "mtp": mtp}, is_leaf=lambda x: isinstance(x, Fp8Weight))[0]
+        if isinstance(leaf, Fp8Weight)]
+    if fp8:
+        raise NotImplementedError(
+            f"save_checkpoint writes unquantised parameters; {fp8[0]} is an Fp8Weight: load the "
+            "checkpoint with weights='dequantize' (or dequantize the FP8 stacks with "
+            "fo_jax.model.linear.dequantize) to save it")
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     names = tensor_names(config, "hf")

@@ -24,7 +24,9 @@ more stacks (an empty one is left out):
                  (Ms = n_shared_experts * M; only when n_shared_experts > 0)
 
 Matrices are stored [in, out] (x @ w); safetensors files use the DeepSeek reference checkpoint's
-[out, in] layout and names (see fo_jax.weights).
+[out, in] layout and names (see fo_jax.weights). The projections (`FP8_PARAMS`) may instead be
+`fo_jax.model.linear.Fp8Weight`s of the same shape (e4m3 values + float32 block scales: an FP8
+checkpoint, `quantize_params`, `init_fp8_params`); every use of them goes through `linear`.
 """
 
 from __future__ import annotations

@@ -57,6 +57,10 @@ def test_fp8_weights_occupy_fp8_bytes_and_hold_the_checkpoint_values(tmp_path, b
         target = plain[keys[0]][keys[1]]
         np.testing.assert_array_equal(np.asarray(dequantize(leaf)), np.asarray(target))
     assert fp8_bytes > 0
+    with pytest.raises(NotImplementedError, match="save_checkpoint writes unquantised "
+                                                  "parameters; \\['params'\\]\\['dense_mlp'\\]"
+                                                  "\\['w1'\\] is an Fp8Weight"):
+        save_checkpoint(tmp_path / "again", kept, config, progress=False)
     # Every parameter's bytes: what the planner counts for FP8 weights in these blocks.
     assert sum(leaf.nbytes for _, leaf in _leaves(kept)) == param_bytes(
         config, fp8_block=(block[1], block[0])) < param_bytes(config)
