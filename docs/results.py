@@ -446,6 +446,42 @@ def key_results() -> str:
     return note + "\n\n" + "\n".join(out)
 
 
+def real_sizes() -> str:
+    """The planner's figures for the real models (no results file: computed from the code)."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from fo_jax.config import get_config
+        from fo_jax.plan import KV_FORMATS, plan_devices
+    finally:
+        sys.path.remove(str(ROOT))
+    context, devices, device_gb, hot = 131_072, 8, 141, 16_384
+
+    def gb(n):
+        return f"{n / 1e9:.1f} GB"
+
+    out = ["| model | weights bf16 / FP8 (per device) | KV format | resident request | "
+           "offloaded request: device + host | batch per device, FP8 weights: resident / "
+           "offloaded |", "|---|---|---|---|---|---|"]
+    for name in ("deepseek_v32", "glm5", "glm52"):
+        for fmt in KV_FORMATS:
+            plan = plan_devices(get_config(name).replace(kv_format=fmt), context,
+                                devices=devices, device_gb=device_gb, hot_slots=hot)
+            w, d, kv = plan.weight_bytes, plan.weights_per_device, plan.kv[fmt]
+            out.append(f"| {name} | {gb(w['bf16'])} / {gb(w['fp8'])} ({gb(d['bf16'])} / "
+                       f"{gb(d['fp8'])}) | {fmt} | {gb(kv.resident_bytes)} | "
+                       f"{gb(kv.offload_device_bytes)} + {gb(kv.host_bytes)} | "
+                       f"{plan.max_batch_resident} / {plan.max_batch_offload} |")
+    note = (f"From the planner (`fo_jax.plan.plan_devices`; `fo-jax plan --model NAME --context "
+            f"{context} --devices {devices} --device-gb {device_gb} --kv-format FORMAT`), every "
+            "figure checked to the byte against `jax.eval_shape` of the parameters and states it "
+            f"counts (tests/test_plan_real_sizes.py). {devices} devices of {device_gb} GB (an "
+            "H200), the weights split evenly over them (FP8: the projections in e4m3 with 128 x "
+            f"128 block scales); one request of {context:,} tokens, C = {hot:,} hot slots, tail "
+            "blocks 2 x 64. bf16 weights (more than a device) leave no room: the planner refuses "
+            "them, naming the devices they need.")
+    return note + "\n\n" + "\n".join(out)
+
+
 TABLES = {"h200_management": h200_management, "h200_step": h200_step,
           "dp_serving": dp_serving, "rank_imbalance": rank_imbalance,
           "replay_8192": replay_8192, "serving_budget": serving_budget,
@@ -454,7 +490,7 @@ TABLES = {"h200_management": h200_management, "h200_step": h200_step,
           "cpu_decode_loop": cpu_decode_loop,
           "prefix_reuse": prefix_reuse, "paged_device": paged_device,
           "embedded_model": embedded_model, "key_results": key_results,
-          "kv_format_accuracy": kv_format_accuracy}
+          "kv_format_accuracy": kv_format_accuracy, "real_sizes": real_sizes}
 BLOCK = re.compile(r"^( *)(<!-- results: (\w+) -->\n)((?:(?!<!-- results: ).)*?)( *<!-- /results -->)",
                    re.S | re.M)
 

@@ -5,6 +5,7 @@
                     [--model-dir DIR [--chat]] [--draft none|ngram|mtp] ...
     fo-jax plan (--model glm52 | --model-dir DIR) --context 128000 [--budget-gb 29]
                 [--hot-slots 16384] [--kv-format bf16|fp8_ds_mla]
+                [--devices 8 --device-gb 141 [--weight-format fp8|bf16]]
     fo-jax serve [--model-dir DIR] [--port 8000] [--seats N --offload ...]   (fo_jax.server)
                  [--offload --pool-memory device --device-gb G --reserve prompt]
     fo-jax bench-serve [--offload --prefix-cache ...] [--requests 16 --rate 4 ...]
@@ -78,6 +79,11 @@ def _build_parser() -> argparse.ArgumentParser:
                           "with the generation prompt")
     gen.add_argument("--weights", default=None,
                      help="safetensors weights for a --model preset (default: random)")
+    gen.add_argument("--checkpoint-weights", default=None, choices=("fp8", "dequantize"),
+                     help="a Hugging Face --model-dir's FP8 weights: fp8 keeps them FP8 (1 "
+                          "byte a weight plus its block scales, multiplied in FP8), dequantize "
+                          "converts them to the model's dtype on load (default: fp8 for a "
+                          "checkpoint with a quantization_config)")
     gen.add_argument("--seed", type=flags.seed, default=0,
                      help="sampling seed (and the random weights of a --model preset)")
     gen.add_argument("--prompt", default=None,
@@ -168,13 +174,22 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--chunk", type=int, default=None, help="prefill chunk tokens")
     plan.add_argument("--kv-format", default=None, choices=("bf16", "fp8_ds_mla"),
                       help="how KV rows are stored (default: the config's, bf16 for presets)")
+    plan.add_argument("--devices", type=int, default=None,
+                      help="devices the weights split over: adds the weights per device (bf16 "
+                           "and FP8) and both KV formats' bytes per request, and refuses a "
+                           "setting that does not fit (with --device-gb)")
+    plan.add_argument("--device-gb", type=float, default=None,
+                      help="memory of one device (GB; 141 for an H200), with --devices")
+    plan.add_argument("--weight-format", default=None, choices=("bf16", "fp8"),
+                      help="the weights' format with --devices (default: fp8, or bf16 for a "
+                           "--model-dir without FP8 weights)")
     return parser
 
 
 def _cmd_plan(args) -> int:
     from fo_jax.config import get_config
     from fo_jax.model.dsa import param_bytes
-    from fo_jax.plan import format_plan, plan_capacity
+    from fo_jax.plan import format_device_plan, format_plan, plan_capacity, plan_devices
 
     if args.model_dir is not None:
         if args.model is not None:
@@ -187,14 +202,37 @@ def _cmd_plan(args) -> int:
     plan = plan_capacity(config, args.context, budget_gb=args.budget_gb,
                          hot_slots=args.hot_slots, tail_block=args.tail_block,
                          num_buffers=args.num_buffers, prefill_chunk=args.chunk)
+    if (args.devices is None) != (args.device_gb is None):
+        raise ValueError("--devices and --device-gb go together (the devices and the memory of "
+                         "each)")
+    if args.weight_format is not None and args.devices is None:
+        raise ValueError("--weight-format applies with --devices and --device-gb")
+    block = None  # the FP8 block (rows, cols) of a Hugging Face checkpoint's weights
+    if args.model_dir is not None and kind == "hf":
+        from fo_jax.checkpoints import hf_quantization
+
+        block = hf_quantization(args.model_dir)
+    fp8_dir = block is not None
+    device_plan = None
+    if args.devices is not None:  # refuses a setting that does not fit, before printing
+        default = "bf16" if args.model_dir is not None and not fp8_dir else "fp8"
+        device_plan = plan_devices(config, args.context, devices=args.devices,
+                                   device_gb=args.device_gb,
+                                   weights=args.weight_format or default,
+                                   hot_slots=args.hot_slots, tail_block=args.tail_block,
+                                   num_buffers=args.num_buffers)
     print(format_plan(plan))
     if args.model_dir is not None:  # a preset has no checkpoint of its own to count
-        weights = param_bytes(config)
+        weights = param_bytes(config, fp8_block=block and (block[1], block[0]))
+        held = (f"FP8 projections with {block[0]} x {block[1]} block scales" if fp8_dir
+                else config.dtype)
         files = checkpoint_bytes(args.model_dir, kind)
         print(f"\nWeights (every parameter as fo_jax holds it; multi-token-prediction layers "
-              f"not loaded)\n  weights:  {format_bytes(weights)} {config.dtype} (checkpoint files "
+              f"not loaded)\n  weights:  {format_bytes(weights)} {held} (checkpoint files "
               f"{format_bytes(files)}; device memory for weights + KV budget: "
               f"{format_bytes(weights + plan.budget_bytes)})")
+    if device_plan is not None:
+        print("\n" + format_device_plan(device_plan))
     return 0
 
 

@@ -13,6 +13,8 @@ Presets:
     relative to each other, long context).
   * `deepseek_v32`, `glm5`, `glm52`: the real shapes, used for planning and shape checks only
     (no weights ship with the project).
+  * `deepseek_v32_width`: DeepSeek-V3.2's widths with 4 layers (1 dense, 3 MoE), for real-width
+    runs on an accelerator with random FP8 weights.
 """
 
 from __future__ import annotations
@@ -357,6 +359,13 @@ def balanced_groups(num_layers: int, num_groups: int) -> tuple[int, ...]:
     return tuple(starts)
 
 
+# The MoE of DeepSeek-V3.2 and GLM-5 (their config.json): n_routed_experts 256,
+# num_experts_per_tok 8, moe_intermediate_size 2048, n_shared_experts 1, first_k_dense_replace 3,
+# routed_scaling_factor 2.5, norm_topk_prob true.
+_REAL_MOE = dict(n_routed_experts=256, num_experts_per_tok=8, moe_hidden=2048,
+                 n_shared_experts=1, first_k_dense_replace=3, routed_scaling_factor=2.5,
+                 norm_topk_prob=True)
+
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
         name="tiny", vocab_size=256, dim=64, num_layers=4, num_heads=4, q_lora_rank=32,
@@ -379,7 +388,9 @@ PRESETS: dict[str, ModelConfig] = {
         indexer_layers=(0, 2), max_seq_len=8192, max_ways=4, kv_dtype="bfloat16",
     ),
     # DeepSeek-V3.2: 61 layers, one indexer per layer, MLA 512 + 64, 64 indexer heads of 128;
-    # YaRN as its config.json (factor 40 over 4096 original positions, beta 32 / 1, mscale 1).
+    # YaRN as its config.json (factor 40 over 4096 original positions, beta 32 / 1, mscale 1);
+    # 3 dense layers, then 58 MoE layers of 256 routed experts of 2048 (8 per token, from the
+    # 4 best of 8 groups) and one shared expert: 671 B parameters.
     "deepseek_v32": ModelConfig(
         name="deepseek_v32", vocab_size=129280, dim=7168, num_layers=61, num_heads=128,
         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
@@ -387,16 +398,18 @@ PRESETS: dict[str, ModelConfig] = {
         index_topk=2048, indexer_layers=tuple(range(61)), max_seq_len=163840,
         dtype="bfloat16", kv_dtype="bfloat16", index_fp8=True,
         rope_factor=40.0, rope_original_seq_len=4096, rope_beta_fast=32.0, rope_beta_slow=1.0,
-        rope_mscale=1.0,
+        rope_mscale=1.0, **_REAL_MOE, n_group=8, topk_group=4,
     ),
     # GLM-5: 78 layers of MLA 512 + 64 with an indexer in every layer; the indexer's RoPE is
-    # interleaved (`indexer_rope_interleave: true`).
+    # interleaved (`indexer_rope_interleave: true`); 3 dense layers, then 75 MoE layers of 256
+    # routed experts of 2048 (8 per token, no groups) and one shared expert: 744 B parameters.
     "glm5": ModelConfig(
         name="glm5", vocab_size=154880, dim=6144, num_layers=78, num_heads=64,
         q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
         v_head_dim=256, mlp_hidden=12288, index_n_heads=32, index_head_dim=128,
         index_topk=2048, indexer_layers=tuple(range(78)), max_seq_len=1_048_576,
         dtype="bfloat16", kv_dtype="bfloat16", index_fp8=True, index_rope_interleave=True,
+        **_REAL_MOE,
     ),
     # GLM-5.2: as GLM-5, but 21 indexer layers shared by groups of consecutive layers.
     "glm52": ModelConfig(
@@ -405,8 +418,17 @@ PRESETS: dict[str, ModelConfig] = {
         v_head_dim=256, mlp_hidden=12288, index_n_heads=32, index_head_dim=128,
         index_topk=2048, indexer_layers=balanced_groups(78, 21), max_seq_len=1_048_576,
         dtype="bfloat16", kv_dtype="bfloat16", index_fp8=True, index_rope_interleave=True,
+        **_REAL_MOE,
     ),
 }
+
+
+# DeepSeek-V3.2 at its real width with 4 of its 61 layers (1 dense, 3 MoE: 256 experts of
+# 2048, k = 2048, an indexer per layer): the accelerator's real-width runs
+# (experiments/decode/real_width.py, random FP8 weights from `fo_jax.model.dsa.init_fp8_params`).
+PRESETS["deepseek_v32_width"] = PRESETS["deepseek_v32"].replace(
+    name="deepseek_v32_width", num_layers=4, indexer_layers=(0, 1, 2, 3),
+    first_k_dense_replace=1, max_ways=1)
 
 
 def get_config(name: str) -> ModelConfig:

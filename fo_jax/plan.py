@@ -22,6 +22,11 @@ request of S tokens keeps `S * kappa` on the device. With offloading the device 
 
 and the authoritative KV (`S * L * (D + R) * bytes`) lives in host memory. Prefill keeps
 `num_buffers` full-layer buffers of `S` rows instead of all `L` layers.
+
+`plan_devices` adds the weights (`weight_bytes`: every parameter in bf16, or the projections
+in FP8 with 128 x 128 block scales, 1 byte a value + 4 a block) split over `devices` devices of
+`device_gb` each, one request's KV in both formats (`KvFigures`), and refuses a setting that
+does not fit, naming what would.
 """
 
 from __future__ import annotations
@@ -346,3 +351,148 @@ def _kv_label(plan: CapacityPlan) -> str:
     if plan.kv_format == "bf16":
         return plan.kv_dtype
     return f"{plan.kv_format} (indexer keys {plan.kv_dtype})"
+
+
+# Weights and devices -------------------------------------------------------------------------
+
+WEIGHT_FORMATS = ("bf16", "fp8")
+FP8_BLOCK = (128, 128)  # DeepSeek-V3.2's and GLM-5's weight_block_size
+KV_FORMATS = ("bf16", "fp8_ds_mla")
+
+
+def weight_bytes(config: ModelConfig, weights: str) -> int:
+    """Bytes of every parameter of `config`: "bf16" in the config's dtype (`param_bytes`),
+    "fp8" with the projections in FP8 with 128 x 128 block scales (`param_bytes(...,
+    fp8_block=FP8_BLOCK)`: what an FP8 checkpoint loaded with weights="fp8" holds)."""
+    from fo_jax.model.dsa import param_bytes
+
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights={weights!r} is not one of {WEIGHT_FORMATS}")
+    return param_bytes(config, fp8_block=FP8_BLOCK if weights == "fp8" else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class KvFigures:
+    """One request's KV in one format (bytes).
+
+    Attributes:
+      kv_format: "bf16" or "fp8_ds_mla".
+      resident_bytes: S * kappa, the device KV + indexer keys of a request without offload.
+      offload_device_bytes: hot cache + tails + indexer keys + slot maps with offload.
+      host_bytes: S * L * row bytes, the host KV of an offloaded request.
+    """
+
+    kv_format: str
+    resident_bytes: int
+    offload_device_bytes: int
+    host_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePlan:
+    """A model on `devices` devices of `device_bytes` each: weights per device (both formats)
+    and one request's KV (both KV formats), and the batch the chosen setting fits.
+
+    The weights are counted as split evenly over the devices (ceil(total / devices): experts
+    and heads sharded, nothing replicated, a lower bound); what is left of a device holds KV.
+
+    Attributes:
+      model, context, devices, device_bytes: the setting; weights: the weight format chosen
+        ("bf16" or "fp8"); kv_format: the config's KV format.
+      weight_bytes: {"bf16": total bytes, "fp8": total bytes}.
+      weights_per_device: {"bf16": bytes, "fp8": bytes}.
+      kv: {"bf16": KvFigures, "fp8_ds_mla": KvFigures} at `context`.
+      kv_budget_bytes: device_bytes - weights_per_device[weights].
+      max_batch_resident, max_batch_offload: requests per device in the config's kv_format.
+    """
+
+    model: str
+    context: int
+    devices: int
+    device_bytes: float
+    weights: str
+    kv_format: str
+    hot_slots: int
+    weight_bytes: dict
+    weights_per_device: dict
+    kv: dict
+    kv_budget_bytes: float
+    max_batch_resident: int
+    max_batch_offload: int
+
+
+def plan_devices(config: ModelConfig, context: int, *, devices: int, device_gb: float,
+                 weights: str = "fp8", hot_slots: int = 16384, tail_block: int = 64,
+                 num_buffers: int = 4) -> DevicePlan:
+    """Plan `config` at `context` tokens per request on `devices` devices of `device_gb` GB.
+
+    Raises ValueError, naming what would fit, when the weights do not fit a device (the number
+    of devices they need, and the FP8 figure for bf16 weights) or when no offloaded request
+    fits what they leave (the longest context that would, and the other KV format's batch).
+    """
+    _check_int("devices", devices, 1)
+    if isinstance(device_gb, bool) or not isinstance(device_gb, (int, float)) or not (
+            math.isfinite(device_gb) and device_gb > 0):
+        raise ValueError(f"device_gb must be a finite number > 0, got {device_gb!r}")
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights={weights!r} is not one of {WEIGHT_FORMATS}")
+    device_bytes = float(device_gb) * GB
+    totals = {w: weight_bytes(config, w) for w in WEIGHT_FORMATS}
+    per_device = {w: -(-totals[w] // devices) for w in WEIGHT_FORMATS}
+    if per_device[weights] >= device_bytes:
+        need = {w: math.floor(totals[w] / device_bytes) + 1 for w in WEIGHT_FORMATS}
+        other = "" if weights == "fp8" else (
+            f", or FP8 weights ({_gb(per_device['fp8'])} per device here, "
+            f"{need['fp8']} devices at least)")
+        raise ValueError(
+            f"{config.name}: its {weights} weights take {_gb(per_device[weights])} per device "
+            f"on {devices} device(s) ({_gb(totals[weights])} in all), above the "
+            f"{_gb(device_bytes)} of a device: they need at least {need[weights]} devices"
+            f"{other}")
+    kv = {}
+    for fmt in KV_FORMATS:
+        plan = plan_capacity(config.replace(kv_format=fmt), context, budget_gb=device_gb,
+                             hot_slots=hot_slots, tail_block=tail_block,
+                             num_buffers=num_buffers)
+        kv[fmt] = KvFigures(fmt, plan.request_bytes, plan.offload_device_bytes,
+                            plan.host_bytes_per_request)
+    budget = device_bytes - per_device[weights]
+    mine = kv[config.kv_format]
+    if mine.offload_device_bytes > budget:
+        parts = offload_request_bytes(config, 1, hot_slots=hot_slots, tail_block=tail_block,
+                                      num_buffers=num_buffers)
+        fixed = parts.hot_cache + parts.tails + parts.slot_to_token
+        per_token = parts.index_keys + parts.token_to_slot
+        longest = max(0, math.floor((budget - fixed) / per_token))
+        other = [f for f in KV_FORMATS if f != config.kv_format][0]
+        fits = "fits" if kv[other].offload_device_bytes <= budget else "does not fit either"
+        raise ValueError(
+            f"{config.name}: one offloaded request of {context:,} tokens takes "
+            f"{_gb(mine.offload_device_bytes)} of device memory, above the "
+            f"{_gb(budget)} the {weights} weights leave on each of {devices} device(s): "
+            f"a context of at most {longest:,} tokens fits; kv_format {other!r} "
+            f"({_gb(kv[other].offload_device_bytes)} per request) {fits}; fewer hot slots "
+            f"than {hot_slots:,} or more devices leave more")
+    return DevicePlan(
+        model=config.name, context=context, devices=devices, device_bytes=device_bytes,
+        weights=weights, kv_format=config.kv_format, hot_slots=hot_slots, weight_bytes=totals,
+        weights_per_device=per_device, kv=kv, kv_budget_bytes=budget,
+        max_batch_resident=math.floor(budget / mine.resident_bytes),
+        max_batch_offload=math.floor(budget / mine.offload_device_bytes))
+
+
+def format_device_plan(plan: DevicePlan) -> str:
+    """The weights and KV figures of `plan`, one line each (decimal GB)."""
+    lines = [f"Devices: {plan.devices} x {_gb(plan.device_bytes)}, weights split evenly",
+             f"  weights:  bf16 {_gb(plan.weight_bytes['bf16'])} "
+             f"({_gb(plan.weights_per_device['bf16'])} per device), fp8 "
+             f"{_gb(plan.weight_bytes['fp8'])} ({_gb(plan.weights_per_device['fp8'])} per "
+             "device, 128 x 128 block scales)",
+             f"  one request of {plan.context:,} tokens (C = {plan.hot_slots:,}):"]
+    for fmt, kv in plan.kv.items():
+        lines.append(f"    {fmt + ':':<12}resident {_gb(kv.resident_bytes)}, offloaded "
+                     f"{_gb(kv.offload_device_bytes)} device + {_gb(kv.host_bytes)} host")
+    lines.append(f"  with {plan.weights} weights and {plan.kv_format} KV: "
+                 f"{_gb(plan.kv_budget_bytes)} per device for KV, max batch per device "
+                 f"{plan.max_batch_resident} resident, {plan.max_batch_offload} offloaded")
+    return "\n".join(lines)

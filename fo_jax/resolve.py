@@ -123,22 +123,33 @@ def resolve_model(args):
     from fo_jax.config import get_config
     from fo_jax.tokenizer import load_tokenizer
 
+    fp8 = getattr(args, "checkpoint_weights", None)  # generate and serve have the flag
     if args.model_dir is not None:
         if args.model is not None or args.weights is not None:
             raise ValueError("--model-dir brings its own config and weights: drop --model / "
                              "--weights")
         config, kind = model_dir_config(args.model_dir)
+        if kind == "fo_jax" and fp8 is not None:
+            raise ValueError(f"--checkpoint-weights {fp8}: {args.model_dir} is a fo_jax model "
+                             "directory; the flag applies to a Hugging Face checkpoint's FP8 "
+                             "weights")
         if kind == "fo_jax":
             return (config, functools.partial(embedded.load_model_dir, args.model_dir),
                     load_tokenizer(args.model_dir))
         from fo_jax.checkpoints import load_checkpoint
+        from fo_jax.checkpoints.hf import resolve_weights
 
         tokenizer = load_tokenizer(args.model_dir)
         if tokenizer.vocab_size > config.vocab_size:
             raise ValueError(f"{args.model_dir}: tokenizer.json has {tokenizer.vocab_size} ids "
                              f"but config.json vocab_size={config.vocab_size}")
         return (config, functools.partial(load_checkpoint, args.model_dir, config,
-                                          progress=not args.no_progress), tokenizer)
+                                          progress=not args.no_progress,
+                                          weights=resolve_weights(fp8, args.model_dir)),
+                tokenizer)
+    if fp8 is not None:
+        raise ValueError(f"--checkpoint-weights {fp8} applies to a Hugging Face checkpoint's "
+                         "FP8 weights: add --model-dir")
     name = DEFAULT_MODEL if args.model is None else args.model
     if name == DEFAULT_MODEL and args.weights is None:
         if not embedded.embedded_available():

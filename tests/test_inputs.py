@@ -370,10 +370,13 @@ def test_param_bytes_counts_every_parameter():
     got = sum(x.nbytes for x in jax.tree_util.tree_leaves(_params()))
     assert dsa.param_bytes(CONFIG) == got
     glm52 = get_config("glm52")
-    # bfloat16: 2 bytes per value; the shapes are the model's own.
+    # bfloat16: 2 bytes per value, the routers' float32 correction biases [L_moe, X] 4; the
+    # shapes are the model's own.
+    shapes = param_shapes(glm52)
     count = sum(int(np.prod(s)) for s in jax.tree_util.tree_leaves(
-        param_shapes(glm52), is_leaf=lambda x: isinstance(x, tuple)))
-    assert dsa.param_bytes(glm52) == 2 * count > 60e9
+        shapes, is_leaf=lambda x: isinstance(x, tuple)))
+    biases = int(np.prod(shapes["moe"]["gate_bias"]))
+    assert dsa.param_bytes(glm52) == 2 * count + 2 * biases > 60e9
 
 
 # The command ---------------------------------------------------------------------------------

@@ -21,7 +21,15 @@ and the shards (or one model.safetensors). `load_checkpoint`:
      CPU: a 132 MiB checkpoint peaks at +176 MiB of resident memory, +133 MiB after loading).
 
 FP8: a weight stored float8 e4m3 with `{name}_scale_inv` [ceil(out / 128), ceil(in / 128)]
-float32 (the block size of `quantization_config.weight_block_size`) is dequantised on load:
+float32 (the block size of `quantization_config.weight_block_size`) is, with `weights="fp8"`
+(the default for a checkpoint with a `quantization_config`), kept as it is: the parameter is an
+`fo_jax.model.linear.Fp8Weight` (the e4m3 values and their float32 block scales, both
+transposed to fo_jax's [in, out] layout; 1 byte per value plus 4 per block) that the model's
+linear layers multiply in FP8 (`fo_jax.model.linear.linear`: activations quantized per block
+as the reference's `act_quant`, in the `scale_fmt` the quantization_config names). That holds
+for the projections (`fo_jax.model.dsa.FP8_PARAMS`: attention, indexer wq_b / wk, dense MLP,
+experts, shared experts) whose stack is FP8 in every layer; any other FP8 tensor (a router,
+the head), and every one with `weights="dequantize"`, is dequantised on load:
 w[i, j] = float32(q[i, j]) * scale_inv[i // 128, j // 128], then cast to `config.dtype` (the
 reference's `weight_dequant`). Tensors of multi-token-prediction layers (layer numbers
 L .. L + num_nextn_predict_layers - 1) are skipped, unless `load_checkpoint(..., mtp=True)`
@@ -44,17 +52,19 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from fo_jax.checkpoints.hf_config import (config_from_hf, hf_quantization, indexer_fields,
-                                          read_hf_config, read_json)
+from fo_jax.checkpoints.hf_config import (config_from_hf, hf_quantization, hf_scale_fmt,
+                                          indexer_fields, read_hf_config, read_json)
 from fo_jax.checkpoints.names import MTP_SHARED, Slot, mtp_layer, mtp_tensor_names, tensor_names
 from fo_jax.checkpoints.safetensors_io import SafetensorsFile, write_safetensors
 from fo_jax.config import ModelConfig
-from fo_jax.model.dsa import check_params, param_dtype, param_shapes
+from fo_jax.model.dsa import FP8_PARAMS, check_params, param_dtype, param_shapes
+from fo_jax.model.linear import Fp8Weight
 from fo_jax.model.mtp import check_mtp_params, mtp_param_shapes
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 SCALE = "_scale_inv"
+WEIGHTS = ("fp8", "dequantize")
 
 
 def shard_files(directory: str | os.PathLike) -> dict[str, list[str]]:
@@ -245,8 +255,37 @@ def inspect_checkpoint(directory: str | os.PathLike, config: ModelConfig, *,
     return plan
 
 
+def resolve_weights(weights: str | None, directory: str | os.PathLike) -> str:
+    """`weights`, or for None "fp8" when the checkpoint's config.json has a
+    quantization_config (FP8 weights) and "dequantize" otherwise; ValueError for any other
+    value, and for "fp8" on a checkpoint without FP8 weights."""
+    if weights is not None and weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r} is not one of {WEIGHTS} (or None: 'fp8' for a "
+                         "checkpoint with FP8 weights, else 'dequantize')")
+    quantized = hf_quantization(directory) is not None
+    if weights is None:
+        return "fp8" if quantized else "dequantize"
+    if weights == "fp8" and not quantized:
+        raise ValueError(f"weights='fp8': {os.fspath(directory)} has no FP8 weights (its "
+                         "config.json has no quantization_config); load with "
+                         "weights='dequantize' (or None)")
+    return weights
+
+
+def _fp8_stacks(plan: dict, block) -> dict:
+    """{parameter path: (bI, bO) block} of the stacks kept FP8: in `FP8_PARAMS` and FP8 in
+    every tensor that fills them."""
+    fp8: dict[tuple, bool] = {}
+    for _, pieces, scale_file in plan.values():
+        for slot, _ in pieces:
+            fp8[slot.path] = fp8.get(slot.path, True) and scale_file is not None and (
+                slot.path[-2:] in FP8_PARAMS and slot.transpose)
+    return {path: (block[1], block[0]) for path, kept in fp8.items() if kept}
+
+
 def load_checkpoint(directory: str | os.PathLike, config: ModelConfig | None = None, *,
-                    progress: bool = True, mtp: bool = False, **settings):
+                    progress: bool = True, mtp: bool = False, weights: str | None = None,
+                    **settings):
     """(config, params) of a Hugging Face checkpoint directory; (config, params, mtp_params)
     with `mtp`.
 
@@ -258,21 +297,33 @@ def load_checkpoint(directory: str | os.PathLike, config: ModelConfig | None = N
       mtp: also load the num_nextn_predict_layers multi-token-prediction layers
         (`fo_jax.model.mtp.mtp_param_shapes`: stacked over the MTP layers; "embed" / "head"
         only where the checkpoint stores the layer's own copy); without it they are skipped.
+      weights: "fp8" keeps FP8 weights FP8 (`Fp8Weight` parameters, see the module
+        docstring), "dequantize" dequantises them to `config.dtype`; None: "fp8" for a
+        checkpoint with a quantization_config, else "dequantize" (`resolve_weights`).
     """
     directory = os.fspath(directory)
+    weights = resolve_weights(weights, directory)
     if config is None:
         config = config_from_hf(directory, **settings)
     block = hf_quantization(directory)
     plan = inspect_checkpoint(directory, config, mtp=mtp)
+    kept = _fp8_stacks(plan, block) if weights == "fp8" else {}
+    scale_fmt = hf_scale_fmt(directory)
     shapes = param_shapes(config)
     if mtp:
         own = {f"own_{key}": any(slot.path == ("mtp", key) for _, pieces, _ in plan.values()
                                  for slot, _ in pieces) for key in MTP_SHARED}
         shapes["mtp"] = mtp_param_shapes(config, **own)
-    host = jax.tree_util.tree_map_with_path(
-        lambda path, shape: np.empty(shape, jnp.dtype(param_dtype(
-            tuple(k.key for k in path), config))),
-        shapes, is_leaf=lambda x: isinstance(x, tuple))
+    def allocate(path, shape):
+        path = tuple(k.key for k in path)
+        if path in kept:
+            grid = shape[:-2] + tuple(-(-n // b) for n, b in zip(shape[-2:], kept[path]))
+            return Fp8Weight(np.empty(shape, jnp.float8_e4m3fn), np.empty(grid, np.float32),
+                             kept[path], scale_fmt)
+        return np.empty(shape, jnp.dtype(param_dtype(path, config)))
+
+    host = jax.tree_util.tree_map_with_path(allocate, shapes,
+                                            is_leaf=lambda x: isinstance(x, tuple))
     by_shard: dict[str, list[str]] = {}
     for name, (file, _, _) in plan.items():
         by_shard.setdefault(file.path, []).append(name)
@@ -281,6 +332,11 @@ def load_checkpoint(directory: str | os.PathLike, config: ModelConfig | None = N
         for name in by_shard[path]:
             file, pieces, scale_file = plan[name]
             value = file.get(name)
+            if scale_file is not None and pieces[0][0].path in kept:
+                _fill_fp8(host, pieces[0][0], value, scale_file.get(name + SCALE), file.path,
+                          name, block)
+                bar.update(1)
+                continue
             if scale_file is not None:
                 value = dequantize_fp8(value, scale_file.get(name + SCALE), block)
             for slot, rows in pieces:
@@ -306,12 +362,28 @@ def load_checkpoint(directory: str | os.PathLike, config: ModelConfig | None = N
     return config, params
 
 
+def _fill_fp8(host: dict, slot: Slot, q: np.ndarray, scale: np.ndarray, path: str, name: str,
+              block) -> None:
+    """Write FP8 tensor `name` (q [O, I] e4m3, scale [ceil(O/b0), ceil(I/b1)]) transposed
+    into its `Fp8Weight` stack at `slot`; refuse NaN values or non-finite scales (named as
+    `_refuse_non_finite` names a dequantised tensor)."""
+    target = host
+    for key in slot.path:
+        target = target[key]
+    if not (all_finite(q) and all_finite(scale)):
+        _refuse_non_finite(path, name, dequantize_fp8(q, scale, block), np.float32, True)
+    target.q[slot.index] = q.T
+    target.scale_inv[slot.index] = scale.T
+
+
 # The bits of a float whose exponent bits are all set are inf or NaN: per float dtype, the
-# unsigned int of its width and the mask of its exponent bits.
+# unsigned int of its width and the mask of its exponent bits (float8_e4m3fn has no inf: its
+# NaN alone has every exponent and mantissa bit set).
 _EXPONENT = {np.dtype(np.float16): (np.uint16, 0x7C00),
              np.dtype(jnp.bfloat16): (np.uint16, 0x7F80),
              np.dtype(np.float32): (np.uint32, 0x7F800000),
-             np.dtype(np.float64): (np.uint64, 0x7FF0000000000000)}
+             np.dtype(np.float64): (np.uint64, 0x7FF0000000000000),
+             np.dtype(jnp.float8_e4m3fn): (np.uint8, 0x7F)}
 _CHUNK = 1 << 18  # values per step of `all_finite` (cache-sized)
 
 
@@ -362,6 +434,10 @@ def _to_device(host: dict) -> dict:
     for key in list(host):
         if isinstance(host[key], dict):
             out[key] = _to_device(host[key])
+        elif isinstance(host[key], Fp8Weight):
+            w = host.pop(key)
+            out[key] = Fp8Weight(jax.device_put(w.q), jax.device_put(w.scale_inv), w.block,
+                                 w.scale_fmt)
         else:
             out[key] = jax.device_put(host.pop(key))
     return out
@@ -405,6 +481,14 @@ def save_checkpoint(directory: str | os.PathLike, params: dict, config: ModelCon
     mtp: the multi-token-prediction layers' parameters (`fo_jax.model.mtp`), written as layers
     L .. L + num_nextn_predict_layers - 1 (their own embed / head only if they hold one)."""
     check_params(params, config)
+    fp8 = [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_flatten_with_path(
+        {"params": params, "mtp": mtp}, is_leaf=lambda x: isinstance(x, Fp8Weight))[0]
+        if isinstance(leaf, Fp8Weight)]
+    if fp8:
+        raise NotImplementedError(
+            f"save_checkpoint writes unquantised parameters; {fp8[0]} is an Fp8Weight: load the "
+            "checkpoint with weights='dequantize' (or dequantize the FP8 stacks with "
+            "fo_jax.model.linear.dequantize) to save it")
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     names = tensor_names(config, "hf")
@@ -451,5 +535,6 @@ def _leaf(params: dict, slot: Slot):
     return leaf
 
 
-__all__ = ["all_finite", "dequantize_fp8", "inspect_checkpoint", "load_checkpoint",
-           "read_hf_config", "save_checkpoint", "shard_files", "to_hf_config"]
+__all__ = ["WEIGHTS", "all_finite", "dequantize_fp8", "inspect_checkpoint",
+           "load_checkpoint", "read_hf_config", "resolve_weights", "save_checkpoint",
+           "shard_files", "to_hf_config"]

@@ -22,7 +22,8 @@ Mapped fields (config.json -> ModelConfig):
     MoE: n_routed_experts, num_experts_per_tok, moe_intermediate_size -> moe_hidden,
     n_shared_experts, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
     first_k_dense_replace; num_nextn_predict_layers (recorded); torch_dtype / dtype -> dtype.
-FP8 checkpoints (`quantization_config`) are described by `hf_quantization`, not the config.
+FP8 checkpoints (`quantization_config`) are described by `hf_quantization` (the block) and
+`hf_scale_fmt` (the activations' scale format), not the config.
 
 Checked before anything is built, each refusal one line naming the file and the field (what
 came, what was expected): the file must hold a JSON object, the sizes in NEEDED must be there
@@ -402,3 +403,20 @@ def hf_quantization(config: dict | str | os.PathLike) -> tuple[int, int] | None:
         raise ValueError(f"{where} quantization_config weight_block_size={_show(block)}: "
                          "expected [rows, cols], two ints >= 1 (DeepSeek: [128, 128])")
     return block[0], block[1]
+
+
+SCALE_FORMATS = (None, "ue8m0")
+
+
+def hf_scale_fmt(config: dict | str | os.PathLike) -> str | None:
+    """The activation scale format of an FP8 checkpoint's `quantization_config`: None (scales
+    amax / 448) or "ue8m0" (powers of two, DeepSeek-V3.2's); None when unquantised."""
+    hf, where = _read(config)
+    q = hf.get("quantization_config")
+    if not q or not isinstance(q, dict):
+        return None
+    fmt = q.get("scale_fmt")
+    if fmt not in SCALE_FORMATS:
+        raise ValueError(f"{where} quantization_config scale_fmt={_show(fmt)} is not supported: "
+                         f"expected one of {SCALE_FORMATS} (absent: null)")
+    return fmt

@@ -24,12 +24,13 @@ import numpy as np
 
 from fo_jax.model.kv_format import load_kv_rows, store_kv_rows
 from fo_jax.model.layers import F32, rms_norm, rope, rope_inv_freq
+from fo_jax.model.linear import dequantize, linear
 from fo_jax.typing import Array, Bool, Float, Shaped
 
 
 def query_lowrank(lp: dict, h: jax.Array, *, config) -> jax.Array:
     """qr = q_norm(h W_qa): [B, T, E] -> [B, T, q_lora_rank] (the indexer reads it too)."""
-    return rms_norm(jnp.matmul(h, lp["wq_a"]), lp["q_norm"], config.norm_eps)
+    return rms_norm(linear(h, lp["wq_a"]), lp["q_norm"], config.norm_eps)
 
 
 def attention_inputs(lp: dict, h: jax.Array, qr: jax.Array, positions: jax.Array, *, config):
@@ -44,13 +45,13 @@ def attention_inputs(lp: dict, h: jax.Array, qr: jax.Array, positions: jax.Array
     """
     heads, nope, r = config.num_heads, config.qk_nope_head_dim, config.qk_rope_head_dim
     d, v = config.kv_lora_rank, config.v_head_dim
-    q = jnp.matmul(qr, lp["wq_b"]).reshape(h.shape[:-1] + (heads, nope + r))
+    q = linear(qr, lp["wq_b"]).reshape(h.shape[:-1] + (heads, nope + r))
     q_nope, q_pe = q[..., :nope], q[..., nope:]
     inv_freq = rope_frequencies(config)
     q_pe = rope(q_pe, positions, inv_freq, interleaved=True)
-    w_kv_b = lp["wkv_b"].reshape(d, heads, nope + v)
+    w_kv_b = dequantize(lp["wkv_b"], config.jnp_dtype).reshape(d, heads, nope + v)
     q_lat = jnp.einsum("bthn,dhn->bthd", q_nope.astype(F32), w_kv_b[..., :nope].astype(F32))
-    kv = jnp.matmul(h, lp["wkv_a"])
+    kv = linear(h, lp["wkv_a"])
     c_kv = rms_norm(kv[..., :d], lp["kv_norm"], config.norm_eps)
     k_pe = rope(kv[..., d:], positions, inv_freq, interleaved=True)
     kv_new = store_kv_rows(jnp.concatenate([c_kv, k_pe], axis=-1), config=config)
@@ -103,10 +104,10 @@ def attention_output(lp: dict, out_lat: jax.Array, *, config) -> jax.Array:
     """Up-project the latent outputs with W_UV and mix heads with W_o: [B, T, H, D] -> [B, T, E]."""
     heads, nope, d, v = (config.num_heads, config.qk_nope_head_dim, config.kv_lora_rank,
                          config.v_head_dim)
-    w_uv = lp["wkv_b"].reshape(d, heads, nope + v)[..., nope:]
+    w_uv = dequantize(lp["wkv_b"], config.jnp_dtype).reshape(d, heads, nope + v)[..., nope:]
     out = jnp.einsum("bthd,dhv->bthv", out_lat, w_uv.astype(F32))
     out = out.reshape(out.shape[:-2] + (heads * v,)).astype(config.jnp_dtype)
-    return jnp.matmul(out, lp["wo"])
+    return linear(out, lp["wo"])
 
 
 def softmax_scale(config) -> float:

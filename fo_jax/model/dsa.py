@@ -24,16 +24,21 @@ more stacks (an empty one is left out):
                  (Ms = n_shared_experts * M; only when n_shared_experts > 0)
 
 Matrices are stored [in, out] (x @ w); safetensors files use the DeepSeek reference checkpoint's
-[out, in] layout and names (see fo_jax.weights).
+[out, in] layout and names (see fo_jax.weights). The projections (`FP8_PARAMS`) may instead be
+`fo_jax.model.linear.Fp8Weight`s of the same shape (e4m3 values + float32 block scales: an FP8
+checkpoint, `quantize_params`, `init_fp8_params`); every use of them goes through `linear`.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from fo_jax.config import ModelConfig
+from fo_jax.model.linear import Fp8Weight
 
 
 def param_shapes(config: ModelConfig) -> dict:
@@ -93,18 +98,93 @@ def param_dtype(path: tuple[str, ...], config: ModelConfig):
     return jnp.float32 if path[-1] == "gate_bias" else config.jnp_dtype
 
 
-def param_bytes(config: ModelConfig) -> int:
+# The parameters that may be held in FP8 (`Fp8Weight`): (stack, name) of the projections, every
+# use of which is a `fo_jax.model.linear.linear` (or, wkv_b, a `dequantize`); under "mtp" too.
+# The routers, the head, the embedding, norms and the indexer's weights_proj stay as they are.
+FP8_PARAMS = frozenset(
+    [("layers", n) for n in ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo", "w1", "w2", "w3")]
+    + [("dense_mlp", n) for n in ("w1", "w2", "w3")]
+    + [("moe", n) for n in ("w1", "w2", "w3", "shared_w1", "shared_w2", "shared_w3")]
+    + [("indexer", "wq_b"), ("indexer", "wk")])
+
+
+def param_bytes(config: ModelConfig, *, fp8_block: tuple[int, int] | None = None) -> int:
     """Bytes of every parameter of `config` (`param_dtype`), from the shapes alone: what
-    `init_params` would allocate, known before allocating anything."""
+    `init_params` would allocate, known before allocating anything. With `fp8_block` (bI, bO),
+    the `FP8_PARAMS` as `Fp8Weight`s in blocks of that shape (what `quantize_params` or an
+    FP8 checkpoint loaded with weights="fp8" holds): 1 byte per value plus 4 per block
+    (partial last blocks counted whole)."""
     leaves = jax.tree_util.tree_flatten_with_path(
         param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))[0]
     count = 0
     for path, shape in leaves:
+        keys = tuple(k.key for k in path)
         size = 1
         for n in shape:
             size *= n
-        count += size * jnp.dtype(param_dtype(tuple(k.key for k in path), config)).itemsize
+        if fp8_block is not None and keys[-2:] in FP8_PARAMS:
+            blocks = 1
+            for n in shape[:-2] + tuple(-(-n // b) for n, b in zip(shape[-2:], fp8_block)):
+                blocks *= n
+            count += size + 4 * blocks
+            continue
+        count += size * jnp.dtype(param_dtype(keys, config)).itemsize
     return count
+
+
+def init_fp8_params(config: ModelConfig, key: jax.Array,
+                    block: tuple[int, int] = (128, 128)) -> dict:
+    """Random parameters with the `FP8_PARAMS` as `Fp8Weight`s, drawn on the device one
+    matrix at a time: the values `quantize_params(init_params(config, key), block)` would
+    hold in law (normal(0, fan_in^-0.5), then FP8 with amax / 448 block scales), but at most one
+    float32 matrix of temporaries per stack, not the whole model in bfloat16 (a real-width MoE
+    layer's experts are 22 GB in bfloat16, 11 GB in FP8). Leaf i draws with the i-th of
+    `split(key, number of leaves)`, matrix j of an FP8 stack with the j-th of `split` of
+    that. One compiled program."""
+    treedef, specs = _leaf_specs(config)
+    leaves = jax.tree_util.tree_flatten_with_path(
+        param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))[0]
+    fp8 = tuple(tuple(k.key for k in path)[-2:] in FP8_PARAMS for path, _ in leaves)
+    return jax.tree_util.tree_unflatten(treedef, _draw_fp8_leaves(specs, fp8, tuple(block), key))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _draw_fp8_leaves(specs: tuple, fp8: tuple, block: tuple, key: jax.Array) -> list:
+    keys = jax.random.split(key, len(specs))
+    out = []
+    for spec, is_fp8, leaf_key in zip(specs, fp8, keys):
+        if not is_fp8:
+            out.append(_draw_leaves((spec,), leaf_key)[0])
+            continue
+        _, shape, _ = spec
+        count = 1
+        for n in shape[:-2]:
+            count *= n
+
+        def one(k, shape=shape):
+            w = jax.random.normal(k, shape[-2:], jnp.float32) * shape[-2] ** -0.5
+            q = Fp8Weight.quantize(w, block)
+            return q.q, q.scale_inv
+
+        q, scale = jax.lax.map(one, jax.random.split(leaf_key, count))
+        out.append(Fp8Weight(q.reshape(shape), scale.reshape(shape[:-2] + scale.shape[1:]),
+                             block))
+    return out
+
+
+def quantize_params(params: dict, block: tuple[int, int] = (128, 128),
+                    scale_fmt: str | None = None) -> dict:
+    """`params` with the `FP8_PARAMS` stacks as `Fp8Weight`s of `block` (bI, bO) blocks
+    (`Fp8Weight.quantize`: scales amax / 448), the rest as it is: random FP8 weights from
+    `init_params`, or the shapes of an FP8 model under `jax.eval_shape`. Touches every
+    quantized weight once."""
+    def convert(path, leaf):
+        keys = tuple(k.key for k in path)
+        if keys[-2:] in FP8_PARAMS:
+            return Fp8Weight.quantize(leaf, block, scale_fmt)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(convert, params)
 
 
 _ONES = {"norm", "attn_norm", "q_norm", "kv_norm", "ffn_norm", "k_norm_w"}

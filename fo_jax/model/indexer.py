@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from fo_jax.model.attention import rope_frequencies
 from fo_jax.model.layers import F32, fp8_simulate, hadamard_rotate, layer_norm, matmul_f32, rope
+from fo_jax.model.linear import linear
 from fo_jax.typing import Array, Bool, Float, Int
 
 
@@ -33,7 +34,7 @@ def indexer_keys(ip: dict, h: jax.Array, positions: jax.Array, *, config) -> jax
 
     Touches T tokens only.
     """
-    k = jnp.matmul(h, ip["wk"]).astype(F32)
+    k = linear(h, ip["wk"]).astype(F32)
     k = layer_norm(k, ip["k_norm_w"], ip["k_norm_b"], 1e-6)
     k = _rope_first(k, positions, config)
     k = hadamard_rotate(k)
@@ -52,7 +53,7 @@ def indexer_queries(ip: dict, qr: jax.Array, h: jax.Array, positions: jax.Array,
       q: [B, T, I, N] float32 (rotated, optionally FP8-rounded); w: [B, T, I] float32.
     """
     heads, width = config.index_n_heads, config.index_head_dim
-    q = jnp.matmul(qr, ip["wq_b"]).astype(F32)
+    q = linear(qr, ip["wq_b"]).astype(F32)
     q = q.reshape(q.shape[:-1] + (heads, width))
     q = _rope_first(q, positions, config)
     q = hadamard_rotate(q)

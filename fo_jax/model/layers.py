@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fo_jax.model.linear import FP8_E4M3_MAX, linear
+
 F32 = jnp.float32
-FP8_E4M3_MAX = 448.0
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -145,11 +146,12 @@ def fp8_simulate(x: jax.Array, block: int = 128) -> jax.Array:
     return q.reshape(x.shape)
 
 
-def swiglu_mlp(x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array) -> jax.Array:
-    """w2(silu(x w1) * (x w3)): the dense DeepSeek MLP (and a shared expert).
+def swiglu_mlp(x: jax.Array, w1, w2, w3) -> jax.Array:
+    """w2(silu(x w1) * (x w3)): the dense DeepSeek MLP (and a shared expert); the weights plain
+    arrays or `Fp8Weight`s (`fo_jax.model.linear.linear`).
 
     As the reference, the gated product is formed in float32 and cast back to x's dtype before
     w2 (a no-op for float32 models).
     """
-    act = jax.nn.silu(jnp.matmul(x, w1).astype(F32)) * jnp.matmul(x, w3).astype(F32)
-    return jnp.matmul(act.astype(x.dtype), w2)
+    act = jax.nn.silu(linear(x, w1).astype(F32)) * linear(x, w3).astype(F32)
+    return linear(act.astype(x.dtype), w2)

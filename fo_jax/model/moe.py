@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from fo_jax.model.layers import F32, matmul_f32, swiglu_mlp
+from fo_jax.model.linear import is_fp8, linear, ragged_linear
 
 
 def route(h: jax.Array, gate: jax.Array, gate_bias: jax.Array, *, config):
@@ -139,7 +140,13 @@ def expert_rows(x: jax.Array, experts: jax.Array, p: dict, *, first=None,
     rows and weights are the same too, but the grouped matmul has another shape (X_l groups at
     other row offsets), which XLA may block differently: equal to rounding, not promised bit
     for bit.
+
+    FP8 experts (`Fp8Weight`) take the tiles path unless "ragged_dot" is asked for: a tile
+    multiplies by one expert's FP8 weights (`linear`: XLA's FP8 dot on GPU), where the grouped
+    matmul would dequantize every expert of the layer first (`ragged_linear`).
     """
+    if implementation is None and is_fp8(p["w1"]):
+        implementation = "tiles"
     implementation = resolve_implementation(implementation)
     num_local = p["w1"].shape[0]
     top = experts.shape[-1]
@@ -154,10 +161,10 @@ def expert_rows(x: jax.Array, experts: jax.Array, p: dict, *, first=None,
     order = jnp.argsort(key, stable=True)  # (token, k) pairs sorted by expert
     rows = x[order // top]  # [N K', E]
     if implementation == "ragged_dot":
-        up = jax.lax.ragged_dot(rows, p["w1"], sizes)
-        lin = jax.lax.ragged_dot(rows, p["w3"], sizes)
+        up = ragged_linear(rows, p["w1"], sizes)
+        lin = ragged_linear(rows, p["w3"], sizes)
         act = (jax.nn.silu(up.astype(F32)) * lin.astype(F32)).astype(x.dtype)
-        down = jax.lax.ragged_dot(act, p["w2"], sizes)  # [N K', E], sorted by expert
+        down = ragged_linear(act, p["w2"], sizes)  # [N K', E], sorted by expert
     else:
         down = _expert_tiles(rows, key[order], sizes, p, partial=first is not None)
     back = jnp.zeros_like(down).at[order].set(down, unique_indices=True)  # (token, k) order
@@ -200,9 +207,9 @@ def _expert_tiles(rows, row_expert, sizes, p, *, partial: bool = False):
     def tile(t, out):
         e = tile_expert[t]
         xt = jax.lax.dynamic_slice_in_dim(padded, t * b, b)  # [b, E]
-        up = jax.nn.silu(jnp.matmul(xt, p["w1"][e]).astype(F32))
-        act = (up * jnp.matmul(xt, p["w3"][e]).astype(F32)).astype(rows.dtype)
-        return jax.lax.dynamic_update_slice_in_dim(out, jnp.matmul(act, p["w2"][e]), t * b, 0)
+        up = jax.nn.silu(linear(xt, p["w1"][e]).astype(F32))
+        act = (up * linear(xt, p["w3"][e]).astype(F32)).astype(rows.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(out, linear(act, p["w2"][e]), t * b, 0)
 
     # A static trip count (a scan: reverse-differentiable) whose unused tiles skip the work.
     used = tile_end[-1]
@@ -248,7 +255,7 @@ def moe_mlp_reference(h: jax.Array, p: dict, *, config) -> jax.Array:
     y = jnp.zeros(x.shape, F32)
     for e in range(config.n_routed_experts):
         coef = jnp.sum(jnp.where(experts == e, weights, 0.0), axis=-1)  # [N]
-        up = jax.nn.silu(jnp.matmul(x, p["w1"][e]).astype(F32))
-        act = (up * jnp.matmul(x, p["w3"][e]).astype(F32)).astype(x.dtype)
-        y = y + coef[:, None] * jnp.matmul(act, p["w2"][e]).astype(F32)
+        up = jax.nn.silu(linear(x, p["w1"][e]).astype(F32))
+        act = (up * linear(x, p["w3"][e]).astype(F32)).astype(x.dtype)
+        y = y + coef[:, None] * linear(act, p["w2"][e]).astype(F32)
     return _add_shared(y, x, p, config).reshape(shape)

@@ -64,6 +64,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "preset with random weights (tiny, small) or --weights")
     parser.add_argument("--model-dir", default=None, help="a model directory (fo_jax.embedded)")
     parser.add_argument("--weights", default=None, help="safetensors weights for a --model preset")
+    parser.add_argument("--checkpoint-weights", default=None, choices=("fp8", "dequantize"),
+                        help="a Hugging Face --model-dir's FP8 weights: fp8 keeps them FP8 "
+                             "(multiplied in FP8 with their block scales), dequantize converts "
+                             "them on load (default: fp8 for a checkpoint with a "
+                             "quantization_config)")
     parser.add_argument("--seed", type=flags.seed, default=0,
                         help="random weights of a --model preset")
     parser.add_argument("--seats", type=int, default=4, help="requests decoded at once")

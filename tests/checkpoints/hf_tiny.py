@@ -82,3 +82,44 @@ def write_tokenizer(directory, *, template=DEEPSEEK_TEMPLATE, add_bos_token=True
     return ids
 
 
+
+
+FP8_SKIP = ("embed_tokens", "lm_head", "norm", "layernorm", "gate.weight", "weights_proj",
+            "e_score_correction_bias")
+
+
+def quantize_checkpoint(directory, block=(128, 128), scale_fmt=None) -> dict:
+    """Store a saved checkpoint's 2-D projections (all but the routers, the head, norms and
+    the indexer's weights_proj) as float8 e4m3 with `weight_scale_inv` blocks of `block`
+    (amax / 448 scales), as DeepSeek's FP8 checkpoints; config.json gets the
+    quantization_config. Returns {name: the stored float32 weight's dequantised values}."""
+    import numpy as np
+
+    from fo_jax.checkpoints import dequantize_fp8
+    from fo_jax.checkpoints.hf import INDEX
+    from fo_jax.checkpoints.safetensors_io import SafetensorsFile, write_safetensors
+    from fo_jax.model.linear import Fp8Weight
+
+    directory = pathlib.Path(directory)
+    index = json.loads((directory / INDEX).read_text())
+    dequantized = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        file = SafetensorsFile(directory / shard)
+        tensors = {n: file.get(n) for n in file.keys()}
+        for name in [n for n, t in tensors.items() if t.ndim == 2
+                     and not any(s in n for s in FP8_SKIP)]:
+            w = Fp8Weight.quantize(np.asarray(tensors[name], np.float32), block, scale_fmt)
+            q, scale = np.asarray(w.q), np.asarray(w.scale_inv)
+            tensors[name], tensors[name + "_scale_inv"] = q, scale
+            index["weight_map"][name + "_scale_inv"] = shard
+            dequantized[name] = dequantize_fp8(q, scale, block)
+        write_safetensors(directory / shard, tensors)
+    (directory / INDEX).write_text(json.dumps(index))
+    hf = json.loads((directory / "config.json").read_text())
+    hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                 "activation_scheme": "dynamic",
+                                 "weight_block_size": list(block)}
+    if scale_fmt is not None:
+        hf["quantization_config"]["scale_fmt"] = scale_fmt
+    (directory / "config.json").write_text(json.dumps(hf))
+    return dequantized

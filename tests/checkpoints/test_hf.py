@@ -199,7 +199,7 @@ def test_fp8_block_scaled_weights_are_dequantised_on_load(tmp_path, block):
     hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
                                  "activation_scheme": "dynamic", "weight_block_size": list(block)}
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    _, loaded = load_checkpoint(tmp_path, config, progress=False)
+    _, loaded = load_checkpoint(tmp_path, config, progress=False, weights="dequantize")
     names = tensor_names(config)
     for name, want in expected.items():
         slot = names[name]

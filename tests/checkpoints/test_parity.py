@@ -18,7 +18,9 @@ with `load_checkpoint` and must reproduce them:
     by which fo_jax's scores differ (its Hadamard rotation, an orthogonal change of basis
     `transformers` skips, and another summation order).
 
-Settings: `kv_dtype="float32"` (the cache in the golden's precision) and `index_fp8=False`:
+FP8 weights are dequantised on load (`weights="dequantize"`: the golden outputs are
+`transformers`' dequantised model; tests/checkpoints/test_fp8_weights.py measures the model
+that keeps them FP8 against this one). Settings: `kv_dtype="float32"` (the cache in the golden's precision) and `index_fp8=False`:
 `transformers` computes the indexer in full precision, while the DeepSeek reference (and
 fo_jax's default for Hugging Face checkpoints) rounds the indexer's q / k to FP8; parity is
 checked without that rounding. The offloaded decode step (deepseek_v32, 16 hot slots, so steps
@@ -58,7 +60,8 @@ GAP = 1e-4
 @functools.lru_cache(maxsize=None)
 def _fixture(name):
     config, params = load_checkpoint(FIXTURES / name, progress=False, kv_dtype="float32",
-                                     index_fp8=False, max_ways=1, max_seq_len=256)
+                                     index_fp8=False, max_ways=1, max_seq_len=256,
+                                     weights="dequantize")
     golden = dict(np.load(FIXTURES / name / "golden.npz"))
     return config, params, golden
 
