@@ -1,4 +1,4 @@
-"""Text generation over either inference path, and sampling.
+"""Text generation over either inference path.
 
     engine = ResidentEngine(params, config, batch=1, capacity=512)
     engine = OffloadEngine(params, config, offload=OffloadConfig(...), batch=1)
@@ -7,13 +7,13 @@
 
 An engine prefills a ragged batch of prompts (in chunks of `prefill_chunk` tokens, default
 `PREFILL_CHUNK`: a long prompt never runs as one program) and then takes decode steps of one
-token per request; `generate` samples (greedy at temperature 0, else temperature + top-p with a
-PRNG key). With a drafter (`draft="ngram"` or `"mtp"`, `fo_jax.drafting`) a generation
+token per request; `generate` samples (`fo_jax.sampling`: greedy at temperature 0, else
+temperature + top-p with a PRNG key). With a drafter (`draft="ngram"` or `"mtp"`, `fo_jax.drafting`) a generation
 verifies W - 1 drafted tokens per step and rolls the rejected ones back (`engine.rollback`):
 greedy, the same tokens in fewer steps; sampled, speculative sampling (the decode loop's rule,
 `fo_jax.sampling.speculative_tokens`): tokens of the same distribution. With
 `decode_steps_per_call=N > 1` it runs N steps per compiled call instead
-(`fo_jax.engine.decode_loop`: sampling on the device, the same tokens).
+(`fo_jax.decode_loop`: sampling on the device, the same tokens).
 Offload statistics are summed on the device step by step (no host sync per step). Engines keep
 each request's length on the host and refuse a step past capacity before it runs; with
 `check=True` (debug; `fo-jax generate --check`) they read the whole state back after the
