@@ -28,7 +28,7 @@ import sys
 
 from fo_jax import flags
 from fo_jax.resolve import (DEFAULT_MODEL, check_param_memory, checkpoint_bytes, format_bytes,
-                            model_dir_config, resolve_model)
+                            model_dir_config, random_params, resolve_model)
 
 DEFAULT_PROMPT = (
     "import os\n\n\ndef read_lines(path):\n"
@@ -274,7 +274,6 @@ def _cmd_generate(args) -> int:
 
     from fo_jax import generate as gen
     from fo_jax.kernels import resolve_implementation
-    from fo_jax.model import dsa
     from fo_jax.offload.config import OffloadConfig, check_hot_slots, min_hot_slots
     from fo_jax.resident import ResidentState
     from fo_jax.sampling import check_sampling
@@ -370,7 +369,7 @@ def _cmd_generate(args) -> int:
         params = load()[1]
     else:
         params = (load_params(args.weights, config) if args.weights
-                  else dsa.init_params(config, jax.random.key(args.seed)))
+                  else random_params(config, args.seed))
         if args.draft == "mtp":  # a preset's random weights: a random MTP layer too
             from fo_jax.model.mtp import init_mtp_params
 

@@ -429,6 +429,8 @@ PRESETS: dict[str, ModelConfig] = {
 PRESETS["deepseek_v32_width"] = PRESETS["deepseek_v32"].replace(
     name="deepseek_v32_width", num_layers=4, indexer_layers=(0, 1, 2, 3),
     first_k_dense_replace=1, max_ways=1)
+# Presets whose random weights (`fo-jax generate --model NAME`) are FP8 (38.9 GB, not 74 GB).
+FP8_PRESETS = frozenset({"deepseek_v32_width"})
 
 
 def get_config(name: str) -> ModelConfig:

@@ -87,9 +87,12 @@ def check_param_memory(config, max_param_gb: float | None, *, state_bytes: int =
     """Refuse a model whose parameters would not fit, before any is allocated; with
     `state_bytes`, also parameters + that state (`state` says what it is) above half of the
     available memory."""
+    from fo_jax.config import FP8_PRESETS
     from fo_jax.model.dsa import param_bytes
 
-    need = param_bytes(config)
+    fp8 = config.name in FP8_PRESETS  # its random weights are FP8 (`random_params`)
+    need = param_bytes(config, fp8_block=(128, 128) if fp8 else None)
+    held = "FP8 projections" if fp8 else config.dtype
     available = available_bytes()
     if max_param_gb is not None:
         if not max_param_gb > 0:
@@ -102,7 +105,7 @@ def check_param_memory(config, max_param_gb: float | None, *, state_bytes: int =
         limit = None
     if limit is not None and need > limit:
         raise ValueError(
-            f"the parameters of {config.name!r} take {format_bytes(need)} ({config.dtype}), above "
+            f"the parameters of {config.name!r} take {format_bytes(need)} ({held}), above "
             f"{what}: `fo-jax generate` runs models that fit this machine (--model tiny or "
             f"small); to size a deployment run `fo-jax plan --model {config.name} --context N`")
     if state_bytes and available is not None and need + state_bytes > available / 2:
@@ -110,6 +113,19 @@ def check_param_memory(config, max_param_gb: float | None, *, state_bytes: int =
             f"{state} ({format_bytes(state_bytes)}) take {format_bytes(need + state_bytes)} with "
             f"the parameters, above half of the available memory ({format_bytes(available / 2)})"
             ": lower --batch, --max-new-tokens or the prompt's length")
+
+
+def random_params(config, seed: int) -> dict:
+    """A preset's random weights: FP8 projections for the `FP8_PRESETS` (drawn on the device
+    one matrix at a time), else `init_params` in the config's dtype."""
+    import jax
+
+    from fo_jax.config import FP8_PRESETS
+    from fo_jax.model import dsa
+
+    if config.name in FP8_PRESETS:
+        return dsa.init_fp8_params(config, jax.random.key(seed))
+    return dsa.init_params(config, jax.random.key(seed))
 
 
 def resolve_model(args):

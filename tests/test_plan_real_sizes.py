@@ -118,3 +118,11 @@ def test_plan_command_with_devices(capsys):
     assert "they need at least 11 devices, or FP8 weights" in capsys.readouterr().err
     assert main(["plan", "--model", "glm52", "--context", "1000", "--devices", "8"]) == 2
     assert "--devices and --device-gb go together" in capsys.readouterr().err
+
+
+def test_generate_counts_the_real_width_preset_in_fp8(capsys):
+    # deepseek_v32_width's random weights are FP8: 38.88 GB (74.03 GB in bfloat16).
+    assert main(["generate", "--model", "deepseek_v32_width", "--offload", "--max-param-gb",
+                 "1", "--max-new-tokens", "1", "--prompt", "x", "--no-progress"]) == 2
+    assert ("the parameters of 'deepseek_v32_width' take 38.88 GB (FP8 projections), above "
+            "--max-param-gb=1") in capsys.readouterr().err

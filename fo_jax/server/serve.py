@@ -298,10 +298,9 @@ def build_engine(args):
 
     from fo_jax.engine import Engine
     from fo_jax.decode_loop import check_drafting
-    from fo_jax.model import dsa
     from fo_jax.offload.config import (MEMORY_KINDS, OffloadConfig, check_hot_slots,
                                        min_hot_slots)
-    from fo_jax.resolve import check_param_memory, resolve_model
+    from fo_jax.resolve import check_param_memory, random_params, resolve_model
     from fo_jax.tokenizer import ByteTokenizer
     from fo_jax.weights import load_params
 
@@ -356,7 +355,7 @@ def build_engine(args):
         params = load()[1]
     else:
         params = (load_params(args.weights, config) if args.weights
-                  else dsa.init_params(config, jax.random.key(args.seed)))
+                  else random_params(config, args.seed))
         if drafter == "mtp":  # a preset's random weights: a random MTP layer too
             from fo_jax.model.mtp import init_mtp_params
 

@@ -184,6 +184,15 @@ def test_generate_keeps_fp8_weights_and_checks_offloaded_against_resident(hf_dir
         assert main(args + flag) == 0
         out = capsys.readouterr().out
         assert "bitwise equal to the resident model's over 4 decode steps" in out, out
+    # The planner counts the weights as they load: FP8 projections with their block scales.
+    from tests.checkpoints.hf_tiny import tiny_hf_config
+
+    assert main(["plan", "--model-dir", str(directory), "--context", "200", "--hot-slots",
+                 "64"]) == 0
+    fp8 = param_bytes(tiny_hf_config(), fp8_block=(128, 128))
+    assert (f"weights:  {fp8 / 1e3:.2f} kB FP8 projections with 128 x 128 block scales"
+            in capsys.readouterr().out)
+    assert fp8 < param_bytes(tiny_hf_config()) / 2
     assert main(["generate", "--model", "tiny", "--checkpoint-weights", "fp8"]) == 2
     assert ("fo-jax: error: --checkpoint-weights fp8 applies to a Hugging Face checkpoint's "
             "FP8 weights: add --model-dir") in capsys.readouterr().err
