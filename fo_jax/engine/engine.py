@@ -31,8 +31,8 @@ recompiling. Each `step()`:
      the seat is never read: reads stop at the length);
   2. runs one prefill chunk of each request that is prefilling (one [1, prefill_chunk]
      program per request over its own seat, `prefill_seat`; the other seats are not
-     touched); a seat
-     whose prompt is complete samples its first token from the chunk's logits and joins the
+     touched); a seat whose prompt is complete samples its first token from the chunk's
+     logits and joins the
      decode batch (`fo_jax.offload.prefill.join_seats`: its hot rows, maps and policy state);
      resident with the prefix cache, the chunks the program completed are copied into the
      prefix store (one program for all seats; blocks already cached are not); with MTP drafts
@@ -154,9 +154,10 @@ rule of `fo_jax.drafting.MTPDrafter`). The engine keeps one MTP layer state for 
 not counted in `device_bytes`) and each seat's next draft. Each prefill chunk returns the
 main model's hidden states too and feeds the chunk's pairs (h_i, t_{i+1}) to the prefilling
 seats' MTP state (one [1, prefill_chunk] MTP program per request; a prompt's last pair takes
-its first sampled token, so the first draft after the prefill is right); a seat's MTP state starts empty
-at admission. A preempted request's seat MTP state (O(length) rows of one layer: 1/L of its
-KV) is copied to the host and written back when it resumes, with its pages kept or dropped
+its first sampled token, so the first draft after the prefill is right); a seat's MTP state
+starts empty at admission. A preempted request's seat MTP state (O(length) rows of one
+layer: 1/L of its KV) is copied to the host and written back when it resumes, with its pages
+kept or dropped
 (the replay rebuilds the main KV only): nothing is recomputed, and its drafts, hence its W-way
 steps, are those of its uninterrupted run, so its tokens are too, bit for bit; a request moved
 by `AutoEngine` carries its MTP state the same way. With `prefix_cache`, a prefix mapped from
@@ -1290,7 +1291,7 @@ class Engine:
                 last[req.seat] = logits[0, len(part) - 1]
             if want_hidden:
                 hidden[req.seat] = h[0]
-        jax.block_until_ready((logits, self.state))
+        jax.block_until_ready(logits)  # the last program of a chain through the state
         self.timings["prefill_s"] += time.perf_counter() - start
         self.counters["prefill_calls"] += len(requests)
         self.counters["prefill_tokens"] += sum(n for _, n in before.values())
