@@ -327,6 +327,36 @@ mtp_feed_jit = jax.jit(mtp_feed, static_argnames=("config", "query_block"),
                        donate_argnames=("seats",))
 
 
+def mtp_feed_seat(params, mtp, seats: MTPSeats, seat, hidden, tokens, num_new, *,
+                  config: ModelConfig, query_block: int | None = None) -> MTPSeats:
+    """`mtp_feed` of seat `seat` alone: hidden [1, T, E], tokens [1, T], num_new [1]; the seat's
+    MTP rows, draft and h' are sliced out, fed and written back, the other seats left as they
+    are (work independent of B, bit for bit `mtp_feed` on a batch-1 `MTPSeats`). `seat` is an
+    int32 scalar, traced under `mtp_feed_seat_jit` (one program for every seat). Pure."""
+    def one(x, axis):
+        return jax.lax.dynamic_slice_in_dim(x, seat, 1, axis=axis)
+
+    def put(full, part, axis):
+        return jax.lax.dynamic_update_slice_in_dim(full, part, seat, axis=axis)
+
+    st = seats.state
+    view = MTPSeats(state=dataclasses.replace(st, kv=one(st.kv, 1),
+                                              index_keys=one(st.index_keys, 1),
+                                              lengths=one(st.lengths, 0)),
+                    draft=one(seats.draft, 0), hidden=one(seats.hidden, 0))
+    out = mtp_feed(params, mtp, view, hidden, tokens, num_new, config=config,
+                   query_block=query_block)
+    state = dataclasses.replace(st, kv=put(st.kv, out.state.kv, 1),
+                                index_keys=put(st.index_keys, out.state.index_keys, 1),
+                                lengths=put(st.lengths, out.state.lengths, 0))
+    return MTPSeats(state=state, draft=put(seats.draft, out.draft, 0),
+                    hidden=put(seats.hidden, out.hidden, 0))
+
+
+mtp_feed_seat_jit = jax.jit(mtp_feed_seat, static_argnames=("config", "query_block"),
+                            donate_argnames=("seats",))
+
+
 def mtp_drafts(params, mtp, seats: MTPSeats, active, num_drafts: int, *,
                config: ModelConfig):
     """([B, num_drafts] drafts, MTP state with the chained pairs appended): the first draft is

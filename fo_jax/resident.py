@@ -8,8 +8,10 @@ the same logits bit for bit.
     logits, state = decode_step(params, state, tokens[B, W], config=config)
 
 `prefill` appends a chunk (history + new chunk: chunked prefill is repeated calls); requests are
-ragged (`num_new[b]` real tokens in row b, the rest padding). `decode_step` appends W tokens per
-request (the current token plus W - 1 drafts, each query with its own top-k). Both are jitted
+ragged (`num_new[b]` real tokens in row b, the rest padding). `prefill_seat(params, state, b,
+tokens[1, T], num_new[1], ...)` appends a chunk to request b alone, its work independent of B.
+`decode_step` appends W tokens per request (the current token plus W - 1 drafts, each query
+with its own top-k). All are jitted
 with the state donated; the public wrappers validate shapes and values first and raise before
 any state is touched.
 """
@@ -153,15 +155,12 @@ class ResidentBackend:
             self.query_block, q_lat, q_pe, tokens, mask)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "dense", "implementation", "interpret",
-                                             "query_block", "return_hidden"),
-                   donate_argnames=("state",))
-def forward_jit(params, state: ResidentState, tokens, num_new, *, config, dense,
-                implementation="xla", interpret=False, query_block=None,
-                return_hidden=False):
-    """The resident forward over T new tokens per request, pure and jitted (the state
-    donated): (logits, new state[, hidden]). `prefill` and `decode_step` validate their
-    arguments, then run it; the data-parallel steps (`fo_jax.sharded_steps`) run it per rank."""
+def _forward(params, state: ResidentState, tokens, num_new, *, config, dense,
+             implementation="xla", interpret=False, query_block=None, return_hidden=False):
+    """The resident forward over T new tokens per request, pure (jitted as `forward_jit`, the
+    state donated): (logits, new state[, hidden]). `prefill` and `decode_step` validate their
+    arguments, then run it; the data-parallel steps (`fo_jax.sharded_steps`) run it per rank;
+    `prefill_seat` runs it over one seat's rows."""
     num_t = tokens.shape[1]
     # Never past capacity, checked or not: tokens beyond the room left are padding (their KV is
     # dropped, their logits unspecified) and lengths stop at capacity.
@@ -175,6 +174,29 @@ def forward_jit(params, state: ResidentState, tokens, num_new, *, config, dense,
                                         dense=dense, query_block=query_block,
                                         return_hidden=return_hidden)
     new_state = ResidentState(kv=kv, index_keys=ik, lengths=state.lengths + num_new)
+    return (logits, new_state, *hidden)
+
+
+_STATIC = ("config", "dense", "implementation", "interpret", "query_block", "return_hidden")
+forward_jit = functools.partial(jax.jit, static_argnames=_STATIC,
+                                donate_argnames=("state",))(_forward)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
+def _seat_jit(params, state: ResidentState, seat, tokens, num_new, **static):
+    """`_forward` of seat `seat` alone: its rows [L, 1, S, D+R] sliced out, the [1, T] chunk
+    run over them, written back in place. The seat is traced: one program for every seat."""
+    def one(x, axis):
+        return jax.lax.dynamic_slice_in_dim(x, seat, 1, axis=axis)
+
+    view = ResidentState(kv=one(state.kv, 1), index_keys=one(state.index_keys, 1),
+                         lengths=one(state.lengths, 0))
+    logits, view, *hidden = _forward(params, view, tokens, num_new, **static)
+    new_state = ResidentState(
+        kv=jax.lax.dynamic_update_slice_in_dim(state.kv, view.kv, seat, axis=1),
+        index_keys=jax.lax.dynamic_update_slice_in_dim(state.index_keys, view.index_keys,
+                                                       seat, axis=1),
+        lengths=jax.lax.dynamic_update_slice_in_dim(state.lengths, view.lengths, seat, axis=0))
     return (logits, new_state, *hidden)
 
 
@@ -203,6 +225,56 @@ def prefill(params, state: ResidentState, tokens, num_new=None, *, config: Model
     args, static = _prefill_arguments(params, state, tokens, num_new, config=config,
                                       dense=dense, check=check, query_block=query_block)
     return forward_jit(*args, **static, return_hidden=bool(return_hidden))
+
+
+def prefill_seat(params, state: ResidentState, seat, tokens, num_new=None, *,
+                 config: ModelConfig, dense: bool = False, check: bool = True,
+                 query_block: int | None = QUERY_BLOCK, return_hidden: bool = False):
+    """Append a chunk of T tokens to one request of the batch, the one in seat `seat`; return
+    logits [1, T, V] and the new state (with `return_hidden`: and its hidden states [1, T, E]).
+
+    The other requests' rows and lengths are left as they are, and the work does not grow
+    with the batch: the program runs the [1, T] chunk over the seat's own rows (copied out
+    and back in place, O(L S (D+R))). Its results are bit for bit those of `prefill` on a
+    batch-1 state holding the seat's rows (the same program shapes), so a request prefilled
+    seat by seat gets the same KV and logits whoever sits in the other seats.
+
+    Args:
+      seat: int in [0, B), or a traced int32 scalar (the seat is an argument of the program,
+        not a static: one compiled program serves every seat; a traced seat out of range is
+        clamped into it).
+      tokens: [1, T] int token ids (the first num_new[0] real, the rest padding).
+      num_new: [1] ints, default T.
+      dense, check, query_block: as `prefill` (the checks read the seat's length).
+    The state is donated: use the returned one.
+    """
+    check_live(state, "prefill_seat")
+    seat = check_seat(seat, state.batch)
+    view = ResidentState(
+        kv=jax.ShapeDtypeStruct((state.kv.shape[0], 1) + state.kv.shape[2:], state.kv.dtype),
+        index_keys=jax.ShapeDtypeStruct(
+            (state.index_keys.shape[0], 1) + state.index_keys.shape[2:],
+            state.index_keys.dtype),
+        lengths=jax.lax.dynamic_slice_in_dim(state.lengths, seat, 1) if check else
+        jax.ShapeDtypeStruct((1,), state.lengths.dtype))
+    (params, _, tokens, num_new), static = _prefill_arguments(
+        params, view, tokens, num_new, config=config, dense=dense, check=check,
+        query_block=query_block)
+    return _seat_jit(params, state, seat, tokens, num_new, **static,
+                     return_hidden=bool(return_hidden))
+
+
+def check_seat(seat, batch: int):
+    """`seat` as an int32 scalar; a concrete one must be an int in [0, batch) (ValueError)."""
+    if isinstance(seat, jax.Array) and not is_concrete(seat):
+        if seat.shape != () or not jnp.issubdtype(seat.dtype, jnp.integer):
+            raise ValueError(f"seat must be an integer scalar, got {seat.dtype}{list(seat.shape)}")
+        return seat.astype(jnp.int32)
+    value = np.asarray(seat)
+    if (value.shape != () or not np.issubdtype(value.dtype, np.integer)
+            or not 0 <= int(value) < batch):
+        raise ValueError(f"seat={seat!r} must be an int in [0, {batch}) (a seat of the batch)")
+    return jnp.asarray(int(value), jnp.int32)
 
 
 def lower_prefill(params, state: ResidentState, tokens, num_new=None, *, config: ModelConfig,

@@ -205,3 +205,75 @@ def test_over_query_blocks_one_block_is_no_loop():
         got = over_query_blocks(fn, block, x, 2 * x)
         np.testing.assert_array_equal(got["sum"], 3 * x)
         np.testing.assert_array_equal(got["first"], x[..., 0])
+
+
+# One seat at a time ------------------------------------------------------------------------------
+
+
+def test_prefill_seat_is_the_request_alone_and_leaves_the_other_seats(params):
+    # Seats prefilled one at a time, in any order, over two ragged chunks: each request's
+    # logits and rows equal its solo batch-1 prefill's bit for bit, and the batched program's
+    # on the same row; the seats not prefilled are never written (still NaN) nor grown.
+    batch, capacity = 4, 32
+    toks = _tokens(20, (batch, 16))
+    new = [(8, 8), (8, 3), (5, 0), (8, 8)]  # tokens per chunk of each seat
+    st = _state(batch, capacity)
+    ref = _state(batch, capacity)
+    solo = [_state(1, capacity) for _ in range(batch)]
+    for c in range(2):
+        counts = np.array([n[c] for n in new])
+        chunk = toks[:, 8 * c:8 * c + 8]
+        ref_logits, ref = resident.prefill(params, ref, chunk, counts, config=CONFIG)
+        for b in np.random.default_rng(c).permutation(batch):
+            if not counts[b]:
+                continue
+            before = jax.device_get(st)
+            logits, st = resident.prefill_seat(params, st, int(b), chunk[b:b + 1],
+                                               counts[b:b + 1], config=CONFIG)
+            want, solo[b] = resident.prefill(params, solo[b], chunk[b:b + 1], counts[b:b + 1],
+                                             config=CONFIG)
+            n = counts[b]
+            chex.assert_trees_all_equal(np.asarray(logits)[:, :n], np.asarray(want)[:, :n])
+            chex.assert_trees_all_equal(np.asarray(logits)[0, :n],
+                                        np.asarray(ref_logits)[b, :n])
+            after = jax.device_get(st)
+            chex.assert_trees_all_equal(after.kv[:, b], np.asarray(solo[b].kv)[:, 0])
+            chex.assert_trees_all_equal(after.index_keys[:, b],
+                                        np.asarray(solo[b].index_keys)[:, 0])
+            others = np.arange(batch) != b  # every other seat exactly as before
+            chex.assert_trees_all_equal(after.kv[:, others], before.kv[:, others])
+            chex.assert_trees_all_equal(after.index_keys[:, others],
+                                        before.index_keys[:, others])
+            chex.assert_trees_all_equal(after.lengths[others], before.lengths[others])
+            assert after.lengths[b] == before.lengths[b] + n
+    chex.assert_trees_all_equal(np.asarray(st.lengths), np.asarray(ref.lengths))
+    chex.assert_trees_all_equal(np.asarray(st.kv), np.asarray(ref.kv))
+    assert np.isnan(np.asarray(st.kv[:, 2, 5:], np.float32)).all()
+
+
+def test_prefill_seat_compiles_once_for_every_seat(params):
+    # The seat is an argument of the program, not a static: one trace serves every seat.
+    st = _state(3, 32)
+    counted = chex.assert_max_traces(resident._seat_jit.__wrapped__, n=1)
+    step = jax.jit(counted, static_argnames=resident._STATIC, donate_argnames=("state",))
+    for b in (0, 2, 1, 2):
+        _, st = step(params, st, jnp.asarray(b, jnp.int32), jnp.asarray(_tokens(b, (1, 4))),
+                     jnp.asarray([4], jnp.int32), config=CONFIG, dense=False, query_block=None)
+    np.testing.assert_array_equal(st.lengths, [4, 4, 8])
+
+
+@pytest.mark.parametrize("seat,tokens,message", [
+    (3, np.zeros((1, 4), np.int32), r"seat=3 must be an int in \[0, 3\)"),
+    (-1, np.zeros((1, 4), np.int32), r"seat=-1 must be an int in \[0, 3\)"),
+    (1.0, np.zeros((1, 4), np.int32), r"seat=1.0 must be an int in \[0, 3\)"),
+    (1, np.zeros((3, 4), np.int32), r"tokens have batch 3 but the state holds 1 requests"),
+    (1, np.full((1, 4), 256), r"token id 256 at \[0, 0\] is outside the vocabulary"),
+    (1, np.zeros((1, 40), np.int32), r"request 0 would hold 40 tokens, beyond the state's "
+                                     r"capacity of 32"),
+])
+def test_bad_prefill_seat_inputs_raise_before_state_changes(params, seat, tokens, message):
+    st = _state(3, 32)
+    before = jax.tree_util.tree_map(np.asarray, st)
+    with pytest.raises(ValueError, match=message):
+        resident.prefill_seat(params, st, seat, tokens, config=CONFIG)
+    chex.assert_trees_all_equal(jax.tree_util.tree_map(np.asarray, st), before)

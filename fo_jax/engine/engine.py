@@ -29,9 +29,10 @@ recompiling. Each `step()`:
      hash, a byte budget, least recently released first eviction; one program of O(L prefix)
      rows). The seat's length starts at the cached tokens (what the previous occupant left in
      the seat is never read: reads stop at the length);
-  2. runs one prefill chunk for every seat that is prefilling (one program for all of them,
-     `prefill_chunk` tokens per seat; the others take 0 tokens and are not written); a seat
-     whose prompt is complete samples its first token from the chunk's logits and joins the
+  2. runs one prefill chunk of each request that is prefilling (one [1, prefill_chunk]
+     program per request over its own seat, `prefill_seat`; the other seats are not
+     touched); a seat whose prompt is complete samples its first token from the chunk's
+     logits and joins the
      decode batch (`fo_jax.offload.prefill.join_seats`: its hot rows, maps and policy state);
      resident with the prefix cache, the chunks the program completed are copied into the
      prefix store (one program for all seats; blocks already cached are not); with MTP drafts
@@ -44,7 +45,7 @@ recompiling. Each `step()`:
      of finished requests.
 
 A request's tokens never depend on what else is in the batch: every program has the same
-shapes whoever sits in the other seats ([seats, prefill_chunk] prefill chunks cut at the same
+shapes whoever sits in the other seats ([1, prefill_chunk] prefill chunks cut at the same
 offsets of each prompt, [seats, 1] decode steps), every row is computed from its own state
 alone, inactive seats are never written, and each request samples with its own PRNG key
 (`seed`). So a request's greedy tokens equal those of the same engine serving it alone, and,
@@ -52,9 +53,10 @@ offloaded, those of the resident engine (tests/engine/test_engine.py checks both
 bit, over random arrival, cancel, prefix-sharing and preemption schedules).
 
 Costs per step: admission and bookkeeping O(seats) on the host; a prefill chunk is one
-[seats, prefill_chunk] program over every seat (the offloaded one loads
-`history_pages` pages per seat and layer: the longest history among the prefilling seats,
-rounded up to a power of two so that a prompt of n chunks compiles O(log n) programs); a
+[1, prefill_chunk] program per prefilling request, independent of the number of seats (the
+offloaded one loads `history_pages` pages per layer: that request's own history, rounded up
+to a power of two so that a prompt of n chunks compiles O(log n) programs; the seat is an
+argument, not a shape, so one program serves every seat); a
 join is O(L seats (C + 2Z)) device work (a request resumed with its pages dropped adds one
 decode step per token it replays; one that kept them, none); the decode loop reads its
 outputs once per call; the queue is sorted once per step with free seats (O(Q log Q));
@@ -151,10 +153,11 @@ rule of `fo_jax.drafting.MTPDrafter`). The engine keeps one MTP layer state for 
 ([1, seats, capacity, D+R] KV rows + indexer keys: one main layer's worth, allocated once,
 not counted in `device_bytes`) and each seat's next draft. Each prefill chunk returns the
 main model's hidden states too and feeds the chunk's pairs (h_i, t_{i+1}) to the prefilling
-seats' MTP state (one [seats, prefill_chunk] MTP program; a prompt's last pair takes its first
-sampled token, so the first draft after the prefill is right); a seat's MTP state starts empty
-at admission. A preempted request's seat MTP state (O(length) rows of one layer: 1/L of its
-KV) is copied to the host and written back when it resumes, with its pages kept or dropped
+seats' MTP state (one [1, prefill_chunk] MTP program per request; a prompt's last pair takes
+its first sampled token, so the first draft after the prefill is right); a seat's MTP state
+starts empty at admission. A preempted request's seat MTP state (O(length) rows of one
+layer: 1/L of its KV) is copied to the host and written back when it resumes, with its pages
+kept or dropped
 (the replay rebuilds the main KV only): nothing is recomputed, and its drafts, hence its W-way
 steps, are those of its uninterrupted run, so its tokens are too, bit for bit; a request moved
 by `AutoEngine` carries its MTP state the same way. With `prefix_cache`, a prefix mapped from
@@ -221,7 +224,7 @@ from fo_jax.decode_loop import (
     check_drafting,
     check_mtp_drafting,
     decode_loop,
-    mtp_feed_jit,
+    mtp_feed_seat_jit,
 )
 from fo_jax.sampling import Sampling, check_sampling_values, sample_tokens, token_logprobs
 from fo_jax.offload import prefill as offload_prefill
@@ -385,15 +388,20 @@ def _set_keys(keys, mask, data):
     return jax.random.wrap_key_data(new, impl=jax.random.key_impl(keys))
 
 
+@functools.partial(jax.jit, donate_argnames=("rows",))
+def _set_row(rows, seat, row):
+    """rows [B, V] with row `seat` set to `row` [V] (in place; one program for every seat)."""
+    return jax.lax.dynamic_update_index_in_dim(rows, row.astype(rows.dtype), seat, axis=0)
+
+
 @functools.partial(jax.jit, static_argnames=("logprobs",))
-def _first_tokens(logits, last, keys, fresh, mask, sampling: Sampling, *,
+def _first_tokens(picked, keys, fresh, mask, sampling: Sampling, *,
                   logprobs: int | None = None):
-    """Each joining seat's first token, sampled from its last prompt position's logits with a
-    fresh key (key data `fresh` [B, ...] where `mask`); other seats' keys stay: (tokens [B],
-    keys, log-probabilities). With logprobs=K (static), the tokens' and the K most likely
-    tokens' log-probabilities ([B, K + 1] values and ids, `token_logprobs`), else None.
-    O(B V)."""
-    picked = logits[jnp.arange(logits.shape[0]), last]  # [B, V]
+    """Each joining seat's first token, sampled from its last prompt position's logits
+    (picked [B, V]) with a fresh key (key data `fresh` [B, ...] where `mask`); other seats'
+    keys stay: (tokens [B], keys, log-probabilities). With logprobs=K (static), the tokens'
+    and the K most likely tokens' log-probabilities ([B, K + 1] values and ids,
+    `token_logprobs`), else None. O(B V)."""
     data = jnp.where(mask.reshape((-1,) + (1,) * (fresh.ndim - 1)), fresh,
                      jax.random.key_data(keys))
     keys = jax.random.wrap_key_data(data, impl=jax.random.key_impl(keys))
@@ -539,7 +547,7 @@ class Engine:
             raise ValueError(f"prefill_chunk={prefill_chunk} must be <= max(capacity, "
                              f"{DEFAULT_PREFILL_CHUNK}) = {max(capacity, DEFAULT_PREFILL_CHUNK)}"
                              f": a prompt fits a seat of capacity={capacity} tokens, so a longer "
-                             "chunk only pads the [seats, prefill_chunk] prefill buffers")
+                             "chunk only pads the [1, prefill_chunk] prefill buffers")
         self.params, self.config, self.offload = params, config, offload
         self.seats, self.capacity = int(seats), int(capacity)
         self.n_steps, self.chunk = int(decode_steps_per_call), int(prefill_chunk)
@@ -1235,84 +1243,93 @@ class Engine:
                 if r is not None and r.prefilled < len(r.prompt)]
 
     def _prefill(self, moved) -> None:
+        """One prefill chunk of each prefilling request, one [1, prefill_chunk] program each
+        over its own seat and history (`prefill_seat`): the work grows with the requests
+        prefilling, not with the seats, and a request's programs have the same shapes
+        whoever else prefills (so its KV and logits are those of its solo run, bit for bit)."""
         requests = self._prefilling()
         if not requests:
             return
-        batch, chunk = self.seats, self.chunk
-        tokens = np.zeros((batch, chunk), np.int32)
-        num_new = np.zeros((batch,), np.int32)
-        history = 0
-        # MTP drafts: the seats whose MTP state takes this chunk's pairs (`_feed_mtp`); a
+        chunk = self.chunk
+        # MTP drafts: the requests whose MTP state takes this chunk's pairs (`_feed_mtp`); a
         # resumed request that sampled before has its MTP state back already (`_start_mtp`).
-        feed = ([(req, req.seat, req.prefilled) for req in requests if not req.tokens]
-                if self._mtp is not None else [])
+        feed = [req for req in requests if not req.tokens] if self._mtp is not None else []
         want_hidden = self._mtp is not None
+        # Per request: (tokens prefilled before the chunk, tokens in it); the last prompt
+        # position's logits [V] of those the chunk completes; hidden states [1, chunk, E].
+        before, last, hidden = {}, {}, {}
+        start = time.perf_counter()
         for req in requests:
             part = req.prompt[req.prefilled:req.prefilled + chunk]
-            tokens[req.seat, :len(part)] = part
-            num_new[req.seat] = len(part)
-            history = max(history, req.prefilled)
-        start = time.perf_counter()
-        if self.offload is None:
-            logits, self.state, *hidden = resident.prefill(
-                self.params, self.state, tokens, num_new, config=self.config, check=False,
-                query_block=self.query_block, return_hidden=want_hidden)
-        else:
-            oc = self.offload
-            pages = min(_next_power_of_two(-(-history // oc.page_size)),
-                        oc.capacity // oc.page_size)
-            view = offload_prefill.PrefillState(host=self.state.host, table=self.state.table,
-                                                index_keys=self.state.index_keys,
-                                                lengths=self.state.lengths)
-            logits, view, *hidden = offload_prefill.prefill(
-                self.params, view, tokens, num_new, config=self.config,
-                num_buffers=self.num_buffers, history_pages=pages, check=False,
-                host_access=oc.host_access, query_block=self.query_block,
-                return_hidden=want_hidden)
-            self.state = dataclasses.replace(self.state, host=view.host, table=view.table,
-                                             index_keys=view.index_keys, lengths=view.lengths)
-        jax.block_until_ready(logits)
+            tokens = np.zeros((1, chunk), np.int32)
+            tokens[0, :len(part)] = part
+            num_new = np.asarray([len(part)], np.int32)
+            before[req.request_id] = (req.prefilled, len(part))
+            if self.offload is None:
+                logits, self.state, *h = resident.prefill_seat(
+                    self.params, self.state, req.seat, tokens, num_new, config=self.config,
+                    check=False, query_block=self.query_block, return_hidden=want_hidden)
+            else:  # its own history, power-of-two bucketed (one program per bucket)
+                oc = self.offload
+                pages = min(_next_power_of_two(-(-req.prefilled // oc.page_size)),
+                            oc.capacity // oc.page_size)
+                view = offload_prefill.PrefillState(
+                    host=self.state.host, table=self.state.table,
+                    index_keys=self.state.index_keys, lengths=self.state.lengths)
+                logits, view, *h = offload_prefill.prefill_seat(
+                    self.params, view, req.seat, tokens, num_new, config=self.config,
+                    num_buffers=self.num_buffers, history_pages=pages, check=False,
+                    host_access=oc.host_access, query_block=self.query_block,
+                    return_hidden=want_hidden)
+                self.state = dataclasses.replace(
+                    self.state, host=view.host, table=view.table,
+                    index_keys=view.index_keys, lengths=view.lengths)
+            if req.prefilled + len(part) == len(req.prompt):
+                last[req.seat] = logits[0, len(part) - 1]
+            if want_hidden:
+                hidden[req.seat] = h[0]
+        jax.block_until_ready(logits)  # the last program of a chain through the state
         self.timings["prefill_s"] += time.perf_counter() - start
-        self.counters["prefill_calls"] += 1
-        self.counters["prefill_tokens"] += int(num_new.sum())
+        self.counters["prefill_calls"] += len(requests)
+        self.counters["prefill_tokens"] += sum(n for _, n in before.values())
         for req in requests:
-            req.prefilled += int(num_new[req.seat])
+            req.prefilled += before[req.request_id][1]
             if self.prefix is not None:  # pages of prefilled tokens are final: a request
                 # admitted from now on may map them (O(prefilled) hashing per chunk)
                 self.prefix.insert(req.prompt[:req.prefilled], req.pages.pages)
         if self.prefix_store is not None:  # resident: the blocks this chunk completed
             self.prefix_store.insert(self.state, [
-                (r.seat, r.prompt[:r.prefilled], r.prefilled - int(num_new[r.seat]))
-                for r in requests])
+                (r.seat, r.prompt[:r.prefilled], before[r.request_id][0]) for r in requests])
         done = [r for r in requests if r.prefilled == len(r.prompt)]
         if done:
-            self._join(done, logits, num_new, moved)
+            self._join(done, last, moved)
         if feed:  # after the join: a prompt's last pair takes its first sampled token
-            self._feed_mtp(feed, hidden[0], tokens, num_new)
+            self._feed_mtp([(r, before[r.request_id]) for r in feed], hidden)
         if self.mtp_prefix is not None:  # the MTP rows of the chunks completed (final now)
             self.mtp_prefix.insert(self._mtp, [
-                (r.seat, r.prompt, r.prefilled - int(num_new[r.seat]), r.prefilled,
+                (r.seat, r.prompt, before[r.request_id][0], r.prefilled,
                  r.tokens[0] if r.tokens else None) for r in requests])
 
     # MTP drafts: each seat's MTP state -------------------------------------------------------
 
-    def _feed_mtp(self, feed, hidden, tokens, num_new) -> None:
-        """Feed the prefill chunk's pairs (h_i, t_{i+1}) to the MTP state of each seat of
-        `feed` [(request, seat, prompt tokens prefilled before the chunk)]: hidden [B, T, E]
-        the chunk's last hidden states, t_{i+1} the next prompt token, or, for a prompt's last
-        position, the first sampled token (`MTPDrafter.start`, chunk by chunk). One
-        [seats, prefill_chunk] MTP-layer program; the others take 0 pairs. O(B T) host work."""
-        nxt = np.zeros(tokens.shape, np.int32)
-        count = np.zeros((self.seats,), np.int32)
-        for req, b, lo in feed:
-            n = int(num_new[b])
+    def _feed_mtp(self, feed, hidden) -> None:
+        """Feed the prefill chunk's pairs (h_i, t_{i+1}) to the MTP state of each request of
+        `feed` [(request, (prompt tokens prefilled before the chunk, tokens in it))]:
+        hidden {seat: [1, T, E]} the chunk's last hidden states, t_{i+1} the next prompt token,
+        or, for a prompt's last position, the first sampled token (`MTPDrafter.start`, chunk
+        by chunk). One [1, prefill_chunk] MTP-layer program per request over its own seat
+        (`mtp_feed_seat`). O(T) host work per request."""
+        for req, (lo, n) in feed:
+            b = req.seat
             row = req.prompt[lo + 1:lo + n + 1]
             if lo + n == len(req.prompt):
                 row = np.concatenate([row, np.asarray(req.tokens[:1], np.int32)])
-            nxt[b, :len(row)], count[b] = row, n
-        self._mtp = mtp_feed_jit(self.params, self.mtp, self._mtp, hidden,
-                                 committed(jnp.asarray(nxt)), committed(jnp.asarray(count)),
-                                 config=self.config, query_block=self.query_block)
+            nxt = np.zeros((1, self.chunk), np.int32)
+            nxt[0, :len(row)] = row
+            self._mtp = mtp_feed_seat_jit(
+                self.params, self.mtp, self._mtp, jnp.asarray(b, jnp.int32), hidden[b],
+                committed(jnp.asarray(nxt)), committed(jnp.asarray([n], jnp.int32)),
+                config=self.config, query_block=self.query_block)
 
     def _start_mtp(self, started: list[_Request]) -> None:
         """MTP drafts: each admitted request's MTP state. One preempted with its pages kept, or
@@ -1356,10 +1373,11 @@ class Engine:
                                   jnp.asarray(ik), jnp.asarray(n, jnp.int32),
                                   jnp.asarray(draft, jnp.int32), jnp.asarray(hidden))
 
-    def _join(self, joined: list[_Request], logits, num_new, moved) -> None:
+    def _join(self, joined: list[_Request], last, moved) -> None:
         """Start each request whose prompt is complete: a new one samples its first token
-        from the chunk's logits; a resumed one (preempted after sampling) takes back its PRNG
-        key and its last token and replays its other tokens (`_replay`)."""
+        from its last prompt position's logits (last {seat: [V]}); a resumed one (preempted
+        after sampling) takes back its PRNG key and its last token and replays its other
+        tokens (`_replay`)."""
         batch = self.seats
         mask = np.zeros((batch,), bool)
         for req in joined:
@@ -1379,8 +1397,11 @@ class Engine:
                 new_mask[req.seat] = True
                 fresh[req.seat] = np.asarray(jax.random.key_data(jax.random.key(req.seed)))
             want = any(r.top_logprobs is not None for r in new)
-            first, keys, lp = _first_tokens(logits, jnp.asarray(np.maximum(num_new - 1, 0)),
-                                            keys, jnp.asarray(fresh), jnp.asarray(new_mask),
+            picked = jnp.zeros((batch, self.config.vocab_size), last[new[0].seat].dtype)
+            for req in new:
+                picked = _set_row(picked, jnp.asarray(req.seat, jnp.int32), last[req.seat])
+            first, keys, lp = _first_tokens(picked, keys, jnp.asarray(fresh),
+                                            jnp.asarray(new_mask),
                                             self._sampling_now(),
                                             logprobs=self.max_logprobs if want else None)
             first_np = np.asarray(first)

@@ -9,9 +9,10 @@
 With MTP drafts (`Engine(drafter="mtp")`) each seat holds the MTP layer's own state: [1, B, S,
 D+R] KV rows + [1, B, S, N] indexer keys, one pair (h_i, t_{i+1}) per stored position i (the
 main model's hidden state there and the token after it). The prefill feeds chunk j's pairs by
-one [seats, chunk] MTP program; the last pair of the chunk takes the first token of the next
-chunk (or the first sampled token at the prompt's end). So the MTP rows of chunk [s, e) are a
-function of tokens [0, e] (the MTP layer attends to its own earlier rows, which are functions
+one [1, chunk] MTP program per request; the last pair of the chunk takes the first token of
+the next chunk (or the first sampled token at the prompt's end). So the MTP rows of chunk
+[s, e) are a function of tokens [0, e] (the MTP layer attends to its own earlier rows, which
+are functions
 of earlier tokens): the chunk's tokens, everything before, and token e. A request mapping a
 cached prefix of n whole chunks is not prefilled there, so no hidden states exist to feed the
 MTP layer: its MTP rows of positions < n chunk are copied from here instead. They equal those

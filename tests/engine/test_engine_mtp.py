@@ -513,3 +513,51 @@ def test_a_preempted_request_maps_the_prefix_again():
     assert c["preemptions"] > c["preemptions_kept_pages"] == 0 and c["replayed_tokens"] > 0
     assert c["prefix_hit_tokens"] > 0
     assert engine.pool_occupancy()["held"] == 0
+
+
+def test_mtp_feed_seat_is_the_seat_alone_and_leaves_the_others():
+    # Pairs fed seat by seat (the seat traced) equal those fed to a batch-1
+    # MTPSeats holding that seat alone, bit for bit; the other seats' rows, drafts and h' are
+    # untouched; and, on this model, the batched feed's row too.
+    from fo_jax.decode_loop import mtp_feed, mtp_feed_seat_jit
+
+    batch, rng = 3, np.random.default_rng(4)
+    hidden = jnp.asarray(rng.standard_normal((batch, 16, CONFIG.dim)), CONFIG.jnp_dtype)
+    nxt = rng.integers(0, CONFIG.vocab_size, (batch, 16)).astype(np.int32)
+    counts = [(8, 8), (8, 3), (5, 0)]
+    seats = MTPSeats.create(CONFIG, batch=batch, capacity=CAPACITY)
+    batched = MTPSeats.create(CONFIG, batch=batch, capacity=CAPACITY)
+    alone = [MTPSeats.create(CONFIG, batch=1, capacity=CAPACITY) for _ in range(batch)]
+    kw = dict(config=CONFIG, query_block=None)
+    for c in range(2):
+        lo = 8 * c
+        num = np.asarray([n[c] for n in counts], np.int32)
+        batched = mtp_feed(_params(), _mtp(), batched, hidden[:, lo:lo + 8],
+                           jnp.asarray(nxt[:, lo:lo + 8]), jnp.asarray(num), **kw)
+        for b in (2, 0, 1):
+            if not num[b]:
+                continue
+            before = jax.device_get(seats)
+            seats = mtp_feed_seat_jit(_params(), _mtp(), seats, jnp.asarray(b, jnp.int32),
+                                      hidden[b:b + 1, lo:lo + 8],
+                                      jnp.asarray(nxt[b:b + 1, lo:lo + 8]),
+                                      jnp.asarray(num[b:b + 1]), **kw)
+            alone[b] = mtp_feed(_params(), _mtp(), alone[b], hidden[b:b + 1, lo:lo + 8],
+                                jnp.asarray(nxt[b:b + 1, lo:lo + 8]),
+                                jnp.asarray(num[b:b + 1]), **kw)
+            after, solo = jax.device_get(seats), jax.device_get(alone[b])
+            others = np.arange(batch) != b
+            for got, want, old in [(after.state.kv, solo.state.kv, before.state.kv),
+                                   (after.state.index_keys, solo.state.index_keys,
+                                    before.state.index_keys)]:
+                np.testing.assert_array_equal(got[:, b], want[:, 0])
+                np.testing.assert_array_equal(got[:, others], old[:, others])
+            for got, want, old in [(after.state.lengths, solo.state.lengths,
+                                    before.state.lengths),
+                                   (after.draft, solo.draft, before.draft),
+                                   (after.hidden, solo.hidden, before.hidden)]:
+                np.testing.assert_array_equal(got[b], want[0])
+                np.testing.assert_array_equal(got[others], old[others])
+    for got, want in zip(jax.tree_util.tree_leaves(jax.device_get(seats)),
+                         jax.tree_util.tree_leaves(jax.device_get(batched))):
+        np.testing.assert_array_equal(got, want)

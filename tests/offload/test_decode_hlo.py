@@ -161,3 +161,36 @@ def test_prefill_updates_buffers_and_host_pages_in_place(spare):
     hlo_checks.assert_no_state_copies(compiled, checked, ignore=("state.lengths",),
                                       created=("buffers",))
     hlo_checks.assert_donation_aliased(compiled, state, ignore=("lengths",))
+
+
+def test_prefill_seat_updates_the_pools_and_the_resident_cache_in_place():
+    # One seat's chunk (`prefill_seat`, the engine's prefill): offloaded, the shared pools
+    # (a permuted table over a larger pool) and the table are neither copied nor rewritten,
+    # only the seat's layer buffers [3, 1, S, D+R] are made; resident, the whole cache
+    # [L, B, S, D+R] and indexer keys are updated in place (the seat's rows sliced out and
+    # written back). Both donate the state.
+    from fo_jax import resident
+
+    config = get_config("tiny").replace(index_topk=K)
+    params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    pages = CAPACITY // PAGE
+    frames = BATCH * pages + 5
+    table = np.random.default_rng(0).permutation(frames)[:BATCH * pages]
+    state = offload_prefill.PrefillState.create(
+        config, batch=BATCH, capacity=CAPACITY, page_size=PAGE, num_frames=frames,
+        table=table.astype(np.int32).reshape(BATCH, pages))
+    state = dataclasses.replace(state, lengths=jnp.full((BATCH,), 8, jnp.int32))
+    compiled = hlo_checks.compile_call(offload_prefill, "_seat_jit", offload_prefill.prefill_seat,
+                                       params, state, 1, np.zeros((1, 8), np.int32),
+                                       config=config, num_buffers=3,
+                                       compiler_options=hlo_checks.FAST_COMPILE)
+    buffers = jax.ShapeDtypeStruct((3, 1, CAPACITY, config.kv_width), config.jnp_kv_dtype)
+    hlo_checks.assert_no_state_copies(compiled, {"state": state, "buffers": buffers},
+                                      ignore=("state.lengths",), created=("buffers",))
+    hlo_checks.assert_donation_aliased(compiled, state, ignore=("lengths",))
+    rs = resident.ResidentState.create(config, batch=BATCH, capacity=CAPACITY)
+    compiled = hlo_checks.compile_call(resident, "_seat_jit", resident.prefill_seat, params, rs,
+                                       1, np.zeros((1, 8), np.int32), config=config,
+                                       compiler_options=hlo_checks.FAST_COMPILE)
+    hlo_checks.assert_no_state_copies(compiled, rs, ignore=("lengths",))
+    hlo_checks.assert_donation_aliased(compiled, rs, ignore=("lengths",))

@@ -32,6 +32,7 @@ from fo_jax.offload.prefill import (
     layer_bytes,
     lower_prefill,
     prefill,
+    prefill_seat,
     to_decode_state,
 )
 from fo_jax.offload.state import DecodeState, HostPages, to_memory_kind, tokens_to_pool
@@ -488,3 +489,96 @@ def test_handoff_needs_matching_pages():
     with pytest.raises(ValueError, match=r"page_size=16, capacity=64 must equal the prefill "
                                          r"state's page_size=8, capacity=64"):
         to_decode_state(state, config=TINY, offload=offload)
+
+
+# One seat at a time -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pool", ["identity", "permuted"])
+def test_prefill_seat_is_the_resident_seat_prefill_with_its_own_history(params, pool):
+    # Seats prefilled one at a time over pools of interleaved pages, each chunk loading only
+    # its own request's history (a short one next to a long one): logits, host rows and
+    # indexer keys bit for bit those of `resident.prefill_seat`, and every other seat's rows,
+    # keys and length untouched, after every call; the buffers are poisoned past the history.
+    batch, capacity, page = 3, 32, 4
+    rng = np.random.default_rng(7)
+    toks = _tokens(rng, (batch, 24))
+    plan = [(0, 0, 8), (2, 0, 3), (0, 8, 8), (1, 0, 5), (0, 16, 8), (2, 3, 2), (1, 5, 8)]
+    table, frames = _pool_table(pool, batch, capacity // page)
+    ps = PrefillState.create(CONFIG, batch=batch, capacity=capacity, page_size=page, fill=NAN,
+                             num_frames=frames, table=table)
+    rs = resident.ResidentState.create(CONFIG, batch=batch, capacity=capacity, fill=NAN)
+    for b, lo, n in plan:
+        chunk = np.zeros((1, 8), np.int32)
+        chunk[0, :n] = toks[b, lo:lo + n]
+        own = -(-lo // page)  # the pages of this request's history, whatever the others hold
+        before = (ps.token_rows(), ps.token_index_keys(), np.asarray(ps.lengths))
+        logits, ps = prefill_seat(params, ps, b, chunk, [n], config=CONFIG, num_buffers=3,
+                                  history_pages=own, poison=True)
+        want, rs = resident.prefill_seat(params, rs, b, chunk, [n], config=CONFIG)
+        chex.assert_trees_all_equal(np.asarray(logits)[:, :n], np.asarray(want)[:, :n])
+        rows, keys, lengths = ps.token_rows(), ps.token_index_keys(), np.asarray(ps.lengths)
+        chex.assert_trees_all_equal(rows, np.asarray(rs.kv))
+        chex.assert_trees_all_equal(keys, np.asarray(rs.index_keys))
+        chex.assert_trees_all_equal(lengths, np.asarray(rs.lengths))
+        others = np.arange(batch) != b
+        chex.assert_trees_all_equal(rows[:, others], before[0][:, others])
+        chex.assert_trees_all_equal(keys[:, others], before[1][:, others])
+        chex.assert_trees_all_equal(lengths[others], before[2][others])
+    np.testing.assert_array_equal(ps.lengths, [24, 13, 5])
+
+
+def test_prefill_seat_equals_the_batched_prefill_on_its_row(params):
+    # One request's chunk alone equals its row of the batched program (same history, here the
+    # longest: the batch loads the same pages) on this model, bit for bit.
+    rng = np.random.default_rng(8)
+    first, second = _tokens(rng, (2, 8)), _tokens(rng, (2, 8))
+    batched = PrefillState.create(CONFIG, batch=2, capacity=32, page_size=4, fill=NAN)
+    _, batched = prefill(params, batched, first, config=CONFIG, num_buffers=3)
+    seat = PrefillState.create(CONFIG, batch=2, capacity=32, page_size=4, fill=NAN)
+    for b in (1, 0):
+        _, seat = prefill_seat(params, seat, b, first[b:b + 1], config=CONFIG, num_buffers=3)
+    want, batched = prefill(params, batched, second, [8, 0], config=CONFIG, num_buffers=3)
+    got, seat = prefill_seat(params, seat, 0, second[:1], config=CONFIG, num_buffers=3)
+    chex.assert_trees_all_equal(np.asarray(got)[0], np.asarray(want)[0])
+    chex.assert_trees_all_equal(seat.token_rows(), batched.token_rows())
+    chex.assert_trees_all_equal(seat.token_index_keys(), batched.token_index_keys())
+
+
+def test_prefill_seat_compiles_once_for_every_seat(params, monkeypatch):
+    # The seat is traced: one program per (chunk, history pages), whichever seat (a chunk
+    # width no other test uses, so the first call traces).
+    from fo_jax.offload import prefill as offload_prefill
+
+    traces = []
+    body = offload_prefill._prefill
+
+    def counted(*args, **kwargs):
+        traces.append(1)
+        return body(*args, **kwargs)
+
+    monkeypatch.setattr(offload_prefill, "_prefill", counted)
+    state = PrefillState.create(CONFIG, batch=3, capacity=16, page_size=4)
+    tokens = jnp.zeros((1, 3), jnp.int32)
+    for b in (0, 2, 1, 2):
+        _, state = prefill_seat(params, state, b, tokens, config=CONFIG, num_buffers=3,
+                                history_pages=2)
+    assert len(traces) == 1
+    np.testing.assert_array_equal(state.lengths, [3, 3, 6])
+
+
+def test_bad_prefill_seat_inputs(params):
+    state = PrefillState.create(CONFIG, batch=2, capacity=16, page_size=4)
+    _, state = prefill_seat(params, state, 1, jnp.zeros((1, 8), jnp.int32), config=CONFIG,
+                            num_buffers=3)
+    with pytest.raises(ValueError, match=r"seat=2 must be an int in \[0, 2\)"):
+        prefill_seat(params, state, 2, jnp.zeros((1, 4), jnp.int32), config=CONFIG)
+    with pytest.raises(ValueError, match=r"tokens have batch 2 but the state holds 1"):
+        prefill_seat(params, state, 0, jnp.zeros((2, 4), jnp.int32), config=CONFIG)
+    with pytest.raises(ValueError, match=r"history_pages=1 does not cover the longest history "
+                                         r"\(8 tokens\)"):
+        prefill_seat(params, state, 1, jnp.zeros((1, 4), jnp.int32), config=CONFIG,
+                     history_pages=1)
+    with pytest.raises(ValueError, match=r"would hold 20 tokens, beyond the state's capacity"):
+        prefill_seat(params, state, 1, jnp.zeros((1, 12), jnp.int32), config=CONFIG)
+    assert not state.host.kv.is_deleted()

@@ -1,0 +1,21 @@
+"""The prefill-vs-idle-seats benchmark's smoke mode: one request prefilling on engines of 2 and
+8 seats, resident and offloaded, as JSON lines."""
+
+import json
+
+
+def test_smoke(load_experiment, tmp_path, capsys):
+    out = tmp_path / "prefill_seats.jsonl"
+    rows = load_experiment("prefill_seats").main(["--smoke", "--out", str(out)])
+    printed = capsys.readouterr().out
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == len(rows) == 4
+    assert {(r["path"], r["seats"]) for r in lines} == {
+        (p, s) for p in ("resident", "offload") for s in (2, 8)}
+    for r in lines:
+        # 2 measured requests of 3 chunks each; the first seat count is the ratio's base.
+        assert r["prefill_steps"] == 6 and r["first_seats"] == 2
+        assert 0 < r["prefill_step_min_s"] <= r["prefill_step_p50_s"] <= r["prefill_step_max_s"]
+        assert r["ratio_to_first"] > 0 and "jax" in r and "git" in r
+    assert all(r["ratio_to_first"] == 1.0 for r in lines if r["seats"] == 2)
+    assert "ratio" in printed
