@@ -3,6 +3,9 @@
 `fo_jax.engine.loop`: the jit-compiled decode loop (`decode_loop`): up to N decode steps with
 on-device sampling, stop checks and summed statistics in one program.
 `fo_jax.engine.engine`: continuous batching over seats (`Engine`).
+`fo_jax.engine.settings`: the engine's settings as frozen dataclasses by concern
+(`EngineSettings`: `CacheSettings`, `SchedulerSettings`, `SpeculativeSettings`, ...), checked
+once; `fo_jax.engine.args`: the command-line flags that build them (`EngineArgs`).
 `fo_jax.engine.data_parallel`: R engines on R devices behind one request stream
 (`DataParallelEngine`), each request placed on a rank by a `fo_jax.placement` rule.
 `fo_jax.engine.auto`: automatic offload (`AutoEngine`): short resident seats while a request
@@ -30,6 +33,7 @@ from fo_jax.engine.admission import (
     RequestRefused,
     Verdict,
 )
+from fo_jax.engine.args import EngineArgs
 from fo_jax.engine.auto import AutoEngine
 from fo_jax.engine.data_parallel import DataParallelEngine
 from fo_jax.engine.engine import Engine, RequestOutput, TokenLogprobs
@@ -49,10 +53,21 @@ from fo_jax.engine.metrics import MetricsLog
 from fo_jax.engine.pages import NO_PAGE, PagePool, PoolExhausted, PrefixCache, RequestPages
 from fo_jax.engine.mtp_prefix import MTPPrefixStore
 from fo_jax.engine.resident_prefix import ResidentPrefixStore
+from fo_jax.engine.settings import (
+    CacheSettings,
+    EngineSettings,
+    MetricsSettings,
+    ProgramSettings,
+    RequestSettings,
+    SchedulerSettings,
+    SpeculativeSettings,
+)
 
-__all__ = ["NO_PAGE", "Admission", "AutoEngine", "DataParallelEngine", "Decision", "Engine",
-           "LoopOutput", "LoopStats", "MTPPrefixStore", "MTPSeats", "MemoryCosts", "MetricsLog", "OffloadedStep",
-           "PagePool",
-           "PoolExhausted", "PrefixCache", "Request", "RequestOutput", "RequestPages",
-           "RequestRefused", "ResidentPrefixStore", "ResidentStep", "Sampling", "Seats",
+__all__ = ["NO_PAGE", "Admission", "AutoEngine", "CacheSettings", "DataParallelEngine",
+           "Decision", "Engine", "EngineArgs", "EngineSettings", "LoopOutput",
+           "LoopStats", "MTPPrefixStore", "MTPSeats", "MemoryCosts", "MetricsLog",
+           "MetricsSettings", "OffloadedStep", "PagePool", "PoolExhausted",
+           "PrefixCache", "ProgramSettings", "Request", "RequestOutput", "RequestPages",
+           "RequestRefused", "RequestSettings", "ResidentPrefixStore", "ResidentStep",
+           "Sampling", "SchedulerSettings", "Seats", "SpeculativeSettings",
            "TokenLogprobs", "Verdict", "decode_loop", "mtp_feed", "sample_tokens"]

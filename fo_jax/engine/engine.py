@@ -220,8 +220,6 @@ from fo_jax.engine.loop import (
     Sampling,
     Seats,
     _check_sampling_values,
-    check_drafting,
-    check_mtp_drafting,
     decode_loop,
     mtp_feed_jit,
     sample_tokens,
@@ -229,18 +227,18 @@ from fo_jax.engine.loop import (
 )
 from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload.config import OffloadConfig
-from fo_jax.engine.admission import ORDERS, RESERVES, MemoryCosts, RequestRefused
+from fo_jax.engine.admission import MemoryCosts, RequestRefused
 from fo_jax.engine.metrics import MetricsLog
 from fo_jax.engine.mtp_prefix import MTPPrefixStore, mtp_block_bytes
 from fo_jax.engine.pages import NO_PAGE, PagePool, PoolExhausted, PrefixCache, RequestPages
 from fo_jax.engine.resident_prefix import ResidentPrefixStore
+from fo_jax.engine.settings import (DEFAULT_PREFILL_CHUNK, DRAFTERS, MAX_LOGPROBS,
+                                    EngineSettings)
 from fo_jax.offload.host import in_host_memory, load_history, write_back_rows
 from fo_jax.offload.state import (DecodeState, committed, read_pool_keys,
                                   write_pool_keys)
 
 FINISH_REASONS = ("stop", "length", "cancelled")
-DRAFTERS = ("ngram", "mtp")
-MAX_LOGPROBS = 20  # Engine(max_logprobs=...) default: most tokens a request's logprobs lists
 
 
 class TokenLogprobs(NamedTuple):
@@ -258,8 +256,6 @@ class TokenLogprobs(NamedTuple):
     logprob: float
     top: tuple[tuple[int, float], ...]
 
-
-DEFAULT_PREFILL_CHUNK = 256
 # Text stop strings per request and characters per string: each step searches the new text
 # for every one, and a server streaming the text holds back the longest one's length - 1
 # characters (a stop string of 100k characters streamed nothing until the end).
@@ -436,8 +432,14 @@ def _next_power_of_two(n: int) -> int:
 class Engine:
     """Continuous batching over `seats` seats of `capacity` tokens each (see the module doc).
 
+        Engine(params, config, EngineSettings(cache=CacheSettings(seats=8, capacity=4096)))
+        Engine(params, config, seats=8, capacity=4096)      # the same, flat keywords
+
     Args:
       params, config: the model.
+      settings: an `EngineSettings` (`fo_jax.engine.settings`: the settings below grouped by
+        concern), or None to build it from the keywords below (`EngineSettings.create`).
+      tokenizer, mtp: as below (objects, not settings).
       seats: requests decoded at once (the batch of every program).
       capacity: tokens per seat (prompt + output); with `offload`, its `capacity` is used and
         must equal this when both are given.
@@ -509,122 +511,62 @@ class Engine:
       ValueError: bad settings, before anything is allocated.
     """
 
-    def __init__(self, params, config: ModelConfig, *, seats: int, capacity: int | None = None,
-                 offload: OffloadConfig | None = None, decode_steps_per_call: int = 1,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, tokenizer=None,
-                 max_stop_ids: int = 8,
-                 query_block: int | None = resident.QUERY_BLOCK, num_buffers: int | None = None,
-                 implementation: str | None = None, interpret: Any = False,
-                 num_pages: int | None = None, host_pool_bytes: int | None = None,
-                 prefix_cache: bool = False, device_bytes: int | None = None,
-                 order: str = "fifo", reserve: str = "full", metrics_path: str | None = None,
-                 metrics_every: int = 16, num_drafts: int = 0,
-                 max_wait_steps: int | None = 256, drafter: str = "ngram",
-                 mtp: dict | None = None, prefix_cache_bytes: int | None = None,
-                 prefix_cache_memory: str = "device", max_logprobs: int | None = None):
-        for name, value in (("seats", seats), ("decode_steps_per_call", decode_steps_per_call),
-                            ("prefill_chunk", prefill_chunk), ("max_stop_ids", max_stop_ids),
-                            ("metrics_every", metrics_every)):
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
-        if offload is not None:
-            if capacity is not None and capacity != offload.capacity:
-                raise ValueError(f"capacity={capacity} differs from offload.capacity="
-                                 f"{offload.capacity}: give one, or the same value")
-            capacity = offload.capacity
-            offload.validate_for(config)
-        if capacity is None:
-            raise ValueError("capacity (tokens per seat) is required without an OffloadConfig")
-        if not isinstance(capacity, numbers.Integral) or not 1 <= capacity <= config.max_seq_len:
-            raise ValueError(f"capacity={capacity!r} must be an int in [1, max_seq_len="
-                             f"{config.max_seq_len}] of config {config.name!r}")
-        if prefill_chunk > max(capacity, DEFAULT_PREFILL_CHUNK):
-            raise ValueError(f"prefill_chunk={prefill_chunk} must be <= max(capacity, "
-                             f"{DEFAULT_PREFILL_CHUNK}) = {max(capacity, DEFAULT_PREFILL_CHUNK)}"
-                             f": a prompt fits a seat of capacity={capacity} tokens, so a longer "
-                             "chunk only pads the [seats, prefill_chunk] prefill buffers")
+    def __init__(self, params, config: ModelConfig, settings: EngineSettings | None = None, *,
+                 tokenizer=None, mtp: dict | None = None, **kwargs):
+        if settings is None:
+            settings = EngineSettings.create(**kwargs)
+        elif kwargs:
+            raise TypeError(f"Engine(params, config, settings) takes no other settings, got "
+                            f"{sorted(kwargs)}: put them in the EngineSettings")
+        settings = settings.for_model(config, mtp=mtp)
+        self.settings = settings
+        cache, sched, spec = settings.cache, settings.scheduler, settings.speculative
+        programs = settings.programs
+        offload = cache.offload
         self.params, self.config, self.offload = params, config, offload
-        self.seats, self.capacity = int(seats), int(capacity)
-        self.n_steps, self.chunk = int(decode_steps_per_call), int(prefill_chunk)
-        self.tokenizer, self.max_stop_ids = tokenizer, int(max_stop_ids)
-        self.query_block, self.num_buffers = query_block, num_buffers
+        self.seats, self.capacity = int(cache.seats), int(cache.capacity)
+        self.n_steps, self.chunk = int(sched.decode_steps_per_call), int(sched.prefill_chunk)
+        self.tokenizer, self.max_stop_ids = tokenizer, int(settings.requests.max_stop_ids)
+        self.query_block, self.num_buffers = programs.query_block, programs.num_buffers
         self.pool = self.prefix = None
         self.max_pages = 1  # P, page-table row width (offloaded; unused on the resident path)
-        if offload is None and (num_pages is not None or host_pool_bytes is not None
-                                or device_bytes is not None or reserve != "full"):
-            raise ValueError(
-                "num_pages, host_pool_bytes, device_bytes and reserve='prompt' need a page "
-                "pool (an OffloadConfig): the resident path (offload=None) has fixed seats of "
-                "`capacity` tokens each, allocated once, so nothing runs out mid-decode and "
-                "there is nothing to admit or preempt by bytes; for admission and preemption "
-                "by device bytes with the KV on the device, use the paged device pool, "
-                "offload=OffloadConfig(..., host_memory_kind='device') (or 'pinned_host' to "
-                "offload the KV to host memory)")
-        self.prefix_store = self._prefix_store(prefix_cache, prefix_cache_bytes,
-                                               prefix_cache_memory, mtp=drafter == "mtp")
-        if order not in ORDERS:
-            raise ValueError(f"order={order!r} must be one of {ORDERS}")
-        if max_wait_steps is not None and (not isinstance(max_wait_steps, numbers.Integral)
-                                           or isinstance(max_wait_steps, bool)
-                                           or max_wait_steps < 0):
-            raise ValueError(f"max_wait_steps={max_wait_steps!r} must be an int >= 0 (engine "
-                             "steps a request waits before it goes ahead of shorter ones with "
-                             "order='shortest') or None (no aging)")
-        if reserve not in RESERVES:
-            raise ValueError(f"reserve={reserve!r} must be one of {RESERVES}")
-        if device_bytes is not None and (not isinstance(device_bytes, numbers.Integral)
-                                         or isinstance(device_bytes, bool) or device_bytes < 1):
-            raise ValueError(f"device_bytes={device_bytes!r} must be an int >= 1 (bytes of "
-                             "device memory for request state), or None")
-        try:
-            check_drafting(num_drafts, config)
-        except ValueError as err:
-            raise ValueError(f"{err} (Engine(num_drafts=...))") from None
-        if max_logprobs is None:
-            max_logprobs = min(MAX_LOGPROBS, config.vocab_size)
-        if (not isinstance(max_logprobs, numbers.Integral) or isinstance(max_logprobs, bool)
-                or not 0 <= max_logprobs <= config.vocab_size):
-            raise ValueError(f"max_logprobs={max_logprobs!r} must be an int in [0, vocab_size="
-                             f"{config.vocab_size}] (the most top tokens a request's logprobs "
-                             "may list)")
-        self.max_logprobs = int(max_logprobs)
-        self.num_drafts = int(num_drafts)
-        self._check_drafter(drafter, mtp)
-        self.drafter, self.mtp = drafter, mtp
-        self.order, self.reserve = order, reserve
-        self.max_wait_steps = max_wait_steps
-        self.device_bytes = None if device_bytes is None else int(device_bytes)
+        self.prefix_store = None
+        if offload is None and cache.prefix_cache:
+            self.prefix_store = ResidentPrefixStore.for_engine(
+                config, prefill_chunk=self.chunk, capacity=self.capacity,
+                size=cache.prefix_cache_bytes, memory=cache.prefix_cache_memory,
+                mtp=spec.drafter == "mtp")
+        self.max_logprobs = int(settings.requests.max_logprobs)
+        self.num_drafts = int(spec.num_drafts)
+        self.drafter, self.mtp = spec.drafter, mtp
+        self.order, self.reserve = sched.order, sched.reserve
+        self.max_wait_steps = sched.max_wait_steps
+        self.device_bytes = None if sched.device_bytes is None else int(sched.device_bytes)
         self.costs = None  # MemoryCosts (offloaded): the planner's bytes per seat and page
-        if num_pages is not None and host_pool_bytes is not None:
-            raise ValueError("give num_pages or host_pool_bytes, not both (both size the pool)")
+        prefix_cache, num_pages = cache.prefix_cache, cache.num_pages
         if offload is not None:
             z = offload.page_size
             self.max_pages = self.capacity // z
+            num_buffers = self.num_buffers
             self.costs = MemoryCosts.from_config(
                 config, page_size=z, hot_slots=offload.hot_slots,
                 num_buffers=min(4, config.num_layers) if num_buffers is None else num_buffers,
                 pool_memory=offload.host_memory_kind)
-            if host_pool_bytes is not None:  # the planner's bytes of one page (every layer)
+            if cache.host_pool_bytes is not None:  # the planner's bytes of one page
                 page_bytes = self.costs.page_host_bytes
-                if prefix_cache and drafter == "mtp":  # + its MTP rows (`MTPPrefixStore`)
+                if prefix_cache and self.drafter == "mtp":  # + its MTP rows
                     page_bytes += mtp_block_bytes(config, z)
-                num_pages = int(host_pool_bytes) // page_bytes
+                num_pages = int(cache.host_pool_bytes) // page_bytes
                 if num_pages < 1:
-                    mtp_layer = " and the MTP layer" if prefix_cache and drafter == "mtp" else ""
-                    raise ValueError(f"host_pool_bytes={host_pool_bytes} holds no page of {z} "
-                                     f"tokens ({page_bytes} bytes over {config.num_layers} "
+                    mtp_layer = (" and the MTP layer" if prefix_cache and self.drafter == "mtp"
+                                 else "")
+                    raise ValueError(f"host_pool_bytes={cache.host_pool_bytes} holds no page of "
+                                     f"{z} tokens ({page_bytes} bytes over {config.num_layers} "
                                      f"layers{mtp_layer}): raise it")
             num_pages = self.seats * self.max_pages if num_pages is None else num_pages
-            if not isinstance(num_pages, numbers.Integral) or num_pages < 1:
-                raise ValueError(f"num_pages={num_pages!r} must be an int >= 1 (pages of "
-                                 f"{z} tokens in the shared pools)")
-            if prefix_cache and self.chunk % z:
-                raise ValueError(f"prefix_cache needs prefill_chunk={self.chunk} to be a "
-                                 f"multiple of page_size={z}: a reused prefix must end where a "
-                                 "prefill chunk ends, so the rest of the prompt is computed "
-                                 "exactly as it would be from scratch")
             self.pool = PagePool(int(num_pages), z)
             self.prefix = PrefixCache(self.pool) if prefix_cache else None
+        implementation, interpret = programs.implementation, programs.interpret
         if offload is None:
             self.state = committed(resident.ResidentState.create(config, batch=self.seats,
                                                                  capacity=self.capacity))
@@ -675,46 +617,9 @@ class Engine:
         # Wall seconds of `step`: in the prefill / decode programs (until their results are
         # ready) and in total; the rest is the engine's own host work.
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "step_s": 0.0}
-        self.metrics = None if metrics_path is None else MetricsLog(
-            self, path=metrics_path, every=metrics_every)
-
-    def _check_drafter(self, drafter, mtp) -> None:
-        """Raise unless `drafter` names a drafter this engine can run with `mtp`."""
-        if drafter not in DRAFTERS:
-            raise ValueError(f"drafter={drafter!r} must be one of {DRAFTERS} (where the drafts "
-                             "come from: n-gram lookup in each request's history, or the "
-                             "model's MTP layer)")
-        if drafter == "ngram":
-            if mtp is not None:
-                raise ValueError("mtp (the MTP parameters) is read only with drafter='mtp': "
-                                 "pass drafter='mtp', or drop mtp")
-            return
-        if self.num_drafts == 0:
-            raise ValueError("drafter='mtp' needs num_drafts >= 1 (drafts per request and "
-                             "decode step): pass num_drafts, or drop drafter")
-        try:
-            check_mtp_drafting(mtp, self.config)
-        except ValueError as err:
-            raise ValueError(f"drafter='mtp': {err}") from None
-
-    def _prefix_store(self, prefix_cache: bool, size, memory, *,
-                      mtp: bool) -> ResidentPrefixStore | None:
-        """The resident path's prefix store (`ResidentPrefixStore.for_engine`; with MTP drafts
-        its blocks' bytes count the MTP rows too); None offloaded or without prefix_cache.
-        Settings checked first."""
-        if (size is not None or memory != "device") and not prefix_cache:
-            raise ValueError("prefix_cache_bytes and prefix_cache_memory need prefix_cache=True")
-        if self.offload is not None:
-            if size is not None or memory != "device":
-                raise ValueError("prefix_cache_bytes and prefix_cache_memory size the resident "
-                                 "path's prefix store; offloaded, the prefix cache keeps pages "
-                                 "of the pool: size it with num_pages or host_pool_bytes")
-            return None
-        if not prefix_cache:
-            return None
-        return ResidentPrefixStore.for_engine(self.config, prefill_chunk=self.chunk,
-                                              capacity=self.capacity, size=size, memory=memory,
-                                              mtp=mtp)
+        log = settings.metrics
+        self.metrics = None if log.path is None else MetricsLog(self, path=log.path,
+                                                                every=log.every)
 
     # Requests ------------------------------------------------------------------------------
 
