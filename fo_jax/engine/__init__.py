@@ -2,7 +2,11 @@
 
 `fo_jax.engine.loop`: the jit-compiled decode loop (`decode_loop`): up to N decode steps with
 on-device sampling, stop checks and summed statistics in one program.
-`fo_jax.engine.engine`: continuous batching over seats (`Engine`).
+`fo_jax.engine.engine`: continuous batching over seats (`Engine`), composed of a scheduler
+(`fo_jax.engine.scheduler`: queue, admission, preemption), a KV store
+(`fo_jax.engine.kv_store`: resident or paged seats, prefix reuse, a seat's rows out and in), the
+decode-loop runner (`fo_jax.engine.runner`) and the requests' host records
+(`fo_jax.engine.requests`).
 `fo_jax.engine.settings`: the engine's settings as frozen dataclasses by concern
 (`EngineSettings`: `CacheSettings`, `SchedulerSettings`, `SpeculativeSettings`, ...), checked
 once; `fo_jax.engine.args`: the command-line flags that build them (`EngineArgs`).

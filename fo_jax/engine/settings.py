@@ -40,17 +40,34 @@ def _check_positive(**values) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class CacheSettings:
-    """Where the KV lives and how much of it there is (`Engine` Args for each field).
+    """Where the KV lives and how much of it there is.
 
     Attributes:
       seats: requests decoded at once (the batch of every program).
-      capacity: tokens per seat; with `offload`, its `capacity` (resolved here: giving both
-        requires the same value).
-      offload: OffloadConfig of the paged path (pool in host or device memory), or None for
-        the resident path.
-      num_pages, host_pool_bytes: paged: the pool's size in pages, or in bytes (one of them).
-      prefix_cache: reuse the prefixes of earlier prompts (whole prefill chunks).
-      prefix_cache_bytes, prefix_cache_memory: resident: the prefix store's size and memory.
+      capacity: tokens per seat (prompt + output); with `offload`, its `capacity` is used
+        (resolved here) and must equal this when both are given.
+      offload: OffloadConfig for the paged path (the pool in host memory, offloaded, or on
+        the device, `host_memory_kind="device"`), or None for the resident path.
+      num_pages: paged: pages of `offload.page_size` tokens in the shared host-KV and
+        indexer-key pools (default seats x capacity / page_size: every seat full at once).
+      host_pool_bytes: paged: size the pools in bytes of host KV instead (the planner's
+        bytes per page, `fo_jax.engine.admission.MemoryCosts`; as vLLM's host pool setting;
+        with drafter="mtp" and prefix_cache, + a page's MTP rows, `mtp_block_bytes`).
+      prefix_cache: reuse the prefixes of earlier prompts, whole prefill chunks of them (a
+        reused prefix ends where a chunk ends, so the rest of the prompt is computed exactly
+        as from scratch: the KV rows and tokens do not change, bit for bit). Paged: map
+        their cached pages (needs prefill_chunk a multiple of page_size). Resident: copy their
+        rows into the seat from a prefix store (`fo_jax.engine.resident_prefix`) of blocks of
+        one prefill chunk (needs prefill_chunk < capacity). With drafter="mtp", the MTP
+        layer's rows of the cached chunks are kept and reused too (docs/design/engine.md).
+      prefix_cache_bytes: resident: the prefix store's bytes of KV rows and indexer keys
+        (`block_bytes(config, prefill_chunk, mtp=drafter == "mtp")` per block; whole blocks;
+        least recently released blocks evicted first). Default: one seat's blocks
+        (capacity // prefill_chunk).
+      prefix_cache_memory: resident: where the store's blocks live: "device" (default: the
+        copy into a seat is one device program; the store counts on the device budget) or
+        "pinned_host" (off the device budget; one host-to-device move of the prefix rows per
+        admission).
     """
 
     seats: int
@@ -94,16 +111,33 @@ class CacheSettings:
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerSettings:
-    """Who runs when (`Engine` Args for each field).
+    """Who runs when (`fo_jax.engine.scheduler`).
 
     Attributes:
-      order: the waiting queue, "fifo" or "shortest" (prompt + max_tokens first).
-      max_wait_steps: order="shortest": steps after which a waiting request goes first
-        (None: no aging).
-      reserve: paged: "full" (prompt + max_tokens at admission) or "prompt" (grow, preempt).
-      device_bytes: paged: the device budget of request state, or None.
-      prefill_chunk: prompt tokens per seat and prefill program.
-      decode_steps_per_call: decode steps per program.
+      order: the waiting queue: "fifo" (arrival order) or "shortest" (by prompt + max_tokens,
+        ties by arrival). Either way admission stops at the first request that does not fit
+        (no overtaking) and preempted requests come first.
+      max_wait_steps: order="shortest" only: a request that has waited this many engine
+        steps goes ahead of every request that has not (those that did, in arrival order), so
+        a long request does not wait for ever under a steady stream of shorter ones. None: no
+        aging (it can).
+      reserve: paged: "full" reserves pages for prompt + max_tokens at admission (a running
+        request never needs a page: no preemption); "prompt" reserves the prompt and the next
+        decode call, and grows each running request's pages before every decode call,
+        preempting the youngest running request when they cannot be had: dropping its pages
+        when the pool is short, keeping them (its seat freed) when only device_bytes is (with
+        the pool on the device, only when freeing its seat covers the bytes;
+        docs/design/engine.md).
+      device_bytes: paged: the device budget of request state, the planner's arithmetic
+        (`MemoryCosts`): hot cache and tails per running seat + indexer keys per page held
+        (+ its KV rows with the pool on the device, `host_memory_kind="device"`) + prefill
+        layer buffers per prompt page while prefilling (weights and activations not
+        counted). A request that can never fit it is refused by `add_request`; one that does
+        not fit now waits. None: no device limit beyond the seats and the pool.
+      prefill_chunk: prompt tokens per seat and prefill program (at most max(capacity, 256):
+        a longer chunk would only pad).
+      decode_steps_per_call: decode steps per program (1 keeps per-token latency; more means
+        fewer host round trips per token).
     """
 
     order: str = "fifo"
@@ -135,12 +169,18 @@ class SchedulerSettings:
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeSettings:
-    """Drafts verified by the decode loop (`Engine` Args: num_drafts, drafter).
+    """Drafts verified by the decode loop.
 
     Attributes:
-      num_drafts: D >= 0 drafts per request and decode step (0: none).
-      drafter: "ngram" (prompt lookup in each seat's history) or "mtp" (the model's MTP layer,
-        its parameters given to `Engine(..., mtp=...)`).
+      num_drafts: D >= 0 drafts per request and decode step, verified on the device
+        (`decode_loop(..., num_drafts=D)`: steps of W = D + 1 <= config.max_ways ways;
+        greedy requests keep the confirmed drafts, sampled ones do speculative sampling);
+        0: one token per step.
+      drafter: with num_drafts > 0, "ngram" (prompt lookup in each seat's history, prompt +
+        sampled tokens, kept on the device) or "mtp" (the model's multi-token-prediction
+        layer, its parameters given as `Engine(..., mtp=...)`: each seat's MTP state is kept
+        on the device; with prefix_cache, a mapped prefix's MTP rows come from the cache;
+        docs/design/engine.md).
     """
 
     num_drafts: int = 0
@@ -176,11 +216,13 @@ class SpeculativeSettings:
 
 @dataclasses.dataclass(frozen=True)
 class RequestSettings:
-    """Bounds on what a request may ask (`Engine` Args: max_stop_ids, max_logprobs).
+    """Bounds on what a request may ask.
 
     Attributes:
-      max_stop_ids: stop token ids per request (fixed: the programs' shapes are).
-      max_logprobs: the most top tokens a request's logprobs may list (None: min(20, vocab),
+      max_stop_ids: stop token ids per request (fixed so that the programs' shapes are).
+      max_logprobs: the most top tokens a request's logprobs may list (`add_request(
+        logprobs=k)`, k <= max_logprobs): while some request asks for logprobs, the programs
+        compute this many (one program whatever k; None: min(20, vocab_size), vLLM's,
         resolved by `EngineSettings.for_model`).
     """
 
@@ -193,8 +235,15 @@ class RequestSettings:
 
 @dataclasses.dataclass(frozen=True)
 class ProgramSettings:
-    """How the programs are built (`Engine` Args: query_block, num_buffers, implementation,
-    interpret); none of them changes a token."""
+    """How the programs are built; none of them changes a token.
+
+    Attributes:
+      query_block: the prefill's query blocks (the same for both paths: bitwise equal).
+      num_buffers: paged: full-layer device buffers of the offloaded prefill (default
+        min(4, layers)).
+      implementation, interpret: the decode step's kernels ("xla" by default) and the Pallas
+        interpret mode.
+    """
 
     query_block: int | None = resident.QUERY_BLOCK
     num_buffers: int | None = None
@@ -204,7 +253,10 @@ class ProgramSettings:
 
 @dataclasses.dataclass(frozen=True)
 class MetricsSettings:
-    """A JSON line of counters appended to `path` every `every` steps (None: no log)."""
+    """A JSON line of counters appended to `path` every `every` steps (`Engine` keywords
+    metrics_path, metrics_every; `fo_jax.engine.metrics.MetricsLog`, kept as `engine.metrics`;
+    counters are summed on the device between reads; a caller may set `engine.metrics` to
+    its own log instead). None: no log."""
 
     path: str | None = None
     every: int = 16
