@@ -408,13 +408,11 @@ class Engine:
 
     def _reuse_prefix(self, req: RequestState, b: int) -> None:
         """Resident: copy the request's longest cached prefix of whole prefill chunks into
-        seat b (`ResidentPrefixStore`: one program, O(L prefix) rows); its prefill starts
-        there. O(prompt) hashing."""
-        slots, cached = self.prefix_store.lookup(req.prompt, chunk=self.chunk)
-        keep = self._mtp_prefix(req, cached) // self.prefix_store.block_tokens
-        self.prefix_store.pool.decref(slots[keep:][::-1])
-        slots, cached = slots[:keep], keep * self.prefix_store.block_tokens
-        self.state = self.prefix_store.write(self.state, b, slots)
+        seat b (`ResidentKV.match_prefix`, `write_prefix`: one program, O(L prefix) rows); its
+        prefill starts there. O(prompt) hashing."""
+        slots, cached = self.kv.match_prefix(req.prompt, chunk=self.chunk,
+                                             usable=lambda n: self._mtp_prefix(req, n))
+        self.kv.write_prefix(b, slots)
         req.cached_tokens = cached
         self.counters["prefix_hit_tokens"] += cached
 
@@ -447,14 +445,11 @@ class Engine:
     def _reserve(self, req: RequestState) -> bool:
         """Map the request's cached prefix (with the prefix cache) and reserve its pages
         (`Scheduler.reserve_pages`); False, with nothing held, when they do not."""
-        matched, cached = np.zeros((0,), np.int32), 0
-        if self.prefix is not None:
-            matched, cached = self.prefix.match(req.prompt[:-1])
-            cached = self._mtp_prefix(req, cached // self.chunk * self.chunk)
-            keep = cached // self.pool.page_size
-            self.pool.decref(matched[keep:].tolist())
-            matched = matched[:keep]
-        pages = self.scheduler.reserve_pages(req, matched.tolist(), cached)
+        matched, cached = [], 0
+        if self.prefix is not None:  # its cached pages, mapped (`PagedKV.match_prefix`)
+            matched, cached = self.kv.match_prefix(req.prompt, chunk=self.chunk,
+                                                   usable=lambda n: self._mtp_prefix(req, n))
+        pages = self.scheduler.reserve_pages(req, matched, cached)
         if pages is None:
             return False
         req.pages, req.cached_tokens = pages, cached

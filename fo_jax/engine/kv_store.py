@@ -2,6 +2,7 @@
 (`PagedKV`), with prefix reuse and a seat's rows read out and written in.
 
     kv = make_kv_store(config, settings)            # ResidentKV or PagedKV
+    slots, cached = kv.match_prefix(prompt, chunk=c, usable=f)   # prefix reuse
     kv.set_seats({b: (length, row)})                # a request starts in seat b
     out = kv.read_seat(b, length=n, row=row, rows=r)   # its rows, to move it elsewhere
     pages = kv.write_seat(b, moved, reserve_tokens=t)  # and in again, on another engine
@@ -81,6 +82,14 @@ class KVStore:
         """The seats of `mask` [B] start decoding from the rows they hold (paged: their hot rows,
         maps and policy state are built, `join_seats`; resident: nothing to build)."""
 
+    def match_prefix(self, prompt: np.ndarray, *, chunk: int, usable) -> tuple[list, int]:
+        """Prefix reuse: (what holds the longest cached prefix of whole prefill chunks of
+        `prompt`, its tokens), cut to `usable(tokens)` tokens (whole chunks: e.g. those whose
+        MTP rows are cached too). The caller holds a reference to what is returned (resident:
+        the prefix store's slots, for `write_prefix`; paged: the pool's pages, mapped by the
+        request's pages); the rest is released. O(prompt) hashing."""
+        raise NotImplementedError
+
 
 class ResidentKV(KVStore):
     """Fixed seats of `capacity` contiguous rows on the device; prefix reuse copies rows from
@@ -98,6 +107,18 @@ class ResidentKV(KVStore):
                                                              capacity=self.capacity))
         self.step_fn = ResidentStep(config, programs.implementation or "xla",
                                     programs.interpret)
+
+    def match_prefix(self, prompt: np.ndarray, *, chunk: int, usable) -> tuple[list, int]:
+        store = self.prefix_store
+        slots, cached = store.lookup(prompt, chunk=chunk)
+        keep = usable(cached) // store.block_tokens
+        store.pool.decref(slots[keep:][::-1])
+        return slots[:keep], keep * store.block_tokens
+
+    def write_prefix(self, b: int, slots) -> None:
+        """Copy the cached blocks `slots` (`match_prefix`) into seat b's first rows
+        (`ResidentPrefixStore.write`: one program, O(L prefix) rows)."""
+        self.state = self.prefix_store.write(self.state, b, slots)
 
     def read_seat(self, b: int, **_) -> SeatRows:
         """Seat b's rows, S = the capacity: O(L S (D+R) + G S N) device copy."""
@@ -149,6 +170,14 @@ class PagedKV(KVStore):
             table=np.full((self.seats, self.max_pages), NO_PAGE, np.int32))
         self.step_fn = OffloadedStep(config, offload, programs.implementation or "xla",
                                      programs.interpret)
+
+    def match_prefix(self, prompt: np.ndarray, *, chunk: int, usable) -> tuple[list, int]:
+        # The last prompt token is always prefilled: its logits sample the first token.
+        matched, cached = self.prefix.match(prompt[:-1])
+        cached = usable(cached // chunk * chunk)
+        keep = cached // self.pool.page_size
+        self.pool.decref(matched[keep:].tolist())
+        return matched[:keep].tolist(), cached
 
     def set_rows(self, rows: dict) -> None:
         """Set seat b's page-table row to rows[b] (pages appended; lengths unchanged)."""
