@@ -499,7 +499,7 @@ def _cmd_bench_serve(args) -> int:
     if args.metrics_every < 1:
         raise ValueError(f"--metrics-every {args.metrics_every} must be >= 1 (engine steps "
                          "between reads of the device counters)")
-    engine, config, _, offload = build_engine(args)
+    engine, config, _, offload = build_engine(args, metrics_jsonl=args.metrics_jsonl)
     requests = poisson_workload(args.requests, vocab=config.vocab_size, **workload)
     longest = max(len(p) for _, p, _ in requests)
     if longest > engine.capacity:

@@ -3,7 +3,14 @@
 The jit-compiled decode loop it runs (`decode_loop`: up to N decode steps with on-device
 sampling, stop checks and summed statistics in one program) is `fo_jax.decode_loop`, below the
 engine, shared with `fo_jax.generate`; sampling is `fo_jax.sampling`. Both are re-exported here.
-`fo_jax.engine.engine`: continuous batching over seats (`Engine`).
+`fo_jax.engine.engine`: continuous batching over seats (`Engine`), composed of a scheduler
+(`fo_jax.engine.scheduler`: queue, admission, preemption), a KV store
+(`fo_jax.engine.kv_store`: resident or paged seats, prefix reuse, a seat's rows out and in), the
+decode-loop runner (`fo_jax.engine.runner`) and the requests' host records
+(`fo_jax.engine.requests`).
+`fo_jax.engine.settings`: the engine's settings as frozen dataclasses by concern
+(`EngineSettings`: `CacheSettings`, `SchedulerSettings`, `SpeculativeSettings`, ...), checked
+once; `fo_jax.engine.args`: the command-line flags that build them (`EngineArgs`).
 `fo_jax.engine.data_parallel`: R engines on R devices behind one request stream
 (`DataParallelEngine`), each request placed on a rank by a `fo_jax.placement` rule.
 `fo_jax.engine.auto`: automatic offload (`AutoEngine`): short resident seats while a request
@@ -31,6 +38,7 @@ from fo_jax.engine.admission import (
     RequestRefused,
     Verdict,
 )
+from fo_jax.engine.args import EngineArgs
 from fo_jax.engine.auto import AutoEngine
 from fo_jax.engine.data_parallel import DataParallelEngine
 from fo_jax.engine.engine import Engine, RequestOutput, TokenLogprobs
@@ -49,10 +57,21 @@ from fo_jax.engine.pages import NO_PAGE, PagePool, PoolExhausted, PrefixCache, R
 from fo_jax.engine.mtp_prefix import MTPPrefixStore
 from fo_jax.engine.resident_prefix import ResidentPrefixStore
 from fo_jax.sampling import Sampling, sample_tokens
+from fo_jax.engine.settings import (
+    CacheSettings,
+    EngineSettings,
+    MetricsSettings,
+    ProgramSettings,
+    RequestSettings,
+    SchedulerSettings,
+    SpeculativeSettings,
+)
 
-__all__ = ["NO_PAGE", "Admission", "AutoEngine", "DataParallelEngine", "Decision", "Engine",
-           "LoopOutput", "LoopStats", "MTPPrefixStore", "MTPSeats", "MemoryCosts", "MetricsLog", "OffloadedStep",
-           "PagePool",
-           "PoolExhausted", "PrefixCache", "Request", "RequestOutput", "RequestPages",
-           "RequestRefused", "ResidentPrefixStore", "ResidentStep", "Sampling", "Seats",
+__all__ = ["NO_PAGE", "Admission", "AutoEngine", "CacheSettings", "DataParallelEngine",
+           "Decision", "Engine", "EngineArgs", "EngineSettings", "LoopOutput",
+           "LoopStats", "MTPPrefixStore", "MTPSeats", "MemoryCosts", "MetricsLog",
+           "MetricsSettings", "OffloadedStep", "PagePool", "PoolExhausted",
+           "PrefixCache", "ProgramSettings", "Request", "RequestOutput", "RequestPages",
+           "RequestRefused", "RequestSettings", "ResidentPrefixStore", "ResidentStep",
+           "Sampling", "SchedulerSettings", "Seats", "SpeculativeSettings",
            "TokenLogprobs", "Verdict", "decode_loop", "mtp_feed", "sample_tokens"]

@@ -19,8 +19,8 @@ resident_capacity). Each `step()`:
 
   1. migrates: a resident request that a resident seat can no longer take (its next decode
      call could fill the seat while it may still sample more) leaves the resident engine
-     (`Engine._export_seat`: its seat's rows [L, S_r, D+R] and indexer keys [G, S_r, N], its
-     last token, PRNG key and count) and takes an offloaded seat (`Engine._import_seat`:
+     (`Engine.export_seat`: its seat's rows [L, S_r, D+R] and indexer keys [G, S_r, N], its
+     last token, PRNG key and count) and takes an offloaded seat (`Engine.import_seat`:
      pages reserved, its `length` rows written into them once, O(L length) rows, its hot
      cache and maps built from them by `join_seats`, O(L (C + 2Z))). With no offloaded seat
      or pages free, it waits parked (its rows stay on the device: a parked request still
@@ -77,8 +77,8 @@ import numbers
 from typing import Any, Sequence
 
 from fo_jax.config import ModelConfig
-from fo_jax.engine.engine import (Engine, RequestOutput, SeatExport, _Request,
-                                  claim_request_id)
+from fo_jax.engine.engine import Engine, SeatExport
+from fo_jax.engine.requests import RequestOutput, RequestState, claim_request_id
 from fo_jax.offload.config import OffloadConfig
 
 
@@ -132,10 +132,10 @@ class AutoEngine:
         self.n_steps = self.resident.n_steps
         # The most tokens one decode call stores per request: N steps of D + 1 ways.
         self.call_tokens = self.n_steps * (self.resident.num_drafts + 1)
-        self._waiting: list[_Request] = []
+        self._waiting: list[RequestState] = []
         self._parked: list[SeatExport] = []
         self._tier: dict[str, str] = {}  # id -> its place (see `tier_of`)
-        self._finished: dict[str, _Request] = {}  # cancelled before reaching an engine
+        self._finished: dict[str, RequestState] = {}  # cancelled before reaching an engine
         self._ids = itertools.count()
         self.counters = {"placed_resident": 0, "placed_offloaded": 0, "migrations": 0,
                          "parked": 0, "moved_back": 0, "requests_cancelled": 0}
@@ -149,7 +149,7 @@ class AutoEngine:
         refused request leaves the engine as it was."""
         request_id = claim_request_id(request_id, self._ids, self._tier)
         rid = self.offloaded.add_request(prompt, request_id=request_id, **sampling)
-        self._waiting.append(self.offloaded._withdraw(rid))
+        self._waiting.append(self.offloaded.withdraw(rid))
         self._tier[rid] = "waiting"
         return rid
 
@@ -224,7 +224,7 @@ class AutoEngine:
             self.step()
         out = {rid: r.output([]) for rid, r in self._finished.items()}
         for engine in (self.resident, self.offloaded):
-            out.update({rid: r.output([]) for rid, r in engine._requests.items()})
+            out.update({rid: r.output([]) for rid, r in engine.requests().items()})
         return out
 
     # The step ------------------------------------------------------------------------------
@@ -244,7 +244,7 @@ class AutoEngine:
                 outputs += engine.step()
         return outputs
 
-    def _fits_resident(self, req: _Request) -> bool:
+    def _fits_resident(self, req: RequestState) -> bool:
         """A resident seat can take the request (placed, or moved back from the offloaded
         tier): its length leaves room for its next decode call (`call_tokens`: N steps of D + 1
         ways), or its whole output fits there (it never has to move). Its length: the prompt
@@ -253,7 +253,7 @@ class AutoEngine:
         length = n + max(len(req.tokens) - 1, 0)
         return length + self.call_tokens < cap or n + req.max_tokens - 1 <= cap
 
-    def _must_move(self, req: _Request) -> bool:
+    def _must_move(self, req: RequestState) -> bool:
         """A resident request whose next decode call could fill its seat before it is done
         (the negation of `_fits_resident` for a decoding request: one moved back by it is not
         moved out before a decode call). O(1)."""
@@ -261,11 +261,11 @@ class AutoEngine:
 
     def _migrate(self) -> None:
         """Resident requests about to outgrow their seat leave it (parked until seated)."""
-        for req in list(self.resident._occupant):
-            if (req is None or req.finish_reason is not None or not req.tokens
+        for req in self.resident.running_requests():
+            if (req.finish_reason is not None or not req.tokens
                     or not self._must_move(req)):
                 continue
-            self._parked.append(self.resident._export_seat(req.request_id))
+            self._parked.append(self.resident.export_seat(req.request_id))
             self._tier[req.request_id] = "parked"
             self.counters["parked"] += 1
 
@@ -273,7 +273,7 @@ class AutoEngine:
         """Seat parked requests on the offloaded tier, in order, while seats and pages last."""
         while self._parked and self._free_offloaded() > 0:
             moved = self._parked[0]
-            if not self.offloaded._import_seat(moved):
+            if not self.offloaded.import_seat(moved):
                 break
             self._parked.pop(0)
             self._tier[moved.request.request_id] = "offloaded"
@@ -295,14 +295,14 @@ class AutoEngine:
         if free <= 0 or not self.offloaded.num_running():
             return 0
         room = self.resident.capacity
-        ready = [r for r in self.offloaded._occupant
-                 if r is not None and r.prefilled == len(r.prompt) and r.tokens
+        ready = [r for r in self.offloaded.running_requests()
+                 if r.prefilled == len(r.prompt) and r.tokens
                  and r.finish_reason is None and self._fits_resident(r)]
         ready.sort(key=lambda r: -min(r.max_tokens - len(r.tokens),
                                       room - len(r.prompt) - len(r.tokens)))
         for req in ready[:free]:
-            moved = self.offloaded._export_seat(req.request_id, rows=room)
-            if not self.resident._import_seat(moved):  # a free seat was counted
+            moved = self.offloaded.export_seat(req.request_id, rows=room)
+            if not self.resident.import_seat(moved):  # a free seat was counted
                 raise AssertionError(f"no free resident seat for {req.request_id!r}")
             self._tier[req.request_id] = "resident"
             self.counters["moved_back"] += 1
@@ -324,7 +324,7 @@ class AutoEngine:
             else:
                 continue
             self._waiting.remove(req)
-            getattr(self, tier)._enqueue(req)
+            getattr(self, tier).enqueue(req)
             self._tier[req.request_id] = tier
             self.counters[f"placed_{tier}"] += 1
 

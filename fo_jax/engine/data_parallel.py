@@ -110,7 +110,9 @@ class DataParallelEngine:
         if bad:
             raise ValueError(f"devices must be this process's jax devices "
                              f"(jax.local_devices()), got {bad[0]!r}")
-        offloaded = engine_kwargs.get("offload") is not None
+        settings = engine_kwargs.get("settings")  # an EngineSettings, or its flat keywords
+        offloaded = (engine_kwargs.get("offload") if settings is None
+                     else settings.cache.offload) is not None
         if placement is None:
             placement = "least_misses" if offloaded else "least_context"
         if placement not in PLACEMENTS:
@@ -120,7 +122,8 @@ class DataParallelEngine:
             raise ValueError("placement='least_misses' needs the offloaded path (an "
                              "OffloadConfig): the resident path copies no misses; use "
                              "'least_context'")
-        if engine_kwargs.get("metrics_path") is not None:
+        if (engine_kwargs.get("metrics_path") if settings is None
+                else settings.metrics.path) is not None:
             raise ValueError("metrics_path is not supported by DataParallelEngine (one log per "
                              "engine); read counters, stats and imbalance() instead")
         self.devices, self.placement = devices, placement

@@ -58,83 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The model and engine flags (`serve`, `bench-serve`)."""
-    parser.add_argument("--model", default=None,
-                        help="trained-small (default: the model shipped with the package) or a "
-                             "preset with random weights (tiny, small) or --weights")
-    parser.add_argument("--model-dir", default=None, help="a model directory (fo_jax.embedded)")
-    parser.add_argument("--weights", default=None, help="safetensors weights for a --model preset")
-    parser.add_argument("--checkpoint-weights", default=None, choices=("fp8", "dequantize"),
-                        help="a Hugging Face --model-dir's FP8 weights: fp8 keeps them FP8 "
-                             "(multiplied in FP8 with their block scales), dequantize converts "
-                             "them on load (default: fp8 for a checkpoint with a "
-                             "quantization_config)")
-    parser.add_argument("--seed", type=flags.seed, default=0,
-                        help="random weights of a --model preset")
-    parser.add_argument("--seats", type=int, default=4, help="requests decoded at once")
-    parser.add_argument("--capacity", type=int, default=None,
-                        help="tokens per seat, prompt + output (default: min(max_seq_len, 2048))")
-    parser.add_argument("--offload", action="store_true",
-                        help="a paged KV pool shared by the seats, in host memory (offloaded; "
-                             "--pool-memory device: in device memory)")
-    parser.add_argument("--hot-slots", type=int, default=None,
-                        help="with --offload: hot-cache slots per layer (default: top-k x max "
-                             "ways)")
-    parser.add_argument("--page-size", type=int, default=16, help="with --offload: host page")
-    parser.add_argument("--policy", default=None,
-                        help="with --offload: eviction policy ring (default), lru, random, clock")
-    parser.add_argument("--pool-memory", default=None, metavar="{pinned_host,device}",
-                        help="with --offload: where the KV page pool lives: pinned_host "
-                             "(default: offloaded to host memory) or device (the paged KV on the "
-                             "device: its pages count against --device-gb, with admission and "
-                             "preemption by bytes)")
-    parser.add_argument("--host-pool-gb", type=flags.gigabytes, default=None,
-                        help="with --offload: host KV pool shared by the seats, in GB (default "
-                             "every seat full at once)")
-    parser.add_argument("--prefix-cache", action="store_true",
-                        help="reuse earlier prompts' prefixes: offloaded, their pool pages; "
-                             "resident, their KV rows, copied from a prefix store in device "
-                             "memory")
-    parser.add_argument("--prefix-cache-gb", type=flags.gigabytes, default=None,
-                        help="with --prefix-cache, resident: the prefix store's size in GB "
-                             "(default: one seat's rows)")
-    parser.add_argument("--device-gb", type=flags.gigabytes, default=None,
-                        help="with --offload: device budget of request state in GB (hot caches, "
-                             "indexer-key pages, prefill buffers, and the KV pages with "
-                             "--pool-memory device: the planner's arithmetic); "
-                             "requests wait for it, one that never fits is refused")
-    parser.add_argument("--reserve", choices=("full", "prompt"), default="full",
-                        help="with --offload: pages reserved at admission: prompt + max_tokens "
-                             "(full), or the prompt and the next decode call, growing as it "
-                             "decodes and preempting the youngest request when short (prompt)")
-    parser.add_argument("--queue-order", choices=("fifo", "shortest"), default="fifo",
-                        help="waiting requests: by arrival, or shortest prompt + max_tokens first")
-    parser.add_argument("--max-wait-steps", type=int, default=256,
-                        help="with --queue-order shortest: engine steps after which a waiting "
-                             "request goes ahead of shorter ones (-1: no aging)")
-    parser.add_argument("--decode-steps-per-call", type=int, default=1)
-    parser.add_argument("--num-drafts", type=int, default=0,
-                        help="drafts per request and decode step, verified on the device "
-                             "(speculative sampling at temperature > 0; 0 = none; at most the "
-                             "model's max_ways - 1)")
-    parser.add_argument("--drafter", choices=("ngram", "mtp"), default="ngram",
-                        help="with --num-drafts: n-gram lookup in each request's history, or "
-                             "the model's MTP layer (a --model-dir Hugging Face checkpoint "
-                             "with num_nextn_predict_layers >= 1; a preset's random weights "
-                             "get a random one; with --devices, one copy per device)")
-    parser.add_argument("--prefill-chunk", type=int, default=256)
-    parser.add_argument("--devices", type=int, default=None,
-                        help="serve data-parallel on this many local devices: one engine per "
-                             "device (--seats and the host pool per device), each request "
-                             "placed on one (fo_jax.engine.data_parallel). On a CPU, simulated "
-                             "devices need XLA_FLAGS=--xla_force_host_platform_device_count=N")
-    parser.add_argument("--placement", default=None,
-                        choices=("round_robin", "least_requests", "least_context",
-                                 "least_misses"),
-                        help="with --devices: the rank of a new request (default least_misses "
-                             "with --offload, else least_context; fo_jax.placement)")
-    parser.add_argument("--max-param-gb", type=float, default=None)
-    parser.add_argument("--no-progress", action="store_true")
+    """The model and engine flags (`serve`, `bench-serve`): `EngineArgs.add_cli_args`."""
+    from fo_jax.engine.args import EngineArgs
+
+    EngineArgs.add_cli_args(parser)
 
 
 @dataclasses.dataclass
@@ -276,7 +203,62 @@ def warm_up(engine) -> None:
         engine.reset_figures()
 
 
-def _check_mtp_flags(args, config, load, num_drafts: int) -> None:
+def build_engine(args, *, metrics_jsonl: str | None = None):
+    """(engine, config, tokenizer, offload config or None) from the flags of
+    `add_engine_arguments` (`EngineArgs.from_cli_args`), every flag checked before the weights
+    are read. `metrics_jsonl`: the --metrics-jsonl of the command (refused with --devices)."""
+    import jax
+
+    from fo_jax.decode_loop import check_drafting
+    from fo_jax.engine import Engine
+    from fo_jax.engine.args import EngineArgs
+    from fo_jax.resolve import check_param_memory, random_params, resolve_model
+    from fo_jax.tokenizer import ByteTokenizer
+    from fo_jax.weights import load_params
+
+    engine_args = EngineArgs.from_cli_args(args)
+    config, load, tokenizer = resolve_model(engine_args)
+    if tokenizer is None:
+        tokenizer = ByteTokenizer()
+        if config.vocab_size < 256:
+            raise ValueError(f"the byte tokenizer needs vocab_size >= 256; {config.name!r} has "
+                             f"{config.vocab_size}")
+    num_drafts = engine_args.num_drafts
+    try:
+        check_drafting(num_drafts, config)
+    except ValueError as err:
+        raise ValueError(f"--num-drafts {num_drafts}: {err}") from None
+    if engine_args.drafter == "mtp":
+        _check_mtp_flags(config, load, num_drafts)
+    offload = engine_args.offload_config(config)
+    devices = _devices(engine_args, metrics_jsonl)
+    check_param_memory(config, engine_args.max_param_gb)
+    mtp = None
+    if load is not None and engine_args.drafter == "mtp":
+        _, params, mtp = load(mtp=True)
+    elif load is not None:
+        params = load()[1]
+    else:
+        seed = engine_args.seed
+        params = (load_params(engine_args.weights, config) if engine_args.weights
+                  else random_params(config, seed))
+        if engine_args.drafter == "mtp":  # a preset's random weights: a random MTP layer too
+            from fo_jax.model.mtp import init_mtp_params
+
+            mtp = init_mtp_params(config, jax.random.key(seed + 1))
+    settings = engine_args.engine_settings(config, offload)
+    if devices is None:
+        return Engine(params, config, settings, tokenizer=tokenizer, mtp=mtp), config, \
+            tokenizer, offload
+    from fo_jax.engine.data_parallel import DataParallelEngine
+
+    engine = DataParallelEngine(params, config, devices=devices,
+                                placement=engine_args.placement, settings=settings,
+                                tokenizer=tokenizer, mtp=mtp)
+    return engine, config, tokenizer, offload
+
+
+def _check_mtp_flags(config, load, num_drafts: int) -> None:
     """Raise unless --drafter mtp can run with these flags (before any weight is read)."""
     from fo_jax.checkpoints import load_checkpoint
 
@@ -291,139 +273,20 @@ def _check_mtp_flags(args, config, load, num_drafts: int) -> None:
                          "(--model-dir of one with num_nextn_predict_layers >= 1)")
 
 
-def build_engine(args):
-    """(engine, config, tokenizer, offload config or None) from the flags of
-    `add_engine_arguments`, every flag checked before the weights are read."""
-    import jax
-
-    from fo_jax.engine import Engine
-    from fo_jax.decode_loop import check_drafting
-    from fo_jax.offload.config import (MEMORY_KINDS, OffloadConfig, check_hot_slots,
-                                       min_hot_slots)
-    from fo_jax.resolve import check_param_memory, random_params, resolve_model
-    from fo_jax.tokenizer import ByteTokenizer
-    from fo_jax.weights import load_params
-
-    config, load, tokenizer = resolve_model(args)
-    if tokenizer is None:
-        tokenizer = ByteTokenizer()
-        if config.vocab_size < 256:
-            raise ValueError(f"the byte tokenizer needs vocab_size >= 256; {config.name!r} has "
-                             f"{config.vocab_size}")
-    for flag in ("seats", "max_queue", "decode_steps_per_call", "prefill_chunk", "page_size"):
-        value = getattr(args, flag, 1)
-        if value < (0 if flag == "max_queue" else 1):
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= "
-                             f"{0 if flag == 'max_queue' else 1}, got {value}")
-    pool_memory = getattr(args, "pool_memory", None)
-    if pool_memory is not None and pool_memory not in MEMORY_KINDS:
-        raise ValueError(f"--pool-memory {pool_memory}: choose pinned_host (the KV pages in host "
-                         "memory: offloaded) or device (the paged KV on the device, its pages "
-                         "counted against --device-gb)")
-    if not args.offload:
-        for flag in ("policy", "hot_slots", "pool_memory"):
-            if getattr(args, flag, None) is not None:
-                raise ValueError(f"--{flag.replace('_', '-')} applies to the offloaded path "
-                                 "only: add --offload")
-    num_drafts = getattr(args, "num_drafts", 0)
-    try:
-        check_drafting(num_drafts, config)
-    except ValueError as err:
-        raise ValueError(f"--num-drafts {num_drafts}: {err}") from None
-    drafter = getattr(args, "drafter", "ngram")
-    if drafter == "mtp":
-        _check_mtp_flags(args, config, load, num_drafts)
-    capacity = min(config.max_seq_len, 2048) if args.capacity is None else args.capacity
-    offload = None
-    if args.offload:
-        if capacity % args.page_size:
-            raise ValueError(f"--capacity {capacity} must be a multiple of --page-size "
-                             f"{args.page_size} with --offload")
-        if args.hot_slots is not None:
-            check_hot_slots(args.hot_slots, config)
-        hot = min_hot_slots(config) if args.hot_slots is None else args.hot_slots
-        offload = OffloadConfig(hot_slots=hot, page_size=args.page_size, capacity=capacity,
-                                policy=args.policy or "ring",
-                                host_memory_kind=pool_memory or "pinned_host")
-        offload.validate_for(config)
-    devices = _devices(args)
-    check_param_memory(config, args.max_param_gb)
-    mtp = None
-    if load is not None and drafter == "mtp":
-        _, params, mtp = load(mtp=True)
-    elif load is not None:
-        params = load()[1]
-    else:
-        params = (load_params(args.weights, config) if args.weights
-                  else random_params(config, args.seed))
-        if drafter == "mtp":  # a preset's random weights: a random MTP layer too
-            from fo_jax.model.mtp import init_mtp_params
-
-            mtp = init_mtp_params(config, jax.random.key(args.seed + 1))
-    pool = {}
-    device_gb, reserve = getattr(args, "device_gb", None), getattr(args, "reserve", "full")
-    if args.host_pool_gb is not None or device_gb is not None or reserve != "full":
-        if offload is None:
-            raise ValueError("--host-pool-gb, --device-gb and --reserve prompt need --offload")
-        if args.host_pool_gb is not None:
-            pool["host_pool_bytes"] = int(args.host_pool_gb * 1e9)
-        if device_gb is not None:
-            if device_gb <= 0:
-                raise ValueError(f"--device-gb must be > 0, got {device_gb}")
-            pool["device_bytes"] = max(1, int(device_gb * 1e9))
-        pool["reserve"] = reserve
-    pool["prefix_cache"] = args.prefix_cache
-    prefix_gb = getattr(args, "prefix_cache_gb", None)
-    if prefix_gb is not None:
-        if offload is not None or not args.prefix_cache:
-            raise ValueError("--prefix-cache-gb sizes the resident prefix store: it needs "
-                             "--prefix-cache without --offload (offloaded, cached prefixes "
-                             "live in the host pool: --host-pool-gb)")
-        if prefix_gb <= 0:
-            raise ValueError(f"--prefix-cache-gb must be > 0, got {prefix_gb}")
-        pool["prefix_cache_bytes"] = max(1, int(prefix_gb * 1e9))
-    kwargs = dict(seats=args.seats, capacity=capacity, offload=offload,
-                  decode_steps_per_call=args.decode_steps_per_call,
-                  prefill_chunk=args.prefill_chunk, tokenizer=tokenizer,
-                  order=getattr(args, "queue_order", "fifo"), num_drafts=num_drafts,
-                  max_wait_steps=_max_wait_steps(args),
-                  **pool, **({"drafter": "mtp", "mtp": mtp} if drafter == "mtp" else {}))
-    if devices is None:
-        return Engine(params, config, **kwargs), config, tokenizer, offload
-    from fo_jax.engine.data_parallel import DataParallelEngine
-
-    engine = DataParallelEngine(params, config, devices=devices,
-                                placement=getattr(args, "placement", None), **kwargs)
-    return engine, config, tokenizer, offload
-
-
-def _max_wait_steps(args) -> int | None:
-    """--max-wait-steps: steps, or None for -1 (no aging)."""
-    steps = getattr(args, "max_wait_steps", 256)
-    if steps is not None and steps < -1:
-        raise ValueError(f"--max-wait-steps must be >= 0, or -1 for no aging; got {steps}")
-    return None if steps == -1 else steps
-
-
-def _devices(args):
+def _devices(engine_args, metrics_jsonl: str | None):
     """The local devices of --devices (None without it), checked before the weights are
     read."""
     import jax
 
-    count, rule = getattr(args, "devices", None), getattr(args, "placement", None)
+    count = engine_args.devices
     if count is None:
-        if rule is not None:
-            raise ValueError("--placement chooses among data-parallel ranks: add --devices N")
         return None
     local = jax.local_devices()
     if not 1 <= count <= len(local):
         raise ValueError(f"--devices {count} must be in [1, {len(local)}] (this process's "
                          "devices; on a CPU, simulate more with XLA_FLAGS="
                          f"--xla_force_host_platform_device_count={max(count, 1)})")
-    if rule == "least_misses" and not args.offload:
-        raise ValueError("--placement least_misses needs --offload (the resident path copies "
-                         "no misses)")
-    if getattr(args, "metrics_jsonl", None):
+    if metrics_jsonl:
         raise ValueError("--metrics-jsonl is not supported with --devices (one log per "
                          "engine)")
     return local[:count]
@@ -466,6 +329,8 @@ def run(args) -> int:
     if args.metrics_every < 1:
         raise ValueError(f"--metrics-every {args.metrics_every} must be >= 1 (engine steps "
                          "between two reads)")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     sock = bind_socket(args.host, args.port)
     try:
         return _serve(args, sock)
@@ -474,7 +339,7 @@ def run(args) -> int:
 
 
 def _serve(args, sock: socket.socket) -> int:
-    engine, config, tokenizer, offload = build_engine(args)
+    engine, config, tokenizer, offload = build_engine(args, metrics_jsonl=args.metrics_jsonl)
     capacity = engine.capacity
     if not args.no_warmup:
         t0 = time.perf_counter()

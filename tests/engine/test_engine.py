@@ -641,9 +641,9 @@ def test_a_request_that_kept_its_pages_resumes_only_when_the_call_leaves_it_its_
         engine.step()
     costs, waiting = engine.costs, engine._requests[young]
     running = engine._requests[old]
-    while running.pages.pages_needed(engine._tokens_needed(running)) == 0:
+    while running.pages.pages_needed(engine.scheduler.tokens_needed(running)) == 0:
         engine.step()
-    need = waiting.pages.pages_needed(engine._tokens_needed(waiting))
+    need = waiting.pages.pages_needed(engine.scheduler.tokens_needed(waiting))
     engine.device_bytes = (engine.device_bytes_used() + costs.seat_device_bytes
                            + need * costs.page_device_bytes)  # one page short of both
     outputs = {o.request_id: o for o in engine.step()}

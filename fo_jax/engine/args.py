@@ -1,0 +1,240 @@
+"""The engine's command-line flags in one place (`fo-jax serve`, `fo-jax bench-serve`).
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    engine_args = EngineArgs.from_cli_args(parser.parse_args())   # flags checked here
+    offload = engine_args.offload_config(config)                  # checked against the model
+    settings = engine_args.engine_settings(config, offload)       # fo_jax.engine.EngineSettings
+
+`EngineArgs` holds the flags' values as parsed (GB, -1 for "no aging", ...), one field per flag;
+`from_cli_args` checks the rules between flags (an offloaded-only flag without --offload, ...)
+before any model is read, with messages that name the flags; `engine_settings` turns them into
+the engine's settings (`fo_jax.engine.settings`: bytes, None, ...), which check themselves
+again as the library's API does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from fo_jax import flags
+from fo_jax.config import ModelConfig
+from fo_jax.engine.settings import (CacheSettings, EngineSettings, SchedulerSettings,
+                                    SpeculativeSettings)
+from fo_jax.offload.config import MEMORY_KINDS, OffloadConfig, check_hot_slots, min_hot_slots
+
+PLACEMENTS = ("round_robin", "least_requests", "least_context", "least_misses")
+DEFAULT_CAPACITY = 2048  # --capacity default: min(max_seq_len, this)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineArgs:
+    """The model and engine flags, one field per flag (`add_cli_args` gives each its help).
+
+    Raises (at construction, `__post_init__`):
+      ValueError: flags that cannot go together or are out of range, naming the flags.
+    """
+
+    model: str | None = None
+    model_dir: str | None = None
+    weights: str | None = None
+    checkpoint_weights: str | None = None
+    seed: int = 0
+    seats: int = 4
+    capacity: int | None = None
+    offload: bool = False
+    hot_slots: int | None = None
+    page_size: int = 16
+    policy: str | None = None
+    pool_memory: str | None = None
+    host_pool_gb: float | None = None
+    prefix_cache: bool = False
+    prefix_cache_gb: float | None = None
+    device_gb: float | None = None
+    reserve: str = "full"
+    queue_order: str = "fifo"
+    max_wait_steps: int = 256
+    decode_steps_per_call: int = 1
+    num_drafts: int = 0
+    drafter: str = "ngram"
+    prefill_chunk: int = 256
+    devices: int | None = None
+    placement: str | None = None
+    max_param_gb: float | None = None
+    no_progress: bool = False
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add the model and engine flags to `parser`."""
+        parser.add_argument("--model", default=None,
+                            help="trained-small (default: the model shipped with the package) "
+                                 "or a preset with random weights (tiny, small) or --weights")
+        parser.add_argument("--model-dir", default=None,
+                            help="a model directory (fo_jax.embedded)")
+        parser.add_argument("--weights", default=None,
+                            help="safetensors weights for a --model preset")
+        parser.add_argument("--checkpoint-weights", default=None, choices=("fp8", "dequantize"),
+                            help="a Hugging Face --model-dir's FP8 weights: fp8 keeps them FP8 "
+                                 "(multiplied in FP8 with their block scales), dequantize "
+                                 "converts them on load (default: fp8 for a checkpoint with a "
+                                 "quantization_config)")
+        parser.add_argument("--seed", type=flags.seed, default=0,
+                            help="random weights of a --model preset")
+        parser.add_argument("--seats", type=int, default=4, help="requests decoded at once")
+        parser.add_argument("--capacity", type=int, default=None,
+                            help="tokens per seat, prompt + output (default: min(max_seq_len, "
+                                 "2048))")
+        parser.add_argument("--offload", action="store_true",
+                            help="a paged KV pool shared by the seats, in host memory "
+                                 "(offloaded; --pool-memory device: in device memory)")
+        parser.add_argument("--hot-slots", type=int, default=None,
+                            help="with --offload: hot-cache slots per layer (default: top-k x "
+                                 "max ways)")
+        parser.add_argument("--page-size", type=int, default=16,
+                            help="with --offload: host page")
+        parser.add_argument("--policy", default=None,
+                            help="with --offload: eviction policy ring (default), lru, random, "
+                                 "clock")
+        parser.add_argument("--pool-memory", default=None, metavar="{pinned_host,device}",
+                            help="with --offload: where the KV page pool lives: pinned_host "
+                                 "(default: offloaded to host memory) or device (the paged KV "
+                                 "on the device: its pages count against --device-gb, with "
+                                 "admission and preemption by bytes)")
+        parser.add_argument("--host-pool-gb", type=flags.gigabytes, default=None,
+                            help="with --offload: host KV pool shared by the seats, in GB "
+                                 "(default every seat full at once)")
+        parser.add_argument("--prefix-cache", action="store_true",
+                            help="reuse earlier prompts' prefixes: offloaded, their pool pages; "
+                                 "resident, their KV rows, copied from a prefix store in device "
+                                 "memory")
+        parser.add_argument("--prefix-cache-gb", type=flags.gigabytes, default=None,
+                            help="with --prefix-cache, resident: the prefix store's size in GB "
+                                 "(default: one seat's rows)")
+        parser.add_argument("--device-gb", type=flags.gigabytes, default=None,
+                            help="with --offload: device budget of request state in GB (hot "
+                                 "caches, indexer-key pages, prefill buffers, and the KV pages "
+                                 "with --pool-memory device: the planner's arithmetic); "
+                                 "requests wait for it, one that never fits is refused")
+        parser.add_argument("--reserve", choices=("full", "prompt"), default="full",
+                            help="with --offload: pages reserved at admission: prompt + "
+                                 "max_tokens (full), or the prompt and the next decode call, "
+                                 "growing as it decodes and preempting the youngest request "
+                                 "when short (prompt)")
+        parser.add_argument("--queue-order", choices=("fifo", "shortest"), default="fifo",
+                            help="waiting requests: by arrival, or shortest prompt + max_tokens "
+                                 "first")
+        parser.add_argument("--max-wait-steps", type=int, default=256,
+                            help="with --queue-order shortest: engine steps after which a "
+                                 "waiting request goes ahead of shorter ones (-1: no aging)")
+        parser.add_argument("--decode-steps-per-call", type=int, default=1)
+        parser.add_argument("--num-drafts", type=int, default=0,
+                            help="drafts per request and decode step, verified on the device "
+                                 "(speculative sampling at temperature > 0; 0 = none; at most "
+                                 "the model's max_ways - 1)")
+        parser.add_argument("--drafter", choices=("ngram", "mtp"), default="ngram",
+                            help="with --num-drafts: n-gram lookup in each request's history, "
+                                 "or the model's MTP layer (a --model-dir Hugging Face "
+                                 "checkpoint with num_nextn_predict_layers >= 1; a preset's "
+                                 "random weights get a random one; with --devices, one copy "
+                                 "per device)")
+        parser.add_argument("--prefill-chunk", type=int, default=256)
+        parser.add_argument("--devices", type=int, default=None,
+                            help="serve data-parallel on this many local devices: one engine "
+                                 "per device (--seats and the host pool per device), each "
+                                 "request placed on one (fo_jax.engine.data_parallel). On a "
+                                 "CPU, simulated devices need XLA_FLAGS="
+                                 "--xla_force_host_platform_device_count=N")
+        parser.add_argument("--placement", default=None, choices=PLACEMENTS,
+                            help="with --devices: the rank of a new request (default "
+                                 "least_misses with --offload, else least_context; "
+                                 "fo_jax.placement)")
+        parser.add_argument("--max-param-gb", type=float, default=None)
+        parser.add_argument("--no-progress", action="store_true")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        """The engine flags of parsed `args` (a parser given `add_cli_args`; other flags are
+        left alone), checked."""
+        values = vars(args)
+        return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
+
+    def __post_init__(self):
+        for flag in ("seats", "decode_steps_per_call", "prefill_chunk", "page_size"):
+            value = getattr(self, flag)
+            if value < 1:
+                raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+        if self.pool_memory is not None and self.pool_memory not in MEMORY_KINDS:
+            raise ValueError(f"--pool-memory {self.pool_memory}: choose pinned_host (the KV "
+                             "pages in host memory: offloaded) or device (the paged KV on the "
+                             "device, its pages counted against --device-gb)")
+        if not self.offload:
+            for flag in ("policy", "hot_slots", "pool_memory"):
+                if getattr(self, flag) is not None:
+                    raise ValueError(f"--{flag.replace('_', '-')} applies to the offloaded "
+                                     "path only: add --offload")
+            if (self.host_pool_gb is not None or self.device_gb is not None
+                    or self.reserve != "full"):
+                raise ValueError("--host-pool-gb, --device-gb and --reserve prompt need "
+                                 "--offload")
+        if self.device_gb is not None and self.device_gb <= 0:
+            raise ValueError(f"--device-gb must be > 0, got {self.device_gb}")
+        if self.prefix_cache_gb is not None:
+            if self.offload or not self.prefix_cache:
+                raise ValueError("--prefix-cache-gb sizes the resident prefix store: it needs "
+                                 "--prefix-cache without --offload (offloaded, cached prefixes "
+                                 "live in the host pool: --host-pool-gb)")
+            if self.prefix_cache_gb <= 0:
+                raise ValueError(f"--prefix-cache-gb must be > 0, got {self.prefix_cache_gb}")
+        if self.max_wait_steps is not None and self.max_wait_steps < -1:
+            raise ValueError(f"--max-wait-steps must be >= 0, or -1 for no aging; got "
+                             f"{self.max_wait_steps}")
+        if self.devices is None and self.placement is not None:
+            raise ValueError("--placement chooses among data-parallel ranks: add --devices N")
+        if self.devices is not None and self.placement == "least_misses" and not self.offload:
+            raise ValueError("--placement least_misses needs --offload (the resident path "
+                             "copies no misses)")
+
+    def capacity_for(self, config: ModelConfig) -> int:
+        """--capacity, or its default min(max_seq_len, 2048)."""
+        if self.capacity is None:
+            return min(config.max_seq_len, DEFAULT_CAPACITY)
+        return self.capacity
+
+    def offload_config(self, config: ModelConfig) -> OffloadConfig | None:
+        """The OffloadConfig of --offload (None without it), checked against `config`."""
+        if not self.offload:
+            return None
+        capacity = self.capacity_for(config)
+        if capacity % self.page_size:
+            raise ValueError(f"--capacity {capacity} must be a multiple of --page-size "
+                             f"{self.page_size} with --offload")
+        if self.hot_slots is not None:
+            check_hot_slots(self.hot_slots, config)
+        hot = min_hot_slots(config) if self.hot_slots is None else self.hot_slots
+        offload = OffloadConfig(hot_slots=hot, page_size=self.page_size, capacity=capacity,
+                                policy=self.policy or "ring",
+                                host_memory_kind=self.pool_memory or "pinned_host")
+        offload.validate_for(config)
+        return offload
+
+    def engine_settings(self, config: ModelConfig,
+                        offload: OffloadConfig | None) -> EngineSettings:
+        """The engine's settings of these flags (`offload`: `offload_config(config)`)."""
+        def gb(value):
+            return None if value is None else max(1, int(value * 1e9))
+
+        cache = CacheSettings(
+            seats=self.seats, capacity=self.capacity_for(config), offload=offload,
+            host_pool_bytes=(None if self.host_pool_gb is None
+                             else int(self.host_pool_gb * 1e9)),
+            prefix_cache=self.prefix_cache, prefix_cache_bytes=gb(self.prefix_cache_gb))
+        scheduler = SchedulerSettings(
+            order=self.queue_order, reserve=self.reserve, device_bytes=gb(self.device_gb),
+            max_wait_steps=None if self.max_wait_steps == -1 else self.max_wait_steps,
+            prefill_chunk=self.prefill_chunk, decode_steps_per_call=self.decode_steps_per_call)
+        return EngineSettings(cache=cache, scheduler=scheduler, speculative=SpeculativeSettings(
+            num_drafts=self.num_drafts, drafter=self.drafter))
+
+
+__all__ = ["EngineArgs", "PLACEMENTS"]

@@ -1,0 +1,312 @@
+"""The seats' KV behind one interface: resident rows (`ResidentKV`) or a shared page pool
+(`PagedKV`), with prefix reuse and a seat's rows read out and written in.
+
+    kv = make_kv_store(config, settings)            # ResidentKV or PagedKV
+    slots, cached = kv.match_prefix(prompt, chunk=c, usable=f)   # prefix reuse
+    kv.set_seats({b: (length, row)})                # a request starts in seat b
+    out = kv.read_seat(b, length=n, row=row, rows=r)   # its rows, to move it elsewhere
+    pages = kv.write_seat(b, moved, reserve_tokens=t)  # and in again, on another engine
+
+`state` is the batch state the compiled programs take (`ResidentState`, or the paged
+`DecodeState`), `step_fn` its decode step. Resident: fixed seats of `capacity` rows; prefix
+reuse copies rows from a `ResidentPrefixStore` of whole prefill chunks (`prefix_store`).
+Paged: the seats share one pool of `num_pages` pages (`pool`, with the page tables in the
+state), `costs` the planner's bytes per seat and page (admission by device bytes), prefix reuse
+maps cached pages (`prefix`, a `PrefixCache` on the pool). Every write is to the seats it
+names: a seat's rows never depend on the others'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fo_jax import resident
+from fo_jax.config import ModelConfig
+from fo_jax.engine.admission import MemoryCosts
+from fo_jax.decode_loop import OffloadedStep, ResidentStep
+from fo_jax.engine.mtp_prefix import mtp_block_bytes
+from fo_jax.engine.pages import NO_PAGE, PagePool, PoolExhausted, PrefixCache, RequestPages
+from fo_jax.engine.resident_prefix import ResidentPrefixStore
+from fo_jax.engine.settings import EngineSettings
+from fo_jax.offload import prefill as offload_prefill
+from fo_jax.offload.host import in_host_memory, load_history, write_back_rows
+from fo_jax.offload.state import DecodeState, committed, read_pool_keys, write_pool_keys
+
+
+class SeatRows(NamedTuple):
+    """A seat's rows read out (`KVStore.read_seat`): kv [L, S, D+R], index_keys [G, S, N] (the
+    first `length` are its tokens)."""
+
+    kv: jax.Array
+    index_keys: jax.Array
+    length: int
+
+
+class KVStore:
+    """What both ways of holding the KV share (see the module doc). Attributes: `state`,
+    `step_fn`, `seats`, `capacity`, `max_pages` (P, the page-table row width; 1 resident),
+    `pool`, `prefix`, `costs` (paged; None resident), `prefix_store` (resident; None paged)."""
+
+    paged = False
+    pool = prefix = costs = prefix_store = None
+    max_pages = 1
+
+    def __init__(self, config: ModelConfig, settings: EngineSettings):
+        self.config, self.offload = config, settings.cache.offload
+        self.seats, self.capacity = int(settings.cache.seats), int(settings.cache.capacity)
+
+    def set_seats(self, seats: dict) -> None:
+        """Set seat b's length (and page-table row, paged) to seats[b] = (length, row)."""
+        mask = np.zeros((self.seats,), bool)
+        lengths = np.zeros((self.seats,), np.int32)
+        rows = np.full((self.seats, self.max_pages), NO_PAGE, np.int32)
+        for b, (length, row) in seats.items():
+            mask[b], lengths[b] = True, length
+            if row is not None:
+                rows[b] = row
+        new_lengths = set_lengths(self.state.lengths, jnp.asarray(mask), jnp.asarray(lengths))
+        if self.pool is None:
+            self.state = dataclasses.replace(self.state, lengths=new_lengths)
+        else:
+            self.state = dataclasses.replace(
+                self.state, lengths=new_lengths,
+                table=masked_rows(self.state.table, jnp.asarray(mask), jnp.asarray(rows)))
+
+    def join(self, mask: np.ndarray) -> None:
+        """The seats of `mask` [B] start decoding from the rows they hold (paged: their hot rows,
+        maps and policy state are built, `join_seats`; resident: nothing to build)."""
+
+    def match_prefix(self, prompt: np.ndarray, *, chunk: int, usable) -> tuple[list, int]:
+        """Prefix reuse: (what holds the longest cached prefix of whole prefill chunks of
+        `prompt`, its tokens), cut to `usable(tokens)` tokens (whole chunks: e.g. those whose
+        MTP rows are cached too). The caller holds a reference to what is returned (resident:
+        the prefix store's slots, for `write_prefix`; paged: the pool's pages, mapped by the
+        request's pages); the rest is released. O(prompt) hashing."""
+        raise NotImplementedError
+
+
+class ResidentKV(KVStore):
+    """Fixed seats of `capacity` contiguous rows on the device; prefix reuse copies rows from
+    a prefix store (`ResidentPrefixStore`)."""
+
+    def __init__(self, config: ModelConfig, settings: EngineSettings):
+        super().__init__(config, settings)
+        cache, programs = settings.cache, settings.programs
+        if cache.prefix_cache:
+            self.prefix_store = ResidentPrefixStore.for_engine(
+                config, prefill_chunk=settings.scheduler.prefill_chunk, capacity=self.capacity,
+                size=cache.prefix_cache_bytes, memory=cache.prefix_cache_memory,
+                mtp=settings.speculative.drafter == "mtp")
+        self.state = committed(resident.ResidentState.create(config, batch=self.seats,
+                                                             capacity=self.capacity))
+        self.step_fn = ResidentStep(config, programs.implementation or "xla",
+                                    programs.interpret)
+
+    def match_prefix(self, prompt: np.ndarray, *, chunk: int, usable) -> tuple[list, int]:
+        store = self.prefix_store
+        slots, cached = store.lookup(prompt, chunk=chunk)
+        keep = usable(cached) // store.block_tokens
+        store.pool.decref(slots[keep:][::-1])
+        return slots[:keep], keep * store.block_tokens
+
+    def write_prefix(self, b: int, slots) -> None:
+        """Copy the cached blocks `slots` (`match_prefix`) into seat b's first rows
+        (`ResidentPrefixStore.write`: one program, O(L prefix) rows)."""
+        self.state = self.prefix_store.write(self.state, b, slots)
+
+    def read_seat(self, b: int, **_) -> SeatRows:
+        """Seat b's rows, S = the capacity: O(L S (D+R) + G S N) device copy."""
+        kv, keys, length = _seat_rows(self.state.kv, self.state.index_keys,
+                                      self.state.lengths, jnp.asarray(b, jnp.int32))
+        return SeatRows(kv, keys, int(length))
+
+    def write_seat(self, b: int, rows: SeatRows, **_) -> None:
+        """Seat b holds `rows` (its first `length` rows written, its length set): O(L S)."""
+        kv, keys = _write_resident_seat(self.state.kv, self.state.index_keys, rows.kv,
+                                        rows.index_keys, jnp.asarray(b, jnp.int32))
+        self.state = dataclasses.replace(self.state, kv=kv, index_keys=keys)
+        self.set_seats({b: (rows.length, None)})
+
+
+class PagedKV(KVStore):
+    """The seats share one pool of pages (host KV and indexer keys) through page tables; the
+    pool lives in host memory (offloaded) or on the device (`host_memory_kind="device"`)."""
+
+    paged = True
+
+    def __init__(self, config: ModelConfig, settings: EngineSettings):
+        super().__init__(config, settings)
+        cache, programs, offload = settings.cache, settings.programs, settings.cache.offload
+        prefix_cache, num_pages = cache.prefix_cache, cache.num_pages
+        mtp_rows = prefix_cache and settings.speculative.drafter == "mtp"
+        z = offload.page_size
+        self.max_pages = self.capacity // z
+        num_buffers = programs.num_buffers
+        self.costs = MemoryCosts.from_config(
+            config, page_size=z, hot_slots=offload.hot_slots,
+            num_buffers=min(4, config.num_layers) if num_buffers is None else num_buffers,
+            pool_memory=offload.host_memory_kind)
+        if cache.host_pool_bytes is not None:  # the planner's bytes of one page (every layer)
+            page_bytes = self.costs.page_host_bytes
+            if mtp_rows:  # + its MTP rows (`MTPPrefixStore`)
+                page_bytes += mtp_block_bytes(config, z)
+            num_pages = int(cache.host_pool_bytes) // page_bytes
+            if num_pages < 1:
+                mtp_layer = " and the MTP layer" if mtp_rows else ""
+                raise ValueError(f"host_pool_bytes={cache.host_pool_bytes} holds no page of "
+                                 f"{z} tokens ({page_bytes} bytes over {config.num_layers} "
+                                 f"layers{mtp_layer}): raise it")
+        num_pages = self.seats * self.max_pages if num_pages is None else num_pages
+        self.pool = PagePool(int(num_pages), z)
+        self.prefix = PrefixCache(self.pool) if prefix_cache else None
+        self.state = DecodeState.create(
+            config, offload, batch=self.seats, num_frames=self.pool.num_pages,
+            table=np.full((self.seats, self.max_pages), NO_PAGE, np.int32))
+        self.step_fn = OffloadedStep(config, offload, programs.implementation or "xla",
+                                     programs.interpret)
+
+    def match_prefix(self, prompt: np.ndarray, *, chunk: int, usable) -> tuple[list, int]:
+        # The last prompt token is always prefilled: its logits sample the first token.
+        matched, cached = self.prefix.match(prompt[:-1])
+        cached = usable(cached // chunk * chunk)
+        keep = cached // self.pool.page_size
+        self.pool.decref(matched[keep:].tolist())
+        return matched[:keep].tolist(), cached
+
+    def set_rows(self, rows: dict) -> None:
+        """Set seat b's page-table row to rows[b] (pages appended; lengths unchanged)."""
+        mask = np.zeros((self.seats,), bool)
+        table = np.full((self.seats, self.max_pages), NO_PAGE, np.int32)
+        for b, row in rows.items():
+            mask[b], table[b] = True, row
+        self.state = dataclasses.replace(
+            self.state, table=masked_rows(self.state.table, jnp.asarray(mask),
+                                          jnp.asarray(table)))
+
+    def join(self, mask: np.ndarray) -> None:
+        self.state = offload_prefill.join_seats(self.state, mask, config=self.config,
+                                                offload=self.offload)
+
+    def read_seat(self, b: int, *, length: int, row: np.ndarray, rows: int | None) -> SeatRows:
+        """A request's first ceil(rows / Z) pages read through its page-table row `row`, from
+        the host pool and the indexer-key pool (S = that many pages' tokens; `rows`, at least
+        its `length` stored tokens, the rows of the seat it goes to): O(L S (D+R)) host to
+        device + O(G S N) device rows."""
+        if rows is None or not length <= rows <= self.capacity:
+            raise ValueError(f"export_seat of an offloaded request of {length} stored "
+                             f"tokens needs rows in [{length}, {self.capacity}] (the rows "
+                             f"its new seat takes), got {rows!r}")
+        pages = -(-int(rows) // self.offload.page_size)
+        kv, keys = _page_rows(self.state.host.kv, self.state.index_keys,
+                              jnp.asarray(row[:pages]), access=self.offload.host_access)
+        return SeatRows(kv, keys, length)
+
+    def write_seat(self, b: int, rows: SeatRows, *, reserve_tokens: int) -> RequestPages | None:
+        """Seat b holds `rows`: pages for `reserve_tokens` tokens reserved, its first `length`
+        rows and indexer keys written into them through its page-table row (O(L length)
+        rows), its length and row set, its hot rows, maps and policy state built from them
+        (`join_seats`: O(L seats (C + 2Z))). Its pages; None (nothing changed) when the pool
+        cannot give them yet."""
+        pages = RequestPages(self.pool, self.max_pages)
+        try:
+            pages.grow(reserve_tokens)
+        except PoolExhausted:
+            pages.release()
+            return None
+        row = pages.table_row()
+        host, index_keys = _write_seat_rows(
+            self.state.host.kv, self.state.index_keys, rows.kv, rows.index_keys,
+            jnp.asarray(row), jnp.asarray(rows.length, jnp.int32))
+        self.state = dataclasses.replace(self.state, host=dataclasses.replace(self.state.host,
+                                                                              kv=host),
+                                         index_keys=index_keys)
+        self.set_seats({b: (rows.length, row)})
+        mask = np.zeros((self.seats,), bool)
+        mask[b] = True
+        self.join(mask)
+        return pages
+
+
+def make_kv_store(config: ModelConfig, settings: EngineSettings) -> KVStore:
+    """`PagedKV` with an OffloadConfig in the settings, else `ResidentKV`."""
+    if settings.cache.paged:
+        return PagedKV(config, settings)
+    return ResidentKV(config, settings)
+
+
+@jax.jit
+def set_lengths(lengths, mask, values):
+    """lengths [B] with the seats of `mask` set to `values` (a request starts there)."""
+    return jnp.where(mask, values, lengths)
+
+
+@jax.jit
+def masked_rows(table, mask, rows):
+    """The rows [B, ...] of `table` of the seats of `mask` set to `rows` (a page table [B, P],
+    the drafters' histories [B, S])."""
+    return jnp.where(mask[:, None], rows, table)
+
+
+@jax.jit
+def _seat_rows(kv, index_keys, lengths, seat):
+    """Seat `seat`'s rows: kv [L, B, S, D+R] -> [L, S, D+R], index_keys [G, B, S, N] ->
+    [G, S, N], and its length. O(L S) rows copied."""
+    return (jax.lax.dynamic_index_in_dim(kv, seat, 1, keepdims=False),
+            jax.lax.dynamic_index_in_dim(index_keys, seat, 1, keepdims=False), lengths[seat])
+
+
+@functools.partial(jax.jit, static_argnames=("access",))
+def _page_rows(host_kv, key_pool, row, *, access: str):
+    """One request's rows read through its first pages row [p]: host_kv [L, F, Z, D+R] ->
+    [L, p Z, D+R] on the device (`load_history`: whole pages, host to device), key_pool [G, F,
+    Z, N] -> [G, p Z, N]. O(L p Z) rows moved."""
+    on_host = in_host_memory(host_kv)
+    table = row[None]
+    kv = jnp.stack([load_history(host_kv, table, layer, history_pages=row.shape[0],
+                                 on_host=on_host, access=access)[0]
+                    for layer in range(host_kv.shape[0])])
+    keys = jnp.stack([read_pool_keys(key_pool, table, g)[0] for g in range(key_pool.shape[0])])
+    return kv, keys
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _write_resident_seat(kv, index_keys, seat_kv, seat_keys, seat):
+    """Seat `seat` of a resident state with its first min(S, S') rows from seat_kv [L, S',
+    D+R] and seat_keys [G, S', N] (kv [L, B, S, D+R], index_keys [G, B, S, N]; the rows past
+    the request's length are never read). O(L S) rows written; the state is donated."""
+    width = min(kv.shape[2], seat_kv.shape[1])
+    zero = jnp.zeros((), jnp.int32)
+
+    def put(old, new):
+        rows = new[:, None, :width].astype(old.dtype)
+        return jax.lax.dynamic_update_slice(old, rows, (zero, seat, zero, zero))
+
+    return put(kv, seat_kv), put(index_keys, seat_keys)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _write_seat_rows(host_kv, key_pool, kv, keys, row, length):
+    """Write one request's first `length` rows into the pools through its page-table row
+    [P]: kv [L, S, D+R] into host_kv [L, F, Z, D+R], keys [G, S, N] into key_pool [G, F, Z, N]
+    (positions >= length, or in pages not held, are dropped). O(L S) rows written; the pools
+    are donated (updated in place)."""
+    on_host = in_host_memory(host_kv)
+    positions = jnp.arange(kv.shape[1], dtype=jnp.int32)
+    write_pos = jnp.where(positions < length, positions, -1)[None]  # [1, S]; -1: dropped
+    table = row[None]
+    for layer in range(kv.shape[0]):
+        host_kv = write_back_rows(host_kv, table, layer, kv[layer][None], write_pos,
+                                  on_host=on_host)
+    for g in range(keys.shape[0]):
+        key_pool = write_pool_keys(key_pool, table, g, keys[g][None], write_pos)
+    return host_kv, key_pool
+
+
+__all__ = ["KVStore", "PagedKV", "ResidentKV", "SeatRows", "make_kv_store", "masked_rows",
+           "set_lengths"]
