@@ -2,14 +2,22 @@
 
 Every ```python block runs (the blocks of one page in order, in one namespace, so a later block
 may use what an earlier one defined). Every `fo-jax` command of a ```bash / ```sh block is
-parsed by the command's own argument parser (not run). A block whose fence follows a
+parsed by the command's own argument parser (not run), and so is every `python -m experiments...`
+/ `python -m fo_jax...` command there: the module is run as __main__ only until its argparse
+parser has parsed the arguments. A block whose fence follows a
 `<!-- skip: reason -->` line does not run: keep those few (a server that must be running, a
 machine with 8 devices).
 """
 
+import argparse
+import os
 import pathlib
 import re
+import runpy
 import shlex
+import subprocess
+import sys
+import warnings
 
 import pytest
 
@@ -77,13 +85,21 @@ def test_python_blocks_are_marked_python():
     assert len(skipped) <= MAX_SKIPPED, skipped
 
 
-def commands(code: str):
-    """Yield the argument lists of the `fo-jax` commands in a shell block."""
+REDIRECT = re.compile(r"^(\d*|&)(>>?|<)")  # > f, 2>> f, < f, >f, 2>&1, &> f
+
+
+def shell_commands(code: str):
+    """Yield the word lists of the simple commands of a shell block: lines joined at `\\`,
+    comments dropped, split at `&&` / `||` / `;` / `|` / `&`, without `VAR=value` prefixes and
+    redirections."""
     logical, pending = [], ""
     for line in re.sub(r"\\\n\s*", " ", code).split("\n"):
         pending += line
         try:  # a quoted string may span lines: take the next line too
-            logical.append(shlex.split(pending, comments=True))
+            words = shlex.split(pending, comments=True)
+            # `a; b`: shlex keeps the `;` on the word before it
+            logical.append([part for w in words for part in
+                            ([w[:-1], ";"] if len(w) > 1 and w.endswith(";") else [w])])
             pending = ""
         except ValueError:
             pending += "\n"
@@ -91,13 +107,25 @@ def commands(code: str):
     for words in logical:
         start = 0
         for k, word in enumerate(words + [";"]):
-            if word in ("&&", "||", ";", "|") or k == len(words):
-                command = words[start:k]
+            if word in ("&&", "||", ";", "|", "&") or k == len(words):
+                command, rest = [], iter(words[start:k])
+                for w in rest:
+                    if not REDIRECT.match(w):
+                        command.append(w)
+                    elif REDIRECT.sub("", w) == "":
+                        next(rest, None)  # its target is the next word
                 while command and re.match(r"^[A-Z_][A-Z0-9_]*=", command[0]):
                     command = command[1:]  # VAR=value prefixes
-                if command and command[0].endswith("fo-jax"):
-                    yield command[1:]
+                if command:
+                    yield command
                 start = k + 1
+
+
+def commands(code: str):
+    """Yield the argument lists of the `fo-jax` commands in a shell block."""
+    for command in shell_commands(code):
+        if command[0].endswith("fo-jax"):
+            yield command[1:]
 
 
 def test_shell_commands_parse():
@@ -124,6 +152,135 @@ def test_command_finder():
             "XLA_FLAGS=--x=8 \\\n  fo-jax serve --seats 2 && curl -s localhost\n"
             "python -m pip install fo-jax-not\n")
     assert list(commands(code)) == [["generate", "--offload"], ["serve", "--seats", "2"]]
+
+
+PYTHON = re.compile(r"(^|/)python(3(\.\d+)?)?$")
+OWN = ("experiments", "fo_jax", "docs")  # the project's modules and scripts
+LAUNCHERS = ("fo_jax.distributed",)  # `... -- ARGS` runs `python ARGS`: checked too
+NO_ARG_FLAGS = ("-u", "-B", "-O", "-OO", "-s", "-S", "-E", "-I")
+
+
+def _python(words):
+    """(kind, target, args) of the project's module or script that `python WORDS` runs."""
+    while words and (words[0] in NO_ARG_FLAGS or words[0] in ("-X", "-W")):
+        words = words[2:] if words[0] in ("-X", "-W") else words[1:]
+    if words[:1] == ["-m"] and len(words) > 1 and words[1].split(".")[0] in OWN:
+        yield "module", words[1], words[2:]
+        if words[1] in LAUNCHERS and "--" in words:
+            yield from _python(words[words.index("--") + 1:])
+    elif words and words[0].endswith(".py") and words[0].split("/")[0] in OWN:
+        yield "script", words[0], words[1:]
+
+
+def project_commands(code: str):
+    """Yield (kind, target, args) for each command of a shell block that runs the project's own
+    code: `python -m experiments.x.y ARGS` / `python -m fo_jax.z ARGS` ("module"), `python
+    docs/x.py ARGS` ("script"), `bash experiments/x.sh` ("bash")."""
+    for command in shell_commands(code):
+        if PYTHON.search(command[0]):
+            yield from _python(command[1:])
+        elif command[0] in ("bash", "sh") and command[1:] and command[1].split("/")[0] in OWN:
+            yield "bash", command[1], command[2:]
+
+
+class _Parsed(Exception):
+    """Raised by the patched parse_args once the arguments parsed: the script stops there."""
+
+
+def _parse_only(kind: str, target: str, argv: list, monkeypatch) -> str | None:
+    """Run module or script `target` as __main__ under `argv` until its argparse parser has
+    parsed them, not further: None when they parse, else why not."""
+    if kind == "bash":
+        if not (ROOT / target).is_file():
+            return "no such script"
+        result = subprocess.run(["bash", "-n", str(ROOT / target)], capture_output=True, text=True)
+        return result.returncode and f"bash -n refuses it: {result.stderr.strip()}" or None
+    real, called = argparse.ArgumentParser.parse_args, []
+
+    def parse_args(self, args=None, namespace=None):
+        called.append(self.prog)
+        real(self, args, namespace)
+        raise _Parsed
+
+    environ = dict(os.environ)
+    try:
+        with monkeypatch.context() as patch, warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # runpy: already imported
+            patch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
+            patch.setattr(sys, "argv", [target, *argv])
+            if kind == "module":
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(str(ROOT / target), run_name="__main__")
+    except _Parsed:
+        return None
+    except ImportError as e:
+        return f"cannot be imported: {e}"
+    except SystemExit as e:
+        if called:
+            return None if e.code in (0, None) else "its parser refuses the arguments"
+        return f"exits ({e.code}) before it parses its arguments"
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    return ("it ran to the end without calling argparse's parse_args: parse its arguments "
+            "with argparse, or check this command another way")
+
+
+def test_project_commands_parse(monkeypatch, capsys):
+    """Every `python -m experiments...` / `python -m fo_jax...` command (and `python
+    docs/x.py`, `bash experiments/x.sh`) of a shell block names a module or file that exists,
+    and the script's own argparse parser takes its arguments; nothing runs past the parse."""
+    checked, failed = 0, []
+    for page in PAGES:
+        for lang, line, code, skipped in blocks(page):
+            if lang not in SHELLS or skipped:
+                continue
+            for kind, target, argv in project_commands(code):
+                why = _parse_only(kind, target, argv, monkeypatch)
+                error = capsys.readouterr().err.strip().split("\n")[-1]
+                checked += 1
+                if why:
+                    shown = f"python -m {target}" if kind == "module" else f"{kind} {target}"
+                    failed.append(f"{_name(page)}:{line}: {shown} {shlex.join(argv)}: {why}"
+                                  + (f" ({error})" if error else ""))
+    assert not failed, "project commands that do not parse:\n" + "\n".join(failed)
+    assert checked >= 25, f"only {checked} project commands found"
+
+
+def test_project_command_finder():
+    code = ("python -m experiments.a.b --x 1 \\\n    --y 2 > out.log 2>&1  # a comment\n"
+            "XLA_FLAGS=--x=8 python3 -u -m fo_jax.z cuda && python -m experiments.c | tee f\n"
+            ".venv/bin/python -m pytest -q tests && python -m pip install x\n"
+            "python -m fo_jax.distributed launch --processes 2 -- -m experiments.d --out /tmp/d\n"
+            "python docs/results.py --check >>log; OUT=o bash experiments/e.sh; bash -c ls\n")
+    assert list(project_commands(code)) == [
+        ("module", "experiments.a.b", ["--x", "1", "--y", "2"]),
+        ("module", "fo_jax.z", ["cuda"]), ("module", "experiments.c", []),
+        ("module", "fo_jax.distributed", ["launch", "--processes", "2", "--", "-m",
+                                          "experiments.d", "--out", "/tmp/d"]),
+        ("module", "experiments.d", ["--out", "/tmp/d"]),
+        ("script", "docs/results.py", ["--check"]), ("bash", "experiments/e.sh", [])]
+
+
+def test_parse_only(tmp_path, monkeypatch):
+    """The check stops a script right after its parse, reports a refused flag, and fails a
+    script that never parses its arguments (it would otherwise have run in full)."""
+    parses = ("import argparse, pathlib\n"
+              "p = argparse.ArgumentParser()\np.add_argument('--n', type=int)\n"
+              "p.parse_args()\npathlib.Path(__file__).with_name('ran').touch()\n")
+    (tmp_path / "parses_args.py").write_text(parses)
+    (tmp_path / "never_parses.py").write_text("print('working')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _parse_only("module", "parses_args", ["--n", "3"], monkeypatch) is None
+    assert not (tmp_path / "ran").exists()  # stopped right after the parse
+    assert _parse_only("module", "parses_args", ["--m", "3"], monkeypatch) == \
+        "its parser refuses the arguments"
+    assert "without calling argparse's parse_args" in _parse_only(
+        "module", "never_parses", [], monkeypatch)
+    assert _parse_only("module", "no_such_module_here", [], monkeypatch).startswith(
+        "cannot be imported")
+    assert _parse_only("bash", "experiments/no_such.sh", [], monkeypatch) == "no such script"
 
 
 def test_readme_links_resolve():
