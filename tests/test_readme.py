@@ -4,12 +4,14 @@ Every ```python block runs (the blocks of one page in order, in one namespace, s
 may use what an earlier one defined). Every `fo-jax` command of a ```bash / ```sh block is
 parsed by the command's own argument parser (not run), and so is every `python -m experiments...`
 / `python -m fo_jax...` command there: the module is run as __main__ only until its argparse
-parser has parsed the arguments. A block whose fence follows a
+parser has parsed the arguments; the same for such commands written as inline code in the text
+(a results table's "how it was run"). A block whose fence follows a
 `<!-- skip: reason -->` line does not run: keep those few (a server that must be running, a
 machine with 8 devices).
 """
 
 import argparse
+import importlib.util
 import os
 import pathlib
 import re
@@ -227,25 +229,63 @@ def _parse_only(kind: str, target: str, argv: list, monkeypatch) -> str | None:
             "with argparse, or check this command another way")
 
 
+def _check_commands(found, monkeypatch, capsys):
+    """Check each (page:line, (kind, target, args)) of `found`: the count and the failures."""
+    checked, failed = 0, []
+    for where, (kind, target, argv) in found:
+        why = _parse_only(kind, target, argv, monkeypatch)
+        error = capsys.readouterr().err.strip().split("\n")[-1]
+        checked += 1
+        if why:
+            shown = f"python -m {target}" if kind == "module" else f"{kind} {target}"
+            failed.append(f"{where}: {shown} {shlex.join(argv)}: {why}"
+                          + (f" ({error})" if error else ""))
+    return checked, failed
+
+
 def test_project_commands_parse(monkeypatch, capsys):
     """Every `python -m experiments...` / `python -m fo_jax...` command (and `python
     docs/x.py`, `bash experiments/x.sh`) of a shell block names a module or file that exists,
     and the script's own argparse parser takes its arguments; nothing runs past the parse."""
-    checked, failed = 0, []
-    for page in PAGES:
-        for lang, line, code, skipped in blocks(page):
-            if lang not in SHELLS or skipped:
-                continue
-            for kind, target, argv in project_commands(code):
-                why = _parse_only(kind, target, argv, monkeypatch)
-                error = capsys.readouterr().err.strip().split("\n")[-1]
-                checked += 1
-                if why:
-                    shown = f"python -m {target}" if kind == "module" else f"{kind} {target}"
-                    failed.append(f"{_name(page)}:{line}: {shown} {shlex.join(argv)}: {why}"
-                                  + (f" ({error})" if error else ""))
+    found = [(f"{_name(page)}:{line}", command)
+             for page in PAGES for lang, line, code, skipped in blocks(page)
+             if lang in SHELLS and not skipped for command in project_commands(code)]
+    checked, failed = _check_commands(found, monkeypatch, capsys)
     assert not failed, "project commands that do not parse:\n" + "\n".join(failed)
     assert checked >= 25, f"only {checked} project commands found"
+
+
+INLINE = re.compile(r"(?<!`)`(python -m [^`]+)`(?!`)")
+FENCED = re.compile(r"^(`{3,}).*?^\1[ \t]*$", re.M | re.S)
+NEEDS = {"experiments.training.make_parity_fixtures": ("torch", "transformers")}  # not in [test]
+
+
+def inline_commands(text: str):
+    """Yield (kind, target, args) of each whole `python -m ...` command written as an inline
+    code span (in prose or a table) outside the code blocks; a span with `...` elides arguments
+    and is left out, and so is a module whose extra packages are not installed (NEEDS)."""
+    for match in INLINE.finditer(FENCED.sub("", text).replace("\n", " ")):
+        if "..." not in match.group(1):
+            for kind, target, argv in _python(shlex.split(match.group(1))[1:]):
+                if all(importlib.util.find_spec(p) for p in NEEDS.get(target, ())):
+                    yield kind, target, argv
+
+
+def test_inline_commands_parse(monkeypatch, capsys):
+    """The same for the commands written inline: the results tables' "how it was run" and the
+    experiments page's table, which a reader copies as they are."""
+    found = [(_name(page), command) for page in PAGES
+             for command in inline_commands(page.read_text())]
+    checked, failed = _check_commands(found, monkeypatch, capsys)
+    assert not failed, "inline commands that do not parse:\n" + "\n".join(failed)
+    assert checked >= 40, f"only {checked} inline commands found"
+
+
+def test_inline_command_finder():
+    text = ("Run `python -m experiments.a --n 1\n--m 2`, not `python -m experiments.b --x ...`.\n"
+            "```bash\n`python -m experiments.c`\n```\n| `python -m fo_jax.d cpu` |\n")
+    assert list(inline_commands(text)) == [("module", "experiments.a", ["--n", "1", "--m", "2"]),
+                                           ("module", "fo_jax.d", ["cpu"])]
 
 
 def test_project_command_finder():
