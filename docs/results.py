@@ -340,7 +340,7 @@ def embedded_model() -> str:
     out += [f"| {label} | {bpb[name]:.3f} |" for name, label in names if name in bpb]
     run = _rows(TRAIN_LOG)[0]
     note = (f"From the embedded model's own record (`{EMBEDDED}`, \"trained\"), written by "
-            "`python -m experiments.training.export_model` when the weights were exported: it "
+            "`experiments/training/export_model.py` when the weights were exported: it "
             "holds no jax version or commit. The training run it evaluates: "
             + _source([run], TRAIN_LOG, "python -m experiments.training.train --out-dir runs/bpe "
                       f"--dense-steps {trained['train']['dense_steps']} --sparse-steps "
