@@ -196,7 +196,7 @@ def _parse_only(kind: str, target: str, argv: list, monkeypatch) -> str | None:
         if not (ROOT / target).is_file():
             return "no such script"
         result = subprocess.run(["bash", "-n", str(ROOT / target)], capture_output=True, text=True)
-        return result.returncode and f"bash -n refuses it: {result.stderr.strip()}" or None
+        return f"bash -n refuses it: {result.stderr.strip()}" if result.returncode else None
     real, called = argparse.ArgumentParser.parse_args, []
 
     def parse_args(self, args=None, namespace=None):
