@@ -1,12 +1,13 @@
 """The `fo-jax` command.
 
     fo-jax generate [--offload --hot-slots C [--policy ring] [--check] [--devices N]]
-                    [--prompt TEXT]
+                    [--prompt TEXT] [--kv-format bf16|fp8_ds_mla]
                     [--model-dir DIR [--chat]] [--draft none|ngram|mtp] ...
     fo-jax plan (--model glm52 | --model-dir DIR) --context 128000 [--budget-gb 29]
                 [--hot-slots 16384] [--kv-format bf16|fp8_ds_mla]
                 [--devices 8 --device-gb 141 [--weight-format fp8|bf16]]
     fo-jax serve [--model-dir DIR] [--port 8000] [--seats N --offload ...]   (fo_jax.server)
+                 [--kv-format bf16|fp8_ds_mla]
                  [--offload --pool-memory device --device-gb G --reserve prompt]
     fo-jax bench-serve [--offload --prefix-cache ...] [--requests 16 --rate 4 ...]
                        [--metrics-jsonl PATH --metrics-every 16]
@@ -28,7 +29,7 @@ import sys
 
 from fo_jax import flags
 from fo_jax.resolve import (DEFAULT_MODEL, check_param_memory, checkpoint_bytes, format_bytes,
-                            model_dir_config, random_params, resolve_model)
+                            model_dir_config, random_params, resolve_model, with_kv_format)
 
 DEFAULT_PROMPT = (
     "import os\n\n\ndef read_lines(path):\n"
@@ -57,6 +58,7 @@ def demo_prompt(tokenizer, limit: int) -> tuple[list[int], str]:
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from fo_jax.config import KV_FORMATS
     from fo_jax.offload.config import HOST_ACCESS
 
     parser = argparse.ArgumentParser(prog="fo-jax", description=__doc__.split("\n\n")[0])
@@ -84,6 +86,10 @@ def _build_parser() -> argparse.ArgumentParser:
                           "byte a weight plus its block scales, multiplied in FP8), dequantize "
                           "converts them to the model's dtype on load (default: fp8 for a "
                           "checkpoint with a quantization_config)")
+    gen.add_argument("--kv-format", default=None, choices=KV_FORMATS,
+                     help="how KV rows are stored, resident and offloaded alike: bf16, or "
+                          "fp8_ds_mla (DeepSeek's 656-byte FP8 rows at real size) (default: "
+                          "the model's own, bf16 for the presets and the embedded model)")
     gen.add_argument("--seed", type=flags.seed, default=0,
                      help="sampling seed (and the random weights of a --model preset)")
     gen.add_argument("--prompt", default=None,
@@ -172,7 +178,7 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--tail-block", type=int, default=64)
     plan.add_argument("--num-buffers", type=int, default=4, help="prefill layer buffers")
     plan.add_argument("--chunk", type=int, default=None, help="prefill chunk tokens")
-    plan.add_argument("--kv-format", default=None, choices=("bf16", "fp8_ds_mla"),
+    plan.add_argument("--kv-format", default=None, choices=KV_FORMATS,
                       help="how KV rows are stored (default: the config's, bf16 for presets)")
     plan.add_argument("--devices", type=int, default=None,
                       help="devices the weights split over: adds the weights per device (bf16 "
@@ -197,8 +203,7 @@ def _cmd_plan(args) -> int:
         config, kind = model_dir_config(args.model_dir)
     else:
         config = get_config("glm52" if args.model is None else args.model)
-    if args.kv_format is not None:
-        config = config.replace(kv_format=args.kv_format)
+    config = with_kv_format(config, args.kv_format)
     plan = plan_capacity(config, args.context, budget_gb=args.budget_gb,
                          hot_slots=args.hot_slots, tail_block=args.tail_block,
                          num_buffers=args.num_buffers, prefill_chunk=args.chunk)
@@ -443,7 +448,8 @@ def _cmd_generate(args) -> int:
                      "ending with]\n" + prompt_text[-240:])
         print(printable(shown + tokenizer.decode(tokens)))
     print("--- summary ---")
-    print(f"model: {config.name}   path: {engine.name}   batch: {args.batch}")
+    kv = "" if config.kv_format == "bf16" else f"   KV rows: {config.kv_format}"
+    print(f"model: {config.name}   path: {engine.name}   batch: {args.batch}{kv}")
     print(f"generated: {result.tokens.size} tokens in {result.seconds:.2f} s "
           f"({result.tokens_per_second:.1f} tokens/s; prefill {result.prefill_seconds:.2f} s)")
     print(f"context length: {int(result.context_length.max())} tokens")

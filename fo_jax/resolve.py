@@ -128,11 +128,34 @@ def random_params(config, seed: int) -> dict:
     return dsa.init_params(config, jax.random.key(seed))
 
 
+def with_kv_format(config, kv_format: str | None):
+    """`config` with its KV rows stored as --kv-format says (`ModelConfig.kv_format`: "bf16"
+    or "fp8_ds_mla"); None keeps the model's own. The weights are the same in either format.
+
+    Raises:
+      ValueError: the model's widths do not fit the format, naming the flag.
+    """
+    if kv_format is None or kv_format == config.kv_format:
+        return config
+    try:
+        return config.replace(kv_format=kv_format)
+    except ValueError as err:
+        raise ValueError(f"--kv-format {kv_format}: {err}") from None
+
+
 def resolve_model(args):
     """(config, load weights or None, tokenizer or None) from --model / --model-dir /
     --weights, reading only config and tokenizer files: the embedded model and model
     directories come with weights (`load()` reads them, after the memory check) and a
-    tokenizer; a preset gets random weights (or --weights) and the byte tokenizer."""
+    tokenizer; a preset gets random weights (or --weights) and the byte tokenizer. With a
+    --kv-format flag (`generate`, `serve`, `bench-serve`), the config stores its KV rows so
+    (`with_kv_format`)."""
+    config, load, tokenizer = _resolve_model(args)
+    return with_kv_format(config, getattr(args, "kv_format", None)), load, tokenizer
+
+
+def _resolve_model(args):
+    """`resolve_model` before --kv-format."""
     import functools
 
     from fo_jax import embedded

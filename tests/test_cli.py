@@ -52,6 +52,31 @@ def test_generate_offload_check_passes(capsys):
     assert "bitwise equal to the resident model's over 5 decode steps" in out
 
 
+def test_generate_offload_check_with_the_fp8_kv_format(capsys):
+    # --kv-format fp8_ds_mla: both paths store the 656-byte-layout rows (here D = 32, R = 8:
+    # 32 + 4 + 16 = 52 bytes), the offloaded logits still the resident model's bit for bit.
+    code = main(["generate", "--model", "tiny", "--kv-format", "fp8_ds_mla",
+                 "--offload", "--check", "--max-new-tokens", "6", "--prompt",
+                 "hello offload world, " * 4, "--hot-slots", "64", "--page-size", "8",
+                 "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "path: offload   batch: 1   KV rows: fp8_ds_mla" in out
+    assert "bitwise equal to the resident model's over 5 decode steps" in out
+
+
+def test_kv_format_flag_names_itself_when_the_model_cannot_take_it():
+    from fo_jax.config import get_config
+    from fo_jax.resolve import with_kv_format
+
+    tiny = get_config("tiny")
+    assert with_kv_format(tiny, None) is tiny and with_kv_format(tiny, "bf16") is tiny
+    assert with_kv_format(tiny, "fp8_ds_mla").kv_format == "fp8_ds_mla"
+    with pytest.raises(ValueError, match=r"--kv-format fp8_ds_mla: kv_format='fp8_ds_mla' "
+                                         r"needs kv_lora_rank % 128 == 0"):
+        with_kv_format(tiny.replace(kv_lora_rank=192), "fp8_ds_mla")
+
+
 def test_generate_offload_with_the_clock_policy(capsys):
     code = main(["generate", "--model", "tiny", "--offload", "--policy", "clock", "--check",
                  "--max-new-tokens", "3", "--prompt", "clock " * 12, "--hot-slots", "64",
@@ -212,6 +237,9 @@ def no_model(monkeypatch):
                                 "[0, 2**63 - 2]"),
     (["generate", "--model", "tiny", "--seed", str(2**70)],
      f"argument --seed: {2**70} is not a seed"),
+    (["generate", "--kv-format", "fp8"],
+     "argument --kv-format: invalid choice: 'fp8' (choose from"),
+    (["serve", "--kv-format", "fp8"], "argument --kv-format: invalid choice: 'fp8' (choose from"),
     (["bench-serve", "--prefix-len", "-1"], "argument --prefix-len: -1 must be an int >= 0"),
     (["bench-serve", "--out", "/nonexistent/dir/b.jsonl"],
      "argument --out: /nonexistent/dir/b.jsonl: the directory /nonexistent/dir does not"),

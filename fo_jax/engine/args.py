@@ -19,7 +19,7 @@ import argparse
 import dataclasses
 
 from fo_jax import flags
-from fo_jax.config import ModelConfig
+from fo_jax.config import KV_FORMATS, ModelConfig
 from fo_jax.engine.settings import (CacheSettings, EngineSettings, SchedulerSettings,
                                     SpeculativeSettings)
 from fo_jax.offload.config import MEMORY_KINDS, OffloadConfig, check_hot_slots, min_hot_slots
@@ -40,6 +40,7 @@ class EngineArgs:
     model_dir: str | None = None
     weights: str | None = None
     checkpoint_weights: str | None = None
+    kv_format: str | None = None
     seed: int = 0
     seats: int = 4
     capacity: int | None = None
@@ -79,6 +80,11 @@ class EngineArgs:
                                  "(multiplied in FP8 with their block scales), dequantize "
                                  "converts them on load (default: fp8 for a checkpoint with a "
                                  "quantization_config)")
+        parser.add_argument("--kv-format", default=None, choices=KV_FORMATS,
+                            help="how KV rows are stored, resident and offloaded alike: bf16, "
+                                 "or fp8_ds_mla (DeepSeek's 656-byte FP8 rows at real size) "
+                                 "(default: the model's own, bf16 for the presets and the "
+                                 "embedded model)")
         parser.add_argument("--seed", type=flags.seed, default=0,
                             help="random weights of a --model preset")
         parser.add_argument("--seats", type=int, default=4, help="requests decoded at once")

@@ -113,6 +113,38 @@ def test_completion_greedy_equals_engine(server):
     assert chunks[-1].usage.completion_tokens == 10
 
 
+def test_serve_kv_format_flag_builds_an_fp8_engine_that_answers():
+    """`fo-jax serve --kv-format fp8_ds_mla`: the engine its flags build stores FP8 rows (uint8,
+    `kv_row_width` bytes) and the server's greedy tokens are that engine's own."""
+    import argparse
+
+    from fo_jax.server.serve import add_engine_arguments, build_engine
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--kv-format", "fp8_ds_mla", "--seats", "1", "--capacity",
+                              str(CAPACITY), "--prefill-chunk", "8", "--no-progress"])
+    engine, config, tokenizer, offload = build_engine(args)
+    assert offload is None and config.kv_format == engine.config.kv_format == "fp8_ds_mla"
+    assert engine.state.kv.dtype == np.uint8
+    assert engine.state.kv.shape[-1] == config.kv_row_width
+    reference = build_engine(args)[0]
+    prompt = "def read_lines(path):"
+    rid = reference.add_request(tokenizer.encode(prompt), max_tokens=4, temperature=0.0,
+                                stop_token_ids=[SEP])
+    ref = reference.run()[rid]
+    served = build_served(engine, tokenizer, model_name=config.name, shutdown_timeout=2.0)
+    srv = ServerThread(served, shutdown_timeout=2.0).start()
+    try:
+        resp = _client(srv).completions.create(model=config.name, prompt=prompt, max_tokens=4,
+                                               temperature=0,
+                                               extra_body={"return_token_ids": True})
+    finally:
+        assert srv.stop(timeout=20)
+    assert resp.choices[0].model_extra["token_ids"] == ref.token_ids
+    assert resp.choices[0].text == ref.text
+
+
 def test_chat_streaming_and_not(server):
     client = _client(server)
     messages = [{"role": "user", "content": "hello"}]
