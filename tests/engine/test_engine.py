@@ -113,9 +113,39 @@ def test_random_schedules(requests, arrivals, cancels, path, pool):
     run's bit for bit (a cancelled one's are a prefix of them); seats are reused; the
     offloaded state keeps its invariants after every step; when all have ended no page is
     held (the pool and the prefix cache agree; cached pages are mapped by none)."""
+    _check_random_schedule(requests, arrivals, cancels, path, pool, CONFIG)
+
+
+FP8_CONFIG = CONFIG.replace(kv_format="fp8_ds_mla")
+
+
+@settings(max_examples=4, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# Preemption for sure (as above), with a cancel: pages dropped, the prompt prefilled again.
+@example(requests=[(True, 1, 9, 8, 0.0, 0), (True, 2, 3, 8, 0.9, 1), (False, 3, 5, 8, 0.0, 0)],
+         arrivals=[0, 0, 1, 0, 0, 0], cancels=[(6, 1)], path="ring",
+         pool=(True, "prompt", None))
+@given(requests=st.lists(REQUEST, min_size=2, max_size=6),
+       arrivals=st.lists(st.integers(0, 4), min_size=6, max_size=6),
+       cancels=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 5)), max_size=2),
+       path=st.sampled_from(["ring", "clock"]),
+       pool=st.tuples(st.booleans(), st.sampled_from(["full", "prompt"]),
+                      st.sampled_from([None, 9000, 6300])))
+def test_random_schedules_with_the_fp8_kv_format(requests, arrivals, cancels, path, pool):
+    """`test_random_schedules` with kv_format="fp8_ds_mla" (52-byte uint8 rows in the pool,
+    hot cache, tails and prefill buffers; the device budgets then hold more): every request's
+    tokens equal its solo run on the resident FP8 engine bit for bit, the invariants hold after
+    every step, no page is held at the end."""
+    _check_random_schedule(requests, arrivals, cancels, path, pool, FP8_CONFIG)
+
+
+def _check_random_schedule(requests, arrivals, cancels, path, pool, config):
+    """Run one random schedule on the offloaded engine of `config` and check it against the
+    solo resident runs (`test_random_schedules`)."""
     prefix_cache, reserve, device_bytes = pool
-    engine = _engine(path, n=2, prefix_cache=prefix_cache,
+    engine = _engine(path, n=2, prefix_cache=prefix_cache, config=config,
                      reserve=reserve, device_bytes=device_bytes)
+    assert engine.config.kv_format == config.kv_format
     prompts = [(SYSTEM if shared else []) + _prompt(seed, length)
                for shared, seed, length, *_ in requests]
     pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
@@ -133,7 +163,7 @@ def test_random_schedules(requests, arrivals, cancels, path, pool):
             if when == step and i % len(requests) in ids:
                 engine.cancel(ids[i % len(requests)])
         engine.step()
-        check_invariants(engine.state, config=CONFIG, offload=_offload(path),
+        check_invariants(engine.state, config=config, offload=_offload(path),
                          seats=engine.decoding_seats())
         engine.pool.check()
         assert engine.device_bytes_used() <= (device_bytes or float("inf"))
@@ -143,7 +173,8 @@ def test_random_schedules(requests, arrivals, cancels, path, pool):
     outputs = engine.run()
     for i, rid in ids.items():
         *_, max_tokens, temperature, sample_seed = requests[i]
-        want, reason = _solo(tuple(prompts[i]), max_tokens, temperature, sample_seed)
+        want, reason = _solo(tuple(prompts[i]), max_tokens, temperature, sample_seed,
+                             config=config)
         got = outputs[rid]
         if got.finish_reason == "cancelled":
             assert tuple(got.token_ids) == want[:len(got.token_ids)]
