@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from fo_jax.config import get_config
@@ -140,6 +141,32 @@ def test_bench_workload_over_two_ranks():
     assert engine.counters["requests_finished"] == 4  # the warm-up's left out
     assert any(line.startswith("data parallel (least_context): requests per rank")
                for line in summary_lines(figures))
+
+
+def test_fp8_kv_format_over_two_ranks():
+    """kv_format="fp8_ds_mla" data-parallel (two ranks on one device, offloaded): each rank's
+    host pool holds uint8 rows and every request's tokens are those of its solo run on a
+    resident Engine of the same format, bit for bit."""
+    from fo_jax.engine import Engine
+
+    config = CONFIG.replace(kv_format="fp8_ds_mla")
+    device = jax.devices()[0]
+    engine = DataParallelEngine(_params(), config, devices=[device, device],
+                                placement="round_robin", seats=1, capacity=32, offload=OFFLOAD,
+                                prefill_chunk=8, query_block=None)
+    assert all(e.state.host.kv.dtype == jnp.uint8 for e in engine.engines)
+    prompts = [[(7 * i + j) % CONFIG.vocab_size for j in range(3 + 4 * i)] for i in range(3)]
+    ids = [engine.add_request(p, max_tokens=5) for p in prompts]
+    assert [engine.rank_of(rid) for rid in ids] == [0, 1, 0]
+    outputs = engine.run()
+    assert engine.pool_occupancy()["held"] == 0
+    engine.close()
+    solo = Engine(_params(), config, seats=1, capacity=32, prefill_chunk=8, query_block=None)
+    for prompt, rid in zip(prompts, ids):
+        ref = solo.add_request(prompt, max_tokens=5)
+        want = solo.run()[ref]
+        assert outputs[rid].token_ids == want.token_ids and outputs[rid].finish_reason == \
+            want.finish_reason == "length"
 
 
 def test_cli_devices_flags(capsys):
