@@ -15,76 +15,18 @@
     # MTP drafts: mtp_seats = MTPSeats.create(...) fed the prompts' pairs (mtp_feed);
     # out.mtp_seats carries them to the next call
 
-One call runs a `lax.while_loop` of decode steps: feed each request's last token, sample the
-next one on the device (`fo_jax.sampling.sample_tokens`: the arithmetic of
-`fo_jax.sampling.sample`, so the tokens equal those of a Python loop of single steps bit for
-bit), mark a request done on a stop token, on its `max_new_tokens`, or when its state is
-full (capacity), and stop early once every request is done. A done request takes no further
-token: the step runs with it inactive, so nothing of its state changes (length, host pages,
-hot cache, indexer keys: see the `active` argument of the steps). Offload statistics are
-summed on the device (`LoopStats`); the host sees nothing until it reads the outputs: one
-round trip per call instead of one per token.
+Public: `decode_loop`, `Seats`, `LoopOutput`, `LoopStats`, the steps
+`OffloadedStep` / `ResidentStep`, MTP drafting (`MTPSeats`, `mtp_feed`, `mtp_feed_seat`,
+`mtp_drafts`, `mtp_observe`) and the checks `check_drafting`, `check_mtp_drafting`,
+`check_history` (bad drafting settings raise `ValueError`).
 
-The state is donated and carried through the loop in place (tests/engine/test_loop.py checks
-the compiled loop's HLO with fo_jax.hlo_checks). One compiled program per (step, N, shapes):
-`n_steps` is static, so a caller keeps it fixed and lets `max_new_tokens` end the last call.
-
-Drafts (`num_drafts=D > 0`, an n-gram drafter on the device): each step feeds [last token, D
-drafts] as W = D + 1 ways, the drafts proposed from each request's history ([B, S]: prompt and
-sampled tokens, carried and returned by the loop) by `fo_jax.drafting.ngram_drafts` (the rule of
-the host `NGramDrafter`, O(B S max_ngram) compares per step). A request keeps the drafts it
-accepts plus one more token (`draft_step_tokens`: cut at max_new_tokens, capacity and the
-first stop token; nothing after a stop token is yielded), and the state forgets the rest
-(`rollback`: O(B), only lengths change). What a request accepts (`speculative_tokens`):
-
-  * greedy (temperature 0): the longest prefix of drafts its greedy tokens confirm, then the
-    next greedy token. Bitwise: a W-way step's way-0 logits differ in the last bits from a
-    W = 1 step's on CPU (another program shape), so the tokens equal W = 1 greedy decoding's
-    up to a near-tie of the two largest logits, as `fo_jax.generate`'s host-driven drafting
-    does;
-  * sampled (temperature > 0): speculative sampling (Leviathan et al. 2023, Chen et al.
-    2023) for a deterministic drafter (its q a point mass at the draft d): with p the
-    nucleus distribution of the way before d (temperature, then top_p: what `sample_tokens`
-    samples from), d is accepted with probability p(d); the first rejected way samples p
-    without d, renormalized (the residual (p - q)+); after D acceptances a bonus token is
-    sampled from the last way. The tokens follow p token by token, exactly as one-token
-    steps' do (the output distribution is unchanged), but they are other random draws: a
-    loop with drafts does not give the tokens of a num_drafts=0 loop with the same keys, only
-    tokens of the same law.
-
-What holds exactly is that every program has the same shapes whoever sits in the other seats,
-so with per-request keys a request's tokens (greedy or sampled) equal those of the same
-drafting loop (or engine) serving it alone, bit for bit. Up to N W tokens per request and call.
-
-MTP drafts (`mtp=` the model's multi-token-prediction parameters, `mtp_seats=` an `MTPSeats`):
-the rule of the host `fo_jax.drafting.MTPDrafter`, on the device. The loop carries each seat's
-MTP layer state (one layer: [1, B, S, D+R] KV rows, [1, B, S, N] indexer keys, one pair
-(h_i, t_{i+1}) per stored position: h_i the main model's last hidden state, t_{i+1} the token
-after it), its next first draft and the layer's output h' there. Each step: the first draft
-is the carried one, draft k >= 2 the argmax of the MTP layer fed (h', draft k - 1) (D - 1
-calls of one pair per seat: `mtp_drafts`); the main step verifies the W ways and returns their
-hidden states too (the steps' `return_hidden`: the logits are the same bit for bit); the
-chained pairs are forgotten (the MTP lengths set back, O(B)) and the kept pairs (hidden at the
-count kept positions, the tokens yielded after them) fed in one call of W pairs, which gives
-the next first draft and h' (`mtp_observe`). The drafts equal the host MTPDrafter's for the
-same history (tests/engine/test_engine_mtp.py), up to the last bits of a separately compiled
-program; drafts only decide how many tokens a step yields, and every MTP computation is per
-seat, so a request's tokens still equal those of the same loop serving it alone, bit for bit.
-
-Sampling keys: one key for the batch (shape []; split once per step and used for the whole
-batch, as `fo_jax.generate.generate` does) or one key per request (shape [B]; each split when
-its request samples, so a request's tokens do not depend on the rest of the batch). With
-drafts, each step splits a request's key once as well, the step's sub-key split again into
-the key of its D acceptance tests and the key of its one sampled token
-(`speculative_tokens`).
-
-Log-probabilities (`logprobs=K`, static: a program of its own, so the program without them is
-unchanged): each step also returns, per request, the sampled token's log-probability and the K
-most likely tokens' ids and log-probabilities ([B, N, K + 1], `token_logprobs`), computed on
-the device from the logits the sampler reads. They are of the raw model distribution
-(log_softmax of the logits, before temperature and top_p: vLLM's default), and reading them
-changes nothing of the sampling: the tokens equal those of the program without them, bit for
-bit (tests/engine/test_loop.py). One-token steps only: with drafts they are refused.
+Contracts: the tokens equal those of a Python loop of single steps bit for bit; a done request
+takes no token and its state does not change; the state is donated and updated in place; one
+host round trip per call; one compiled program per (step, N, shapes), so keep `n_steps` fixed.
+With per-request keys a request's tokens (greedy or sampled, with or without drafts) equal
+those of the same loop serving it alone, bit for bit. `logprobs=K` changes no token; with
+drafts it is refused. How the loop, its drafts, MTP drafts, keys and log-probabilities work:
+docs/design/engine.md, "The decode loop".
 """
 
 from __future__ import annotations
