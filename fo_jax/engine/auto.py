@@ -7,67 +7,19 @@ offloaded decoding only when memory requires it (and back when a short seat free
     rid = engine.add_request(prompt_ids, max_tokens=64)      # the `Engine` request API
     outputs = engine.run()
 
-Two tiers, each an `fo_jax.engine.Engine`: a resident engine of `resident_seats` seats of
-`resident_capacity` tokens (what the device budget allows for their whole KV and indexer
-keys), and an offloaded engine of `offload_seats` seats of `offload.capacity` tokens (the KV in
-the host pool, on the device only hot caches and indexer-key pages). Both get the same engine
-settings (`num_drafts` included: one decode call then stores up to T = decode_steps_per_call x
-(num_drafts + 1) tokens per request). A resident seat can take a request whose length (prompt
-+ tokens sampled - 1: the last token is not fed yet) leaves room for its next decode call
-(length + T < resident_capacity) or whose whole output fits (prompt + max_tokens - 1 <=
-resident_capacity). Each `step()`:
+`AutoEngine` holds two `fo_jax.engine.Engine` tiers with the same settings: a resident engine
+of `resident_seats` x `resident_capacity` tokens and an offloaded one of `offload_seats` x
+`offload.capacity`. Each `step()` moves resident requests whose next decode call could fill
+their seat to the offloaded tier (parking them while it is full), places waiting requests
+(resident first), moves offloaded requests back into resident seats the queue left free, and
+steps both engines. A request moves at most twice. `tier_of`, `counters` ("placed_resident",
+"placed_offloaded", "migrations", "parked", "moved_back") and `all_counters` report it.
 
-  1. migrates: a resident request that a resident seat can no longer take (its next decode
-     call could fill the seat while it may still sample more) leaves the resident engine
-     (`Engine.export_seat`: its seat's rows [L, S_r, D+R] and indexer keys [G, S_r, N], its
-     last token, PRNG key and count) and takes an offloaded seat (`Engine.import_seat`:
-     pages reserved, its `length` rows written into them once, O(L length) rows, its hot
-     cache and maps built from them by `join_seats`, O(L (C + 2Z))). With no offloaded seat
-     or pages free, it waits parked (its rows stay on the device: a parked request still
-     counts as a resident seat taken, so the device holds at most `resident_seats` seats'
-     rows) and goes before any new request;
-  2. places waiting requests, in order: on a free resident seat when one can take it (the
-     rule above); else on a free offloaded seat (a prompt longer than a resident seat goes
-     there directly);
-  3. moves back: an offloaded request (decoding) that a resident seat can take, placed there
-     because the resident seats were all taken, takes a resident seat that step 2 left free
-     (`_export_seat` on the offloaded engine: its `length` rows read from its host pages and
-     its indexer keys from the key pool, O(L S_r) rows host to device, its pages released at
-     once; `_import_seat` on the resident one: O(L S_r) rows written), the one with the most
-     tokens to decode there first; the offloaded seats this frees go to waiting requests in
-     the same step. Waiting requests come first because a new request seated resident costs
-     no copy and prefills with no host traffic, where moving back copies a seat and the new
-     request would then prefill offloaded; a resident seat the queue does not use is better
-     spent on an offloaded request (no misses for the rest of its output, its pages and
-     offloaded seat freed) than left empty;
-  4. steps both engines.
-
-No ping-pong: the rule that moves a request back is the one that keeps it resident, so it is
-never moved out before its next decode call; it moves out only once its length no longer
-leaves room for a call, and from then on its length (which only grows) never lets it back.
-So a request moves at most twice (offloaded -> resident -> offloaded) and only one placed
-offloaded moves back.
-
-With `prefix_cache=True` both tiers reuse prompt prefixes (whole prefill chunks), each from
-the prompts it prefilled itself: the resident tier copies cached rows into the seat from its
-prefix store (`fo_jax.engine.resident_prefix`, `prefix_cache_bytes` / `prefix_cache_memory`),
-the offloaded tier maps cached pool pages (`fo_jax.engine.pages.PrefixCache`); placement does
-not change, so a request benefits on whichever tier it lands. A moved request's pages are not
-registered in the offloaded cache: its rows were computed by the resident prefill, which is
-bitwise the offloaded prefill on CPU but not on every accelerator (README, "Status and
-limits"), so a later offloaded request mapping them could differ from its run from scratch by
-an ulp; its prompt's blocks stay findable in the resident store.
-
-A batch that fits the resident tier runs there alone: no host traffic, no misses, the
-resident engine's own programs (the offloaded engine holds no request and runs no program).
-The moves are lossless: the offloaded decode equals the resident one bit for bit, the host
-pages hold every row the offloaded decode stored, and the moved request keeps its PRNG key,
-count and (with drafts) its history (prompt + tokens, set again at its new seat), so its
-tokens equal those of the same engine serving it alone, and, without drafts, its solo
-resident run's (tests/engine/test_auto.py). `counters`: "placed_resident",
-"placed_offloaded", "migrations" (resident -> offloaded), "parked", "moved_back" (offloaded ->
-resident). Costs: placement, the migration and move-back checks O(seats) on the host per
-step (O(seats log seats) to order the ones moving back); a move copies one seat's rows once.
+Contracts: the moves are lossless: a request's tokens equal those of the same engine serving
+it alone and, without drafts, its solo resident run's, bit for bit (tests/engine/test_auto.py).
+Costs: O(seats) host work per step (O(seats log seats) to order moves back); a move copies one
+seat's rows once. How placement, moves and prefix reuse work: docs/design/engine.md,
+"Automatic offload".
 """
 
 from __future__ import annotations
