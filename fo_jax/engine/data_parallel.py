@@ -8,49 +8,18 @@
             ...
     engine.imbalance()                   # rows copied per rank, the step's max / mean
 
-Each rank r is a whole `fo_jax.engine.Engine` (same arguments) whose arrays are committed
-to devices[r]: its weights (one copy per device), its batch state and, offloaded, its host
-pool (`pinned_host` memory of devices[r]; as vLLM's HiSparse keeps one host pool per
-data-parallel replica). Nothing crosses devices: a request is placed on one rank by
-`add_request` and stays there, so its tokens are exactly those the same `Engine` gives it
-alone on one device (bit for bit: every program has the same shapes whoever sits in the other
-seats, see `fo_jax.engine.engine`).
+Each rank is a whole `fo_jax.engine.Engine` (same arguments) committed to its device, weights
+and host pool included. `add_request` places a request on one rank for good, by the
+`placement` rule of `fo_jax.placement` ("round_robin", "least_requests", "least_context",
+"least_misses"; default least_misses offloaded, least_context resident; an unknown rule, or
+least_misses on the resident path, raises `ValueError`). `step()` steps every rank with work at
+once, one thread per rank, and returns the union of their outputs; `counters` sums the ranks'.
 
-Drafts run per rank as in one `Engine` (`num_drafts`, `drafter`): with MTP drafts
-(`drafter="mtp", mtp=...`) the MTP parameters are copied to every device as the weights are
-(one copy per device) and each rank keeps its own seats' MTP state, so a request's tokens are
-still those of one `Engine` with the same drafter serving it alone, bit for bit (offloaded and
-resident); `counters` sums the ranks' `draft_proposed` / `draft_accepted` with the rest. With
-`prefix_cache` too, each rank keeps the MTP rows of the chunks it cached (see `Engine`).
-
-`step()` steps every rank that has work at once, one thread per rank (jax releases the GIL
-while a device runs; in one thread the ranks would take turns, since each `Engine.step`
-waits for its own tokens), and returns the union of their outputs. The step ends when the
-slowest rank ends: the rank that copies the most misses sets the step time, so placement is
-where the imbalance can be fought. `placement` names a rule of `fo_jax.placement`:
-
-    round_robin     the next rank with a free seat (the baseline)
-    least_requests  the rank with the fewest running + waiting requests
-    least_context   the rank whose running + waiting requests hold the fewest tokens (prompt
-                    + generated so far)
-    least_misses    the rank whose requests are expected to copy the fewest rows per step:
-                    a request that has not run yet costs `placement.expected_misses` of its
-                    context (scaled by what the running requests have reported against that
-                    prior); a running one, the EMA (`placement.update_estimate`, weight 0.05,
-                    from that cost) of the rows its seat copied per engine step (the offload
-                    statistics' union, summed over indexer groups)
-
-Default: least_misses offloaded (the README's rank-imbalance table: it is the rule that
-lowers the busiest rank's excess, by 12-49% where requests differ in locality and seats are
-free, and it never needs more than the engine already counts); least_context on the resident
-path (no misses to balance; context is what the attention reads). A rank is chosen among the
-ranks with a free seat (seats - running - waiting > 0); when none has one, among all ranks
-(the request waits in that rank's queue).
-
-Costs: placement is host-side, O(R + requests placed) per `add_request`; least_misses reads
-each rank's [G, B] union counters once per step (in the rank's thread, after its step has
-synchronised anyway). The per-rank engines, their compile caches and their memory are R
-times those of one engine (the programs compile once per device).
+Contracts: nothing crosses devices, so a request's tokens are those of one `Engine` (same
+drafter) serving it alone, bit for bit. Costs: placement O(R + requests placed) on the host per
+`add_request`; memory and compiles are R times one engine's. Rationale, the rules and drafts per
+rank: docs/guides/many-devices.md, "Data-parallel serving"; the figures:
+docs/benchmarks/rank-imbalance.md.
 """
 
 from __future__ import annotations
