@@ -1,54 +1,22 @@
 """Admission by memory: whether a request runs now, waits, or can never run; the waiting queue;
 which running request to preempt under pressure.
 
-Pure Python. The bytes come from the planner's arithmetic (`fo_jax.plan.offload_request_bytes`,
-the function behind `fo-jax plan`), cut into a fixed part per running request and a part per
-page of Z tokens (the engine's pools are paged: the host KV pool and the device indexer-key pool
-share one page table):
+Pure Python. `MemoryCosts` (`from_config`) cuts the planner's bytes
+(`fo_jax.plan.offload_request_bytes`, behind `fo-jax plan`) into a fixed part per running
+request (its seat), a part per page of Z tokens (device and host), and a part per prompt page
+while prefilling; the engine charges its device budget with it. `Admission` is a ledger over
+those costs: `submit` / `decide` return a `Decision` (`Verdict` admit, wait or refuse, with the
+figures), `schedule` admits from the queue (`order` "fifo" or "shortest"; `reserve` "full" or
+"prompt"), `grow`, `preempt` / `victim` (the request admitted last) and `finish`. The engine
+uses `MemoryCosts`, `RequestRefused`, `ORDERS` and `RESERVES`, not the `Admission` ledger.
 
-    device, per running request (its seat)   hot cache C * L * (D + R) * bytes
-                                              + tail blocks 2 * Z * L * (D + R) * bytes
-                                              + slot_to_token 4 * G * C
-    device, per page                          indexer keys Z * G * N * bytes
-                                              + token_to_slot 4 * G * Z
-    device, per prompt page while prefilling  num_buffers * Z * (D + R) * bytes
-    host, per page                            Z * L * (D + R) * bytes
-
-With the page pool in device memory (`OffloadConfig(host_memory_kind="device")`: the paged KV
-on the device) a page's KV is device memory too: a page held costs its indexer keys + its KV
-rows of the device budget and none of the host budget (`MemoryCosts.held_page_device_bytes`,
-`held_page_host_bytes`); the seat and prefill figures do not change.
-
-A request of prompt p and at most m new tokens maps ceil((p + m) / Z) pages at the end. The
-ledger charges every request for all of its pages, shared prefix pages included (counted once
-per request mapping them): the real use is never above the ledger, so an admitted request never
-finds the pools short of what its reservation promised (with reserve="full"); prefix sharing
-only leaves pages free that the ledger still counts.
-
-Rules:
-
-* admit now: a free seat, and the request's bytes fit what the budgets have left, device and
-  host.
-* wait: it does not fit now but fits an idle engine (it will, once others finish).
-* refuse now: even alone on an idle engine it cannot fit (device or host), or its context
-  exceeds the model's `max_seq_len`; the message gives the figures.
-* reserve="full" (default): pages for p + m tokens are charged at admission: growth never fails.
-  reserve="prompt": pages for p + 1 tokens are charged at admission and `grow` charges more as
-  decoding goes; when `grow` says no, preempt `victim()` and try again (see `grow` for why
-  this needs pages dropped, which is not done yet).
-* preemption keeps the pages (their device and host bytes stay charged) and frees the seat and
-  any prefill buffers; the preempted request goes to the front of the queue and resumes before
-  any new request.
-* victim rule: the running request admitted (or resumed) last: it has done the least work since
-  it got its seat, and the oldest requests keep theirs (last in, first out, as in vLLM).
-* order="fifo": the queue in arrival order; admission stops at the first request that does not
-  fit (no overtaking, so a large request is never starved). order="shortest": the queue by
-  context (p + m), ties by arrival, also stopping at the first that does not fit; under a
-  steady stream of short requests a long one can wait indefinitely.
-
-Costs: every method is O(1) or O(requests it admits), except `schedule` with order="shortest"
-(O(Q log Q) for Q waiting), `victim` and `running` (O(requests known)), and `finish` of a
-queued request (O(Q)). Not thread-safe: the scheduler thread owns it.
+Contracts: the ledger charges every request for all of its pages, so the real use is never
+above it and, with reserve="full", an admitted request never finds the pools short. A request
+that cannot fit an idle engine, or whose context exceeds `max_seq_len`, is refused. Costs:
+every method O(1) or O(requests it admits), except `schedule` with order="shortest"
+(O(Q log Q)), `victim` and `running` (O(requests known)) and `finish` of a queued request
+(O(Q)). Not thread-safe. The byte formulas and the rules: docs/design/engine.md,
+"Admission by memory".
 """
 
 from __future__ import annotations
