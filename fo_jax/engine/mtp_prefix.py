@@ -6,39 +6,17 @@
     ...                                            # prefill (and feed) the rest of the prompt
     store.insert(mtp_seats, [(b, prompt, before, prefilled, first_token)])  # after the feed
 
-With MTP drafts (`Engine(drafter="mtp")`) each seat holds the MTP layer's own state: [1, B, S,
-D+R] KV rows + [1, B, S, N] indexer keys, one pair (h_i, t_{i+1}) per stored position i (the
-main model's hidden state there and the token after it). The prefill feeds chunk j's pairs by
-one [1, chunk] MTP program per request; the last pair of the chunk takes the first token of
-the next chunk (or the first sampled token at the prompt's end). So the MTP rows of chunk
-[s, e) are a function of tokens [0, e] (the MTP layer attends to its own earlier rows, which
-are functions
-of earlier tokens): the chunk's tokens, everything before, and token e. A request mapping a
-cached prefix of n whole chunks is not prefilled there, so no hidden states exist to feed the
-MTP layer: its MTP rows of positions < n chunk are copied from here instead. They equal those
-its own prefill would have computed bit for bit, because they were computed by the same chunk
-programs from the same rows and tokens (recomputing one pair alone would not do: a 1-row
-program rounds differently from a chunk's on CPU).
+`MTPPrefixStore` keeps, per cached prefill chunk of the main prefix cache, the MTP layer's rows
+of that chunk ([1, T, D+R] KV + [1, T, N] keys, T = chunk) and the token after it, in `memory`
+"device" or "pinned_host"; `mtp_block_bytes` gives a block's bytes. A request mapping a cached
+prefix gets its MTP rows copied from here, since it runs no prefill there to feed the layer.
 
-A block is the MTP rows of one prefill chunk ([1, T, D+R] KV + [1, T, N] keys, T = chunk),
-keyed by the chain hash of tokens [0, e) (the main cache's hash of the chunk's last page, found
-with `PrefixCache.hashes`) and holding the token e it was computed with. `lookup` maps the
-longest run of leading chunks whose blocks are stored with the prompt's own next tokens, so a
-prefix followed by another token than the stored one maps one chunk fewer (that chunk is
-prefilled again, and `insert` then replaces the block with the new next token's: one block per
-chunk, the latest wins, which bounds the store by the main cache).
-
-Budget and eviction: a block lives exactly as long as the main cache holds its chunk's last
-page (`PrefixCache.on_drop` drops it with the page; `insert` stores only chunks the main
-cache holds), so there are at most (main cache pages) / (pages per chunk) blocks, which is
-what the engine counts: resident, in the prefix store's block bytes
-(`ResidentPrefixStore.for_engine(mtp=True)`); offloaded, in a page's bytes with
-`host_pool_bytes`. The blocks live in `memory` ("device" or "pinned_host"); from the host,
-`write` moves the prefix's rows to the device once.
-
-Costs: `lookup` O(prompt) hashing + O(chunks); `write` one program of O(n T) rows (compiled
-once per n <= S / T); `insert` O(prompt) hashing per request that completed a chunk, and one
-program of O(M T) rows for the M blocks it stores (compiled once per M); a drop O(1).
+Contracts: the copied rows equal those the request's own prefill would compute, bit for bit. A
+block lives exactly as long as the main cache holds its chunk's last page (one block per
+chunk, the latest wins), so the store is bounded by the main cache. Costs: `lookup` and
+`insert` O(prompt) hashing; `write` one program of O(n T) rows; a drop O(1). Why the rows
+depend on the next token, and the budget: docs/design/engine.md, "Prefix reuse on the
+resident path".
 """
 
 from __future__ import annotations

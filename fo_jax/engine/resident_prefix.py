@@ -7,48 +7,18 @@ a new request's seat instead of prefilled again.
     ...                                                  # prefill the prompt from `cached`
     store.insert(state, [(b, prompt[:prefilled], before)])   # after each prefill program
 
-The resident state keeps each seat's KV apart (`ResidentState`: rows [L, B, S, D+R], indexer
-keys [G, B, S, N]), so a shared prefix cannot be mapped into a seat as the offloaded pages are:
-it is copied. The store holds blocks of T = `block_tokens` tokens: block i of a prompt is its
-KV rows [L, T, D+R] and indexer keys [G, T, N] of tokens [i T, (i + 1) T), found again by the
-chain hash of `fo_jax.engine.pages` (block i matches only when all of tokens [0, (i + 1) T)
-do). The bookkeeping is the offloaded prefix cache's, on a pool of its own of `num_blocks`
-block slots (`PagePool` + `PrefixCache`: reference counts, least recently released first
-eviction, a block evicted with its cached descendants). A block is held only while it is
-copied (into a seat at admission, out of one at insertion), so between two calls every cached
-block is evictable, and insertion never lacks room: a prompt with more new full blocks than
-the store holds inserts its first ones.
+`ResidentPrefixStore` (`for_engine` sizes it for an engine) keeps blocks of T = `block_tokens`
+tokens (KV rows [L, T, D+R] and indexer keys [G, T, N]) under the chain hash of
+`fo_jax.engine.pages`, in `memory` "device" or "pinned_host", with least recently released
+first eviction; `block_bytes` gives a block's bytes. With MTP drafts an
+`fo_jax.engine.mtp_prefix.MTPPrefixStore` keeps the MTP layer's rows beside each block.
 
-Bitwise: a block holds the rows a prefill wrote for those tokens, and a reused prefix is a
-multiple of the prefill chunk (`lookup` rounds the matched tokens down to a multiple of
-`chunk`, which T must divide: the rule of the offloaded cache), so the rest of the prompt is
-cut into the same chunks at the same offsets as from scratch, each computed by the same program
-from the same rows: the request's KV, logits and tokens are those of its run from scratch, bit
-for bit. `lookup` matches prompt[:-1], as the offloaded cache does, so at least the last token
-is computed (its logits sample the first token).
-
-Where the blocks live (`memory`):
-
-  "device"       device memory: the copy into a seat is one device program. The store's
-                 bytes count on the device as the seats' do (default: fast; the budget is
-                 yours to size, `Engine(prefix_cache_bytes=...)`).
-  "pinned_host"  pinned host memory: off the device budget, at the cost of one host-to-device
-                 move of the prefix's rows per admission and one device-to-host move per
-                 block inserted: O(L T (D+R) + G T N) bytes per block, against a whole forward
-                 pass of its T tokens that the reuse saves.
-
-With MTP drafts (`for_engine(mtp=True)`), the MTP layer's rows of each block's chunk are kept
-beside it by an `fo_jax.engine.mtp_prefix.MTPPrefixStore` on this store's cache (dropped with
-the block) and counted in `block_bytes`.
-
-Blocks are separate arrays (no pool array updated in place), so neither memory needs a scatter
-into host memory (`fo_jax.offload.host` says why that is fragile on accelerators).
-
-Costs: `lookup` O(prompt) hashing + O(blocks matched); `write` one program moving O(L n T)
-rows for n blocks (compiled once per n: at most S / T programs); `insert` O(prompt) hashing per
-request that completed a block, and one program moving O(L M T) rows for the M blocks new to
-the store (compiled once per M <= seats x chunk / T); an eviction O(blocks dropped). At most
-`num_blocks` blocks of `block_bytes(config, T)` bytes each are ever referenced.
+Contracts: `lookup` matches prompt[:-1] and rounds down to a multiple of `chunk` (which T must
+divide), so a request reusing a prefix has the KV, logits and tokens of its run from scratch,
+bit for bit. At most `num_blocks` blocks are ever referenced; insertion never lacks room.
+Costs: `lookup` and `insert` O(prompt) hashing; `write` one program of O(L n T) rows for n
+blocks (at most S / T programs). Why a copy, the two memories and the costs in full:
+docs/design/engine.md, "Prefix reuse on the resident path".
 """
 
 from __future__ import annotations
