@@ -8,43 +8,16 @@ written as JSON lines and exposed in Prometheus' text format.
     log.flush()                  # a last record for the steps since the last read
     print(log.prometheus_text())
 
-Per step, nothing crosses from the device: each decode call's `LoopStats` ([G, B, W] rows by
-outcome, [G, B] union, [B] bytes) is reduced to per-group sums and added to a small device
-accumulator (`DeviceCounters`, [G] per outcome and two byte scalars; `accumulate` is one jitted
-program, dispatched asynchronously). The host-side figures of a step (queue length, running
-requests, pool pages, engine counters: preemptions and prefix-cache hits among them) cost
-nothing to read and are sampled as they are. Every `every` steps the log reads the accumulator
-once (one device-to-host transfer of 4 G + 2 numbers), resets it, adds it to the host totals
-(Python ints / floats: the device only ever holds the counts of `every` steps, so int32 and
-float32 stay exact at any run length) and writes one record:
+`accumulate` adds a decode call's `LoopStats` to a device accumulator (`DeviceCounters`, per
+indexer group and outcome, plus bytes each way); `MetricsLog` reads it every `every` steps and
+writes one JSON record (totals, deltas, gauges, finished requests); `summarize` reduces
+records; `prometheus_families(record)` gives `prometheus_client` metric families, which the
+server's /metrics shows.
 
-    {"step": 32, "time": 1764526400.1, "elapsed_s": 3.2, "interval_steps": 16,
-     "totals": {"hits": [g0, g1], "tail_hits": [...], "misses": [...], "union": [...],
-                "h2d_bytes": x, "d2h_bytes": y, "steps": ..., "decode_tokens": ...,
-                "prefix_hit_tokens": ..., "preemptions": ..., ...},
-     "deltas": {the same keys: what the last `interval_steps` steps added},
-     "gauges": {"queue_length": q, "queue_length_max": m, "running": r,
-                "pool_pages": {"free", "held", "cached", "total"} | null,
-                "pool_bytes": {"host_kv": {"held", "cached", "total"},
-                               "device_index_keys": {...}} | null},
-     "requests": [{"request_id", "prompt_tokens", "output_tokens", "finish_reason",
-                   "ttft_s", "tpot_s"} of each request that finished since the last record]}
-
-With the pool in device memory (`host_memory_kind="device"`) "pool_bytes" names its KV pages
-"device_kv" instead of "host_kv".
-
-hits + tail_hits + misses of a group are its selections (every selected token is exactly one
-of them); union counts the rows copied into each layer of the group. Offload counters are
-absent on the resident path (no `LoopStats`). Preemptions are read from
-`engine.counters.get("preemptions", 0)`, and with them how preempted requests came back
-(`preemptions_kept_pages`, `resumed_without_recompute`, `replayed_tokens`).
-
-`prometheus_families(record)` turns a record into `prometheus_client` metric families
-(`fojax_offload_group_rows{group, kind}`, `fojax_offload_bytes{direction}`,
-`fojax_pool_pages{state}`, `fojax_pool_bytes{pool, state}`, `fojax_requests_waiting`,
-`fojax_requests_running`, `fojax_preemptions`, `fojax_preemptions_kept_pages`,
-`fojax_resumed_without_recompute`, `fojax_replayed_tokens`, `fojax_prefix_cache_hit_tokens`);
-the server's /metrics uses the group, pool-byte and preemption families next to its own.
+Contracts: no host sync per step (one read of 4 G + 2 numbers every `every` steps); the
+totals are host Python numbers, exact at any run length; a group's hits + tail_hits + misses
+are its selections. Offload counters are absent on the resident path. The record's fields and
+the metric families: docs/guides/serving.md, "Metrics".
 """
 
 from __future__ import annotations
