@@ -5,36 +5,20 @@
     logits, state, stats = sharded_decode_step(params, state, tokens, mesh=mesh,
                                                config=config, offload=offload)
 
-The data-parallel steps wrap the single-device steps' pure programs in `shard_map` over `data`:
-every rank runs the same step on its B/D requests and F/D frames, in one compiled program for
-all ranks, with no collective on the cache (no all-gather, no all-reduce: the KV, the maps and
-the pools stay where they are). Logits, stats and states are bit for bit those of the
-single-device step run on each rank's requests and pool shard (tests/sharding/; the random
-policy included: every rank draws from the same key, as a one-device run of its requests
-would). Against one device running all B requests they agree to rounding only: XLA's CPU
-matmuls are not batch-invariant (a request's logits differ in the last bits between batches of
-4 and 2 on one device), and the random policy's victims differ.
-
-Expert parallelism (`make_mesh(n, expert=e)`): the MoE experts' w1 / w2 / w3 [L', X, ...]
-(`fo_jax.sharding.EXPERT_PARALLEL`) stay split over `expert` inside the steps: each device holds
-X / e experts and `fo_jax.model.moe.moe_mlp`, seeing a slice of them, computes only their
-(token, k) rows and sums the rows over `expert` (one all-reduce of [N K', E] per MoE layer, the
-program's only collective; exact, see `moe_mlp`), so logits and states stay bit for bit each
-rank's single-device run with the whole weights. The router (gate, gate_bias) and the shared
-experts are replicated. A data rank's tokens, state and attention are replicated over its
-`expert` devices (each runs them alike); only the experts' weights and rows are split.
-Weights split over `model` (heads, vocabulary) are stored split and gathered at the step's
-entry: no tensor-parallel step (split heads would sum partial products in another order: not
-bit for bit the single-device step).
-
     sharded_decode_step (+ lower_sharded_decode_step), sharded_resident_decode_step,
     sharded_decode_loop, sharded_prefill, sharded_to_decode_state        steps
     DataParallelOffloadEngine                  fo_jax.generate's OffloadEngine over them
 
-Where every array goes (`LAYOUTS`, `RULES`), the state conversions and the rank-local page
-tables are `fo_jax.sharding`'s; the pure programs each rank runs are the single-device steps'
-(`fo_jax.offload.decode.decode_jit`, `fo_jax.offload.prefill.prefill_jit`,
-`fo_jax.resident.forward_jit`, `fo_jax.decode_loop.loop_jit`).
+Each step wraps the single-device step's pure program in `shard_map` over `data`: every rank
+runs it on its B/D requests and F/D frames, in one compiled program for all ranks, with no
+collective on the cache. With expert parallelism (`make_mesh(n, expert=e)`) the experts'
+weights stay split over `expert`, and one exact all-reduce per MoE layer is the program's only
+collective. Where every array goes is `fo_jax.sharding`'s.
+
+Contracts: logits, stats and states are bit for bit those of the single-device step run on
+each rank's requests and pool shard (expert parallelism included); against one device running
+all B requests they agree to rounding only. Weights split over `model` are gathered at the
+step's entry (no tensor-parallel step). The design in full: docs/guides/many-devices.md.
 """
 
 from __future__ import annotations
