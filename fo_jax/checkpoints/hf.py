@@ -1,45 +1,20 @@
 """Load and save Hugging Face checkpoint directories of DeepSeek-V3.2 / GLM-5.
 
 A directory holds config.json, model.safetensors.index.json ({"weight_map": {name: shard}})
-and the shards (or one model.safetensors). `load_checkpoint`:
+and the shards (or one model.safetensors). `load_checkpoint` checks the config, the index and
+every shard's header before loading anything, then fills the stacked parameters shard by
+shard and moves them to the device a stack at a time (host memory: the model once plus one
+tensor). `weights="fp8"` keeps an FP8 checkpoint's projections as `Fp8Weight`s,
+`"dequantize"` dequantises them (`dequantize_fp8`); `mtp=True` returns the
+multi-token-prediction layers' parameters too. `save_checkpoint` writes the same layout
+(unquantised, in the parameters' dtypes; the MTP layers too when given); `inspect_checkpoint`,
+`shard_files`, `all_finite`, `resolve_weights` and `to_hf_config` are the steps and checks.
 
-  1. reads config.json (`config_from_hf`), the index and every shard's header, and refuses
-     before loading anything: a malformed config.json, index or header (`safetensors_io`:
-     offsets that do not tile the data section included), missing or extra tensors (with the
-     config.json fields that place the indexers when those differ), wrong shapes or dtypes,
-     FP8 weights without their scales, truncated shards, an index naming tensors its shard
-     lacks, a tensor held by two shards (each error one line naming the file, the tensor or field, what was expected and
-     what came);
-  2. allocates the stacked parameters once (host numpy, `config.dtype`) and fills them shard by
-     shard, tensor by tensor (a tqdm bar per tensor): host memory holds the model once plus
-     one tensor (and its float32 dequantised copy); each tensor, as cast to its parameter's
-     dtype, must be finite (`all_finite`): inf or NaN in the file (0xff bytes, say), once
-     dequantised, or from a value too large for the dtype is refused naming the tensor, the
-     count and the first one, before anything reaches the device;
-  3. moves the stacks to the device one at a time with `jax.device_put` (each host stack
-     dropped after its copy): at most the model plus its largest stack at once (measured on
-     CPU: a 132 MiB checkpoint peaks at +176 MiB of resident memory, +133 MiB after loading).
-
-FP8: a weight stored float8 e4m3 with `{name}_scale_inv` [ceil(out / 128), ceil(in / 128)]
-float32 (the block size of `quantization_config.weight_block_size`) is, with `weights="fp8"`
-(the default for a checkpoint with a `quantization_config`), kept as it is: the parameter is an
-`fo_jax.model.linear.Fp8Weight` (the e4m3 values and their float32 block scales, both
-transposed to fo_jax's [in, out] layout; 1 byte per value plus 4 per block) that the model's
-linear layers multiply in FP8 (`fo_jax.model.linear.linear`: activations quantized per block
-as the reference's `act_quant`, in the `scale_fmt` the quantization_config names). That holds
-for the projections (`fo_jax.model.dsa.FP8_PARAMS`: attention, indexer wq_b / wk, dense MLP,
-experts, shared experts) whose stack is FP8 in every layer; any other FP8 tensor (a router,
-the head), and every one with `weights="dequantize"`, is dequantised on load:
-w[i, j] = float32(q[i, j]) * scale_inv[i // 128, j // 128], then cast to `config.dtype` (the
-reference's `weight_dequant`). Tensors of multi-token-prediction layers (layer numbers
-L .. L + num_nextn_predict_layers - 1) are skipped, unless `load_checkpoint(..., mtp=True)`
-asks for them: then it returns their parameters too (`fo_jax.model.mtp`; stacked over the MTP
-layers like the main layers) and refuses a checkpoint whose MTP tensors are missing or
-mis-shaped, naming the tensor.
-
-`save_checkpoint` writes the same layout (unquantised, in the parameters' dtypes; the MTP
-layers too when given), so `load_checkpoint(save_checkpoint(params))` returns `params` bit for
-bit.
+Contracts: `load_checkpoint(save_checkpoint(params))` returns `params` bit for bit. A malformed
+config.json, index or header, missing, extra or mis-shaped tensors, FP8 weights without scales,
+truncated shards, a tensor in two shards or a non-finite tensor raise `ValueError` (one line
+naming the file, the tensor or field, what was expected and what came), before anything
+reaches the device. The loading steps and FP8 in full: docs/guides/checkpoints.md.
 """
 
 from __future__ import annotations
