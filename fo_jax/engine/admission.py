@@ -229,8 +229,8 @@ class Admission:
             excluded), as `fo-jax plan --budget-gb` counts it.
           host_budget_bytes: host bytes for the KV pool.
           max_seats: B, requests running at once (rows of the page table).
-          order: "fifo" or "shortest" (see the module docstring).
-          reserve: "full" or "prompt" (see the module docstring).
+          order: "fifo" or "shortest" (docs/design/engine.md, "Admission by memory").
+          reserve: "full" or "prompt" (docs/design/engine.md, "Admission by memory").
         """
         if not isinstance(costs, MemoryCosts):
             raise ValueError(f"costs must be a MemoryCosts, got {type(costs).__name__}")

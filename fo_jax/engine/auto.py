@@ -182,7 +182,7 @@ class AutoEngine:
     # The step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Migrate, place, step both tiers (see the module doc); the outputs of the requests
+        """Migrate, place, step both tiers (docs/design/engine.md, "Automatic offload"); the outputs of the requests
         that moved."""
         self._migrate()
         self._unpark()
