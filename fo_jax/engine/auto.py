@@ -182,8 +182,8 @@ class AutoEngine:
     # The step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Migrate, place, step both tiers (docs/design/engine.md, "Automatic offload"); the outputs of the requests
-        that moved."""
+        """Migrate, place, step both tiers (docs/design/engine.md, "Automatic offload"); the
+        outputs of the requests that moved."""
         self._migrate()
         self._unpark()
         self._place()

@@ -354,7 +354,7 @@ def prefix_hits_family(counters: dict):
 
 
 def prometheus_families(record: dict):
-    """Every metric family of a `MetricsLog` record (listed in docs/guides/serving.md, "Metrics")."""
+    """Every metric family of a `MetricsLog` record (docs/guides/serving.md, "Metrics")."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     totals, gauges = record["totals"], record["gauges"]
