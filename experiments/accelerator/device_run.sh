@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One accelerator session of fo_jax, bounded in time: fo_jax's own host copies
 # (host_access="ffi", fo_jax/offload/ffi) on a GPU. Every part has its own time limit, so one
-# that hangs leaves the others; the default parts' limits add up to 570 s (under 10 minutes):
+# that hangs leaves the others; the default parts' limits add up to 470 s (under 8 minutes,
+# leaving a device budget of 15 minutes room for the machine's start and one rerun):
 #   ffi_library        30 s  the CUDA host-copy library found, registered and exact
 #                            (host_copy_check.py); without it the run stops here
 #   ffi_checks         90 s  the HLO of the decode step and the prefill: host-compute ops,
@@ -14,12 +15,12 @@
 #                            bytes, against read_bulk (the copy engine) and device_put of the
 #                            same bytes (accelerator_check.py --checks access)
 #   access_gather      25 s  the same at 4096 rows under "gather", for comparison
-#   real_width        100 s  offloaded / resident decode step at DeepSeek-V3.2's widths with
-#                            FP8 weights (real_width.py: deepseek_v32_width, batch 1 / 16 / 64,
-#                            32k / 128k, C = 16k, both KV formats), cells started within
-#                            REAL_BUDGET_S (70 s here: the first cells; the whole table in a
-#                            session of its own: PARTS="ffi_library real_width summary"
-#                            REAL_S=540 REAL_BUDGET_S=480)
+#   real_width        100 s  (named only, not a default part) offloaded / resident decode step
+#                            at DeepSeek-V3.2's widths with FP8 weights (real_width.py:
+#                            deepseek_v32_width, batch 1 / 16 / 64, 32k / 128k, C = 16k, both KV
+#                            formats), cells started within REAL_BUDGET_S (70 s by default); the
+#                            whole table in a session of its own: PARTS="ffi_library real_width
+#                            summary" REAL_S=540 REAL_BUDGET_S=480
 #   decode_ratio       75 s  offloaded / resident decode step, `small`, 32k context, batch 8,
 #                            32, 1, locality and uniform workloads (decode_bench.py)
 #   serving_saturation 80 s  serving_bench.py --closed-loop: TPOT offloaded / resident, every
@@ -54,7 +55,7 @@ smoke=${SMOKE:+--smoke}
 x=${SMOKE:+3}; x=${x:-1}  # limits and budgets: x3 in smoke mode
 full() { [ -z "${SMOKE:-}" ] && echo "$@"; }  # these flags at full size only
 PARTS=${PARTS:-ffi_library ffi_checks prefill_exact engine_exact access_rates access_gather \
-real_width decode_ratio serving_saturation summary}
+decode_ratio serving_saturation summary}
 part() {  # part NAME SECONDS COMMAND...: run, tee to $OUT/NAME.log; its exit status
   local name=$1 limit=$(( $2 * x )); shift 2
   case " $PARTS " in *" $name "*) ;; *) return 0 ;; esac

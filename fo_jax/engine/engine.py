@@ -490,18 +490,10 @@ class Engine:
     def _grow_pages(self) -> None:
         """reserve="prompt": before the decode call, give every decoding request the pages
         the call may write (`Scheduler.tokens_needed`), oldest request first. When they cannot be
-        had, make room and try again (the rule and why it always progresses:
-        docs/design/engine.md, "Progress"):
-        pool pages short (after evicting unreferenced prefix-cache pages, least recently
-        released first, as any allocation does): drop the pages a waiting preempted request
-        kept (youngest first), else preempt the youngest running request dropping its pages;
-        only `device_bytes` short: preempt the youngest running request keeping its pages
-        (its seat's bytes are freed), or, when the request is alone in the seats, drop the
-        pages a waiting request kept (youngest first); with the pool on the device (bytes
-        short are pages short): drop the kept pages first, then preempt the youngest running
-        request, keeping its pages only when its seat's bytes cover the shortfall. A request
-        that is itself the youngest is preempted. O(seats + queue + pages allocated) per
-        preemption or drop."""
+        had, do what `Scheduler.make_room` says must go first (drop kept pages, or preempt the
+        youngest running request with or without its pages) and try again; the rule and why it
+        always progresses: docs/design/engine.md, "Progress". A request that is itself the
+        youngest is preempted. O(seats + queue + pages allocated) per preemption or drop."""
         if self.pool is None or self.reserve == "full":
             return
         rows = {}
@@ -683,14 +675,9 @@ class Engine:
                 self._free(req)
 
     def _replay(self, resumed: list[RequestState]) -> None:
-        """Feed each resumed request's sampled tokens but the last (their KV was dropped with
-        its pages) through the decode step, the program that computed them before, one token
-        per step, the other seats inactive (unchanged); the logits are not used. Prefilling
-        them instead would not be bitwise: on CPU, XLA rounds a [chunk]-row matmul
-        differently from a 1-row one (the KV and logits of a token differ in the last bits),
-        so a resumed request could sample other tokens than its solo run. Costs: one decode
-        step of the batch per replayed token of the longest replay. With drafts, the tokens
-        are fed in the groups their W-way steps stored them (`DecodeRunner.replay`)."""
+        """Rebuild the KV of each resumed request whose pages were dropped by feeding
+        its sampled tokens again through the decode step (`DecodeRunner.replay`: why a replay
+        and not a prefill, and its costs)."""
         self.counters["replayed_tokens"] += self.runner.replay(resumed)
 
     def _set_history(self, joined: list[RequestState]) -> None:

@@ -27,7 +27,7 @@ def test_script_parses():
 
 @pytest.mark.parametrize("name", ["accelerator_check", "decode_bench", "decode_loop_bench",
                                   "prefill_diagnosis", "engine_check", "serving_bench",
-                                  "host_copy_check", "device_summary"])
+                                  "host_copy_check", "device_summary", "real_width"])
 def test_flags_exist(name):
     text = SCRIPT.read_text()
     (path,) = (ROOT / "experiments").glob(f"*/{name}.py")
@@ -85,6 +85,20 @@ def test_default_parts_at_full_size(tmp_path):
     assert "--batch 8 32 1" in by_part["decode_ratio"]
     assert "--context 32768" in by_part["decode_ratio"]
     assert "--closed-loop" in by_part["serving_saturation"]
+
+
+@needs_bash
+def test_real_width_is_a_named_part(tmp_path):
+    """Not a default part (the defaults stay within 470 s), but named it runs at full size
+    after the library check, with its time budget."""
+    done = _run(tmp_path, python=None, SMOKE=None, PARTS="ffi_library real_width summary")
+    assert done.returncode == 0, done.stdout + done.stderr
+    heads = re.findall(r"^=== (\w+) \(limit (\d+)s\)", done.stdout, re.M)
+    assert heads == [("ffi_library", "30"), ("real_width", "100"), ("summary", "5")]
+    runs = [line for line in (tmp_path / "calls").read_text().splitlines()
+            if not line.startswith("-c")]
+    assert "--smoke" not in runs[1] and "--budget-s 70" in runs[1]
+    assert f"--out {tmp_path}/out/real_width.jsonl" in runs[1]
 
 
 @needs_bash
