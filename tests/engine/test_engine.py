@@ -73,6 +73,20 @@ REQUEST = st.tuples(st.booleans(), st.integers(0, 10**6), st.integers(1, 9), st.
                     st.sampled_from([0.0, 0.9]), st.integers(0, 5))
 
 
+# The random schedules of both KV formats.
+SCHEDULE = dict(
+    requests=st.lists(REQUEST, min_size=2, max_size=6),
+    arrivals=st.lists(st.integers(0, 4), min_size=6, max_size=6),
+    cancels=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 5)), max_size=2),
+    path=st.sampled_from(["ring", "clock"]),
+    # (prefix_cache, reserve, device_bytes): the pool's 8 pages hold one request of a
+    # whole seat; 9,000 device bytes one request of a whole seat (8,224 B), not two;
+    # 6,300 two decoding seats and 7 pages (seats short before pages), and refuse a
+    # request whose prefill buffers pass it alone (a shared prompt)
+    pool=st.tuples(st.booleans(), st.sampled_from(["full", "prompt"]),
+                   st.sampled_from([None, 9000, 6300])))
+
+
 @settings(max_examples=4, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 # Preemption for sure: three requests growing in an 8-page pool (one at temperature 0.9).
@@ -95,16 +109,7 @@ REQUEST = st.tuples(st.booleans(), st.integers(0, 10**6), st.integers(1, 9), st.
 @example(requests=[(False, 1, 1, 28, 0.0, 0), (False, 2, 1, 12, 0.9, 3)],
          arrivals=[0, 0, 0, 0, 0, 0], cancels=[], path="ring",
          pool=(False, "prompt", 6150))
-@given(requests=st.lists(REQUEST, min_size=2, max_size=6),
-       arrivals=st.lists(st.integers(0, 4), min_size=6, max_size=6),
-       cancels=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 5)), max_size=2),
-       path=st.sampled_from(["ring", "clock"]),
-       # (prefix_cache, reserve, device_bytes): the pool's 8 pages hold one request of a
-       # whole seat; 9,000 device bytes one request of a whole seat (8,224 B), not two;
-       # 6,300 two decoding seats and 7 pages (seats short before pages), and refuse a
-       # request whose prefill buffers pass it alone (a shared prompt)
-       pool=st.tuples(st.booleans(), st.sampled_from(["full", "prompt"]),
-                      st.sampled_from([None, 9000, 6300])))
+@given(**SCHEDULE)
 def test_random_schedules(requests, arrivals, cancels, path, pool):
     """Random arrival, cancel, prefix-sharing and preemption schedules over a shared pool
     (small enough that requests wait for pages and, with reserve="prompt", running ones are
@@ -125,12 +130,7 @@ FP8_CONFIG = CONFIG.replace(kv_format="fp8_ds_mla")
 @example(requests=[(True, 1, 9, 8, 0.0, 0), (True, 2, 3, 8, 0.9, 1), (False, 3, 5, 8, 0.0, 0)],
          arrivals=[0, 0, 1, 0, 0, 0], cancels=[(6, 1)], path="ring",
          pool=(True, "prompt", None))
-@given(requests=st.lists(REQUEST, min_size=2, max_size=6),
-       arrivals=st.lists(st.integers(0, 4), min_size=6, max_size=6),
-       cancels=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 5)), max_size=2),
-       path=st.sampled_from(["ring", "clock"]),
-       pool=st.tuples(st.booleans(), st.sampled_from(["full", "prompt"]),
-                      st.sampled_from([None, 9000, 6300])))
+@given(**SCHEDULE)
 def test_random_schedules_with_the_fp8_kv_format(requests, arrivals, cancels, path, pool):
     """`test_random_schedules` with kv_format="fp8_ds_mla" (52-byte uint8 rows in the pool,
     hot cache, tails and prefill buffers; the device budgets then hold more): every request's
