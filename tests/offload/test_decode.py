@@ -77,7 +77,7 @@ def scenarios(draw):
                 shared=draw(st.booleans()))
 
 
-@settings(max_examples=4)
+@settings(max_examples=3)
 @given(scenarios())
 def test_offloaded_decode_is_bitwise_resident(scenario):
     # Random W, k, C, page size, batch, history lengths, policy and indexer sharing. Three

@@ -552,12 +552,10 @@ def main(argv):
     empty_operand_case()
     decode_case(params, rng, ranks=4, batch=8, ways=1, policy="ring", page=4, hot=16, steps=3,
                 hlo=True)
-    decode_case(params, rng, ranks=2, batch=8, ways=2, policy="clock", page=4, hot=16, steps=3,
-                permute=True, inactive=True)
-    decode_case(params, rng, ranks=8, batch=8, ways=4, policy="lru", page=4, hot=16, steps=3)
     # fo_jax's own host copies (FFI custom calls) inside each rank's program.
-    decode_case(params, rng, ranks=2, batch=8, ways=3, policy="random", page=4, hot=16,
-                steps=3, host_access="ffi")
+    decode_case(params, rng, ranks=2, batch=8, ways=3, policy="clock", page=4, hot=16, steps=3,
+                permute=True, inactive=True, host_access="ffi")
+    decode_case(params, rng, ranks=8, batch=8, ways=4, policy="lru", page=4, hot=16, steps=3)
     expert_parallel_case(rng, expert=2, steps=2)
     resident_case(params, rng, ranks=4, batch=4, ways=2, steps=2)
     prefill_case(params, rng, ranks=2, batch=4, page=4, chunks=2, width=6)
