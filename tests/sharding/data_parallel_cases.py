@@ -720,14 +720,43 @@ def empty_operand_case():
     log("zero-sized operand of a data-parallel body ok")
 
 
+def handoff_case(rng, *, config, ranks=2, batch=4):
+    """The prefill -> decode handoff on a mesh (`sharded_to_decode_state`) with the NaN fill
+    (fp8_ds_mla rows: the bytes 0xFF): the DecodeState bit for bit each rank's one-device
+    `to_decode_state` of its requests and pool shard (hot rows past a request's length hold
+    the fill)."""
+    page, capacity = 4, 32
+    offload = OffloadConfig(hot_slots=16, page_size=page, capacity=capacity, policy="ring")
+    state = offload_prefill.PrefillState.create(config, batch=batch, capacity=capacity,
+                                                page_size=page, fill=NAN)
+    rows = stored_rows(rng.standard_normal(state.host.kv.shape[:-1] + (config.kv_width,)),
+                       config)
+    state = dataclasses.replace(
+        state, host=dataclasses.replace(state.host,
+                                        kv=jax.device_put(rows, state.host.kv.sharding)),
+        index_keys=jnp.asarray(rng.standard_normal(state.index_keys.shape),
+                               state.index_keys.dtype),
+        lengths=jnp.asarray(rng.integers(1, 24, batch), jnp.int32))
+    mesh = sharding.make_mesh(ranks)
+    refs = [offload_prefill.to_decode_state(rank_state(state, r, ranks), config=config,
+                                            offload=offload, fill=NAN) for r in range(ranks)]
+    got = sharded_steps.sharded_to_decode_state(sharding.shard_state(state, mesh), mesh=mesh,
+                                                config=config, offload=offload, fill=NAN)
+    check_decode_shardings(got, ranks)
+    assert_state_equal(got, mesh, refs, ranks)
+    log(f"handoff {config.kv_format} ranks={ranks} B={batch}, NaN fill: bitwise ok")
+
+
 def fp8_kv_steps(rng):
     """The fp8_ds_mla KV format through the sharded offloaded decode (uint8 host and hot rows,
-    no collective) and resident decode, bit for bit each rank's one-device run."""
+    no collective), resident decode and the prefill -> decode handoff, bit for bit each rank's
+    one-device run."""
     fp8_kv = CONFIG.replace(kv_format="fp8_ds_mla")
     params = random_params(CONFIG, rng)
     decode_case(params, rng, ranks=2, batch=4, ways=2, policy="clock", page=4, hot=16, steps=2,
                 permute=True, hlo=True, config=fp8_kv)
     resident_case(params, rng, ranks=2, batch=4, ways=1, steps=2, config=fp8_kv)
+    handoff_case(rng, config=fp8_kv)
 
 
 def fp8_generate(rng):
