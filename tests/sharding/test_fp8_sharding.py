@@ -7,9 +7,9 @@ experts) as the bf16 weights they stand for, each device holding 1/2 of every sp
 values and scales (from the arrays), a split that would cut a scale block refused before
 anything is placed, decode steps and a prefill chunk bit for bit each data rank's one-device
 run. `--fp8-kv-steps`: the fp8_ds_mla KV format through the sharded offloaded decode (uint8
-host rows, no collective) and resident decode, bit for bit. `--fp8-generate`: `fo-jax generate
---offload --devices 2 --kv-format fp8_ds_mla`, every request's tokens those of the one-device
-FP8 run.
+host rows, no collective), resident decode and the handoff (NaN fill: 0xFF bytes), bit for
+bit. `--fp8-generate`: `fo-jax generate --offload --devices 2 --kv-format fp8_ds_mla`, every
+request's tokens those of the one-device FP8 run.
 """
 
 import os
