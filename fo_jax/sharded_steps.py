@@ -18,7 +18,10 @@ collective. Where every array goes is `fo_jax.sharding`'s.
 Contracts: logits, stats and states are bit for bit those of the single-device step run on
 each rank's requests and pool shard (expert parallelism included); against one device running
 all B requests they agree to rounding only. Weights split over `model` are gathered at the
-step's entry (no tensor-parallel step). The design in full: docs/guides/many-devices.md.
+step's entry (no tensor-parallel step). FP8 weights (`Fp8Weight`) go as the weights they stand
+for, values and block scales alike; the KV format (`ModelConfig.kv_format`, fp8_ds_mla's uint8
+rows included) is the config's, in every step and the handoff. The design in full:
+docs/guides/many-devices.md.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from fo_jax import decode_loop, generate, resident
 from fo_jax.config import ModelConfig
 from fo_jax.decode_loop import LoopOutput
+from fo_jax.model.kv_format import kv_fill
 from fo_jax.offload import decode as offload_decode
 from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload.config import OffloadConfig
@@ -446,14 +450,13 @@ def _handoff_program(mesh: Mesh, chunk: int, on_host: bool, access: str):
     unstored rows cleared, the hot and tail rows gathered from the rank's own host pages."""
     batch, frames = P(DATA), P(None, DATA)
 
-    def body(host_kv, index_keys, table, lengths, row_tok, fill):
-        keys = offload_prefill.clear_unstored(index_keys, table, lengths,
-                                              fill.astype(index_keys.dtype))
-        hot = offload_prefill.gather_hot(host_kv, table, row_tok, fill, chunk=chunk,
+    def body(host_kv, index_keys, table, lengths, row_tok, key_fill, row_fill):
+        keys = offload_prefill.clear_unstored(index_keys, table, lengths, key_fill)
+        hot = offload_prefill.gather_hot(host_kv, table, row_tok, row_fill, chunk=chunk,
                                          on_host=on_host, access=access)
         return keys, hot
 
-    return jax.jit(_data_parallel(body, mesh, (frames, frames, batch, batch, batch, P()),
+    return jax.jit(_data_parallel(body, mesh, (frames, frames, batch, batch, batch, P(), P()),
                                   (frames, P(None, DATA))))
 
 
@@ -480,8 +483,11 @@ def sharded_to_decode_state(state, *, mesh: Mesh, config: ModelConfig,
                                state.host.kv.sharding.memory_kind not in (None, "device"),
                                offload.host_access)
     place = lambda x: _place(x, LAYOUTS["per_request"] + (None,), mesh, rules)  # noqa: E731
+    scalar = lambda x, dtype: _put(np.asarray(x, dtype), NamedSharding(mesh, P()))  # noqa: E731
+    rows = state.host.kv.dtype  # the KV rows' own fill: bytes for fp8_ds_mla rows (`kv_fill`)
     keys, hot = program(state.host.kv, state.index_keys, state.table, state.lengths,
-                        place(row_tok), _put(np.float32(fill), NamedSharding(mesh, P())))
+                        place(row_tok), scalar(fill, state.index_keys.dtype),
+                        scalar(kv_fill(fill, rows), rows))
     out = DecodeState(host=state.host, table=state.table, hot=hot, index_keys=keys,
                       slots=slots, policy=policy, lengths=state.lengths,
                       step=np.asarray(1, np.int32))

@@ -7,7 +7,11 @@ use them are `fo_jax.sharded_steps`).
 
 Mesh axes: `data` splits requests (the batch B) and the page pools (the frame axis F); `model`
 and `expert` split weights (attention heads and the vocabulary over `model`, MoE experts over
-`expert`); both have size 1 unless asked for, so weights are replicated by default.
+`expert`); both have size 1 unless asked for, so weights are replicated by default. An FP8
+weight (`fo_jax.model.linear.Fp8Weight`: e4m3 values and float32 block scales) is split as the
+weight it stands for, its block scales along the same axes (a device holds the scales of its own
+blocks); a mesh whose split would leave part of a block on a device is refused
+(`check_fp8_split`) before anything is placed.
 
 `LAYOUTS` names the logical axes of every array of every state (decode, prefill, resident, the
 decode stats) and of the weights; `RULES` maps logical axes to mesh axes. These two tables are
@@ -24,8 +28,8 @@ own pool shard and table rows, so its misses, host reads, write-through and page
 never leave it. `shard_state` converts a single-device state's global ids into local ones (and
 refuses a table whose seat names a frame of another rank's shard); `unshard_state` converts back.
 
-    make_mesh, logical_spec, specs, shardings, param_specs, shard_params,
-    step_param_specs                                                      placement
+    make_mesh, logical_spec, specs, shardings, param_specs, check_fp8_split,
+    shard_params, step_param_specs                                        placement
     shard_state, unshard_state, local_table, global_table,
     check_sharded_tables, check_divides, host_values                      states
 """
@@ -39,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from fo_jax.model.linear import Fp8Weight, is_fp8
 from fo_jax.model.moe import EXPERT_AXIS
 from fo_jax.offload.host import memory_kind
 from fo_jax.offload.state import DecodeState, check_table, check_table_covers, read_back
@@ -97,7 +102,8 @@ LAYOUTS = {
     "per_request": ("batch",),                                # [B]: num_new, active
     "logits": ("batch", None, None),                          # [B, T, V] (V whole per rank)
     "hidden": ("batch", None, None),                          # [B, T, E]
-    # Weights (fo_jax.model.dsa.init_params names); every other weight is replicated.
+    # Weights (fo_jax.model.dsa.init_params names); every other weight is replicated. An FP8
+    # weight's values [..., I, O] and block scales [..., I / bI, O / bO] both take its entry.
     "params": {
         "embed": ("vocab", None),                             # [V, E]
         "head": (None, "vocab"),                              # [E, V]
@@ -208,21 +214,54 @@ def shardings(tree, mesh: Mesh, rules=None):
 
 
 def param_specs(params, mesh: Mesh, rules=None):
-    """PartitionSpecs of the weights: LAYOUTS["params"] by name, the rest replicated."""
+    """PartitionSpecs of the weights: LAYOUTS["params"] by name, the rest replicated.
+
+    An FP8 weight (`fo_jax.model.linear.Fp8Weight`) gets an Fp8Weight of two specs, both the
+    spec of the weight it stands for: its e4m3 values q [..., I, O] split as that weight, its
+    block scales [..., I / bI, O / bO] split along the same axes, so a device holds the scales
+    of exactly the blocks it holds. Raises ValueError, before anything is placed, for a split
+    axis its mesh axis does not divide, and for an FP8 weight whose split would cut a scale
+    block (an I or O per device that is not a multiple of bI or bO: `check_fp8_split`)."""
     table = LAYOUTS["params"]
 
     def one(path, x):
-        axes = table.get(_names(path), (None,) * np.ndim(x))
-        spec = logical_spec(axes, mesh, rules)
+        name = _names(path)
+        spec = logical_spec(table.get(name, (None,) * len(np.shape(x))), mesh, rules)
         for size, axis in zip(np.shape(x), spec):
             if axis is not None and size % mesh.shape[axis]:
-                raise ValueError(f"weight {_names(path)} {np.shape(x)} cannot be split over "
+                raise ValueError(f"weight {name} {tuple(np.shape(x))} cannot be split over "
                                  f"mesh axis {axis!r} of size {mesh.shape[axis]}: use a mesh "
                                  "whose axis size divides it, or map its logical axis to None "
                                  "in the rules")
+        if is_fp8(x):
+            check_fp8_split(name, x, spec, mesh)
+            return dataclasses.replace(x, q=spec, scale_inv=spec)
         return spec
 
-    return jax.tree_util.tree_map_with_path(one, params)
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_fp8)
+
+
+def check_fp8_split(name: str, w: Fp8Weight, spec: P, mesh: Mesh) -> None:
+    """Raise ValueError when `spec` splits the in or out axis of the FP8 weight `w` so that a
+    device's part is not a whole number of its scale blocks (bI or bO values): its block scales
+    could not be split with it. The error names the weight, the axis, the mesh axis and its
+    devices, and the device counts that would leave whole blocks."""
+    shape, ndim = w.shape, w.ndim
+    for axis_index, block, what in ((ndim - 2, w.block[0], "in"), (ndim - 1, w.block[1], "out")):
+        axis = spec[axis_index] if axis_index < len(spec) else None
+        if axis is None:
+            continue
+        size, devices = shape[axis_index], int(mesh.shape[axis])
+        if (size // devices) % block == 0:
+            continue
+        blocks = size // block if size % block == 0 else 0  # a partial last block: no split
+        whole = [n for n in range(1, blocks + 1) if blocks % n == 0] or [1]
+        raise ValueError(
+            f"FP8 weight {name} {tuple(shape)}: splitting its {what} axis ({size} values, "
+            f"scale blocks of {block}) over mesh axis {axis!r} of {devices} devices gives "
+            f"{size // devices} values per device, not a whole number of blocks: the block "
+            f"scales cannot be split with it. Use a mesh whose {axis!r} axis has one of "
+            f"{whole} devices, or map its logical axis to None in the rules (replicated)")
 
 
 # Weights a data-parallel step keeps split inside its shard_map (when the rules put their
@@ -235,16 +274,18 @@ def step_param_specs(params, mesh: Mesh, rules=None):
     """PartitionSpecs of the weights inside a data-parallel step's shard_map: the MoE experts
     (`EXPERT_PARALLEL`) split over `expert` as `param_specs` stores them, when the rules map
     them there (to any other mesh axis, or with `expert` of size 1: whole); every other weight
-    whole (replicated: those stored split over `model` are gathered at the step's entry)."""
+    whole (replicated: those stored split over `model` are gathered at the step's entry). An
+    FP8 weight's values and block scales alike (an Fp8Weight of two specs)."""
     stored = param_specs(params, mesh, rules)
 
     def one(path, spec):
-        if _names(path) in EXPERT_PARALLEL and set(spec) <= {None, EXPERT}:
-            return spec
-        return P()
+        kept = spec.q if is_fp8(spec) else spec
+        if not (_names(path) in EXPERT_PARALLEL and set(kept) <= {None, EXPERT}):
+            kept = P()
+        return dataclasses.replace(spec, q=kept, scale_inv=kept) if is_fp8(spec) else kept
 
-    return jax.tree_util.tree_map_with_path(one, stored,
-                                            is_leaf=lambda s: isinstance(s, P))
+    return jax.tree_util.tree_map_with_path(
+        one, stored, is_leaf=lambda s: isinstance(s, P) or is_fp8(s))
 
 
 def shard_params(params, mesh: Mesh, rules=None):

@@ -2,7 +2,11 @@
 
 Run by tests/sharding/test_data_parallel.py in a subprocess (the rest of the suite keeps one
 device); runs alone too: `XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=.
-python tests/sharding/data_parallel_cases.py`. Prints one line per case and "ALL OK".
+python tests/sharding/data_parallel_cases.py [SEED] [--fp8-...]`. Prints one line per case
+and "ALL OK". The `FP8_SUITES` options (each run by tests/sharding/test_fp8_sharding.py) run
+FP8 cases instead: `--fp8-weights` FP8 weights placed over `model` and `expert` (bytes per
+device from the arrays, steps bitwise), `--fp8-kv-steps` the fp8_ds_mla KV format through the
+sharded offloaded and resident steps, `--fp8-generate` `fo-jax generate --devices 2` with it.
 
 The reference of a rank is the single-device step run on that rank's requests and pool shard
 (sliced here by hand, with global page ids turned into the shard's own): XLA's CPU matmuls are
@@ -32,10 +36,13 @@ import chex  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from fo_jax import resident, sharded_steps, sharding  # noqa: E402
 from fo_jax.config import get_config  # noqa: E402
-from fo_jax.model.dsa import init_params  # noqa: E402
+from fo_jax.model.dsa import init_params, param_shapes, quantize_params  # noqa: E402
+from fo_jax.model.kv_format import store_kv_rows  # noqa: E402
+from fo_jax.model.linear import Fp8Weight  # noqa: E402
 from fo_jax.offload import decode as offload_decode  # noqa: E402
 from fo_jax.offload import prefill as offload_prefill  # noqa: E402
 from fo_jax.offload.config import OffloadConfig  # noqa: E402
@@ -153,6 +160,15 @@ def random_params(config, rng):
                         shapes)
 
 
+def stored_rows(values, config):
+    """Random KV rows [..., D + R] (numpy) as the config's cache stores them: kv_dtype values, or
+    fp8_ds_mla uint8 rows (quantized in one program)."""
+    if config.kv_format == "bf16":
+        return jnp.asarray(values, config.jnp_kv_dtype)
+    return jax.jit(store_kv_rows, static_argnames="config")(
+        jnp.asarray(values, jnp.float32), config=config)
+
+
 def random_decode_state(rng, config, *, batch, offload, lengths, permute):
     """A DecodeState of random KV and indexer keys (no prefill: the step only reads rows)."""
     s_in = max(lengths)
@@ -163,15 +179,15 @@ def random_decode_state(rng, config, *, batch, offload, lengths, permute):
         per = batch * offload.num_pages // permute
         frames = np.concatenate([r * per + rng.permutation(per) for r in range(permute)])
         table = frames.reshape(batch, offload.num_pages).astype(np.int32)
-    return DecodeState.from_resident(jnp.asarray(kv, config.jnp_kv_dtype),
+    return DecodeState.from_resident(stored_rows(kv, config),
                                      jnp.asarray(keys, config.jnp_kv_dtype),
                                      np.asarray(lengths, np.int32), config=config,
                                      offload=offload, fill=NAN, table=table)
 
 
 def decode_case(params, rng, *, ranks, batch, ways, policy, page, hot, steps, permute=False,
-                hlo=False, inactive=False, host_access=None):
-    config = CONFIG.replace(max_ways=ways)
+                hlo=False, inactive=False, host_access=None, config=CONFIG):
+    config = config.replace(max_ways=ways)
     # One capacity and prompt size for every case: the handoff's eager ops compile once.
     lengths = [PROMPT] + rng.integers(1, PROMPT, batch - 1).tolist()
     capacity = 32
@@ -184,6 +200,9 @@ def decode_case(params, rng, *, ranks, batch, ways, policy, page, hot, steps, pe
     sharded = sharding.shard_state(state, mesh)
     refs = [rank_state(state, r, ranks) for r in range(ranks)]
     check_decode_shardings(sharded, ranks)
+    # The rows as the KV format stores them (fp8_ds_mla: uint8 rows of kv_row_width bytes).
+    assert (sharded.host.kv.dtype, sharded.hot.dtype) == (config.kv_row_dtype,) * 2
+    assert sharded.host.kv.shape[-1] == config.kv_row_width
     per = batch // ranks
     step = functools.partial(sharded_steps.sharded_decode_step, mesh=mesh, config=config,
                              offload=offload)
@@ -222,8 +241,8 @@ def decode_case(params, rng, *, ranks, batch, ways, policy, page, hot, steps, pe
                                          None)
         assert program._cache_size() == 1, program._cache_size()
     assert_state_equal(sharded, mesh, refs, ranks)
-    log(f"decode ranks={ranks} B={batch} W={ways} policy={policy} Z={page} C={hot} "
-        f"permuted={permute} inactive seats={inactive} host access {offload.host_access}: "
+    log(f"decode {config.kv_format} ranks={ranks} B={batch} W={ways} policy={policy} Z={page} "
+        f"C={hot} permuted={permute} inactive seats={inactive} host access {offload.host_access}: "
         f"{steps} steps bitwise ok (misses "
         f"{int(np.asarray(stats.misses).sum())} in the last step)")
 
@@ -242,6 +261,46 @@ def all_reduces(text):
                               line.split("replica_groups=", 1)[1])[0]
             found.append((shape, groups))
     return found
+
+
+def steps_bitwise(params, placed, rng, *, compiled, mesh, config, offload, sharded, refs,
+                  ranks, batch, steps):
+    """`steps` sharded decode steps (the `compiled` program) with the weights as `placed` on
+    `mesh`, then one prefill chunk, each bit for bit every data rank's one-device run (`refs`:
+    its DecodeState) with the whole weights `params`."""
+    step = lambda p, s, t: compiled(p, s, jax.device_put(  # noqa: E731
+        t, compiled.input_shardings[0][2]), None)
+    per = batch // ranks
+    for _ in range(steps):
+        tokens = rng.integers(0, config.vocab_size, (batch, 1), dtype=np.int32)
+        logits, sharded, stats = step(placed, sharded, tokens)
+        for r in range(ranks):
+            seats = slice(r * per, (r + 1) * per)
+            want, refs[r], _ = offload_decode.decode_step(params, refs[r], tokens[seats],
+                                                          config=config, offload=offload)
+            chex.assert_trees_all_equal(np.asarray(logits)[seats], np.asarray(want))
+    assert_state_equal(sharded, mesh, refs, ranks)
+    # One prefill chunk of up to 6 tokens per request (N = 12 tokens of a rank: more rows than
+    # a tile), on the same mesh.
+    page = 4
+    state = offload_prefill.PrefillState.create(config, batch=batch, capacity=4 * page,
+                                                page_size=page, fill=NAN)
+    sharded = sharding.shard_state(state, mesh)
+    refs = [rank_state(state, r, ranks) for r in range(ranks)]
+    tokens = rng.integers(0, config.vocab_size, (batch, 6), dtype=np.int32)
+    num_new = rng.integers(1, 7, batch).astype(np.int32)
+    logits, sharded = sharded_steps.sharded_prefill(placed, sharded, tokens, num_new, mesh=mesh,
+                                                    config=config, num_buffers=2, history_pages=4)
+    for r in range(ranks):
+        seats = slice(r * per, (r + 1) * per)
+        want, refs[r] = offload_prefill.prefill(params, refs[r], tokens[seats], num_new[seats],
+                                                config=config, num_buffers=2, history_pages=4,
+                                                query_block=None)
+        for b in range(per):  # padding logits are unspecified
+            n = int(num_new[seats][b])
+            chex.assert_trees_all_equal(np.asarray(logits)[seats][b, :n],
+                                        np.asarray(want)[b, :n])
+    assert_state_equal(sharded, mesh, refs, ranks)
 
 
 def expert_parallel_case(rng, *, expert, steps):
@@ -285,53 +344,121 @@ def expert_parallel_case(rng, *, expert, steps):
     hlo_type = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[MOE.dtype]
     assert len(reduces) == 1 and reduces[0][0] == f"{hlo_type}[{rows},{MOE.dim}]{{1,0}}" and \
         reduces[0][1] in (groups, by_mesh), (reduces, groups)
-    step = lambda p, s, t: compiled(p, s, jax.device_put(  # noqa: E731
-        t, compiled.input_shardings[0][2]), None)
-    per = batch // ranks
-    for _ in range(steps):
-        tokens = rng.integers(0, MOE.vocab_size, (batch, 1), dtype=np.int32)
-        logits, sharded, stats = step(placed, sharded, tokens)
-        for r in range(ranks):
-            seats = slice(r * per, (r + 1) * per)
-            want, refs[r], _ = offload_decode.decode_step(params, refs[r], tokens[seats],
-                                                          config=MOE, offload=offload)
-            chex.assert_trees_all_equal(np.asarray(logits)[seats], np.asarray(want))
-    assert_state_equal(sharded, mesh, refs, ranks)
-    # One prefill chunk of up to 6 tokens per request (N = 12 tokens of a rank: more rows than
-    # a tile), on the same mesh.
-    page = 4
-    state = offload_prefill.PrefillState.create(MOE, batch=batch, capacity=4 * page,
-                                                page_size=page, fill=NAN)
-    sharded = sharding.shard_state(state, mesh)
-    refs = [rank_state(state, r, ranks) for r in range(ranks)]
-    tokens = rng.integers(0, MOE.vocab_size, (batch, 6), dtype=np.int32)
-    num_new = rng.integers(1, 7, batch).astype(np.int32)
-    logits, sharded = sharded_steps.sharded_prefill(placed, sharded, tokens, num_new, mesh=mesh,
-                                                    config=MOE, num_buffers=2, history_pages=4)
-    for r in range(ranks):
-        seats = slice(r * per, (r + 1) * per)
-        want, refs[r] = offload_prefill.prefill(params, refs[r], tokens[seats], num_new[seats],
-                                                config=MOE, num_buffers=2, history_pages=4,
-                                                query_block=None)
-        for b in range(per):  # padding logits are unspecified
-            n = int(num_new[seats][b])
-            chex.assert_trees_all_equal(np.asarray(logits)[seats][b, :n],
-                                        np.asarray(want)[b, :n])
-    assert_state_equal(sharded, mesh, refs, ranks)
+    steps_bitwise(params, placed, rng, compiled=compiled, mesh=mesh, config=MOE,
+                  offload=offload, sharded=sharded, refs=refs, ranks=ranks, batch=batch,
+                  steps=steps)
     log(f"expert-parallel MoE decode data={ranks} x expert={expert} (X={num_x}, "
         f"{placed['moe']['w1'].addressable_shards[0].data.nbytes * 3} bytes of w1+w2+w3 per "
         f"device of {params['moe']['w1'].nbytes * 3}): {steps} steps and a prefill "
         f"chunk bitwise ok, the one collective an all-reduce {reduces[0][0]} over {reduces[0][1]}")
 
 
-def resident_case(params, rng, *, ranks, batch, ways, steps):
-    config = CONFIG.replace(max_ways=ways)
+# FP8 weights in 128 x 128 blocks whose tensor-parallel widths leave whole blocks on each of
+# two `model` devices: wq_b and wkv_b out H (dn + dr) = H (dn + dv) = 512, wo in H dv = 256.
+FP8_MOE = MOE.replace(qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
+                      index_head_dim=64)
+
+
+def flat_weights(params):
+    """{'layers.wo': leaf, ...}: an Fp8Weight is one leaf."""
+    leaves = jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=lambda x: isinstance(x, Fp8Weight))[0]
+    return {sharding._names(path): leaf for path, leaf in leaves}
+
+
+def fp8_weights_case(rng, *, steps):
+    """FP8 weights (Fp8Weight: e4m3 values, float32 128 x 128 block scales) on a mesh data 2 x
+    model 2 x expert 2, placed by the rules as the weights they stand for: wq_b, wkv_b and wo
+    over `model` (attention heads), the MoE experts over `expert`, each with its block scales.
+    From the arrays: every device holds 1/2 of each split weight's e4m3 values and of its
+    scales, every other weight whole. Decode steps and a prefill chunk with them, bit for bit
+    each data rank's one-device run with the whole FP8 weights. A mesh whose split would cut a
+    scale block is refused, naming the weight and the devices, before anything is placed."""
+    ranks, batch, model, expert = 2, 4, 2, 2
+    params = jax.jit(quantize_params)(random_params(FP8_MOE, rng))
+    split = {"embed": model, "head": model,  # the vocabulary (not FP8)
+             "layers.wq_b": model, "layers.wkv_b": model, "layers.wo": model,
+             "moe.w1": expert, "moe.w2": expert, "moe.w3": expert}
+    live = len(jax.live_arrays())
+    raises(lambda: sharding.shard_params(params, sharding.make_mesh(8, model=4)),
+           "FP8 weight layers.wo (2, 256, 64): splitting its in axis (256 values, scale "
+           "blocks of 128) over mesh axis 'model' of 4 devices gives 64 values per device, not "
+           "a whole number of blocks: the block scales cannot be split with it. Use a mesh "
+           "whose 'model' axis has one of [1, 2] devices, or map its logical axis to None in "
+           "the rules (replicated)")
+    assert len(jax.live_arrays()) == live, "a refused placement placed arrays"
+    # At real size (shapes only) the FP8 weights split 8 ways over `model` and over `expert`:
+    # DeepSeek-V3.2's wq_b / wkv_b / wo are 192 / 256 / 128 blocks wide, GLM-5's 128 / 224 / 128.
+    for name in ("deepseek_v32", "glm5"):
+        shapes = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16),
+                              param_shapes(get_config(name)),
+                              is_leaf=lambda x: isinstance(x, tuple))
+        real = jax.eval_shape(quantize_params, shapes)
+        for axes, weight, spec in (({"model": 8}, "layers.wo", P(None, "model")),
+                                   ({"expert": 8}, "moe.w1", P(None, "expert"))):
+            got = flat_weights(sharding.param_specs(real, sharding.make_mesh(8, **axes)))
+            assert got[weight] == Fp8Weight(spec, spec), (name, weight, got[weight])
+    mesh = sharding.make_mesh(8, model=model, expert=expert)
+    placed = sharding.shard_params(params, mesh)
+    whole, held = flat_weights(params), flat_weights(placed)
+    assert all(isinstance(whole[name], Fp8Weight) for name in split if "." in name), split
+    per_device = {d: 0 for d in mesh.devices.flat}
+    for name, w in whole.items():
+        parts = (w.q, w.scale_inv) if isinstance(w, Fp8Weight) else (w,)
+        placed_parts = ((held[name].q, held[name].scale_inv) if isinstance(w, Fp8Weight)
+                        else (held[name],))
+        for part, placed_part in zip(parts, placed_parts):
+            shards = placed_part.addressable_shards
+            assert len(shards) == 8, (name, len(shards))
+            for shard in shards:  # 1/n of the values and of the scales on every device
+                assert shard.data.dtype == part.dtype, (name, shard.data.dtype)
+                assert shard.data.nbytes * split.get(name, 1) == part.nbytes, (
+                    name, part.shape, shard.data.shape)
+                per_device[shard.device] += shard.data.nbytes
+    total = sum(np.asarray(x).nbytes for x in jax.tree.leaves(params))
+    want = sum(sum(np.asarray(x).nbytes for x in jax.tree.leaves(w)) // split.get(name, 1)
+               for name, w in whole.items())
+    assert set(per_device.values()) == {want}, (per_device, want)
+    assert held["layers.wo"].q.dtype == jnp.float8_e4m3fn
+    lengths = [PROMPT] + rng.integers(1, PROMPT, batch - 1).tolist()
+    offload = OffloadConfig(hot_slots=16, page_size=4, capacity=32, policy="ring")
+    state = random_decode_state(rng, FP8_MOE, batch=batch, offload=offload, lengths=lengths,
+                                permute=ranks)
+    sharded = sharding.shard_state(state, mesh)
+    refs = [rank_state(state, r, ranks) for r in range(ranks)]
+    tokens = rng.integers(0, FP8_MOE.vocab_size, (batch, 1), dtype=np.int32)
+    compiled = sharded_steps.lower_sharded_decode_step(placed, sharded, tokens, mesh=mesh,
+                                                       config=FP8_MOE, offload=offload).compile()
+    # The program takes every FP8 weight as placed, values and scales alike; inside the step
+    # (shard_map) the experts' stay split over `expert`, the heads' are whole (gathered).
+    param_in = flat_weights(compiled.input_shardings[0][0])
+    inside = flat_weights(sharding.step_param_specs(params, mesh))
+    for name, w in whole.items():
+        if not isinstance(w, Fp8Weight):
+            continue
+        for part, placed_part, where in ((w.q, held[name].q, param_in[name].q),
+                                         (w.scale_inv, held[name].scale_inv,
+                                          param_in[name].scale_inv)):
+            assert where.shard_shape(part.shape) == \
+                placed_part.sharding.shard_shape(part.shape), (name, where)
+        spec = P(None, "expert") if name.startswith("moe.w") else P()
+        assert inside[name] == Fp8Weight(spec, spec), (name, inside[name])
+    steps_bitwise(params, placed, rng, compiled=compiled, mesh=mesh, config=FP8_MOE,
+                  offload=offload, sharded=sharded, refs=refs, ranks=ranks, batch=batch,
+                  steps=steps)
+    log(f"FP8 weights data={ranks} x model={model} x expert={expert}: {want} bytes per device "
+        f"of {total} (wq_b, wkv_b, wo values and scales / {model}, experts / {expert}), "
+        f"{steps} decode steps and a prefill chunk bitwise ok; model=4 refused (wo's blocks)")
+
+
+def resident_case(params, rng, *, ranks, batch, ways, steps, config=CONFIG):
+    config = config.replace(max_ways=ways)
     capacity = 32
     state = resident.ResidentState.create(config, batch=batch, capacity=capacity, fill=NAN)
     lengths = rng.integers(1, 16, batch)
     state = dataclasses.replace(
         state,
-        kv=jnp.asarray(rng.standard_normal(state.kv.shape), state.kv.dtype),
+        kv=stored_rows(rng.standard_normal(state.kv.shape[:-1] + (config.kv_width,)), config),
         index_keys=jnp.asarray(rng.standard_normal(state.index_keys.shape),
                                state.index_keys.dtype),
         lengths=jnp.asarray(lengths, jnp.int32))
@@ -350,7 +477,8 @@ def resident_case(params, rng, *, ranks, batch, ways, steps):
             chex.assert_trees_all_equal(np.asarray(logits)[seats], np.asarray(want))
     assert_split(sharded.kv, 1, ranks)
     assert_state_equal(sharded, mesh, refs, ranks)
-    log(f"resident decode ranks={ranks} B={batch} W={ways}: {steps} steps bitwise ok")
+    log(f"resident decode {config.kv_format} ranks={ranks} B={batch} W={ways}: {steps} steps "
+        "bitwise ok")
 
 
 def loop_case(params, rng, *, ranks, batch, steps, resident_path=False):
@@ -458,16 +586,21 @@ def prefill_case(params, rng, *, ranks, batch, page, chunks, width):
     log(f"offloaded prefill ranks={ranks} B={batch} Z={page}: {chunks} chunks bitwise ok")
 
 
-def cli_case(rng, directory):
-    """`fo-jax generate --offload --devices 4` on the simulated devices (in this process), with
-    numpy-drawn weights from a file (`--weights`: no init program compiled; the CLI's own init
-    runs in tests/test_cli.py)."""
-    from fo_jax import cli
+def tiny_weights(rng, directory):
+    """A file of numpy-drawn `tiny` weights (`--weights`: no init program compiled; the CLI's
+    own init runs in tests/test_cli.py)."""
     from fo_jax.weights import save_params
 
     config = get_config("tiny")
     weights = os.path.join(directory, "tiny.safetensors")
     save_params(weights, jax.device_get(random_params(config, rng)), config)
+    return weights
+
+
+def cli_case(weights):
+    """`fo-jax generate --offload --devices 4` on the simulated devices (in this process)."""
+    from fo_jax import cli
+
     out = io.StringIO()
     argv = ["generate", "--model", "tiny", "--offload", "--devices", "4", "--batch", "4",
             "--max-new-tokens", "3", "--prompt", "abc", "--page-size", "4", "--no-progress",
@@ -483,6 +616,49 @@ def cli_case(rng, directory):
     assert code == 2 and ("fo-jax: error: --batch 6 must be a multiple of --devices 4 (each "
                           "device runs batch / devices requests)") in err.getvalue(), err.getvalue()
     log("fo-jax generate --offload --devices 4 ok")
+
+
+def generated(argv):
+    """`fo-jax ARGV` run here: (its output, the tokens it generated [B, N])."""
+    from fo_jax import cli, generate
+
+    results, real = [], generate.generate
+
+    def recording(*args, **kwargs):
+        results.append(real(*args, **kwargs))
+        return results[-1]
+
+    out = io.StringIO()
+    generate.generate = recording
+    try:
+        with contextlib.redirect_stdout(out):
+            code = cli.main(argv)
+    finally:
+        generate.generate = real
+    assert code == 0, out.getvalue()
+    return out.getvalue(), np.asarray(results[0].tokens)
+
+
+def cli_fp8_kv_case(weights):
+    """`fo-jax generate --offload --devices 2 --kv-format fp8_ds_mla`: the data-parallel
+    prefill, handoff and decode steps on uint8 fp8_ds_mla rows, a context past the hot cache
+    (misses read from the host pool); every request's tokens bit for bit those of the
+    one-device FP8 run of one request (`--batch 1`: the program each rank runs)."""
+    prompt = "def read_lines(path): return open(path).read().splitlines()  # a text file's lines"
+    argv = ["generate", "--model", "tiny", "--offload", "--kv-format", "fp8_ds_mla",
+            "--max-new-tokens", "4", "--prompt", prompt, "--page-size", "4", "--no-progress",
+            "--weights", weights]
+    text, tokens = generated(argv + ["--devices", "2", "--batch", "2"])
+    assert "path: offload   batch: 2   KV rows: fp8_ds_mla" in text, text
+    misses = int(re.search(r"misses (\d+)", text).group(1))
+    assert misses > 0, text  # the hot cache (64 slots) holds less than the context
+    _, solo = generated(argv + ["--batch", "1"])
+    assert tokens.shape == (2, 4), tokens.shape
+    for b in range(2):
+        np.testing.assert_array_equal(tokens[b], solo[0])
+    log(f"fo-jax generate --offload --devices 2 --kv-format fp8_ds_mla: tokens "
+        f"{tokens[0].tolist()} of each request ({misses} misses) bitwise those of the "
+        "one-device FP8 run")
 
 
 def raises(fn, message):
@@ -544,9 +720,67 @@ def empty_operand_case():
     log("zero-sized operand of a data-parallel body ok")
 
 
+def handoff_case(rng, *, config, ranks=2, batch=4):
+    """The prefill -> decode handoff on a mesh (`sharded_to_decode_state`) with the NaN fill
+    (fp8_ds_mla rows: the bytes 0xFF): the DecodeState bit for bit each rank's one-device
+    `to_decode_state` of its requests and pool shard (hot rows past a request's length hold
+    the fill)."""
+    page, capacity = 4, 32
+    offload = OffloadConfig(hot_slots=16, page_size=page, capacity=capacity, policy="ring")
+    state = offload_prefill.PrefillState.create(config, batch=batch, capacity=capacity,
+                                                page_size=page, fill=NAN)
+    rows = stored_rows(rng.standard_normal(state.host.kv.shape[:-1] + (config.kv_width,)),
+                       config)
+    state = dataclasses.replace(
+        state, host=dataclasses.replace(state.host,
+                                        kv=jax.device_put(rows, state.host.kv.sharding)),
+        index_keys=jnp.asarray(rng.standard_normal(state.index_keys.shape),
+                               state.index_keys.dtype),
+        lengths=jnp.asarray(rng.integers(1, 24, batch), jnp.int32))
+    mesh = sharding.make_mesh(ranks)
+    refs = [offload_prefill.to_decode_state(rank_state(state, r, ranks), config=config,
+                                            offload=offload, fill=NAN) for r in range(ranks)]
+    got = sharded_steps.sharded_to_decode_state(sharding.shard_state(state, mesh), mesh=mesh,
+                                                config=config, offload=offload, fill=NAN)
+    check_decode_shardings(got, ranks)
+    assert_state_equal(got, mesh, refs, ranks)
+    log(f"handoff {config.kv_format} ranks={ranks} B={batch}, NaN fill: bitwise ok")
+
+
+def fp8_kv_steps(rng):
+    """The fp8_ds_mla KV format through the sharded offloaded decode (uint8 host and hot rows,
+    no collective), resident decode and the prefill -> decode handoff, bit for bit each rank's
+    one-device run."""
+    fp8_kv = CONFIG.replace(kv_format="fp8_ds_mla")
+    params = random_params(CONFIG, rng)
+    decode_case(params, rng, ranks=2, batch=4, ways=2, policy="clock", page=4, hot=16, steps=2,
+                permute=True, hlo=True, config=fp8_kv)
+    resident_case(params, rng, ranks=2, batch=4, ways=1, steps=2, config=fp8_kv)
+    handoff_case(rng, config=fp8_kv)
+
+
+def fp8_generate(rng):
+    with tempfile.TemporaryDirectory() as directory:
+        cli_fp8_kv_case(tiny_weights(rng, directory))
+
+
+# The FP8 cases, one subprocess each (tests/sharding/test_fp8_sharding.py).
+FP8_SUITES = {"--fp8-weights": lambda rng: fp8_weights_case(rng, steps=2),
+              "--fp8-kv-steps": fp8_kv_steps, "--fp8-generate": fp8_generate}
+
+
 def main(argv):
     assert len(jax.devices()) == 8, jax.devices()
-    rng = np.random.default_rng(int(argv[1]) if len(argv) > 1 else 0)
+    unknown = [a for a in argv[1:] if a.startswith("--") and a not in FP8_SUITES]
+    assert not unknown, f"unknown options {unknown}: expected {sorted(FP8_SUITES)}"
+    seeds = [a for a in argv[1:] if not a.startswith("--")]
+    rng = np.random.default_rng(int(seeds[0]) if seeds else 0)
+    suites = [FP8_SUITES[a] for a in argv[1:] if a in FP8_SUITES]
+    if suites:
+        for suite in suites:
+            suite(rng)
+        log("ALL OK")
+        return
     params = random_params(CONFIG, rng)
     error_cases(rng)
     empty_operand_case()
@@ -562,7 +796,7 @@ def main(argv):
     loop_case(params, rng, ranks=4, batch=8, steps=6)
     loop_case(params, rng, ranks=2, batch=4, steps=4, resident_path=True)
     with tempfile.TemporaryDirectory() as directory:
-        cli_case(rng, directory)
+        cli_case(tiny_weights(rng, directory))
     log("ALL OK")
 
 
