@@ -8,6 +8,9 @@ use them are `fo_jax.sharded_steps`).
 Mesh axes: `data` splits requests (the batch B) and the page pools (the frame axis F); `model`
 and `expert` split weights (attention heads and the vocabulary over `model`, MoE experts over
 `expert`); both have size 1 unless asked for, so weights are replicated by default.
+`ALL_TO_ALL_RULES` split the MoE experts over `data` instead: every rank holds its own requests
+and pool and 1/D of the experts, and the MoE layers exchange rows by all-to-all
+(`expert_mesh(n, expert=n)`: the mesh and rules of that layout).
 
 `LAYOUTS` names the logical axes of every array of every state (decode, prefill, resident, the
 decode stats) and of the weights; `RULES` maps logical axes to mesh axes. These two tables are
@@ -25,7 +28,7 @@ never leave it. `shard_state` converts a single-device state's global ids into l
 refuses a table whose seat names a frame of another rank's shard); `unshard_state` converts back.
 
     make_mesh, logical_spec, specs, shardings, param_specs, shard_params,
-    step_param_specs                                                      placement
+    step_param_specs, experts_over_data, expert_mesh                      placement
     shard_state, unshard_state, local_table, global_table,
     check_sharded_tables, check_divides, host_values                      states
 """
@@ -54,6 +57,13 @@ RULES = {
     "vocab": MODEL,    # embedding and output head rows / columns
     "experts": EXPERT,  # MoE routed experts
 }
+# Data-parallel attention with expert-parallel MoE on the same devices: the routed experts are
+# split over `data` too, so every data rank holds its own requests, KV and host pool and 1/D
+# of the experts; each MoE layer sends (token, expert) rows to the experts' owners and back by
+# all-to-all (`fo_jax.model.moe.moe_all_to_all`). With RULES (the experts over `expert`) a
+# data rank's tokens and attention are replicated over its `expert` devices instead.
+ALL_TO_ALL_RULES = {**RULES, "experts": DATA}
+EXPERT_LAYOUTS = ("all-to-all", "replicated")
 
 # Logical axes of every array, by pytree type and field path (None: an axis no rule shards).
 LAYOUTS = {
@@ -142,6 +152,27 @@ def make_mesh(num_devices: int | None = None, *, model: int = 1, expert: int = 1
     return Mesh(np.asarray(devices[:num_devices], dtype=object).reshape(shape), MESH_AXES)
 
 
+def expert_mesh(num_devices: int, *, expert: int, layout: str = "all-to-all",
+                devices=None) -> tuple[Mesh, dict]:
+    """(mesh, rules) of `num_devices` devices with the MoE experts split over `expert` of them.
+
+    layout "all-to-all": attention data-parallel on every device and the experts split over
+    the same devices (`ALL_TO_ALL_RULES`; a mesh of data = num_devices, so `expert` must be
+    num_devices); "replicated": `make_mesh(num_devices, expert=expert)` with `RULES` (a data
+    rank's tokens, cache and attention replicated over its `expert` devices, one all-reduce of
+    expert rows per MoE layer)."""
+    if layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert layout {layout!r} is not one of {EXPERT_LAYOUTS}")
+    if layout == "replicated":
+        return make_mesh(num_devices, expert=expert, devices=devices), dict(RULES)
+    if expert != num_devices:
+        raise ValueError(f"the all-to-all expert layout splits the experts over every device "
+                         f"(each holds its own requests and 1/{num_devices} of the experts): "
+                         f"expert={expert} must equal num_devices={num_devices}, or use the "
+                         "replicated layout for experts over a part of the devices")
+    return make_mesh(num_devices, devices=devices), dict(ALL_TO_ALL_RULES)
+
+
 def data_size(mesh: Mesh) -> int:
     """Data-parallel ranks D of `mesh`."""
     return int(mesh.shape[DATA])
@@ -207,12 +238,24 @@ def shardings(tree, mesh: Mesh, rules=None):
     return jax.tree_util.tree_map_with_path(one, tree, specs(tree, mesh, rules))
 
 
+def _weight_name(path) -> str:
+    """The LAYOUTS["params"] name of a weight leaf: 'moe.w1' for params['moe']['w1'], and for
+    the values and scales of FP8 experts (`Fp8Weight` q [L', X, E, M] and scale_inv
+    [L', X, E/b, M/b]: the same leading axes) too."""
+    name = _names(path)
+    stem, _, field = name.rpartition(".")
+    if field in ("q", "scale_inv") and stem in EXPERT_PARALLEL:
+        return stem
+    return name
+
+
 def param_specs(params, mesh: Mesh, rules=None):
-    """PartitionSpecs of the weights: LAYOUTS["params"] by name, the rest replicated."""
+    """PartitionSpecs of the weights: LAYOUTS["params"] by name (FP8 experts' values and
+    scales as their experts), the rest replicated."""
     table = LAYOUTS["params"]
 
     def one(path, x):
-        axes = table.get(_names(path), (None,) * np.ndim(x))
+        axes = table.get(_weight_name(path), (None,) * np.ndim(x))
         spec = logical_spec(axes, mesh, rules)
         for size, axis in zip(np.shape(x), spec):
             if axis is not None and size % mesh.shape[axis]:
@@ -231,15 +274,24 @@ def param_specs(params, mesh: Mesh, rules=None):
 EXPERT_PARALLEL = ("moe.w1", "moe.w2", "moe.w3")
 
 
+def experts_over_data(mesh: Mesh, rules=None) -> bool:
+    """Whether `rules` split the MoE experts over the `data` axis of `mesh` (of size > 1):
+    the all-to-all layout (`ALL_TO_ALL_RULES`)."""
+    rules = RULES if rules is None else rules
+    return rules.get("experts") == DATA and data_size(mesh) > 1
+
+
 def step_param_specs(params, mesh: Mesh, rules=None):
     """PartitionSpecs of the weights inside a data-parallel step's shard_map: the MoE experts
-    (`EXPERT_PARALLEL`) split over `expert` as `param_specs` stores them, when the rules map
-    them there (to any other mesh axis, or with `expert` of size 1: whole); every other weight
-    whole (replicated: those stored split over `model` are gathered at the step's entry)."""
+    (`EXPERT_PARALLEL`) split over `expert` (or over `data`, `ALL_TO_ALL_RULES`) as
+    `param_specs` stores them, when the rules map them there (to any other mesh axis, or with
+    that axis of size 1: whole); every other weight whole (replicated: those stored split over
+    `model` are gathered at the step's entry)."""
     stored = param_specs(params, mesh, rules)
+    kept = {None, DATA} if experts_over_data(mesh, rules) else {None, EXPERT}
 
     def one(path, spec):
-        if _names(path) in EXPERT_PARALLEL and set(spec) <= {None, EXPERT}:
+        if _weight_name(path) in EXPERT_PARALLEL and set(spec) <= kept:
             return spec
         return P()
 
