@@ -108,17 +108,21 @@ FP8_PARAMS = frozenset(
     + [("indexer", "wq_b"), ("indexer", "wk")])
 
 
-def param_bytes(config: ModelConfig, *, fp8_block: tuple[int, int] | None = None) -> int:
+def param_bytes(config: ModelConfig, *, fp8_block: tuple[int, int] | None = None,
+                names=None) -> int:
     """Bytes of every parameter of `config` (`param_dtype`), from the shapes alone: what
     `init_params` would allocate, known before allocating anything. With `fp8_block` (bI, bO),
     the `FP8_PARAMS` as `Fp8Weight`s in blocks of that shape (what `quantize_params` or an
     FP8 checkpoint loaded with weights="fp8" holds): 1 byte per value plus 4 per block
-    (partial last blocks counted whole)."""
+    (partial last blocks counted whole). names: only the parameters whose key paths
+    (("moe", "w1"), ...) are in it (None: all)."""
     leaves = jax.tree_util.tree_flatten_with_path(
         param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))[0]
     count = 0
     for path, shape in leaves:
         keys = tuple(k.key for k in path)
+        if names is not None and keys not in names:
+            continue
         size = 1
         for n in shape:
             size *= n
