@@ -630,7 +630,8 @@ def plan_expert_parallel(config: ModelConfig, context: int, *, devices: int,
             f"{_gb(plan.offload_device_bytes + a2a)} of device memory, above the "
             f"{_gb(budget)} the {weights} weights leave on each of {devices} device(s) in the "
             f"all-to-all layout: a context of at most {longest_offload:,} tokens fits; more "
-            f"devices, fewer hot slots than {hot_slots:,} or FP8 weights leave more")
+            f"devices or fewer hot slots than {hot_slots:,}"
+            f"{' or FP8 weights' if weights == 'bf16' else ''} leave more")
     batch_offload = math.floor(budget / (plan.offload_device_bytes + a2a))
     return ExpertParallelPlan(
         model=config.name, context=context, devices=devices, device_bytes=device_bytes,

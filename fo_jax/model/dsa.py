@@ -32,6 +32,7 @@ checkpoint, `quantize_params`, `init_fp8_params`); every use of them goes throug
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -314,6 +315,7 @@ def check_params(params: dict, config: ModelConfig) -> None:
     walk(expected, params, "")
 
 
-def layer_slice(params: dict, index) -> dict:
-    """One layer's parameters (index may be traced: a dynamic slice of each stacked array)."""
+def layer_slice(params: Mapping, index) -> Mapping:
+    """One layer's parameters (index may be traced: a dynamic slice of each stacked array), of
+    the same pytree type (a dict, or `fo_jax.model.moe.AllToAllExperts`)."""
     return jax.tree_util.tree_map(lambda a: a[index], params)

@@ -89,7 +89,7 @@ def resolve_implementation(implementation: str | None) -> str:
     return implementation
 
 
-def moe_mlp(h: jax.Array, p: dict, *, config, implementation: str | None = None) -> jax.Array:
+def moe_mlp(h: jax.Array, p: Mapping, *, config, implementation: str | None = None) -> jax.Array:
     """The MoE MLP of tokens h [..., E] with one layer's parameters p; same shape and dtype.
 
     Flattens h to N tokens, routes them (`route`), sorts the N * K' (token, expert) pairs by
@@ -139,7 +139,7 @@ def moe_mlp(h: jax.Array, p: dict, *, config, implementation: str | None = None)
     return _add_shared(y, x, p, config).reshape(shape)
 
 
-def expert_rows(x: jax.Array, experts: jax.Array, p: dict, *, first=None,
+def expert_rows(x: jax.Array, experts: jax.Array, p: Mapping, *, first=None,
                 implementation: str | None = None) -> jax.Array:
     """The routed experts' outputs [N K', E] of tokens x [N, E] routed to `experts` [N K'], in
     (token, k) order, before the routing weights.
