@@ -186,14 +186,14 @@ def test_names_and_errors():
 
 COLLECTIVE_HLO = """HloModule m, entry_computation_layout={()->f32[8]{0}}
 
-body {
+body (p: (s32[], f32[2,3])) -> (s32[], f32[2,3]) {
   p = (s32[], f32[2,3]{1,0}) parameter(0)
   x = f32[2,3]{1,0} get-tuple-element(p), index=1
   a2a = (f32[1,3]{1,0}, f32[1,3]{1,0}) all-to-all(x, x), channel_id=1, replica_groups={{0,1}}
   ROOT t = (s32[], f32[2,3]{1,0}) tuple(p, x)
 }
 
-ENTRY main {
+ENTRY main (y: f32[8]) -> f32[8] {
   y = f32[8]{0} parameter(0)
   s = f32[8]{0} all-reduce-start(y), channel_id=2, replica_groups={{0,1}}, to_apply=add
   ROOT d = f32[8]{0} all-reduce-done(s)
