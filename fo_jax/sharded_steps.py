@@ -41,12 +41,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from fo_jax import decode_loop, generate, resident
 from fo_jax.config import ModelConfig
 from fo_jax.decode_loop import LoopOutput
+from fo_jax.model.moe import AllToAllExperts
 from fo_jax.offload import decode as offload_decode
 from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.offload.state import DecodeState, read_back
 from fo_jax.sampling import check_keys
-from fo_jax.model.moe import AllToAllExperts
 from fo_jax.sharding import (DATA, LAYOUTS, TABLES, check_divides, check_sharded_tables,
                              data_size, experts_over_data, host_values, logical_spec,
                              shard_state, shardings, specs, step_param_specs)
@@ -394,7 +394,8 @@ def sharded_decode_loop(params, state, seats, n_steps: int, sampling, *, mesh: M
     """`fo_jax.engine.decode_loop`, data-parallel over `data`: up to `n_steps` decode steps
     with on-device sampling in one program, each rank looping over its B/D requests and its
     pool shard (offloaded) or KV shard (resident) and leaving its loop when its own requests
-    are done (no collective inside the loop). (LoopOutput, new state, new seats), split over
+    are done (no collective inside the loop; under `ALL_TO_ALL_RULES` the MoE layers'
+    all-to-alls, and the ranks leave together when all are done). (LoopOutput, new state, new seats), split over
     `data`; `num_steps` is the busiest rank's, and so are the state's step counter and random
     policy key (values every rank holds alike: each rank's are what its loop would hold after
     inactive steps up to that count). state: placed by `shard_state` (donated); seats, sampling: as
