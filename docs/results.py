@@ -482,6 +482,48 @@ def real_sizes() -> str:
     return note + "\n\n" + "\n".join(out)
 
 
+def real_sizes_all_to_all() -> str:
+    """The planner's per-device figures for the all-to-all layout (computed from the code)."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from fo_jax.config import get_config
+        from fo_jax.plan import KV_FORMATS, plan_expert_parallel
+    finally:
+        sys.path.remove(str(ROOT))
+    context, devices, device_gb, hot = 131_072, 8, 141, 16_384
+
+    def gb(n):
+        return f"{n / 1e9:.1f} GB"
+
+    out = ["| model | KV format | weights per device: replicated + experts / 8 | KV per device "
+           "| request: resident / offloaded device + host | batch per device: resident / "
+           "offloaded (host per device) | longest context: resident / offloaded |",
+           "|---|---|---|---|---|---|---|"]
+    for name in ("deepseek_v32", "glm52"):
+        for fmt in KV_FORMATS:
+            p = plan_expert_parallel(get_config(name).replace(kv_format=fmt), context,
+                                     devices=devices, device_gb=device_gb, hot_slots=hot)
+            out.append(f"| {name} | {fmt} | {gb(p.weights_per_device)}: "
+                       f"{gb(p.replicated_bytes)} + {gb(p.expert_bytes)} / {devices} | "
+                       f"{gb(p.kv_budget_bytes)} | {gb(p.resident_request_bytes)} / "
+                       f"{gb(p.offload_request_bytes)} + {gb(p.host_request_bytes)} | "
+                       f"{p.max_batch_resident} / {p.max_batch_offload} "
+                       f"({gb(p.host_bytes_offload)}) | {p.max_context_resident:,} / "
+                       f"{p.max_context_offload:,} |")
+    note = (f"From the planner (`fo_jax.plan.plan_expert_parallel`; `fo-jax plan --model NAME "
+            f"--context {context} --devices {devices} --device-gb {device_gb} --kv-format "
+            "FORMAT --expert-layout all-to-all`), per device, checked against `jax.eval_shape` "
+            "of the FP8 parameters and the states placed by the all-to-all rules on one device "
+            f"of {devices} (tests/test_plan_real_sizes.py). {devices} devices of {device_gb} GB, "
+            "FP8 weights: the routed experts split over the devices, every other weight "
+            f"(attention, indexers, router, shared and dense MLPs, embedding, head) on each; "
+            f"requests of {context:,} tokens, C = {hot:,} hot slots; a batch counts each "
+            "request's decode token's all-to-all buffers too; the longest context is that of "
+            "one request, at most the model's max_seq_len. bf16 weights (199.4 GB per device "
+            "for deepseek_v32) are refused, naming the 16 devices they need.")
+    return note + "\n\n" + "\n".join(out)
+
+
 TABLES = {"h200_management": h200_management, "h200_step": h200_step,
           "dp_serving": dp_serving, "rank_imbalance": rank_imbalance,
           "replay_8192": replay_8192, "serving_budget": serving_budget,
@@ -490,7 +532,8 @@ TABLES = {"h200_management": h200_management, "h200_step": h200_step,
           "cpu_decode_loop": cpu_decode_loop,
           "prefix_reuse": prefix_reuse, "paged_device": paged_device,
           "embedded_model": embedded_model, "key_results": key_results,
-          "kv_format_accuracy": kv_format_accuracy, "real_sizes": real_sizes}
+          "kv_format_accuracy": kv_format_accuracy, "real_sizes": real_sizes,
+          "real_sizes_all_to_all": real_sizes_all_to_all}
 BLOCK = re.compile(r"^( *)(<!-- results: (\w+) -->\n)((?:(?!<!-- results: ).)*?)( *<!-- /results -->)",
                    re.S | re.M)
 

@@ -1,11 +1,13 @@
 """The `fo-jax` command.
 
-    fo-jax generate [--offload --hot-slots C [--policy ring] [--check] [--devices N]]
+    fo-jax generate [--offload --hot-slots C [--policy ring] [--check]
+                     [--devices N [--expert-parallel N [--expert-layout all-to-all]]]]
                     [--prompt TEXT] [--kv-format bf16|fp8_ds_mla]
                     [--model-dir DIR [--chat]] [--draft none|ngram|mtp] ...
     fo-jax plan (--model glm52 | --model-dir DIR) --context 128000 [--budget-gb 29]
                 [--hot-slots 16384] [--kv-format bf16|fp8_ds_mla]
-                [--devices 8 --device-gb 141 [--weight-format fp8|bf16]]
+                [--devices 8 --device-gb 141 [--weight-format fp8|bf16]
+                 [--expert-layout all-to-all]]
     fo-jax serve [--model-dir DIR] [--port 8000] [--seats N --offload ...]   (fo_jax.server)
                  [--kv-format bf16|fp8_ds_mla]
                  [--offload --pool-memory device --device-gb G --reserve prompt]
@@ -141,6 +143,16 @@ def _build_parser() -> argparse.ArgumentParser:
                           "split over them, one host pool per device; fo_jax.sharded_steps). On a "
                           "CPU, simulated devices need XLA_FLAGS=--xla_force_host_platform_"
                           "device_count=N")
+    gen.add_argument("--expert-parallel", type=int, default=None, metavar="E",
+                     help="with --devices: split the MoE experts over E devices (each holds "
+                          "1/E of them); see --expert-layout")
+    gen.add_argument("--expert-layout", default="all-to-all",
+                     choices=("all-to-all", "replicated"),
+                     help="with --expert-parallel: all-to-all (default; E = --devices: every "
+                          "device runs attention for its own requests over its own host pool "
+                          "and holds 1/E of the experts, rows exchanged by all-to-all) or "
+                          "replicated (a data rank's requests and attention replicated over E "
+                          "devices, expert rows joined by an all-reduce)")
     gen.add_argument("--no-progress", action="store_true")
 
     from fo_jax.server.serve import add_arguments as add_serve_arguments
@@ -189,13 +201,18 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--weight-format", default=None, choices=("bf16", "fp8"),
                       help="the weights' format with --devices (default: fp8, or bf16 for a "
                            "--model-dir without FP8 weights)")
+    plan.add_argument("--expert-layout", default=None, choices=("all-to-all",),
+                      help="with --devices: also plan the all-to-all layout per device (attention "
+                           "data-parallel on every device, the routed experts split over all of "
+                           "them, every other weight replicated)")
     return parser
 
 
 def _cmd_plan(args) -> int:
     from fo_jax.config import get_config
     from fo_jax.model.dsa import param_bytes
-    from fo_jax.plan import format_device_plan, format_plan, plan_capacity, plan_devices
+    from fo_jax.plan import (format_device_plan, format_expert_plan, format_plan,
+                             plan_capacity, plan_devices, plan_expert_parallel)
 
     if args.model_dir is not None:
         if args.model is not None:
@@ -212,20 +229,23 @@ def _cmd_plan(args) -> int:
                          "each)")
     if args.weight_format is not None and args.devices is None:
         raise ValueError("--weight-format applies with --devices and --device-gb")
+    if args.expert_layout is not None and args.devices is None:
+        raise ValueError("--expert-layout applies with --devices and --device-gb")
     block = None  # the FP8 block (rows, cols) of a Hugging Face checkpoint's weights
     if args.model_dir is not None and kind == "hf":
         from fo_jax.checkpoints import hf_quantization
 
         block = hf_quantization(args.model_dir)
     fp8_dir = block is not None
-    device_plan = None
+    device_plan = expert_plan = None
     if args.devices is not None:  # refuses a setting that does not fit, before printing
         default = "bf16" if args.model_dir is not None and not fp8_dir else "fp8"
-        device_plan = plan_devices(config, args.context, devices=args.devices,
-                                   device_gb=args.device_gb,
-                                   weights=args.weight_format or default,
-                                   hot_slots=args.hot_slots, tail_block=args.tail_block,
-                                   num_buffers=args.num_buffers)
+        sizes = dict(devices=args.devices, device_gb=args.device_gb,
+                     weights=args.weight_format or default, hot_slots=args.hot_slots,
+                     tail_block=args.tail_block, num_buffers=args.num_buffers)
+        device_plan = plan_devices(config, args.context, **sizes)
+        if args.expert_layout is not None:
+            expert_plan = plan_expert_parallel(config, args.context, **sizes)
     print(format_plan(plan))
     if args.model_dir is not None:  # a preset has no checkpoint of its own to count
         weights = param_bytes(config, fp8_block=block and (block[1], block[0]))
@@ -238,6 +258,8 @@ def _cmd_plan(args) -> int:
               f"{format_bytes(weights + plan.budget_bytes)})")
     if device_plan is not None:
         print("\n" + format_device_plan(device_plan))
+    if expert_plan is not None:
+        print("\n" + format_expert_plan(expert_plan))
     return 0
 
 
@@ -271,6 +293,16 @@ def _check_devices(args) -> None:
         if getattr(args, flag) != off:
             raise ValueError(f"--{flag.replace('_', '-')} does not run with --devices (the "
                              "data-parallel engine runs XLA steps, without drafts or checks)")
+    expert = args.expert_parallel
+    if expert is None:
+        return
+    if expert < 1 or args.devices % expert:
+        raise ValueError(f"--expert-parallel {expert} must divide --devices {args.devices}")
+    if args.expert_layout == "all-to-all" and expert != args.devices:
+        raise ValueError(f"--expert-parallel {expert} with --expert-layout all-to-all must "
+                         f"equal --devices {args.devices} (every device holds its own "
+                         "requests and 1/devices of the experts); use --expert-layout "
+                         "replicated to split the experts over a part of the devices")
 
 
 def _cmd_generate(args) -> int:
@@ -317,6 +349,8 @@ def _cmd_generate(args) -> int:
                          "use --decode-steps-per-call 1")
     if args.devices is not None:
         _check_devices(args)
+    elif args.expert_parallel is not None:
+        raise ValueError("--expert-parallel splits the experts over --devices: add --devices")
     if not args.offload:
         for flag in ("policy", "hot_slots", "host_access", "check"):
             if getattr(args, flag) not in (None, False):
@@ -382,10 +416,14 @@ def _cmd_generate(args) -> int:
     if args.devices is not None:
         from fo_jax import sharded_steps, sharding
 
-        mesh = sharding.make_mesh(args.devices)
+        if args.expert_parallel is None:
+            mesh, rules = sharding.make_mesh(args.devices), None
+        else:
+            mesh, rules = sharding.expert_mesh(args.devices, expert=args.expert_parallel,
+                                               layout=args.expert_layout)
         engine = sharded_steps.DataParallelOffloadEngine(
-            sharding.shard_params(params, mesh), config, mesh=mesh, offload=offload,
-            batch=args.batch, prefill_chunk=prefill_chunk)
+            sharding.shard_params(params, mesh, rules), config, mesh=mesh, offload=offload,
+            batch=args.batch, prefill_chunk=prefill_chunk, rules=rules)
     elif args.offload:
         engine = gen.OffloadEngine(params, config, offload=offload, batch=args.batch,
                                    implementation=args.implementation, interpret=args.interpret,

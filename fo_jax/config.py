@@ -373,6 +373,15 @@ PRESETS: dict[str, ModelConfig] = {
         mlp_hidden=128, index_n_heads=4, index_head_dim=16, index_topk=16,
         indexer_layers=(0, 2), max_seq_len=1024, max_ways=4,
     ),
+    # tiny with MoE layers (8 routed experts of 32, 2 per token, one shared expert, the first
+    # layer dense): the expert-parallel tests and runs on simulated devices.
+    "tiny_moe": ModelConfig(
+        name="tiny_moe", vocab_size=256, dim=64, num_layers=4, num_heads=4, q_lora_rank=32,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        mlp_hidden=128, index_n_heads=4, index_head_dim=16, index_topk=16,
+        indexer_layers=(0, 2), max_seq_len=1024, max_ways=4, n_routed_experts=8,
+        num_experts_per_tok=2, moe_hidden=32, n_shared_experts=1, first_k_dense_replace=1,
+    ),
     "small": ModelConfig(
         name="small", vocab_size=1024, dim=512, num_layers=4, num_heads=8, q_lora_rank=256,
         kv_lora_rank=256, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,

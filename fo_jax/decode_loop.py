@@ -520,13 +520,16 @@ def check_drafting(num_drafts, config: ModelConfig) -> None:
             f"{config.max_ways - 1}, or a config with max_ways >= {num_drafts + 1}")
 
 
-@functools.partial(jax.jit, static_argnames=("n_steps", "step", "logprobs"),
+@functools.partial(jax.jit, static_argnames=("n_steps", "step", "logprobs", "together"),
                    donate_argnames=("state",))
 def loop_jit(params, state, seats: Seats, sampling: Sampling, *, n_steps: int, step,
-             logprobs: int | None = None):
+             logprobs: int | None = None, together: str | None = None):
     """The decode loop without drafts, pure and jitted (the state donated): (LoopOutput, state,
     seats). `decode_loop` validates, then runs it; the data-parallel loop
-    (`fo_jax.sharded_steps`) runs it per rank."""
+    (`fo_jax.sharded_steps`) runs it per rank. together: a mesh axis whose ranks leave the
+    loop together, when every rank's requests are done (a step holding collectives over that
+    axis, the all-to-all MoE: every rank must run every step); a rank done before steps
+    inactively, as a rank of the data-parallel loop does after it leaves."""
     batch = seats.tokens.shape[0]
     capacity = state.capacity
     fed0 = jnp.zeros((batch,), jnp.int32)
@@ -539,7 +542,10 @@ def loop_jit(params, state, seats: Seats, sampling: Sampling, *, n_steps: int, s
 
     def cond(carry):
         i, _, seats, *_ = carry
-        return (i < n_steps) & ~jnp.all(seats.done)
+        busy = ~jnp.all(seats.done)
+        if together is not None:
+            busy = jax.lax.psum(busy.astype(jnp.int32), together) > 0
+        return (i < n_steps) & busy
 
     def body(carry):
         i, state, seats, out, fed, stats, lp = carry

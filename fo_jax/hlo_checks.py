@@ -31,6 +31,10 @@ array happens to share a state array's shape and dtype):
 Every check takes the `jax.stages.Compiled` or its optimized HLO text; tests/offload/
 test_decode_hlo.py is the worked example (decode step for every policy, prefill).
 
+Collectives of a sharded step: `collectives(compiled)` lists them (opcode, arrays, line) and
+`assert_collectives(compiled, {"all-to-all": 3})` asserts exactly those counts (every other
+collective: none); tests/sharding/all_to_all_cases.py checks the expert-parallel MoE this way.
+
 State leaves are named by their pytree path ("slots.slot_to_token", "policy.hand"); `ignore`
 names leaves whose copies are allowed (per-request counters such as lengths: O(B), not O(C)
 or O(S)); `created` names arrays the program makes itself (add them to the checked pytree as
@@ -530,6 +534,55 @@ def assert_no_sort_over(compiled, size: int, *, what: str = "C") -> None:
 # (`annotate_device_placement`), and followed from there through loops, calls and barriers.
 
 _PURE = frozenset({"stablehlo.optimization_barrier", "stablehlo.tuple"})
+
+
+# Collectives -----------------------------------------------------------------------------------
+
+COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "ragged-all-to-all",
+               "collective-permute", "collective-broadcast", "reduce-scatter")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of a compiled program: its opcode (an async pair's, without -start), the
+    arrays of its result type [(HLO dtype, dims)] (XLA:CPU's all-to-all: one array per peer;
+    an async start's type may hold its operands too) and the HLO line."""
+
+    opcode: str
+    arrays: tuple
+    line: str
+
+
+def collectives(compiled) -> list[Collective]:
+    """Every collective instruction of the optimized HLO, in text order, wherever it is (a
+    while loop's body holds a loop's collectives once, whatever its trip count). An async pair
+    counts once (by its -start; the -done is skipped). Nothing of a collective is inferred
+    from names: the opcode is HLO's."""
+    found = []
+    computations, _, _ = parse_hlo(optimized_hlo(compiled))
+    for insts in computations.values():
+        for inst in insts:
+            base = inst.opcode.removesuffix("-start")
+            if base in COLLECTIVES and not inst.opcode.endswith("-done"):
+                found.append(Collective(base, tuple(_arrays(inst.type_text)), inst.line))
+    return found
+
+
+def assert_collectives(compiled, expected: dict[str, int], *, what: str = "the program"):
+    """The compiled program holds exactly `expected[opcode]` collectives of each opcode (absent:
+    none), counted by `collectives`; an AssertionError names what differs, with the lines."""
+    got = collectives(compiled)
+    counts = {}
+    for c in got:
+        counts[c.opcode] = counts.get(c.opcode, 0) + 1
+    wrong = {op: (counts.get(op, 0), expected.get(op, 0)) for op in set(counts) | set(expected)
+             if counts.get(op, 0) != expected.get(op, 0)}
+    if wrong:
+        lines = "\n".join(c.line[:200] for c in got)
+        raise AssertionError(
+            f"{what} holds collectives {dict(sorted(counts.items()))}, expected "
+            f"{dict(sorted(expected.items()))} (got, expected per opcode: {wrong}):\n{lines}")
+    return got
 
 
 def lower_for(fn, *args, platform: str = "cuda", **kwargs):

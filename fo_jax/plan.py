@@ -26,13 +26,17 @@ and the authoritative KV (`S * L * (D + R) * bytes`) lives in host memory. Prefi
 `plan_devices` adds the weights (`weight_bytes`: every parameter in bf16, or the projections
 in FP8 with 128 x 128 block scales, 1 byte a value + 4 a block) split over `devices` devices of
 `device_gb` each, one request's KV in both formats (`KvFigures`), and refuses a setting that
-does not fit, naming what would.
+does not fit, naming what would. `plan_expert_parallel` plans the all-to-all layout per device
+(attention data-parallel, the routed experts split over the devices, every other weight
+replicated): weights, KV, host bytes, the largest batch and context.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+
+import numpy as np
 
 from fo_jax.config import ModelConfig, sequence_capacity_check
 from fo_jax.offload.config import check_hot_slots, check_num_buffers
@@ -496,3 +500,168 @@ def format_device_plan(plan: DevicePlan) -> str:
                  f"{_gb(plan.kv_budget_bytes)} per device for KV, max batch per device "
                  f"{plan.max_batch_resident} resident, {plan.max_batch_offload} offloaded")
     return "\n".join(lines)
+
+
+# Data-parallel attention, expert-parallel MoE (the all-to-all layout) -------------------------
+
+ROUTED_EXPERTS = (("moe", "w1"), ("moe", "w2"), ("moe", "w3"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallelPlan:
+    """A model on `devices` devices of `device_bytes` each in the all-to-all layout
+    (`fo_jax.sharding.ALL_TO_ALL_RULES`): every device runs attention for its own requests over
+    its own KV (and, offloaded, its own host pool) and holds 1/devices of the routed experts;
+    the router, the shared experts, attention, the dense layers, embedding and head whole on
+    every device. Figures per device, in the config's kv_format, with `weights` weights.
+
+    Attributes:
+      model, context, devices, device_bytes, weights, kv_format, hot_slots: the setting.
+      expert_bytes: the routed experts' w1 / w2 / w3 of every MoE layer, whole model.
+      replicated_bytes: every other weight (held whole by every device).
+      weights_per_device: replicated_bytes + expert_bytes / devices.
+      kv_budget_bytes: device_bytes - weights_per_device.
+      all_to_all_bytes_per_token: the MoE layer's all-to-all buffers per token of a step: four
+        [D C, E] buffers (rows sent, received, outputs, outputs back; C = min(K', X / D) rows
+        per token and peer, `fo_jax.model.moe.all_to_all_capacity`) in the activations' dtype;
+        one layer's at a time (the layers are a loop).
+      resident_request_bytes, offload_request_bytes, host_request_bytes: one request's device
+        KV resident, device bytes offloaded (hot cache, tails, indexer keys, slot maps) and host
+        KV offloaded (`KvFigures`).
+      max_batch_resident, max_batch_offload: requests per device at `context`, one decode token
+        each (KV + that many tokens' all-to-all buffers within kv_budget_bytes).
+      host_bytes_offload: max_batch_offload * host_request_bytes, the device's host pool.
+      max_context_resident, max_context_offload: the longest context of one request per device
+        (at most the model's max_seq_len).
+    """
+
+    model: str
+    context: int
+    devices: int
+    device_bytes: float
+    weights: str
+    kv_format: str
+    hot_slots: int
+    expert_bytes: int
+    replicated_bytes: int
+    weights_per_device: int
+    kv_budget_bytes: float
+    all_to_all_bytes_per_token: int
+    resident_request_bytes: int
+    offload_request_bytes: int
+    host_request_bytes: int
+    max_batch_resident: int
+    max_batch_offload: int
+    host_bytes_offload: int
+    max_context_resident: int
+    max_context_offload: int
+
+
+def _expert_split(config: ModelConfig, weights: str, devices: int):
+    """(expert bytes, replicated bytes, per device) of `config`'s weights over `devices`."""
+    from fo_jax.model.dsa import param_bytes
+
+    block = FP8_BLOCK if weights == "fp8" else None
+    experts = param_bytes(config, fp8_block=block, names=ROUTED_EXPERTS)
+    replicated = param_bytes(config, fp8_block=block) - experts
+    return experts, replicated, replicated + -(-experts // devices)
+
+
+def plan_expert_parallel(config: ModelConfig, context: int, *, devices: int,
+                         device_gb: float, weights: str = "fp8", hot_slots: int = 16384,
+                         tail_block: int = 64, num_buffers: int = 4) -> ExpertParallelPlan:
+    """Plan `config` at `context` tokens per request on `devices` devices of `device_gb` GB in
+    the all-to-all layout (data-parallel attention, routed experts split over the same
+    devices). Raises ValueError naming what would fit when `devices` does not divide the
+    routed experts, when the weights of a device do not fit it (the fewest devices that
+    would, or that none would: the replicated part alone exceeds a device), or when no
+    offloaded request of `context` tokens fits what they leave (the longest context that
+    would)."""
+    _check_int("devices", devices, 1)
+    if isinstance(device_gb, bool) or not isinstance(device_gb, (int, float)) or not (
+            math.isfinite(device_gb) and device_gb > 0):
+        raise ValueError(f"device_gb must be a finite number > 0, got {device_gb!r}")
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights={weights!r} is not one of {WEIGHT_FORMATS}")
+    if not config.moe:
+        raise ValueError(f"{config.name} has no routed experts: the all-to-all layout splits "
+                         "MoE experts (plan it with plan_devices)")
+    num_x = config.n_routed_experts
+    divisors = [d for d in range(1, num_x + 1) if num_x % d == 0]
+    if num_x % devices:
+        raise ValueError(f"{config.name}: {devices} devices do not divide its {num_x} routed "
+                         f"experts (every device holds X / devices of them): use one of "
+                         f"{divisors}")
+    device_bytes = float(device_gb) * GB
+    experts, replicated, per_device = _expert_split(config, weights, devices)
+    if per_device >= device_bytes:
+        fit = [d for d in divisors if _expert_split(config, weights, d)[2] < device_bytes]
+        need = (f"at least {fit[0]} devices (a divisor of {num_x})" if fit else
+                f"more than {num_x} devices: the replicated weights alone take "
+                f"{_gb(replicated)}")
+        other = ""
+        if weights == "bf16":
+            fp8 = _expert_split(config, "fp8", devices)[2]
+            other = f"; FP8 weights take {_gb(fp8)} per device here"
+        raise ValueError(
+            f"{config.name}: its {weights} weights take {_gb(per_device)} per device on "
+            f"{devices} device(s) in the all-to-all layout ({_gb(replicated)} replicated + "
+            f"{_gb(experts)} of routed experts / {devices}), above the {_gb(device_bytes)} of "
+            f"a device: it needs {need}{other}")
+    plan = plan_capacity(config, context, budget_gb=device_gb, hot_slots=hot_slots,
+                         tail_block=tail_block, num_buffers=num_buffers)
+    budget = device_bytes - per_device
+    from fo_jax.model.moe import all_to_all_capacity
+
+    act_bytes = np.dtype(config.jnp_dtype).itemsize
+
+    rows = all_to_all_capacity(1, top=config.num_experts_per_tok, num_local=num_x // devices)
+    a2a = 4 * devices * rows * config.dim * act_bytes
+    parts = offload_request_bytes(config, 1, hot_slots=hot_slots, tail_block=tail_block,
+                                  num_buffers=num_buffers)
+    fixed = parts.hot_cache + parts.tails + parts.slot_to_token + a2a
+    longest_offload = min(config.max_seq_len, max(0, math.floor(
+        (budget - fixed) / (parts.index_keys + parts.token_to_slot))))
+    longest_resident = min(config.max_seq_len, max(0, math.floor(
+        (budget - a2a) / config.bytes_per_token)))
+    if plan.offload_device_bytes + a2a > budget:
+        raise ValueError(
+            f"{config.name}: one offloaded request of {context:,} tokens takes "
+            f"{_gb(plan.offload_device_bytes + a2a)} of device memory, above the "
+            f"{_gb(budget)} the {weights} weights leave on each of {devices} device(s) in the "
+            f"all-to-all layout: a context of at most {longest_offload:,} tokens fits; more "
+            f"devices or fewer hot slots than {hot_slots:,}"
+            f"{' or FP8 weights' if weights == 'bf16' else ''} leave more")
+    batch_offload = math.floor(budget / (plan.offload_device_bytes + a2a))
+    return ExpertParallelPlan(
+        model=config.name, context=context, devices=devices, device_bytes=device_bytes,
+        weights=weights, kv_format=config.kv_format, hot_slots=hot_slots,
+        expert_bytes=experts, replicated_bytes=replicated, weights_per_device=per_device,
+        kv_budget_bytes=budget, all_to_all_bytes_per_token=a2a,
+        resident_request_bytes=plan.request_bytes,
+        offload_request_bytes=plan.offload_device_bytes,
+        host_request_bytes=plan.host_bytes_per_request,
+        max_batch_resident=math.floor(budget / (plan.request_bytes + a2a)),
+        max_batch_offload=batch_offload,
+        host_bytes_offload=batch_offload * plan.host_bytes_per_request,
+        max_context_resident=longest_resident, max_context_offload=longest_offload)
+
+
+def format_expert_plan(plan: ExpertParallelPlan) -> str:
+    """The per-device figures of `plan`, one line each (decimal GB)."""
+    return "\n".join([
+        f"All-to-all layout: {plan.devices} x {_gb(plan.device_bytes)}, attention data-parallel "
+        f"on every device, routed experts split over all {plan.devices}",
+        f"  weights per device ({plan.weights}): {_gb(plan.weights_per_device)} "
+        f"({_gb(plan.replicated_bytes)} replicated + {_gb(plan.expert_bytes)} of routed "
+        f"experts / {plan.devices})",
+        f"  KV per device: {_gb(plan.kv_budget_bytes)} ({plan.kv_format}; all-to-all buffers "
+        f"{_kb(plan.all_to_all_bytes_per_token)} per token of a step)",
+        f"  one request of {plan.context:,} tokens: resident {_gb(plan.resident_request_bytes)}, "
+        f"offloaded {_gb(plan.offload_request_bytes)} device + {_gb(plan.host_request_bytes)} "
+        "host",
+        f"  max batch per device: {plan.max_batch_resident} resident, {plan.max_batch_offload} "
+        f"offloaded ({_gb(plan.host_bytes_offload)} of host memory per device)",
+        f"  longest context of one request per device: {plan.max_context_resident:,} resident,"
+        f" {plan.max_context_offload:,} offloaded",
+    ])

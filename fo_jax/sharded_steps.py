@@ -13,10 +13,16 @@ Each step wraps the single-device step's pure program in `shard_map` over `data`
 runs it on its B/D requests and F/D frames, in one compiled program for all ranks, with no
 collective on the cache. With expert parallelism (`make_mesh(n, expert=e)`) the experts'
 weights stay split over `expert`, and one exact all-reduce per MoE layer is the program's only
-collective. Where every array goes is `fo_jax.sharding`'s.
+collective. With `rules=ALL_TO_ALL_RULES` (`fo_jax.sharding.expert_mesh(n, expert=n)`) the
+experts are split over `data` itself: every rank holds its own requests, cache and host pool
+and 1/D of the experts, and each MoE layer's three all-to-alls (rows, expert ids, outputs:
+`fo_jax.model.moe.moe_all_to_all`) are the program's only collectives; the decode loop's ranks
+then leave it together (every rank takes part in every step's all-to-alls). Where every array
+goes is `fo_jax.sharding`'s.
 
 Contracts: logits, stats and states are bit for bit those of the single-device step run on
-each rank's requests and pool shard (expert parallelism included); against one device running
+each rank's requests and pool shard (expert parallelism of either layout included, on the
+tiles MoE path; ragged_dot: to rounding); against one device running
 all B requests they agree to rounding only. Weights split over `model` are gathered at the
 step's entry (no tensor-parallel step). FP8 weights (`Fp8Weight`) go as the weights they stand
 for, values and block scales alike; the KV format (`ModelConfig.kv_format`, fp8_ds_mla's uint8
@@ -39,14 +45,15 @@ from fo_jax import decode_loop, generate, resident
 from fo_jax.config import ModelConfig
 from fo_jax.decode_loop import LoopOutput
 from fo_jax.model.kv_format import kv_fill
+from fo_jax.model.moe import AllToAllExperts
 from fo_jax.offload import decode as offload_decode
 from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.offload.state import DecodeState, read_back
 from fo_jax.sampling import check_keys
 from fo_jax.sharding import (DATA, LAYOUTS, TABLES, check_divides, check_sharded_tables,
-                             data_size, host_values, logical_spec, shard_state, shardings, specs,
-                             step_param_specs)
+                             data_size, experts_over_data, host_values, logical_spec,
+                             shard_state, shardings, specs, step_param_specs)
 
 
 def _data_parallel(body, mesh: Mesh, in_specs, out_specs):
@@ -100,6 +107,15 @@ def _data_parallel(body, mesh: Mesh, in_specs, out_specs):
     return run
 
 
+def _dispatching(params, mesh: Mesh, rules):
+    """The weights a rank's step sees: with the experts split over `data`
+    (`fo_jax.sharding.ALL_TO_ALL_RULES`) the MoE stacks are marked `AllToAllExperts`, so each
+    MoE layer sends its rows to the experts' owners over `data` (`fo_jax.model.moe`)."""
+    if experts_over_data(mesh, rules) and "moe" in params:
+        return {**params, "moe": AllToAllExperts(params["moe"], DATA)}
+    return params
+
+
 def _leaf_specs(spec_tree, tree) -> list:
     """The PartitionSpec of every leaf of `tree`, in flatten order: `spec_tree` is a prefix of
     `tree` (a spec for a whole subtree, as shard_map takes them)."""
@@ -136,7 +152,7 @@ def _program(mesh: Mesh, step, statics: tuple, has_extra: bool, rules_key):
     kwargs = dict(statics)
 
     def body(params, state, tokens, extra):
-        return step(params, state, tokens, extra, **kwargs)
+        return step(_dispatching(params, mesh, rules), state, tokens, extra, **kwargs)
 
     def run(params, state, tokens, extra):
         in_specs = (step_param_specs(params, mesh, rules), specs(state, mesh, rules),
@@ -331,21 +347,26 @@ def _loop_specs(mesh: Mesh, rules, seats, sampling, out):
 def _loop_program(mesh: Mesh, step, n_steps: int, rules_key):
     """jit(shard_map(decode loop)) for (params, state, seats, sampling): every rank runs the
     single-device loop (`fo_jax.decode_loop.loop_jit`) on its requests, its while_loop ending
-    when its own requests are done; the state is donated and keeps its shardings."""
+    when its own requests are done (all-to-all layout: when every rank's are); the state is
+    donated and keeps its shardings."""
     rules = dict(rules_key) if rules_key is not None else None
 
     offloaded = isinstance(step, decode_loop.OffloadedStep)
+    together = DATA if experts_over_data(mesh, rules) else None
 
-    def body(params, state, seats, sampling):
-        out, state, seats = decode_loop.loop_jit(params, state, seats, sampling,
-                                                 n_steps=n_steps, step=step)
+    def body(params, state, seats, sampling, together=together):
+        out, state, seats = decode_loop.loop_jit(
+            _dispatching(params, mesh, rules), state, seats, sampling, n_steps=n_steps,
+            step=step, together=together)
         # The values every rank holds alike (the step counter, the random policy's key) may
         # differ here: each rank left its loop after its own number of steps.
         counters = (state.step[None], state.policy.key[None]) if offloaded else ()
         return dataclasses.replace(out, num_steps=out.num_steps[None]), state, seats, counters
 
     def run(params, state, seats, sampling):
-        shapes = jax.eval_shape(body, params, state, seats, sampling)
+        # Shapes only, outside the shard_map (no mesh axis to sum the ranks' flags over).
+        shapes = jax.eval_shape(functools.partial(body, together=None), params, state, seats,
+                                sampling)
         seat_specs, sampling_specs, out_specs = _loop_specs(mesh, rules, seats, sampling,
                                                             shapes[0])
         state_specs = specs(state, mesh, rules)
@@ -377,7 +398,8 @@ def sharded_decode_loop(params, state, seats, n_steps: int, sampling, *, mesh: M
     """`fo_jax.engine.decode_loop`, data-parallel over `data`: up to `n_steps` decode steps
     with on-device sampling in one program, each rank looping over its B/D requests and its
     pool shard (offloaded) or KV shard (resident) and leaving its loop when its own requests
-    are done (no collective inside the loop). (LoopOutput, new state, new seats), split over
+    are done (no collective inside the loop; under `ALL_TO_ALL_RULES` the MoE layers'
+    all-to-alls, and the ranks leave together when all are done). (LoopOutput, new state, new seats), split over
     `data`; `num_steps` is the busiest rank's, and so are the state's step counter and random
     policy key (values every rank holds alike: each rank's are what its loop would hold after
     inactive steps up to that count). state: placed by `shard_state` (donated); seats, sampling: as
@@ -503,17 +525,20 @@ class DataParallelOffloadEngine(generate.OffloadEngine):
     the handoff and every decode step run on each rank's B/D requests and pool shard
     (`sharded_prefill`, `sharded_to_decode_state`, `sharded_decode_step`, and
     `sharded_decode_loop` for decode_steps_per_call > 1). XLA implementation; no drafts, no
-    debug checks."""
+    debug checks. rules: `fo_jax.sharding`'s (None: `RULES`; `ALL_TO_ALL_RULES` with params
+    placed by them: the MoE experts split over the data ranks, rows exchanged by
+    all-to-all)."""
 
     def __init__(self, params, config: ModelConfig, *, mesh: Mesh, offload: OffloadConfig,
                  batch: int, num_buffers: int | None = None,
-                 prefill_chunk: int | None = generate.PREFILL_CHUNK):
+                 prefill_chunk: int | None = generate.PREFILL_CHUNK, rules=None):
         super().__init__(params, config, offload=offload, batch=batch, implementation="xla",
                          num_buffers=num_buffers, prefill_chunk=prefill_chunk)
         if batch % data_size(mesh):
             raise ValueError(f"batch={batch} must be a multiple of the data axis size "
                              f"{data_size(mesh)} (every device runs batch / devices requests)")
         self.mesh = mesh
+        self.rules = rules
 
     def prefill(self, tokens, lengths, *, hidden: bool = False):
         if hidden:
@@ -522,19 +547,20 @@ class DataParallelOffloadEngine(generate.OffloadEngine):
         oc = self.offload
         state = shard_state(offload_prefill.PrefillState.create(
             self.config, batch=self.batch, capacity=oc.capacity, page_size=oc.page_size,
-            memory_kind=oc.host_memory_kind), self.mesh)
+            memory_kind=oc.host_memory_kind), self.mesh, self.rules)
 
         def run(chunk, num_new):
             nonlocal state
             logits, state = sharded_prefill(self.params, state, chunk, num_new, mesh=self.mesh,
                                             config=self.config, num_buffers=self.num_buffers,
                                             host_access=oc.host_access,
-                                            query_block=offload_prefill.QUERY_BLOCK)
+                                            query_block=offload_prefill.QUERY_BLOCK,
+                                            rules=self.rules)
             return logits
 
         last = generate.chunked_prefill(run, tokens, lengths, self.prefill_chunk)
         self.state = sharded_to_decode_state(state, mesh=self.mesh, config=self.config,
-                                             offload=oc)
+                                             offload=oc, rules=self.rules)
         self.totals = None
         self._start(lengths)
         return last
@@ -551,7 +577,7 @@ class DataParallelOffloadEngine(generate.OffloadEngine):
                              "first")
         out, self.state, seats = sharded_decode_loop(self.params, self.state, seats, n_steps,
                                                      sampling, mesh=self.mesh,
-                                                     step=self.loop_step())
+                                                     step=self.loop_step(), rules=self.rules)
         self._before = None  # nothing to roll back: a loop's tokens are kept
         self._pending = self._pending + (out,)
         self._add_stats(out.stats)
@@ -563,7 +589,7 @@ class DataParallelOffloadEngine(generate.OffloadEngine):
         ways = self._check_room(tokens, drop_past_capacity)
         logits, self.state, stats = sharded_decode_step(
             self.params, self.state, tokens, mesh=self.mesh, config=self.config,
-            offload=self.offload, check=False)
+            offload=self.offload, check=False, rules=self.rules)
         self._stepped(ways)
         self._add_stats(stats)
         return logits

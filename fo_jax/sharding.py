@@ -12,6 +12,9 @@ weight (`fo_jax.model.linear.Fp8Weight`: e4m3 values and float32 block scales) i
 weight it stands for, its block scales along the same axes (a device holds the scales of its own
 blocks); a mesh whose split would leave part of a block on a device is refused
 (`check_fp8_split`) before anything is placed.
+`ALL_TO_ALL_RULES` split the MoE experts over `data` instead: every rank holds its own requests
+and pool and 1/D of the experts, and the MoE layers exchange rows by all-to-all
+(`expert_mesh(n, expert=n)`: the mesh and rules of that layout).
 
 `LAYOUTS` names the logical axes of every array of every state (decode, prefill, resident, the
 decode stats) and of the weights; `RULES` maps logical axes to mesh axes. These two tables are
@@ -29,7 +32,7 @@ never leave it. `shard_state` converts a single-device state's global ids into l
 refuses a table whose seat names a frame of another rank's shard); `unshard_state` converts back.
 
     make_mesh, logical_spec, specs, shardings, param_specs, check_fp8_split,
-    shard_params, step_param_specs                                        placement
+    shard_params, step_param_specs, experts_over_data, expert_mesh        placement
     shard_state, unshard_state, local_table, global_table,
     check_sharded_tables, check_divides, host_values                      states
 """
@@ -59,6 +62,13 @@ RULES = {
     "vocab": MODEL,    # embedding and output head rows / columns
     "experts": EXPERT,  # MoE routed experts
 }
+# Data-parallel attention with expert-parallel MoE on the same devices: the routed experts are
+# split over `data` too, so every data rank holds its own requests, KV and host pool and 1/D
+# of the experts; each MoE layer sends (token, expert) rows to the experts' owners and back by
+# all-to-all (`fo_jax.model.moe.moe_all_to_all`). With RULES (the experts over `expert`) a
+# data rank's tokens and attention are replicated over its `expert` devices instead.
+ALL_TO_ALL_RULES = {**RULES, "experts": DATA}
+EXPERT_LAYOUTS = ("all-to-all", "replicated")
 
 # Logical axes of every array, by pytree type and field path (None: an axis no rule shards).
 LAYOUTS = {
@@ -146,6 +156,27 @@ def make_mesh(num_devices: int | None = None, *, model: int = 1, expert: int = 1
                          "the rest)")
     shape = (num_devices // (model * expert), model, expert)
     return Mesh(np.asarray(devices[:num_devices], dtype=object).reshape(shape), MESH_AXES)
+
+
+def expert_mesh(num_devices: int, *, expert: int, layout: str = "all-to-all",
+                devices=None) -> tuple[Mesh, dict]:
+    """(mesh, rules) of `num_devices` devices with the MoE experts split over `expert` of them.
+
+    layout "all-to-all": attention data-parallel on every device and the experts split over
+    the same devices (`ALL_TO_ALL_RULES`; a mesh of data = num_devices, so `expert` must be
+    num_devices); "replicated": `make_mesh(num_devices, expert=expert)` with `RULES` (a data
+    rank's tokens, cache and attention replicated over its `expert` devices, one all-reduce of
+    expert rows per MoE layer)."""
+    if layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert layout {layout!r} is not one of {EXPERT_LAYOUTS}")
+    if layout == "replicated":
+        return make_mesh(num_devices, expert=expert, devices=devices), dict(RULES)
+    if expert != num_devices:
+        raise ValueError(f"the all-to-all expert layout splits the experts over every device "
+                         f"(each holds its own requests and 1/{num_devices} of the experts): "
+                         f"expert={expert} must equal num_devices={num_devices}, or use the "
+                         "replicated layout for experts over a part of the devices")
+    return make_mesh(num_devices, devices=devices), dict(ALL_TO_ALL_RULES)
 
 
 def data_size(mesh: Mesh) -> int:
@@ -270,19 +301,28 @@ def check_fp8_split(name: str, w: Fp8Weight, spec: P, mesh: Mesh) -> None:
 EXPERT_PARALLEL = ("moe.w1", "moe.w2", "moe.w3")
 
 
+def experts_over_data(mesh: Mesh, rules=None) -> bool:
+    """Whether `rules` split the MoE experts over the `data` axis of `mesh` (of size > 1):
+    the all-to-all layout (`ALL_TO_ALL_RULES`)."""
+    rules = RULES if rules is None else rules
+    return rules.get("experts") == DATA and data_size(mesh) > 1
+
+
 def step_param_specs(params, mesh: Mesh, rules=None):
     """PartitionSpecs of the weights inside a data-parallel step's shard_map: the MoE experts
-    (`EXPERT_PARALLEL`) split over `expert` as `param_specs` stores them, when the rules map
-    them there (to any other mesh axis, or with `expert` of size 1: whole); every other weight
-    whole (replicated: those stored split over `model` are gathered at the step's entry). An
-    FP8 weight's values and block scales alike (an Fp8Weight of two specs)."""
+    (`EXPERT_PARALLEL`) split over `expert` (or over `data`, `ALL_TO_ALL_RULES`) as
+    `param_specs` stores them, when the rules map them there (to any other mesh axis, or with
+    that axis of size 1: whole); every other weight whole (replicated: those stored split over
+    `model` are gathered at the step's entry). An FP8 weight's values and block scales alike
+    (an Fp8Weight of two specs)."""
     stored = param_specs(params, mesh, rules)
+    kept = {None, DATA} if experts_over_data(mesh, rules) else {None, EXPERT}
 
     def one(path, spec):
-        kept = spec.q if is_fp8(spec) else spec
-        if not (_names(path) in EXPERT_PARALLEL and set(kept) <= {None, EXPERT}):
-            kept = P()
-        return dataclasses.replace(spec, q=kept, scale_inv=kept) if is_fp8(spec) else kept
+        inner = spec.q if is_fp8(spec) else spec
+        if not (_names(path) in EXPERT_PARALLEL and set(inner) <= kept):
+            inner = P()
+        return dataclasses.replace(spec, q=inner, scale_inv=inner) if is_fp8(spec) else inner
 
     return jax.tree_util.tree_map_with_path(
         one, stored, is_leaf=lambda s: isinstance(s, P) or is_fp8(s))

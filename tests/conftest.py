@@ -60,6 +60,7 @@ SLOW_FILES = (
     "tests/test_cli.py",
     "tests/sharding/test_data_parallel.py",
     "tests/sharding/test_fp8_sharding.py",
+    "tests/sharding/test_all_to_all.py",
     "tests/test_mtp_drafting.py",
     "tests/offload/test_decode.py",
     "tests/engine/test_engine_mtp.py",

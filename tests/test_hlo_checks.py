@@ -182,3 +182,35 @@ def test_names_and_errors():
         hlo_checks.parse_hlo("not hlo")
     with pytest.raises(TypeError, match="is not a jitted function"):
         hlo_checks.compile_jitted(lambda x: x, X)
+
+
+COLLECTIVE_HLO = """HloModule m, entry_computation_layout={()->f32[8]{0}}
+
+body (p: (s32[], f32[2,3])) -> (s32[], f32[2,3]) {
+  p = (s32[], f32[2,3]{1,0}) parameter(0)
+  x = f32[2,3]{1,0} get-tuple-element(p), index=1
+  a2a = (f32[1,3]{1,0}, f32[1,3]{1,0}) all-to-all(x, x), channel_id=1, replica_groups={{0,1}}
+  ROOT t = (s32[], f32[2,3]{1,0}) tuple(p, x)
+}
+
+ENTRY main (y: f32[8]) -> f32[8] {
+  y = f32[8]{0} parameter(0)
+  s = f32[8]{0} all-reduce-start(y), channel_id=2, replica_groups={{0,1}}, to_apply=add
+  ROOT d = f32[8]{0} all-reduce-done(s)
+}
+"""
+
+
+def test_collectives_are_counted_by_opcode_async_pairs_once():
+    found = hlo_checks.collectives(COLLECTIVE_HLO)
+    assert [(c.opcode, c.arrays) for c in found] == [
+        ("all-to-all", (("f32", (1, 3)), ("f32", (1, 3)))), ("all-reduce", (("f32", (8,)),))]
+    assert hlo_checks.assert_collectives(COLLECTIVE_HLO, {"all-to-all": 1, "all-reduce": 1})
+    with pytest.raises(AssertionError, match=r"the step holds collectives \{'all-reduce': 1, "
+                                             r"'all-to-all': 1\}, expected \{'all-to-all': 1\} "
+                                             r"\(got, expected per opcode: \{'all-reduce': "
+                                             r"\(1, 0\)\}\)"):
+        hlo_checks.assert_collectives(COLLECTIVE_HLO, {"all-to-all": 1}, what="the step")
+    # A program without collectives: none expected, none found.
+    compiled = _in_place.lower(STATE, IDX).compile()
+    assert hlo_checks.assert_collectives(compiled, {}) == []

@@ -126,3 +126,94 @@ def test_generate_counts_the_real_width_preset_in_fp8(capsys):
                  "1", "--max-new-tokens", "1", "--prompt", "x", "--no-progress"]) == 2
     assert ("the parameters of 'deepseek_v32_width' take 38.88 GB (FP8 projections), above "
             "--max-param-gb=1") in capsys.readouterr().err
+
+
+# The all-to-all layout (data-parallel attention, routed experts split over the devices) ------
+
+
+def _per_device(tree, specs, mesh) -> int:
+    """Bytes one device holds of `tree` placed with `specs` (PartitionSpecs) on `mesh`."""
+    def one(x, spec):
+        split = 1
+        for axis in spec:
+            split *= 1 if axis is None else mesh.shape[axis]
+        return x.size * x.dtype.itemsize // split
+
+    return sum(jax.tree_util.tree_leaves(jax.tree.map(
+        one, tree, specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))))
+
+
+@pytest.mark.parametrize("name", ["deepseek_v32", "glm52"])
+def test_expert_parallel_plan_per_device_is_that_of_the_placed_arrays(name):
+    # 8 devices in the all-to-all layout: the weights per device, and the device and host
+    # bytes of each rank's batch, are what `fo_jax.sharding`'s rules place on one device of
+    # 8, from jax.eval_shape of the FP8 parameters and the states (nothing allocated).
+    from fo_jax import sharding
+    from fo_jax.plan import plan_expert_parallel
+
+    config = get_config(name)
+    plan = plan_expert_parallel(config, CONTEXT, devices=8, device_gb=141, hot_slots=HOT,
+                                tail_block=Z)
+    mesh = jax.sharding.AbstractMesh((8, 1, 1), sharding.MESH_AXES)
+    rules = sharding.ALL_TO_ALL_RULES
+    fp8 = jax.eval_shape(lambda k: quantize_params(init_params(config, k), FP8_BLOCK),
+                         jax.random.key(0))
+    assert plan.weights_per_device == _per_device(fp8, sharding.param_specs(fp8, mesh, rules),
+                                                  mesh)
+    assert plan.replicated_bytes + plan.expert_bytes == _nbytes(fp8)
+    assert plan.expert_bytes == _nbytes([fp8["moe"][w] for w in ("w1", "w2", "w3")])
+    batch = 8 * plan.max_batch_offload  # every rank holds max_batch_offload requests
+    state = jax.eval_shape(lambda: DecodeState.create(
+        config, OffloadConfig(hot_slots=HOT, page_size=Z, capacity=CONTEXT), batch=batch))
+    state_specs = sharding.specs(state, mesh, rules)
+    device = (state.hot, state.index_keys, state.slots)
+    assert plan.max_batch_offload * plan.offload_request_bytes == _per_device(
+        device, (state_specs.hot, state_specs.index_keys, state_specs.slots), mesh)
+    assert plan.host_bytes_offload == _per_device(state.host.kv, state_specs.host.kv, mesh)
+    res = jax.eval_shape(lambda: ResidentState.create(config, batch=8 * plan.max_batch_resident,
+                                                      capacity=CONTEXT))
+    res_specs = sharding.specs(res, mesh, rules)
+    assert plan.max_batch_resident * plan.resident_request_bytes == _per_device(
+        (res.kv, res.index_keys), (res_specs.kv, res_specs.index_keys), mesh)
+    # What fits: the batch with its all-to-all buffers, and one more request would not.
+    for batch, request in ((plan.max_batch_offload, plan.offload_request_bytes),
+                           (plan.max_batch_resident, plan.resident_request_bytes)):
+        used = batch * (request + plan.all_to_all_bytes_per_token)
+        assert used <= plan.kv_budget_bytes < used + request + plan.all_to_all_bytes_per_token
+    assert plan.max_batch_offload > plan.max_batch_resident >= 1
+    assert plan.max_context_offload >= CONTEXT and plan.max_context_resident >= CONTEXT
+
+
+def test_expert_parallel_plan_refuses_a_mesh_that_does_not_fit_naming_what_would(capsys):
+    from fo_jax.plan import plan_expert_parallel
+
+    ds = get_config("deepseek_v32")
+    with pytest.raises(ValueError, match=re.escape(
+            "deepseek_v32: its bf16 weights take 199.42 GB per device on 8 device(s) in the "
+            "all-to-all layout (35.94 GB replicated + 1307.82 GB of routed experts / 8), above "
+            "the 141.00 GB of a device: it needs at least 16 devices (a divisor of 256); FP8 "
+            "weights take 101.72 GB per device here")):
+        plan_expert_parallel(ds, CONTEXT, devices=8, device_gb=141, weights="bf16")
+    with pytest.raises(ValueError, match=re.escape(
+            "deepseek_v32: 6 devices do not divide its 256 routed experts (every device holds "
+            "X / devices of them): use one of [1, 2, 4, 8, 16, 32, 64, 128, 256]")):
+        plan_expert_parallel(ds, CONTEXT, devices=6, device_gb=141)
+    with pytest.raises(ValueError, match=re.escape(
+            "it needs more than 256 devices: the replicated weights alone take 19.96 GB")):
+        plan_expert_parallel(ds, CONTEXT, devices=8, device_gb=15)
+    with pytest.raises(ValueError, match=re.escape(
+            "deepseek_v32: one offloaded request of 131,072 tokens takes 3.25 GB of device "
+            "memory, above the 1.28 GB the fp8 weights leave on each of 8 device(s) in the "
+            "all-to-all layout: a context of at most 7,032 tokens fits; more devices or fewer "
+            "hot slots than 16,384 leave more")):
+        plan_expert_parallel(ds, CONTEXT, devices=8, device_gb=103)
+    with pytest.raises(ValueError, match="tiny has no routed experts"):
+        plan_expert_parallel(get_config("tiny"), 100, devices=2, device_gb=1)
+    assert main(["plan", "--model", "glm52", "--context", "131072", "--devices", "8",
+                 "--device-gb", "141", "--expert-layout", "all-to-all"]) == 0
+    out = capsys.readouterr().out
+    assert "All-to-all layout: 8 x 141.00 GB" in out, out
+    assert "weights per device (fp8): 111.25 GB (20.63 GB replicated + 724.95 GB" in out, out
+    assert main(["plan", "--model", "glm52", "--context", "131072", "--expert-layout",
+                 "all-to-all"]) == 2
+    assert "--expert-layout applies with --devices and --device-gb" in capsys.readouterr().err

@@ -32,6 +32,7 @@ checkpoint, `quantize_params`, `init_fp8_params`); every use of them goes throug
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -108,17 +109,21 @@ FP8_PARAMS = frozenset(
     + [("indexer", "wq_b"), ("indexer", "wk")])
 
 
-def param_bytes(config: ModelConfig, *, fp8_block: tuple[int, int] | None = None) -> int:
+def param_bytes(config: ModelConfig, *, fp8_block: tuple[int, int] | None = None,
+                names=None) -> int:
     """Bytes of every parameter of `config` (`param_dtype`), from the shapes alone: what
     `init_params` would allocate, known before allocating anything. With `fp8_block` (bI, bO),
     the `FP8_PARAMS` as `Fp8Weight`s in blocks of that shape (what `quantize_params` or an
     FP8 checkpoint loaded with weights="fp8" holds): 1 byte per value plus 4 per block
-    (partial last blocks counted whole)."""
+    (partial last blocks counted whole). names: only the parameters whose key paths
+    (("moe", "w1"), ...) are in it (None: all)."""
     leaves = jax.tree_util.tree_flatten_with_path(
         param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))[0]
     count = 0
     for path, shape in leaves:
         keys = tuple(k.key for k in path)
+        if names is not None and keys not in names:
+            continue
         size = 1
         for n in shape:
             size *= n
@@ -310,6 +315,7 @@ def check_params(params: dict, config: ModelConfig) -> None:
     walk(expected, params, "")
 
 
-def layer_slice(params: dict, index) -> dict:
-    """One layer's parameters (index may be traced: a dynamic slice of each stacked array)."""
+def layer_slice(params: Mapping, index) -> Mapping:
+    """One layer's parameters (index may be traced: a dynamic slice of each stacked array), of
+    the same pytree type (a dict, or `fo_jax.model.moe.AllToAllExperts`)."""
     return jax.tree_util.tree_map(lambda a: a[index], params)

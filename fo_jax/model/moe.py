@@ -21,6 +21,14 @@ ragged_dot into a dense product over all experts): compute scales with tokens x 
 with X.
 `moe_mlp_reference` runs every expert on every token with dense masks (X times the work; tests).
 
+Expert parallelism, two ways (inside a `shard_map`; `fo_jax.sharded_steps` sets them up):
+  * replicated tokens (p holds a slice of the experts, the tokens are alike on every device of
+    `EXPERT_AXIS`): every device computes its experts' rows, one all-reduce joins them;
+  * all-to-all (p is an `AllToAllExperts`: the tokens *and* the experts are split over its
+    axis, every device holding its own requests): each device sends every (token, expert) row
+    to the device owning the expert and gets the outputs back, two all-to-alls of rows (and one
+    of expert ids) per layer, buffers sized so that no row is ever dropped (`moe_all_to_all`).
+
 Parameters of one MoE layer (a slice of the [L_moe, ...] stacks, see `fo_jax.model.dsa`):
     gate [E, X]  gate_bias [X] (float32)  w1 [X, E, M]  w2 [X, M, E]  w3 [X, E, M]
     shared_w1 [E, Ms]  shared_w2 [Ms, E]  shared_w3 [E, Ms]   (Ms = n_shared_experts * M; only
@@ -28,6 +36,8 @@ Parameters of one MoE layer (a slice of the [L_moe, ...] stacks, see `fo_jax.mod
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -79,7 +89,7 @@ def resolve_implementation(implementation: str | None) -> str:
     return implementation
 
 
-def moe_mlp(h: jax.Array, p: dict, *, config, implementation: str | None = None) -> jax.Array:
+def moe_mlp(h: jax.Array, p: Mapping, *, config, implementation: str | None = None) -> jax.Array:
     """The MoE MLP of tokens h [..., E] with one layer's parameters p; same shape and dtype.
 
     Flattens h to N tokens, routes them (`route`), sorts the N * K' (token, expert) pairs by
@@ -102,14 +112,20 @@ def moe_mlp(h: jax.Array, p: dict, *, config, implementation: str | None = None)
     has one owner and x + (-0.0) == x for every x (a +0.0 filler would turn a -0.0 row into
     +0.0), so the sum is exact in any order: the joined rows are the owners' rows. Per device:
     X_l experts' weights, the tiles of its own rows, one all-reduce of N K' E values per layer.
+
+    Given an `AllToAllExperts` slice instead, h is this device's own tokens (they differ from
+    device to device) and the rows go to the experts' owners and back (`moe_all_to_all`);
+    the weighted sum and the shared experts follow alike.
     """
     shape = h.shape
     x = h.reshape(-1, shape[-1])  # [N, E]
     weights, experts = route(x, p["gate"], p["gate_bias"], config=config)
     num_n, top = experts.shape
     num_local = p["w1"].shape[0]
-    if num_local == config.n_routed_experts:
+    if num_local == config.n_routed_experts:  # every expert here (all-to-all or not)
         back = expert_rows(x, experts, p, implementation=implementation)
+    elif isinstance(p, AllToAllExperts):
+        back = moe_all_to_all(x, experts, p, config=config, implementation=implementation)
     else:
         if config.n_routed_experts % num_local:
             raise ValueError(f"p['w1'] holds {num_local} experts, which does not divide "
@@ -123,7 +139,7 @@ def moe_mlp(h: jax.Array, p: dict, *, config, implementation: str | None = None)
     return _add_shared(y, x, p, config).reshape(shape)
 
 
-def expert_rows(x: jax.Array, experts: jax.Array, p: dict, *, first=None,
+def expert_rows(x: jax.Array, experts: jax.Array, p: Mapping, *, first=None,
                 implementation: str | None = None) -> jax.Array:
     """The routed experts' outputs [N K', E] of tokens x [N, E] routed to `experts` [N K'], in
     (token, k) order, before the routing weights.
@@ -145,32 +161,135 @@ def expert_rows(x: jax.Array, experts: jax.Array, p: dict, *, first=None,
     multiplies by one expert's FP8 weights (`linear`: XLA's FP8 dot on GPU), where the grouped
     matmul would dequantize every expert of the layer first (`ragged_linear`).
     """
-    if implementation is None and is_fp8(p["w1"]):
-        implementation = "tiles"
-    implementation = resolve_implementation(implementation)
     num_local = p["w1"].shape[0]
     top = experts.shape[-1]
     flat = experts.reshape(-1)  # [N K']
     if first is None:
         key = flat
-        sizes = jnp.bincount(flat, length=num_local).astype(jnp.int32)
     else:
         mine = (flat >= first) & (flat < first + num_local)  # [N K']: rows of p's experts
         key = jnp.where(mine, flat - first, num_local)  # the others sort last
+    back = _sorted_expert_rows(x, jnp.arange(flat.shape[0]) // top, key, p,
+                               partial=first is not None, implementation=implementation)
+    if first is not None:
+        back = jnp.where(mine[:, None], back, jnp.array(-0.0, back.dtype))
+    return back
+
+
+def _sorted_expert_rows(x, source, key, p, *, partial: bool, implementation):
+    """The outputs [R, E] of rows x[source] ([R] ids into x [N, E]) through p's experts `key`
+    [R] (in [0, X_l]; X_l, with `partial`: a row of no expert of p, output unspecified): the
+    rows sorted stably by expert, run (`expert_rows`), and put back in the given order."""
+    if implementation is None and is_fp8(p["w1"]):
+        implementation = "tiles"
+    implementation = resolve_implementation(implementation)
+    num_local = p["w1"].shape[0]
+    if partial:
         sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
-    order = jnp.argsort(key, stable=True)  # (token, k) pairs sorted by expert
-    rows = x[order // top]  # [N K', E]
+    else:
+        sizes = jnp.bincount(key, length=num_local).astype(jnp.int32)
+    order = jnp.argsort(key, stable=True)  # rows sorted by expert
+    rows = x[source[order]]  # [R, E]
     if implementation == "ragged_dot":
         up = ragged_linear(rows, p["w1"], sizes)
         lin = ragged_linear(rows, p["w3"], sizes)
         act = (jax.nn.silu(up.astype(F32)) * lin.astype(F32)).astype(x.dtype)
-        down = ragged_linear(act, p["w2"], sizes)  # [N K', E], sorted by expert
+        down = ragged_linear(act, p["w2"], sizes)  # [R, E], sorted by expert
     else:
-        down = _expert_tiles(rows, key[order], sizes, p, partial=first is not None)
-    back = jnp.zeros_like(down).at[order].set(down, unique_indices=True)  # (token, k) order
-    if first is not None:
-        back = jnp.where(mine[:, None], back, jnp.array(-0.0, back.dtype))
-    return back
+        down = _expert_tiles(rows, key[order], sizes, p, partial=partial)
+    return jnp.zeros_like(down).at[order].set(down, unique_indices=True)  # the given order
+
+
+@jax.tree_util.register_pytree_node_class
+class AllToAllExperts(Mapping):
+    """MoE weights (one layer's, or the [L', ...] stacks) of which this device holds a slice
+    of the routed experts, inside a `shard_map` whose mesh axis `axis` splits the tokens and
+    the experts alike: device i of `axis` holds experts [i X_l, (i + 1) X_l) and its own
+    tokens. `moe_mlp` given such weights dispatches rows by all-to-all (`moe_all_to_all`).
+
+    A mapping of the same names as the weights dict it wraps (a pytree whose static part is
+    the names and `axis`: `layer_slice` and jit keep it)."""
+
+    def __init__(self, weights: Mapping, axis: str):
+        self.weights = dict(weights)
+        self.axis = axis
+
+    def __getitem__(self, name):
+        return self.weights[name]
+
+    def __iter__(self):
+        return iter(self.weights)
+
+    def __len__(self):
+        return len(self.weights)
+
+    def tree_flatten(self):
+        names = tuple(sorted(self.weights))
+        return tuple(self.weights[n] for n in names), (names, self.axis)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        names, axis = aux
+        return cls(dict(zip(names, children)), axis)
+
+
+def all_to_all_capacity(num_tokens: int, *, top: int, num_local: int) -> int:
+    """Rows one device sends to each device per MoE layer: num_tokens min(K', X_l). A token's
+    K' experts are distinct, and a device owns X_l of them, so a token sends it at most
+    min(K', X_l) rows: buffers of this size never drop a row, whatever the routing."""
+    return num_tokens * min(top, num_local)
+
+
+def moe_all_to_all(x: jax.Array, experts: jax.Array, p: AllToAllExperts, *, config,
+                   implementation: str | None = None) -> jax.Array:
+    """The routed experts' rows [N K', E] of this device's tokens x [N, E] (routed to
+    `experts` [N, K'], global ids), in (token, k) order, computed by the experts' owners.
+
+    With D devices on `p.axis` and X_l = X / D experts each, rows go to the owner of their
+    expert (expert e: device e // X_l) in buffers of C = `all_to_all_capacity` rows per device
+    (the pairs for one owner in (token, k) order, then padding):
+
+        send rows [D C, E], expert ids [D C] (local ids; X_l marks padding)
+        all_to_all (tiled, over p.axis): device d gets every device's C rows for it [D C, E]
+        the owner runs its experts over the rows it got (`expert_rows`' sort and tiles;
+            padding rows belong to no expert and cost no tile)
+        all_to_all back: each device gets its rows' outputs in the slots it sent them from
+
+    Three all-to-alls per layer (rows, ids, outputs); per device 2 D C E values sent and
+    received, D C E for each buffer. Nothing is dropped: C is the worst case (every token's
+    rows at one owner). Each row's arithmetic is that of the single-device path (the same
+    expert, the same tile shape, a row's output independent of its tile's other rows on the
+    tiles path), so the outputs are bit for bit those of `expert_rows` with every expert;
+    ragged_dot runs grouped matmuls of other shapes (equal to rounding).
+    """
+    axis = p.axis
+    num_n, top = experts.shape
+    num_local = p["w1"].shape[0]
+    ranks = config.n_routed_experts // num_local
+    if config.n_routed_experts % num_local:
+        raise ValueError(f"p['w1'] holds {num_local} experts, which does not divide "
+                         f"n_routed_experts={config.n_routed_experts}: split the experts "
+                         f"evenly over the {axis!r} mesh axis")
+    cap = all_to_all_capacity(num_n, top=top, num_local=num_local)
+    flat = experts.reshape(-1)  # [N K']
+    owner = flat // num_local
+    # Each pair's place among the pairs for the same owner, in (token, k) order.
+    order = jnp.argsort(owner, stable=True)
+    counts = jnp.bincount(owner, length=ranks)
+    starts = jnp.cumsum(counts) - counts
+    place = jnp.zeros_like(flat).at[order].set(jnp.arange(flat.shape[0]) - starts[owner[order]],
+                                               unique_indices=True)
+    slot = owner * cap + place  # [N K'] in [0, D C): distinct
+    send = jnp.zeros((ranks * cap, x.shape[-1]), x.dtype).at[slot].set(
+        x[jnp.arange(flat.shape[0]) // top], unique_indices=True)
+    ids = jnp.full((ranks * cap,), num_local, jnp.int32).at[slot].set(
+        flat - owner * num_local, unique_indices=True)
+    got = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)  # [D C, E]: rows for my experts
+    got_ids = jax.lax.all_to_all(ids, axis, 0, 0, tiled=True)
+    out = _sorted_expert_rows(got, jnp.arange(ranks * cap), got_ids, p.weights, partial=True,
+                              implementation=implementation)
+    back = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)  # my rows' outputs, as sent
+    return back[slot]
 
 
 def _expert_tiles(rows, row_expert, sizes, p, *, partial: bool = False):

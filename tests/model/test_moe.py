@@ -12,8 +12,9 @@ import pytest
 from fo_jax import resident
 from fo_jax.config import get_config
 from fo_jax.model.dsa import check_params, init_params, param_bytes, param_shapes
-from fo_jax.model.moe import (EXPERT_AXIS, IMPLEMENTATIONS, TILE_ROWS, expert_rows, moe_mlp,
-                              moe_mlp_reference, resolve_implementation, route, route_reference)
+from fo_jax.model.moe import (EXPERT_AXIS, IMPLEMENTATIONS, TILE_ROWS, AllToAllExperts,
+                              all_to_all_capacity, expert_rows, moe_mlp, moe_mlp_reference,
+                              resolve_implementation, route, route_reference)
 
 TINY = get_config("tiny")
 # 8 experts in 4 groups of 2, top-2 of the best 2 groups, one shared expert; layer 0 dense.
@@ -173,6 +174,45 @@ def test_expert_slices_sum_to_the_whole_bitwise(parts):
             lambda q: moe_mlp(h, q, config=config, implementation="ragged_dot"),
             in_axes=(weights,), axis_name=EXPERT_AXIS))(split)
         np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+def test_all_to_all_dispatch_is_each_devices_own_moe(parts):
+    # Tiles path. `parts` devices (a vmap with axis_name "data": its all_to_all as in a
+    # shard_map), each with its own 5 tokens and 1/parts of the experts (AllToAllExperts):
+    # every device's output is the unsplit moe_mlp of its own tokens. Grouped routing (4
+    # groups of 2, top-2 groups), 3 experts per token: with 4 parts a device owns 2 experts
+    # (C = 2 N rows per peer), with 2 parts 4 (C = 3 N). To rounding here: vmap batches the
+    # devices' routing matmuls into one [parts N, E] product, which XLA:CPU rounds otherwise
+    # than [N, E] (not batch-invariant); tests/sharding/test_all_to_all.py runs the real
+    # per-device programs on simulated devices, bit for bit.
+    config = MOE.replace(num_experts_per_tok=3)
+    p = _layer(config, jax.random.key(11))
+    h = jax.random.normal(jax.random.key(12), (parts, 5, config.dim))
+    split = _split(p, parts)
+    weights = {k: 0 if k in ("w1", "w2", "w3") else None for k in split}
+    got = jax.jit(jax.vmap(
+        lambda h, q: moe_mlp(h, AllToAllExperts(q, "data"), config=config,
+                             implementation="tiles"),
+        in_axes=(0, weights), axis_name="data"))(h, split)
+    one = jax.jit(lambda h, p: moe_mlp(h, p, config=config, implementation="tiles"))
+    for i in range(parts):
+        np.testing.assert_allclose(np.asarray(got[i]), np.asarray(one(h[i], p)), rtol=1e-5,
+                                   atol=1e-6)
+    assert all_to_all_capacity(5, top=3, num_local=8 // parts) == 5 * min(3, 8 // parts)
+
+
+def test_all_to_all_experts_is_a_pytree_mapping():
+    p = AllToAllExperts({"w1": jnp.zeros((2, 3)), "gate": jnp.ones(4)}, "data")
+    assert set(p) == {"w1", "gate"} and len(p) == 2 and p["gate"].shape == (4,)
+    q = jax.tree.map(lambda x: x[0], p)  # layer_slice's way
+    assert isinstance(q, AllToAllExperts) and q.axis == "data" and q["w1"].shape == (3,)
+    with pytest.raises(ValueError, match="p\\['w1'\\] holds 3 experts, which does not divide "
+                                         "n_routed_experts=8: split the experts evenly over "
+                                         "the 'data' mesh axis"):
+        layer = _layer(MOE, jax.random.key(0))
+        layer = {k: v[:3] if k in ("w1", "w2", "w3") else v for k, v in layer.items()}
+        moe_mlp(jnp.ones((2, MOE.dim)), AllToAllExperts(layer, "data"), config=MOE)
 
 
 def test_a_slice_of_experts_must_divide_them():
