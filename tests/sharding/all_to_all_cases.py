@@ -312,7 +312,10 @@ def error_cases(rng):
     fp8 = sharding.param_specs(quantize_params(random_params(MOE, rng), FP8_BLOCK), mesh, rules)
     assert fp8["moe"]["w2"].q == fp8["moe"]["w2"].scale_inv == jax.sharding.PartitionSpec(
         None, "data")
-    assert fp8["layers"]["wo"].q == jax.sharding.PartitionSpec()  # not an expert: whole
+    # Not an expert: as the bf16 wo (its heads over `model`, of size 1 here: whole on every
+    # device), values and scales alike.
+    assert fp8["layers"]["wo"].q == fp8["layers"]["wo"].scale_inv == specs["layers"]["wo"]
+    assert all(axis is None or mesh.shape[axis] == 1 for axis in fp8["layers"]["wo"].q)
     raises(lambda: sharding.param_specs(random_params(
         MOE.replace(n_routed_experts=4, num_experts_per_tok=2), rng), mesh, rules),
         "weight moe.w1 (2, 4, 64, 8) cannot be split over mesh axis 'data' of size 8")
