@@ -132,7 +132,7 @@ class CapacityPlan:
 @dataclasses.dataclass(frozen=True)
 class RequestBytes:
     """The bytes one offloaded request of S tokens keeps, part by part: the planner's arithmetic
-    in one place (`plan_capacity` and the engine's admission, `fo_jax.engine.admission`, both
+    in one place (`plan_capacity` and the engine's admission, `fo_jax.engine.costs`, both
     use it). Each part is either fixed per request or linear in S.
 
     Attributes:

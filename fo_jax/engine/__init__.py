@@ -19,27 +19,22 @@ moves).
 `fo_jax.engine.pages`: host-side page bookkeeping: a page pool with reference counts
 (`PagePool`), a prefix cache of full pages (`PrefixCache`), each request's pages and page-table
 row (`RequestPages`).
+`fo_jax.engine.prefix`: prefix reuse, one object per engine with one interface (`PrefixReuse`:
+`PagedPrefix` maps cached pages, `ResidentPrefix` copies cached rows), over the two stores below.
 `fo_jax.engine.resident_prefix`: prefix reuse on the resident path: whole chunks of earlier
 prompts' KV rows, copied into a new request's seat (`ResidentPrefixStore`).
 `fo_jax.engine.mtp_prefix`: with MTP drafts and the prefix cache, the MTP layer's rows of the
 cached chunks, kept beside the main cache and copied into a new request's MTP state
 (`MTPPrefixStore`).
-`fo_jax.engine.admission`: admission by memory with the planner's bytes (`MemoryCosts`,
-`Admission`): admit / wait / refuse, the waiting queue, the preemption victim.
+`fo_jax.engine.costs`: the planner's bytes per seat and per page (`MemoryCosts`), which the
+scheduler charges its device budget with.
 `fo_jax.engine.metrics`: counters summed on the device, read every N steps into JSON lines
 (`MetricsLog`), and their Prometheus families.
 """
 
-from fo_jax.engine.admission import (
-    Admission,
-    Decision,
-    MemoryCosts,
-    Request,
-    RequestRefused,
-    Verdict,
-)
 from fo_jax.engine.args import EngineArgs
 from fo_jax.engine.auto import AutoEngine
+from fo_jax.engine.costs import MemoryCosts
 from fo_jax.engine.data_parallel import DataParallelEngine
 from fo_jax.engine.engine import Engine, RequestOutput, TokenLogprobs
 from fo_jax.decode_loop import (
@@ -55,7 +50,9 @@ from fo_jax.decode_loop import (
 from fo_jax.engine.metrics import MetricsLog
 from fo_jax.engine.pages import NO_PAGE, PagePool, PoolExhausted, PrefixCache, RequestPages
 from fo_jax.engine.mtp_prefix import MTPPrefixStore
+from fo_jax.engine.prefix import PagedPrefix, PrefixReuse, ResidentPrefix
 from fo_jax.engine.resident_prefix import ResidentPrefixStore
+from fo_jax.engine.scheduler import RequestRefused
 from fo_jax.sampling import Sampling, sample_tokens
 from fo_jax.engine.settings import (
     CacheSettings,
@@ -67,11 +64,10 @@ from fo_jax.engine.settings import (
     SpeculativeSettings,
 )
 
-__all__ = ["NO_PAGE", "Admission", "AutoEngine", "CacheSettings", "DataParallelEngine",
-           "Decision", "Engine", "EngineArgs", "EngineSettings", "LoopOutput",
-           "LoopStats", "MTPPrefixStore", "MTPSeats", "MemoryCosts", "MetricsLog",
-           "MetricsSettings", "OffloadedStep", "PagePool", "PoolExhausted",
-           "PrefixCache", "ProgramSettings", "Request", "RequestOutput", "RequestPages",
-           "RequestRefused", "RequestSettings", "ResidentPrefixStore", "ResidentStep",
-           "Sampling", "SchedulerSettings", "Seats", "SpeculativeSettings",
-           "TokenLogprobs", "Verdict", "decode_loop", "mtp_feed", "sample_tokens"]
+__all__ = ["AutoEngine", "CacheSettings", "DataParallelEngine", "Engine", "EngineArgs",
+           "EngineSettings", "LoopOutput", "LoopStats", "MTPPrefixStore", "MTPSeats",
+           "MemoryCosts", "MetricsLog", "MetricsSettings", "NO_PAGE", "OffloadedStep", "PagePool",
+           "PagedPrefix", "PoolExhausted", "PrefixCache", "PrefixReuse", "ProgramSettings",
+           "RequestOutput", "RequestPages", "RequestRefused", "RequestSettings", "ResidentPrefix",
+           "ResidentPrefixStore", "ResidentStep", "Sampling", "SchedulerSettings", "Seats",
+           "SpeculativeSettings", "TokenLogprobs", "decode_loop", "mtp_feed", "sample_tokens"]

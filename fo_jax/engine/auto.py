@@ -29,9 +29,14 @@ import numbers
 from typing import Any, Sequence
 
 from fo_jax.config import ModelConfig
-from fo_jax.engine.engine import Engine, SeatExport
+from fo_jax.engine.engine import Engine
 from fo_jax.engine.requests import RequestOutput, RequestState, claim_request_id
+from fo_jax.engine.runner import SeatExport
 from fo_jax.offload.config import OffloadConfig
+
+
+OFFLOADED_ONLY = ("num_pages", "host_pool_bytes")  # the offloaded tier's pool
+RESIDENT_ONLY = ("prefix_cache_bytes", "prefix_cache_memory")  # the resident prefix store
 
 
 class AutoEngine:
@@ -44,24 +49,21 @@ class AutoEngine:
       offload: OffloadConfig of the offloaded tier; its `capacity` (tokens per seat) bounds a
         request (prompt + output) and must be >= resident_capacity.
       offload_seats: seats of the offloaded tier.
-      num_pages, host_pool_bytes: the offloaded tier's pool (see `Engine`).
-      prefix_cache: both tiers reuse the prompt prefixes of earlier requests on their tier:
-        the resident tier copies cached blocks into the seat (`Engine`'s prefix store), the
-        offloaded tier maps cached pages (needs prefill_chunk a multiple of
-        offload.page_size).
-      prefix_cache_bytes, prefix_cache_memory: the resident tier's prefix store (see
-        `Engine`); the offloaded tier's cache lives in its pool.
-      engine_kwargs: every other keyword (decode_steps_per_call, prefill_chunk, tokenizer,
-        max_stop_ids, query_block, implementation, ...) goes to both engines.
+      engine_kwargs: `Engine`'s keywords. num_pages and host_pool_bytes (the pool) go to the
+        offloaded tier only; prefix_cache_bytes and prefix_cache_memory (the prefix store) to
+        the resident tier only (the offloaded tier's cache lives in its pool); every other
+        (prefix_cache, decode_steps_per_call, prefill_chunk, tokenizer, max_stop_ids,
+        query_block, implementation, ...) to both. With prefix_cache both tiers reuse the
+        prompt prefixes of earlier requests on their tier: the resident tier copies cached
+        blocks into the seat, the offloaded tier maps cached pages (needs prefill_chunk a
+        multiple of offload.page_size).
     Raises:
       ValueError: bad settings, before anything is allocated.
     """
 
     def __init__(self, params, config: ModelConfig, *, resident_seats: int,
                  resident_capacity: int, offload: OffloadConfig, offload_seats: int,
-                 num_pages: int | None = None, host_pool_bytes: int | None = None,
-                 prefix_cache: bool = False, prefix_cache_bytes: int | None = None,
-                 prefix_cache_memory: str = "device", **engine_kwargs: Any):
+                 **engine_kwargs: Any):
         if not isinstance(offload, OffloadConfig):
             raise ValueError(f"offload must be an OffloadConfig (the long tier), got "
                              f"{type(offload).__name__}")
@@ -75,12 +77,14 @@ class AutoEngine:
                 raise ValueError(f"{name} is not an AutoEngine setting (give resident_seats, "
                                  "resident_capacity, offload and offload_seats)")
         self.config = config
+        tier = {name: engine_kwargs.pop(name) for name in OFFLOADED_ONLY + RESIDENT_ONLY
+                if name in engine_kwargs}
         self.resident = Engine(params, config, seats=resident_seats, capacity=resident_capacity,
-                               prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes,
-                               prefix_cache_memory=prefix_cache_memory, **engine_kwargs)
+                               **{k: v for k, v in tier.items() if k in RESIDENT_ONLY},
+                               **engine_kwargs)
         self.offloaded = Engine(params, config, seats=offload_seats, offload=offload,
-                                num_pages=num_pages, host_pool_bytes=host_pool_bytes,
-                                prefix_cache=prefix_cache, **engine_kwargs)
+                                **{k: v for k, v in tier.items() if k in OFFLOADED_ONLY},
+                                **engine_kwargs)
         self.n_steps = self.resident.n_steps
         # The most tokens one decode call stores per request: N steps of D + 1 ways.
         self.call_tokens = self.n_steps * (self.resident.num_drafts + 1)

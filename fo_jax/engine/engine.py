@@ -33,34 +33,24 @@ log-probabilities, the three ways to hold the KV) and why they hold: docs/design
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fo_jax import resident
 from fo_jax.config import ModelConfig
-from fo_jax.decode_loop import MTPSeats, Seats
-from fo_jax.offload import prefill as offload_prefill
-from fo_jax.engine.admission import MemoryCosts
+from fo_jax.decode_loop import Seats
+from fo_jax.engine.kv_store import SeatRows, make_kv_store
 from fo_jax.engine.metrics import MetricsLog
-from fo_jax.engine.mtp_prefix import MTPPrefixStore
-from fo_jax.engine.pages import PagePool, PrefixCache
 from fo_jax.engine.requests import (FINISH_REASONS, RequestLimits, RequestOutput,
                                     RequestState, TokenLogprobs, check_prompt, check_sampling,
                                     claim_request_id, logprob_rows)
-from fo_jax.engine.kv_store import SeatRows, make_kv_store
-from fo_jax.engine.runner import DecodeRunner
+from fo_jax.engine.runner import DecodeRunner, SeatExport
 from fo_jax.engine.scheduler import Scheduler
-from fo_jax.engine.resident_prefix import ResidentPrefixStore
 from fo_jax.engine.settings import MAX_LOGPROBS, EngineSettings
-
-def _next_power_of_two(n: int) -> int:
-    return 1 << (int(n) - 1).bit_length() if n > 0 else 0
 
 
 class Engine:
@@ -70,6 +60,11 @@ class Engine:
         Engine(params, config, EngineSettings(cache=CacheSettings(seats=8, capacity=4096)))
         Engine(params, config, seats=8, capacity=4096)      # the same, flat keywords
 
+    Its parts, each usable alone: `kv` the seats' KV and prefix reuse (`fo_jax.engine.kv_store`:
+    `kv.state`, `kv.pool`, `kv.costs`, `kv.prefix`), `scheduler` the queue, admission and
+    preemption (`fo_jax.engine.scheduler`), `runner` the decode loop's device state and programs
+    (`fo_jax.engine.runner`). `state`, `pool` and `prefix` are the KV store's.
+
     Args:
       params, config: the model.
       settings: an `EngineSettings` (`fo_jax.engine.settings`: every setting grouped by
@@ -77,13 +72,9 @@ class Engine:
       tokenizer: anything with `decode(ids) -> str`; needed for text stop strings and `text`.
       mtp: drafter="mtp": the MTP parameters (`load_checkpoint(..., mtp=True)` or
         `fo_jax.model.mtp.init_mtp_params`) of a config with num_nextn_predict_layers >= 1.
-      kwargs: without `settings`, the settings as flat keywords (`EngineSettings.create`):
-        seats, capacity, offload, num_pages, host_pool_bytes, prefix_cache,
-        prefix_cache_bytes, prefix_cache_memory (`CacheSettings`); order, max_wait_steps,
-        reserve, device_bytes, prefill_chunk, decode_steps_per_call (`SchedulerSettings`);
-        num_drafts, drafter (`SpeculativeSettings`); max_stop_ids, max_logprobs
-        (`RequestSettings`); query_block, num_buffers, implementation, interpret
-        (`ProgramSettings`); metrics_path, metrics_every (`MetricsSettings`).
+      kwargs: without `settings`, the settings as flat keywords (`EngineSettings.create`: seats,
+        capacity, offload, prefix_cache, reserve, device_bytes, decode_steps_per_call,
+        num_drafts, ...).
     Raises:
       ValueError: bad settings, before anything is allocated.
     """
@@ -96,42 +87,28 @@ class Engine:
             raise TypeError(f"Engine(params, config, settings) takes no other settings, got "
                             f"{sorted(kwargs)}: put them in the EngineSettings")
         settings = settings.for_model(config, mtp=mtp)
-        self.settings = settings
+        self.settings, self.params, self.config, self.mtp = settings, params, config, mtp
         cache, sched, spec = settings.cache, settings.scheduler, settings.speculative
-        programs = settings.programs
-        offload = cache.offload
-        self.params, self.config, self.offload = params, config, offload
-        self.seats, self.capacity = int(cache.seats), int(cache.capacity)
+        self.offload, self.seats = cache.offload, int(cache.seats)
+        self.capacity = int(cache.capacity)
         self.n_steps, self.chunk = int(sched.decode_steps_per_call), int(sched.prefill_chunk)
-        self.tokenizer, self.max_stop_ids = tokenizer, int(settings.requests.max_stop_ids)
-        self.query_block, self.num_buffers = programs.query_block, programs.num_buffers
+        self.num_drafts, self.drafter = int(spec.num_drafts), spec.drafter
+        self.tokenizer, self.max_logprobs = tokenizer, int(settings.requests.max_logprobs)
         self.kv = make_kv_store(config, settings)  # the seats' KV: resident or paged
-        self.max_logprobs = int(settings.requests.max_logprobs)
-        self.num_drafts = int(spec.num_drafts)
-        self.drafter, self.mtp = spec.drafter, mtp
-        prefix_cache = cache.prefix_cache
-        batch = self.seats
+        self.pool, self.prefix = self.kv.pool, self.kv.prefix  # None resident; None: no reuse
         # The running seats' device state and the decode programs over it (`DecodeRunner`):
         # each seat's last token, key, count and done flag, sampling settings, and with drafts
         # the n-gram histories or the MTP layer's state.
         self.runner = DecodeRunner(params, config, settings, self.kv, mtp=mtp)
-        # MTP drafts with the prefix cache: the MTP rows of the cached chunks, beside the main
-        # cache (offloaded: in the host pages' memory; resident: the prefix store's).
-        self.mtp_prefix = None
-        if self.mtp is not None and prefix_cache:
-            self.mtp_prefix = MTPPrefixStore(
-                self.prefix if self.pool is not None else self.prefix_store.cache,
-                chunk=self.chunk, memory=(offload.host_memory_kind if offload is not None
-                                          else self.prefix_store.memory))
         self.scheduler = Scheduler(settings, self.kv)  # the queue and the seats' occupants
         self._occupant = self.scheduler.occupants  # the same lists, read and set here
         self._waiting = self.scheduler.waiting
         self._requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self._limits = RequestLimits(  # what `add_request` checks a request against
-            vocab=config.vocab_size, capacity=self.capacity, max_stop_ids=self.max_stop_ids,
-            max_logprobs=self.max_logprobs, num_drafts=self.num_drafts,
-            tokenizer=tokenizer is not None)
+            vocab=config.vocab_size, capacity=self.capacity,
+            max_stop_ids=int(settings.requests.max_stop_ids), max_logprobs=self.max_logprobs,
+            num_drafts=self.num_drafts, tokenizer=tokenizer is not None)
         self.stats = None  # offload statistics summed over decode calls, on the device
         self.counters = {"steps": 0, "prefill_calls": 0, "decode_calls": 0,
                          "prefill_tokens": 0, "decode_tokens": 0, "prefix_hit_tokens": 0,
@@ -146,11 +123,10 @@ class Engine:
         self.metrics = None if log.path is None else MetricsLog(self, path=log.path,
                                                                 every=log.every)
 
-    # The KV store's parts, as the engine's (`fo_jax.engine.kv_store`) ----------------------
-
     @property
     def state(self):
-        """The batch state the programs take (`ResidentState`, or the paged `DecodeState`)."""
+        """The batch state the programs take (the KV store's: `ResidentState`, or the paged
+        `DecodeState`)."""
         return self.kv.state
 
     @state.setter
@@ -158,82 +134,8 @@ class Engine:
         self.kv.state = value
 
     @property
-    def step_fn(self):
-        return self.kv.step_fn
-
-    @property
-    def pool(self) -> PagePool | None:
-        """The shared page pool (paged); None resident."""
-        return self.kv.pool
-
-    @property
-    def prefix(self) -> PrefixCache | None:
-        """The prefix cache of the pool's pages (paged, with prefix_cache); else None."""
-        return self.kv.prefix
-
-    @property
-    def prefix_store(self) -> ResidentPrefixStore | None:
-        """The resident prefix store (resident, with prefix_cache); else None."""
-        return self.kv.prefix_store
-
-    @property
-    def costs(self) -> MemoryCosts | None:
-        """The planner's bytes per seat and page (paged); None resident."""
-        return self.kv.costs
-
-    @property
-    def max_pages(self) -> int:
-        """P, the page-table row width (paged; 1 resident)."""
-        return self.kv.max_pages
-
-    # The scheduler's settings, as the engine's (`fo_jax.engine.scheduler`) ---------------
-
-    @property
-    def order(self) -> str:
-        return self.scheduler.order
-
-    @property
-    def reserve(self) -> str:
-        return self.scheduler.reserve
-
-    @property
-    def max_wait_steps(self) -> int | None:
-        return self.scheduler.max_wait_steps
-
-    @property
-    def device_bytes(self) -> int | None:
-        """The device budget of request state (None: none); setting it changes the budget."""
-        return self.scheduler.device_bytes
-
-    @device_bytes.setter
-    def device_bytes(self, value: int | None) -> None:
-        self.scheduler.device_bytes = value
-
-    # The runner's device state, as the engine's (`fo_jax.engine.runner`) -----------------
-
-    @property
     def _seats(self) -> Seats:
         return self.runner.seats
-
-    @_seats.setter
-    def _seats(self, value: Seats) -> None:
-        self.runner.seats = value
-
-    @property
-    def _history(self):
-        return self.runner.history
-
-    @_history.setter
-    def _history(self, value) -> None:
-        self.runner.history = value
-
-    @property
-    def _mtp(self) -> MTPSeats | None:
-        return self.runner.mtp_seats
-
-    @_mtp.setter
-    def _mtp(self, value: MTPSeats | None) -> None:
-        self.runner.mtp_seats = value
 
     # Requests ------------------------------------------------------------------------------
 
@@ -365,103 +267,32 @@ class Engine:
         return self.scheduler.device_bytes_used()
 
     def _admit(self) -> None:
-        """The first request of the queue (`Scheduler.queue`) takes a free seat once the pool can
-        reserve its pages (`Scheduler.tokens_needed`) and its device bytes fit `device_bytes`; a
-        request that does not fit yet blocks the ones behind it. With the prefix cache, its
-        longest cached prefix of whole prefill chunks is mapped and not prefilled. A request
-        preempted with its pages kept takes them back (`Scheduler.fits_kept`): its prompt is not
-        prefilled again and, once decoding, it joins at once (`_rejoin`); one whose pages
+        """Seat waiting requests (`Scheduler.admit`: queue order, pages and device bytes,
+        prefix reuse matched, kept pages dropped when nothing else would free them). A new
+        one's prefill starts after its cached prefix (resident: its rows copied into the seat,
+        `PrefixReuse.write`: one program, O(L prefix) rows); one preempted with its pages kept
+        is not prefilled again and, once decoding, joins at once (`_rejoin`); one whose pages
         were dropped prefills its prompt again (cached chunks mapped) and replays its tokens
-        at its join. When the head of the queue does not fit and no seat is occupied, the
-        pages kept by the requests behind it are dropped, youngest first, until it fits
-        (nothing else would ever free them). O(seats + prompt + pages) per admitted
-        request, O(Q log Q) for the queue."""
-        free = self.scheduler.free_seats()
-        started, kept = {}, []
-        queue = self.scheduler.queue(self.counters["steps"]) if free else []
-        for req in queue:
-            if not free:
-                break
-            had_pages = req.pages is not None  # preempted with its pages kept
-            if self.pool is not None and not self._fits(req):
-                break
-            self._waiting.remove(req)
-            b = free.pop(0)
-            req.seat, req.preempted = b, False
-            req.admitted = next(self.scheduler.admissions)
-            self._occupant[b] = req
-            if had_pages:
-                kept.append(req)
-            else:
-                if self.prefix_store is not None:
-                    self._reuse_prefix(req, b)
-                req.prefilled = req.cached_tokens
-            started[b] = req
+        at its join. O(seats + prompt + pages) per admitted request."""
+        new, kept = self.scheduler.admit(self.counters["steps"])
+        for req in new:
+            if self.prefix is not None:
+                self.state = self.prefix.write(self.state, req.seat, req.prefix_held)
+            req.prefilled, req.prefix_held = req.cached_tokens, None
+            self.counters["prefix_hit_tokens"] += req.cached_tokens
+        started = new + kept
         if started:
-            self._set_seats({b: (self._stored_tokens(r),
-                                 None if r.pages is None else r.pages.table_row())
-                             for b, r in started.items()})
-            self._start_mtp(list(started.values()))
+            self.kv.set_seats({r.seat: (r.stored_tokens(),
+                                        None if r.pages is None else r.pages.table_row())
+                               for r in started})
+            self._start_mtp(started)
         if kept:
             self.counters["resumed_without_recompute"] += len(kept)
             self._rejoin([r for r in kept if r.prefilled == len(r.prompt)])
 
-    def _reuse_prefix(self, req: RequestState, b: int) -> None:
-        """Resident: copy the request's longest cached prefix of whole prefill chunks into
-        seat b (`ResidentKV.match_prefix`, `write_prefix`: one program, O(L prefix) rows); its
-        prefill starts there. O(prompt) hashing."""
-        slots, cached = self.kv.match_prefix(req.prompt, chunk=self.chunk,
-                                             usable=lambda n: self._mtp_prefix(req, n))
-        self.kv.write_prefix(b, slots)
-        req.cached_tokens = cached
-        self.counters["prefix_hit_tokens"] += cached
-
-    def _mtp_prefix(self, req: RequestState, cached: int) -> int:
-        """MTP drafts with the prefix cache: of the `cached` tokens (whole chunks) the main
-        cache found for the request, those whose MTP rows are stored with the prompt's own
-        next tokens (`MTPPrefixStore.lookup`: its blocks kept on the request for `_start_mtp`);
-        all of them without MTP drafts, or for a request that takes back its saved MTP state.
-        O(prompt) hashing."""
-        req.mtp_blocks = None
-        if self.mtp_prefix is None or req.mtp_saved is not None or not cached:
-            return cached
-        n, req.mtp_blocks = self.mtp_prefix.lookup(req.prompt, chunks=cached // self.chunk)
-        return n * self.chunk
-
-    def _fits(self, req: RequestState) -> bool:
-        """Whether the request can take a seat now (its pages reserved, or the kept ones
-        grown): `Scheduler.fits_kept` or `_reserve`. When it cannot and no seat is occupied, the pages
-        other waiting requests kept are dropped, youngest first, until it fits: it fits alone
-        (`add_request` refused any request that does not), and with no request running
-        nothing else would ever free them. O(queue + pages) per drop."""
-        while not (self.scheduler.fits_kept(req) if req.pages is not None
-                   else self._reserve(req)):
-            other = self.scheduler.kept_to_drop(req)
-            if other is None:
-                return False
-            self._drop_kept(other)
-        return True
-
-    def _reserve(self, req: RequestState) -> bool:
-        """Map the request's cached prefix (with the prefix cache) and reserve its pages
-        (`Scheduler.reserve_pages`); False, with nothing held, when they do not."""
-        matched, cached = [], 0
-        if self.prefix is not None:  # its cached pages, mapped (`PagedKV.match_prefix`)
-            matched, cached = self.kv.match_prefix(req.prompt, chunk=self.chunk,
-                                                   usable=lambda n: self._mtp_prefix(req, n))
-        pages = self.scheduler.reserve_pages(req, matched, cached)
-        if pages is None:
-            return False
-        req.pages, req.cached_tokens = pages, cached
-        self.counters["prefix_hit_tokens"] += cached
-        return True
-
-    def _stored_tokens(self, req: RequestState) -> int:
-        """Tokens the request's pages hold: the cached prefix (admitted), the prompt tokens
-        prefilled, or, decoding, prompt + sampled tokens but the last (not fed yet)."""
-        if req.prefilled == len(req.prompt) and req.tokens:
-            return len(req.prompt) + len(req.tokens) - 1
-        return req.prefilled
+    def _start_mtp(self, started: list[RequestState]) -> None:
+        """MTP drafts: each admitted request's MTP state (`DecodeRunner.start_mtp`)."""
+        self.runner.start_mtp(started, None if self.prefix is None else self.prefix.mtp)
 
     def _rejoin(self, resumed: list[RequestState]) -> None:
         """Seat decoding requests that kept their pages, without recompute: their host pages
@@ -476,25 +307,20 @@ class Engine:
             mask[req.seat] = True
             self.runner.set_sampling(req.seat, req)
         self.kv.join(mask)
-        self._restore_seats({r.seat: (r.tokens[-1], len(r.tokens), r.key_data)
+        self.runner.restore({r.seat: (r.tokens[-1], len(r.tokens), r.key_data)
                              for r in resumed})
-        self._set_history(resumed)  # with drafts: what the drafter looks up
+        self.runner.set_history(resumed)  # with drafts: what the drafter looks up
         for req in resumed:
             req.key_data = None
 
-    def _restore_seats(self, rows: dict) -> None:
-        """Seat b decodes again from rows[b] = (last token, tokens generated, PRNG key data)
-        (`DecodeRunner.restore`)."""
-        self.runner.restore(rows)
-
     def _grow_pages(self) -> None:
         """reserve="prompt": before the decode call, give every decoding request the pages
-        the call may write (`Scheduler.tokens_needed`), oldest request first. When they cannot be
-        had, do what `Scheduler.make_room` says must go first (drop kept pages, or preempt the
-        youngest running request with or without its pages) and try again; the rule and why it
-        always progresses: docs/design/engine.md, "Progress". A request that is itself the
-        youngest is preempted. O(seats + queue + pages allocated) per preemption or drop."""
-        if self.pool is None or self.reserve == "full":
+        the call may write (`Scheduler.tokens_needed`), oldest request first. When they cannot
+        be had, do what `Scheduler.make_room` says must go first (drop kept pages, or preempt
+        the youngest running request with or without its pages) and try again; the rule and
+        why it always progresses: docs/design/engine.md, "Progress". A request that is itself
+        the youngest is preempted. O(seats + queue + pages allocated) per preemption or drop."""
+        if self.pool is None or self.scheduler.reserve == "full":
             return
         rows = {}
         for req in self.scheduler.decoding_by_age():
@@ -505,28 +331,24 @@ class Engine:
                 if room.action in ("ready", "grown"):
                     break
                 if room.action == "drop_kept":
-                    self._drop_kept(room.other)
+                    self.scheduler.drop_kept(room.other)
                     continue
                 rows.pop(room.other.seat, None)
                 self._preempt(room.other, keep_pages=room.keep)
         if rows:
-            self._set_rows(rows)
-
-    def _set_rows(self, rows: dict) -> None:
-        """Set seat b's page-table row to rows[b] (pages appended; lengths unchanged)."""
-        self.kv.set_rows(rows)
+            self.kv.set_rows(rows)
 
     def _preempt(self, req: RequestState, *, keep_pages: bool = False) -> None:
-        """Take a running request's seat; it waits at the head of the queue (`Scheduler.queue`) with
-        its sampled tokens (and, once it sampled, its PRNG key) kept. keep_pages: its pages
-        stay held (its host KV and indexer keys: every token it stored, the decode writes
-        through to the host pages), so it resumes where it stopped (`_rejoin`, or its
-        prefill goes on); else they are dropped (`_drop_kept`). O(pages + seats)."""
+        """Take a running request's seat; it waits at the head of the queue (`Scheduler.queue`)
+        with its sampled tokens (and, once it sampled, its PRNG key) kept. keep_pages: its
+        pages stay held (its host KV and indexer keys: every token it stored, the decode
+        writes through to the host pages), so it resumes where it stopped (`_rejoin`, or its
+        prefill goes on); else they are dropped (`Scheduler.drop_kept`). O(pages + seats)."""
         if req.prefilled == len(req.prompt):  # joined: its seat holds its key (a request
             # resumed but not joined yet keeps the key it saved)
-            req.key_data = np.asarray(jax.random.key_data(self._seats.keys[req.seat]))
-        if self._mtp is not None and (keep_pages or req.tokens):
-            req.mtp_saved = self._save_mtp(req.seat)  # restored by `_start_mtp`
+            req.key_data = self.runner.key_data(req.seat)
+        if self.runner.mtp_seats is not None and (keep_pages or req.tokens):
+            req.mtp_saved = self.runner.save_mtp(req.seat)  # restored by `_start_mtp`
         self._vacate(req.seat)
         req.seat = None
         req.preempted = True
@@ -535,39 +357,22 @@ class Engine:
         if keep_pages:
             self.counters["preemptions_kept_pages"] += 1
         else:
-            self._drop_kept(req)
-
-    def _drop_kept(self, req: RequestState) -> None:
-        """Drop a preempted request's pages: it will prefill its prompt again and replay its
-        tokens. Its full prompt pages the prefix cache registered stay cached (mapped again
-        on resume unless evicted meanwhile); the others go back to the pool. O(pages)."""
-        req.pages.release()
-        req.pages = None
-        req.prefilled = req.cached_tokens = 0
-        if not req.tokens:  # it prefills again from the start: so does its MTP state
-            req.mtp_saved = None
-
-    def _set_seats(self, seats: dict) -> None:
-        """Set seat b's length (and page-table row, offloaded) to seats[b] = (length, row)."""
-        self.kv.set_seats(seats)
-
-    def _prefilling(self) -> list[RequestState]:
-        return [r for r in self._occupant
-                if r is not None and r.prefilled < len(r.prompt)]
+            self.scheduler.drop_kept(req)
 
     def _prefill(self, moved) -> None:
         """One prefill chunk of each prefilling request, one [1, prefill_chunk] program each
-        over its own seat and history (`prefill_seat`): the work grows with the requests
+        over its own seat and history (`KVStore.prefill`): the work grows with the requests
         prefilling, not with the seats, and a request's programs have the same shapes
-        whoever else prefills (so its KV and logits are those of its solo run, bit for bit)."""
-        requests = self._prefilling()
+        whoever else prefills (so its KV and logits are those of its solo run, bit for bit).
+        Then the prefix cache stores what the chunk completed, the completed prompts join
+        (`_join`) and, with MTP drafts, the chunk's pairs feed their MTP state."""
+        requests = [r for r in self._occupant if r is not None and r.prefilled < len(r.prompt)]
         if not requests:
             return
-        chunk = self.chunk
-        # MTP drafts: the requests whose MTP state takes this chunk's pairs (`_feed_mtp`); a
+        chunk, want_hidden = self.chunk, self.runner.mtp_seats is not None
+        # MTP drafts: the requests whose MTP state takes this chunk's pairs (`feed_mtp`); a
         # resumed request that sampled before has its MTP state back already (`_start_mtp`).
-        feed = [req for req in requests if not req.tokens] if self._mtp is not None else []
-        want_hidden = self._mtp is not None
+        feed = [req for req in requests if not req.tokens] if want_hidden else []
         # Per request: (tokens prefilled before the chunk, tokens in it); the last prompt
         # position's logits [V] of those the chunk completes; hidden states [1, chunk, E].
         before, last, hidden = {}, {}, {}
@@ -576,72 +381,34 @@ class Engine:
             part = req.prompt[req.prefilled:req.prefilled + chunk]
             tokens = np.zeros((1, chunk), np.int32)
             tokens[0, :len(part)] = part
-            num_new = np.asarray([len(part)], np.int32)
             before[req.request_id] = (req.prefilled, len(part))
-            if self.offload is None:
-                logits, self.state, *h = resident.prefill_seat(
-                    self.params, self.state, req.seat, tokens, num_new, config=self.config,
-                    check=False, query_block=self.query_block, return_hidden=want_hidden)
-            else:  # its own history, power-of-two bucketed (one program per bucket)
-                oc = self.offload
-                pages = min(_next_power_of_two(-(-req.prefilled // oc.page_size)),
-                            oc.capacity // oc.page_size)
-                view = offload_prefill.PrefillState(
-                    host=self.state.host, table=self.state.table,
-                    index_keys=self.state.index_keys, lengths=self.state.lengths)
-                logits, view, *h = offload_prefill.prefill_seat(
-                    self.params, view, req.seat, tokens, num_new, config=self.config,
-                    num_buffers=self.num_buffers, history_pages=pages, check=False,
-                    host_access=oc.host_access, query_block=self.query_block,
-                    return_hidden=want_hidden)
-                self.state = dataclasses.replace(
-                    self.state, host=view.host, table=view.table,
-                    index_keys=view.index_keys, lengths=view.lengths)
+            logits, hidden[req.seat] = self.kv.prefill(
+                self.params, req.seat, tokens, np.asarray([len(part)], np.int32),
+                prefilled=req.prefilled, hidden=want_hidden)
             if req.prefilled + len(part) == len(req.prompt):
                 last[req.seat] = logits[0, len(part) - 1]
-            if want_hidden:
-                hidden[req.seat] = h[0]
         jax.block_until_ready(logits)  # the last program of a chain through the state
         self.timings["prefill_s"] += time.perf_counter() - start
         self.counters["prefill_calls"] += len(requests)
         self.counters["prefill_tokens"] += sum(n for _, n in before.values())
         for req in requests:
             req.prefilled += before[req.request_id][1]
-            if self.prefix is not None:  # pages of prefilled tokens are final: a request
-                # admitted from now on may map them (O(prefilled) hashing per chunk)
-                self.prefix.insert(req.prompt[:req.prefilled], req.pages.pages)
-        if self.prefix_store is not None:  # resident: the blocks this chunk completed
-            self.prefix_store.insert(self.state, [
-                (r.seat, r.prompt[:r.prefilled], before[r.request_id][0]) for r in requests])
-        done = [r for r in requests if r.prefilled == len(r.prompt)]
-        if done:
-            self._join(done, last, moved)
+        done = [(r, before[r.request_id][0]) for r in requests]  # (request, tokens before)
+        if self.prefix is not None:  # what the chunk completed is final: reusable from now on
+            self.prefix.insert(self.state, done)
+        joined = [r for r in requests if r.prefilled == len(r.prompt)]
+        if joined:
+            self._join(joined, last, moved)
         if feed:  # after the join: a prompt's last pair takes its first sampled token
-            self._feed_mtp([(r, before[r.request_id]) for r in feed], hidden)
-        if self.mtp_prefix is not None:  # the MTP rows of the chunks completed (final now)
-            self.mtp_prefix.insert(self._mtp, [
-                (r.seat, r.prompt, before[r.request_id][0], r.prefilled,
-                 r.tokens[0] if r.tokens else None) for r in requests])
-
-    # MTP drafts: each seat's MTP state -------------------------------------------------------
-
-    def _feed_mtp(self, feed, hidden) -> None:
-        """Feed the prefill chunk's pairs to the prefilling requests' MTP state
-        (`DecodeRunner.feed_mtp`)."""
-        self.runner.feed_mtp(feed, hidden)
-
-    def _start_mtp(self, started: list[RequestState]) -> None:
-        """MTP drafts: each admitted request's MTP state (`DecodeRunner.start_mtp`)."""
-        self.runner.start_mtp(started, self.mtp_prefix)
-
-    def _save_mtp(self, b: int) -> tuple:
-        """Seat b's MTP state on the host (`DecodeRunner.save_mtp`)."""
-        return self.runner.save_mtp(b)
+            self.runner.feed_mtp([(r, before[r.request_id]) for r in feed], hidden)
+        if self.prefix is not None:  # the MTP rows of the chunks completed (final now)
+            self.prefix.insert_mtp(self.runner.mtp_seats, done)
 
     def _join(self, joined: list[RequestState], last, moved) -> None:
         """Start each request whose prompt is complete: a new one samples its first token
-        from its last prompt position's logits (last {seat: [V]}); a resumed one (preempted after sampling) takes back its PRNG
-        key and its last token and replays its other tokens (`_replay`)."""
+        from its last prompt position's logits (last {seat: [V]}); a resumed one (preempted
+        after sampling) takes back its PRNG key and its last token and replays its other
+        tokens (`_replay`)."""
         mask = np.zeros((self.seats,), bool)
         for req in joined:
             mask[req.seat] = True
@@ -667,7 +434,7 @@ class Engine:
             rows[req.seat] = (req.tokens[-1], len(req.tokens), False)
             req.preempted, req.key_data = False, None
         self.runner.set_rows(rows, keys)
-        self._set_history(joined)
+        self.runner.set_history(joined)
         if resumed:
             self._replay(resumed)
         for req in new:
@@ -679,10 +446,6 @@ class Engine:
         its sampled tokens again through the decode step (`DecodeRunner.replay`: why a replay
         and not a prefill, and its costs)."""
         self.counters["replayed_tokens"] += self.runner.replay(resumed)
-
-    def _set_history(self, joined: list[RequestState]) -> None:
-        """With n-gram drafts: each joined request's seat history (`DecodeRunner.set_history`)."""
-        self.runner.set_history(joined)
 
     def _decode(self, moved) -> None:
         running = [r for r in self._occupant
@@ -734,34 +497,11 @@ class Engine:
 
     def _record(self, req: RequestState, new: list[int], moved, *, length: int,
                 done: bool = False, logprobs: list[TokenLogprobs] | None = None) -> bool:
-        """Append sampled tokens one by one until one finishes the request; decide whether
-        it finished, and why. Tokens the device sampled after a text stop string (within the
-        same decode call) are dropped, so the output does not depend on decode_steps_per_call.
-        With stop strings the output is decoded after every token (O(output) per token).
-        `logprobs` (one per token of `new`) go with their tokens."""
-        kept = moved.setdefault(req.request_id, [])
-        if new:
-            req.last_token_at = time.perf_counter()
-        for j, t in enumerate(new):
-            req.tokens.append(t)
-            kept.append(t)
-            if logprobs is not None:
-                req.logprobs.append(logprobs[j])
-            if req.stop:
-                req.text = self.tokenizer.decode(req.tokens)
-                cut = [at for at in (req.text.find(s) for s in req.stop) if at >= 0]
-                if cut:
-                    req.text = req.text[:min(cut)]
-                    req.finish_reason = "stop"
-                    return True
-            if t in req.stop_token_ids:
-                req.finish_reason = "stop"
-                break
-        if req.text is not None and not req.stop:
-            req.text = self.tokenizer.decode(req.tokens)
-        if req.finish_reason is None and (len(req.tokens) >= req.max_tokens
-                                          or length >= self.capacity or done):
-            req.finish_reason = "length"
+        """Record sampled tokens (`RequestState.record`: stop tokens and strings, max_tokens,
+        capacity) and the ones kept as moved; whether the request finished."""
+        moved.setdefault(req.request_id, []).extend(req.record(
+            new, tokenizer=self.tokenizer, capacity=self.capacity, length=length, done=done,
+            logprobs=logprobs))
         return req.finish_reason is not None
 
     def _vacate(self, b: int) -> None:
@@ -769,7 +509,7 @@ class Engine:
         self._occupant[b] = None
         self.runner.set_sampling(b, None)
         self.runner.set_done([b])
-        self._set_seats({b: (0, None)})
+        self.kv.set_seats({b: (0, None)})
 
     def _free(self, req: RequestState) -> None:
         """Free the request's seat and drop its pages (finished or cancelled: a waiting
@@ -818,30 +558,22 @@ class Engine:
 
     def export_seat(self, request_id: str, rows: int | None = None) -> SeatExport:
         """Take a decoding request out of this engine, with what its decode needs: its KV rows
-        [L, S, D+R] and indexer keys [G, S, N] (the first `length` are its tokens), its last
-        token, PRNG key and tokens generated. The seat is freed at once (the request counts as
-        neither finished nor cancelled here) and the id forgotten.
-
-        Resident: the seat's rows, S = this engine's capacity (`rows` unused): O(L S (D+R) +
-        G S N) device copy. Offloaded: its first ceil(rows / Z) pages read from the host pool
-        and the indexer-key pool through its page-table row, S = that many pages' tokens
-        (`rows` is required: at least its length; the seat it goes to), O(L S (D+R)) host to
-        device + O(G S N) device rows; then its pages are released (`KVStore.read_seat`)."""
+        and indexer keys (`KVStore.read_seat`: resident, the seat's S = capacity rows, `rows`
+        unused; paged, its first ceil(rows / Z) pages read through its page-table row, `rows`
+        required: at least its length, the seat it goes to), its last token, PRNG key, tokens
+        generated and MTP state (`DecodeRunner.export_seat`). The seat is freed at once, its
+        pages released (the request counts as neither finished nor cancelled here) and the id
+        forgotten."""
         req = self._requests.get(request_id)
         if req is None:
             raise KeyError(f"no request {request_id!r}")
         if req.seat is None or req.prefilled < len(req.prompt) or req.finish_reason is not None:
             raise ValueError(f"request {request_id!r} is not decoding (queued, prefilling or "
                              "finished): only a request past its prompt moves")
-        b = req.seat
-        seat = self.kv.read_seat(b, length=self._stored_tokens(req), rows=rows,
+        seat = self.kv.read_seat(req.seat, length=req.stored_tokens(), rows=rows,
                                  row=None if req.pages is None else req.pages.table_row())
-        out = SeatExport(request=req, kv=seat.kv, index_keys=seat.index_keys,
-                         length=seat.length, token=int(self._seats.tokens[b]),
-                         key_data=np.asarray(jax.random.key_data(self._seats.keys)[b]),
-                         generated=int(self._seats.generated[b]),
-                         mtp=None if self._mtp is None else self._save_mtp(b))
-        self._vacate(b)
+        out = self.runner.export_seat(req, seat)
+        self._vacate(req.seat)
         if req.pages is not None:
             req.pages.release()
             req.pages = None
@@ -850,19 +582,17 @@ class Engine:
         return out
 
     def import_seat(self, moved: SeatExport) -> bool:
-        """Seat a request `export_seat` took from another engine (`KVStore.write_seat`).
-        Offloaded: reserve its pages (prompt + max_tokens, as admission does), write its first
-        `length` KV rows and indexer keys into them through its page-table row (O(L length)
-        rows, once), set its length and row, build its hot rows, maps and policy state from
-        the host rows (`join_seats`: O(L seats (C + 2Z))). Resident: write its first `length`
-        rows into the seat's KV and indexer keys (O(L S) rows; its length must be below this
-        engine's capacity). Then its last token, PRNG key, count and sampling row (and, with
-        drafts, its history). False (nothing changed) when no seat is free or the pool cannot
-        reserve the pages yet."""
+        """Seat a request `export_seat` took from another engine: its rows written
+        (`KVStore.write_seat`: paged, its pages for prompt + max_tokens reserved as admission
+        does, its first `length` rows written through them, its hot rows, maps and policy
+        state built, `join_seats`; resident, its rows written into the seat, its length below
+        this engine's capacity), then its last token, PRNG key, count, sampling row, MTP state
+        and history (`DecodeRunner.import_seat`). False (nothing changed) when no seat is free
+        or the pool cannot reserve the pages yet."""
         req = moved.request
         if req.request_id in self._requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
-        if (self._mtp is None) != (moved.mtp is None):
+        if (self.runner.mtp_seats is None) != (moved.mtp is None):
             raise ValueError("a request moves between engines that both draft with the MTP "
                              "layer (drafter='mtp') or neither")
         if self.pool is None and moved.length >= self.capacity:
@@ -877,40 +607,11 @@ class Engine:
             len(req.prompt), req.max_tokens))
         if self.pool is not None and pages is None:
             return False
-        self._restore_seats({b: (moved.token, moved.generated, moved.key_data)})
-        if moved.mtp is not None:
-            self.runner.restore_mtp(b, moved.mtp)
-        self.runner.set_sampling(b, req)
         req.seat, req.pages = b, pages
-        self._set_history([req])
+        self.runner.import_seat(b, moved)
         self._occupant[b] = req
         self._requests[req.request_id] = req
         return True
 
 
-@dataclasses.dataclass(frozen=True)
-class SeatExport:
-    """A decoding request leaving an engine (`Engine.export_seat`).
-
-    Attributes:
-      request: its bookkeeping (prompt, tokens so far, sampling settings, times).
-      kv: [L, S, D+R] its KV rows (S: the resident capacity, or the pages' tokens read from an
-        offloaded engine; rows >= length unused).
-      index_keys: [G, S, N] its indexer keys.
-      length: tokens stored (prompt + tokens sampled - 1: the last one is not fed yet).
-      token: its last sampled token; key_data: its PRNG key's data; generated: tokens sampled.
-      mtp: with MTP drafts, its seat's MTP state (`Engine.export_seat`: `_save_mtp`), else None.
-    """
-
-    request: RequestState
-    kv: jax.Array
-    index_keys: jax.Array
-    length: int
-    token: int
-    key_data: np.ndarray
-    generated: int
-    mtp: Any = None
-
-
-__all__ = ["Engine", "FINISH_REASONS", "MAX_LOGPROBS", "RequestOutput", "SeatExport",
-           "TokenLogprobs"]
+__all__ = ["Engine", "FINISH_REASONS", "MAX_LOGPROBS", "RequestOutput", "TokenLogprobs"]

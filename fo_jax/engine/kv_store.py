@@ -2,18 +2,19 @@
 (`PagedKV`), with prefix reuse and a seat's rows read out and written in.
 
     kv = make_kv_store(config, settings)            # ResidentKV or PagedKV
-    slots, cached = kv.match_prefix(prompt, chunk=c, usable=f)   # prefix reuse
+    hit = kv.prefix.match(prompt)                   # prefix reuse (`fo_jax.engine.prefix`)
     kv.set_seats({b: (length, row)})                # a request starts in seat b
+    logits, hidden = kv.prefill(params, b, tokens, num_new, prefilled=p)   # one chunk
     out = kv.read_seat(b, length=n, row=row, rows=r)   # its rows, to move it elsewhere
     pages = kv.write_seat(b, moved, reserve_tokens=t)  # and in again, on another engine
 
 `state` is the batch state the compiled programs take (`ResidentState`, or the paged
-`DecodeState`), `step_fn` its decode step. Resident: fixed seats of `capacity` rows; prefix
-reuse copies rows from a `ResidentPrefixStore` of whole prefill chunks (`prefix_store`).
-Paged: the seats share one pool of `num_pages` pages (`pool`, with the page tables in the
-state), `costs` the planner's bytes per seat and page (admission by device bytes), prefix reuse
-maps cached pages (`prefix`, a `PrefixCache` on the pool). Every write is to the seats it
-names: a seat's rows never depend on the others'.
+`DecodeState`), `step_fn` its decode step, `prefix` its prefix reuse (`PrefixReuse`, or None
+without prefix_cache). Resident: fixed seats of `capacity` rows; prefix reuse copies rows from a
+store of whole prefill chunks (`ResidentPrefix`). Paged: the seats share one pool of
+`num_pages` pages (`pool`, with the page tables in the state), `costs` the planner's bytes per
+seat and page (admission by device bytes), prefix reuse maps cached pages (`PagedPrefix`).
+Every write is to the seats it names: a seat's rows never depend on the others'.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ import numpy as np
 
 from fo_jax import resident
 from fo_jax.config import ModelConfig
-from fo_jax.engine.admission import MemoryCosts
+from fo_jax.engine.costs import MemoryCosts
 from fo_jax.decode_loop import OffloadedStep, ResidentStep
 from fo_jax.engine.mtp_prefix import mtp_block_bytes
 from fo_jax.engine.pages import NO_PAGE, PagePool, PoolExhausted, PrefixCache, RequestPages
+from fo_jax.engine.prefix import PagedPrefix, ResidentPrefix
 from fo_jax.engine.resident_prefix import ResidentPrefixStore
 from fo_jax.engine.settings import EngineSettings
 from fo_jax.offload import prefill as offload_prefill
@@ -51,15 +53,18 @@ class SeatRows(NamedTuple):
 class KVStore:
     """What both ways of holding the KV share (see the module doc). Attributes: `state`,
     `step_fn`, `seats`, `capacity`, `max_pages` (P, the page-table row width; 1 resident),
-    `pool`, `prefix`, `costs` (paged; None resident), `prefix_store` (resident; None paged)."""
+    `prefix` (prefix reuse, or None), `pool` and `costs` (paged; None resident)."""
 
     paged = False
-    pool = prefix = costs = prefix_store = None
+    pool = prefix = costs = None
     max_pages = 1
 
     def __init__(self, config: ModelConfig, settings: EngineSettings):
         self.config, self.offload = config, settings.cache.offload
         self.seats, self.capacity = int(settings.cache.seats), int(settings.cache.capacity)
+        self.chunk = int(settings.scheduler.prefill_chunk)
+        self.query_block = settings.programs.query_block
+        self.num_buffers = settings.programs.num_buffers
 
     def set_seats(self, seats: dict) -> None:
         """Set seat b's length (and page-table row, paged) to seats[b] = (length, row)."""
@@ -82,12 +87,12 @@ class KVStore:
         """The seats of `mask` [B] start decoding from the rows they hold (paged: their hot rows,
         maps and policy state are built, `join_seats`; resident: nothing to build)."""
 
-    def match_prefix(self, prompt: np.ndarray, *, chunk: int, usable) -> tuple[list, int]:
-        """Prefix reuse: (what holds the longest cached prefix of whole prefill chunks of
-        `prompt`, its tokens), cut to `usable(tokens)` tokens (whole chunks: e.g. those whose
-        MTP rows are cached too). The caller holds a reference to what is returned (resident:
-        the prefix store's slots, for `write_prefix`; paged: the pool's pages, mapped by the
-        request's pages); the rest is released. O(prompt) hashing."""
+    def prefill(self, params, b: int, tokens: np.ndarray, num_new: np.ndarray, *,
+                prefilled: int, hidden: bool = False):
+        """One prefill chunk of seat b: tokens [1, prefill_chunk] (the first num_new [1] real),
+        after its `prefilled` tokens; one [1, chunk] program over its own seat (`prefill_seat`:
+        the other seats are not touched). Returns (logits [1, chunk, V], the hidden states
+        [1, chunk, E] with `hidden`, else None)."""
         raise NotImplementedError
 
 
@@ -99,26 +104,22 @@ class ResidentKV(KVStore):
         super().__init__(config, settings)
         cache, programs = settings.cache, settings.programs
         if cache.prefix_cache:
-            self.prefix_store = ResidentPrefixStore.for_engine(
-                config, prefill_chunk=settings.scheduler.prefill_chunk, capacity=self.capacity,
+            mtp = settings.speculative.drafter == "mtp"
+            self.prefix = ResidentPrefix(ResidentPrefixStore.for_engine(
+                config, prefill_chunk=self.chunk, capacity=self.capacity,
                 size=cache.prefix_cache_bytes, memory=cache.prefix_cache_memory,
-                mtp=settings.speculative.drafter == "mtp")
+                mtp=mtp), chunk=self.chunk, mtp=mtp)
         self.state = committed(resident.ResidentState.create(config, batch=self.seats,
                                                              capacity=self.capacity))
         self.step_fn = ResidentStep(config, programs.implementation or "xla",
                                     programs.interpret)
 
-    def match_prefix(self, prompt: np.ndarray, *, chunk: int, usable) -> tuple[list, int]:
-        store = self.prefix_store
-        slots, cached = store.lookup(prompt, chunk=chunk)
-        keep = usable(cached) // store.block_tokens
-        store.pool.decref(slots[keep:][::-1])
-        return slots[:keep], keep * store.block_tokens
-
-    def write_prefix(self, b: int, slots) -> None:
-        """Copy the cached blocks `slots` (`match_prefix`) into seat b's first rows
-        (`ResidentPrefixStore.write`: one program, O(L prefix) rows)."""
-        self.state = self.prefix_store.write(self.state, b, slots)
+    def prefill(self, params, b: int, tokens: np.ndarray, num_new: np.ndarray, *,
+                prefilled: int, hidden: bool = False):
+        logits, self.state, *h = resident.prefill_seat(
+            params, self.state, b, tokens, num_new, config=self.config, check=False,
+            query_block=self.query_block, return_hidden=hidden)
+        return logits, h[0] if hidden else None
 
     def read_seat(self, b: int, **_) -> SeatRows:
         """Seat b's rows, S = the capacity: O(L S (D+R) + G S N) device copy."""
@@ -164,20 +165,30 @@ class PagedKV(KVStore):
                                  f"layers{mtp_layer}): raise it")
         num_pages = self.seats * self.max_pages if num_pages is None else num_pages
         self.pool = PagePool(int(num_pages), z)
-        self.prefix = PrefixCache(self.pool) if prefix_cache else None
+        if prefix_cache:
+            self.prefix = PagedPrefix(PrefixCache(self.pool), chunk=self.chunk,
+                                      mtp_memory=offload.host_memory_kind if mtp_rows else None)
         self.state = DecodeState.create(
             config, offload, batch=self.seats, num_frames=self.pool.num_pages,
             table=np.full((self.seats, self.max_pages), NO_PAGE, np.int32))
         self.step_fn = OffloadedStep(config, offload, programs.implementation or "xla",
                                      programs.interpret)
 
-    def match_prefix(self, prompt: np.ndarray, *, chunk: int, usable) -> tuple[list, int]:
-        # The last prompt token is always prefilled: its logits sample the first token.
-        matched, cached = self.prefix.match(prompt[:-1])
-        cached = usable(cached // chunk * chunk)
-        keep = cached // self.pool.page_size
-        self.pool.decref(matched[keep:].tolist())
-        return matched[:keep].tolist(), cached
+    def prefill(self, params, b: int, tokens: np.ndarray, num_new: np.ndarray, *,
+                prefilled: int, hidden: bool = False):
+        # Its own history, power-of-two bucketed (one program per bucket).
+        oc, st = self.offload, self.state
+        pages = min(_next_power_of_two(-(-prefilled // oc.page_size)),
+                    oc.capacity // oc.page_size)
+        view = offload_prefill.PrefillState(host=st.host, table=st.table,
+                                            index_keys=st.index_keys, lengths=st.lengths)
+        logits, view, *h = offload_prefill.prefill_seat(
+            params, view, b, tokens, num_new, config=self.config, num_buffers=self.num_buffers,
+            history_pages=pages, check=False, host_access=oc.host_access,
+            query_block=self.query_block, return_hidden=hidden)
+        self.state = dataclasses.replace(st, host=view.host, table=view.table,
+                                         index_keys=view.index_keys, lengths=view.lengths)
+        return logits, h[0] if hidden else None
 
     def set_rows(self, rows: dict) -> None:
         """Set seat b's page-table row to rows[b] (pages appended; lengths unchanged)."""
@@ -238,6 +249,10 @@ def make_kv_store(config: ModelConfig, settings: EngineSettings) -> KVStore:
     if settings.cache.paged:
         return PagedKV(config, settings)
     return ResidentKV(config, settings)
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << (int(n) - 1).bit_length() if n > 0 else 0
 
 
 @jax.jit

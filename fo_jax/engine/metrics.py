@@ -104,7 +104,7 @@ def page_bytes(engine) -> dict:
     offload, config = getattr(engine, "offload", None), getattr(engine, "config", None)
     if offload is None or config is None or getattr(engine, "pool", None) is None:
         return {}
-    from fo_jax.engine.admission import MemoryCosts
+    from fo_jax.engine.costs import MemoryCosts
 
     costs = MemoryCosts.from_config(config, page_size=offload.page_size,
                                     hot_slots=offload.hot_slots,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import time
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -100,6 +101,9 @@ class RequestOutput:
 
 @dataclasses.dataclass
 class RequestState:
+    """The engine's host record of one request: its prompt and settings, where it sits, what it
+    holds and what it has produced (fields commented below)."""
+
     request_id: str
     prompt: np.ndarray
     max_tokens: int
@@ -125,10 +129,52 @@ class RequestState:
     groups: list[int] = dataclasses.field(default_factory=list)  # with drafts: tokens yielded
     # by each decode step (a replay feeds the same groups: the same W-way programs)
     queued_at: int = 0  # the engine step it arrived at (aging of order="shortest")
-    mtp_saved: Any = None  # MTP drafts: its seat's MTP rows when preempted (`_save_mtp`)
+    mtp_saved: Any = None  # MTP drafts: its seat's MTP rows when preempted (`save_mtp`)
     mtp_blocks: Any = None  # MTP drafts + prefix cache: its mapped prefix's MTP rows (admitted)
+    prefix_held: Any = None  # admitted: its cached prefix's blocks, until copied (resident)
     top_logprobs: int | None = None  # logprobs=k: k top tokens per token; None: no logprobs
     logprobs: list | None = None  # with top_logprobs: one TokenLogprobs per token of `tokens`
+
+    def stored_tokens(self) -> int:
+        """Tokens its seat (or pages) hold: the cached prefix (admitted), the prompt tokens
+        prefilled, or, decoding, prompt + sampled tokens but the last (not fed yet)."""
+        if self.prefilled == len(self.prompt) and self.tokens:
+            return len(self.prompt) + len(self.tokens) - 1
+        return self.prefilled
+
+    def record(self, new: list[int], *, tokenizer, capacity: int, length: int,
+               done: bool = False, logprobs: list[TokenLogprobs] | None = None) -> list[int]:
+        """Append sampled tokens one by one until one finishes the request; decide whether it
+        finished, and why (`finish_reason`: a stop token or text stop string, "stop";
+        max_tokens, the seat's `capacity` reached by its `length`, or the device's `done`,
+        "length"). Tokens the device sampled after a text stop string (within the same decode
+        call) are dropped, so the output does not depend on decode_steps_per_call. With stop
+        strings the output is decoded by `tokenizer` after every token (O(output) per token).
+        `logprobs` (one per token of `new`) go with their tokens. Returns the tokens kept."""
+        kept = []
+        if new:
+            self.last_token_at = time.perf_counter()
+        for j, t in enumerate(new):
+            self.tokens.append(t)
+            kept.append(t)
+            if logprobs is not None:
+                self.logprobs.append(logprobs[j])
+            if self.stop:
+                self.text = tokenizer.decode(self.tokens)
+                cut = [at for at in (self.text.find(s) for s in self.stop) if at >= 0]
+                if cut:
+                    self.text = self.text[:min(cut)]
+                    self.finish_reason = "stop"
+                    return kept
+            if t in self.stop_token_ids:
+                self.finish_reason = "stop"
+                break
+        if self.text is not None and not self.stop:
+            self.text = tokenizer.decode(self.tokens)
+        if self.finish_reason is None and (len(self.tokens) >= self.max_tokens
+                                           or length >= capacity or done):
+            self.finish_reason = "length"
+        return kept
 
     def output(self, new: list[int]) -> RequestOutput:
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival

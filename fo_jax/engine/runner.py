@@ -4,6 +4,7 @@
     first, logprobs, keys = runner.first_tokens(logits, num_new, new, resumed, logprobs=None)
     runner.set_rows({b: (token, count, done)}, keys)   # the joined seats decode from here
     out = runner.decode(logprobs=None)                  # decode_steps_per_call steps, one call
+    moved = runner.export_seat(req, kv.read_seat(...))  # a request leaving for another engine
 
 It holds what the decode loop carries between calls: each seat's last token, PRNG key, count
 and done flag (`fo_jax.decode_loop.Seats`), the seats' sampling settings (`Sampling`, rebuilt
@@ -22,13 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from fo_jax.config import ModelConfig
-from fo_jax.engine.kv_store import KVStore, masked_rows
+from fo_jax.engine.kv_store import KVStore, SeatRows, masked_rows
 from fo_jax.decode_loop import MTPSeats, Seats, decode_loop, mtp_feed_seat_jit
 from fo_jax.engine.requests import RequestState
 from fo_jax.engine.settings import EngineSettings
@@ -42,6 +44,30 @@ def sampling_row(req: RequestState | None) -> tuple:
     if req is None:
         return (0.0, 1.0, (), 1)
     return (req.temperature, req.top_p, req.stop_token_ids, req.max_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class SeatExport:
+    """A decoding request leaving an engine (`Engine.export_seat`, `DecodeRunner.export_seat`).
+
+    Attributes:
+      request: its bookkeeping (prompt, tokens so far, sampling settings, times).
+      kv: [L, S, D+R] its KV rows (S: the resident capacity, or the pages' tokens read from an
+        offloaded engine; rows >= length unused).
+      index_keys: [G, S, N] its indexer keys.
+      length: tokens stored (prompt + tokens sampled - 1: the last one is not fed yet).
+      token: its last sampled token; key_data: its PRNG key's data; generated: tokens sampled.
+      mtp: with MTP drafts, its seat's MTP state (`DecodeRunner.save_mtp`), else None.
+    """
+
+    request: RequestState
+    kv: jax.Array
+    index_keys: jax.Array
+    length: int
+    token: int
+    key_data: np.ndarray
+    generated: int
+    mtp: Any = None
 
 
 class DecodeRunner:
@@ -262,6 +288,28 @@ class DecodeRunner:
             replayed += int(keep.sum())
         return replayed
 
+    # A request moving between engines (`Engine.export_seat`, `import_seat`) ----------------
+
+    def export_seat(self, req: RequestState, rows: SeatRows) -> SeatExport:
+        """The decoding request in seat `req.seat` leaving, with its KV `rows`
+        (`KVStore.read_seat`): its last token, PRNG key, tokens generated and, with MTP
+        drafts, its seat's MTP state (`save_mtp`). Reads one seat; changes nothing."""
+        b = req.seat
+        return SeatExport(request=req, kv=rows.kv, index_keys=rows.index_keys,
+                          length=rows.length, token=int(self.seats.tokens[b]),
+                          key_data=self.key_data(b), generated=int(self.seats.generated[b]),
+                          mtp=None if self.mtp_seats is None else self.save_mtp(b))
+
+    def import_seat(self, b: int, moved: SeatExport) -> None:
+        """Seat b (its request's seat, its KV written) decodes `moved`'s request on from where
+        it left: its last token, count and PRNG key, MTP state, sampling row and, with n-gram
+        drafts, its history. O(B) + one seat's MTP rows."""
+        self.restore({b: (moved.token, moved.generated, moved.key_data)})
+        if moved.mtp is not None:
+            self.restore_mtp(b, moved.mtp)
+        self.set_sampling(b, moved.request)
+        self.set_history([moved.request])
+
     # MTP drafts: each seat's MTP state -------------------------------------------------------
 
     def feed_mtp(self, feed, hidden) -> None:
@@ -288,7 +336,8 @@ class DecodeRunner:
         after it sampled, takes back the MTP state it had (`save_mtp`: its pairs are those
         of the tokens its seat stores again, and the MTP layer's cache is never dropped,
         just saved: nothing to recompute); one that mapped a cached prefix takes its MTP rows
-        from `mtp_prefix` (`MTPPrefixStore`); any other starts empty (its prefill feeds it)."""
+        from `mtp_prefix` (the prefix reuse's `MTPPrefixStore`); any other starts empty (its
+        prefill feeds it)."""
         if self.mtp_seats is None:
             return
         fresh = []
@@ -385,4 +434,4 @@ def _reset_mtp(mtp: MTPSeats, mask) -> MTPSeats:
     return dataclasses.replace(mtp, state=state)
 
 
-__all__ = ["DecodeRunner", "sampling_row"]
+__all__ = ["DecodeRunner", "SeatExport", "sampling_row"]

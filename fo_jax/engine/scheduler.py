@@ -2,13 +2,13 @@
 and what to preempt or drop when a running request's pages run short.
 
     scheduler = Scheduler(settings, kv)       # settings: EngineSettings; kv: its KV store
-    for req in scheduler.queue(step):          # admission order
-        pages = scheduler.reserve_pages(req)   # None: it does not fit yet (it blocks the rest)
+    new, kept = scheduler.admit(step)          # seated in queue order while they fit
     room = scheduler.make_room(req)            # before a decode call (reserve="prompt")
 
-The scheduler decides; the engine acts (seats a request, preempts the victim, drops kept
-pages), so every rule here is a function of the host records (`RequestState`), the pool's
-counts and the planner's bytes (`MemoryCosts`), testable without a model. The rules and why the
+The scheduler decides and keeps the host records; the engine acts on the device (prefills the
+seated requests, rejoins those that kept their pages, preempts the victim), so every rule here
+is a function of the host records (`RequestState`), the pool's counts, the prefix cache's
+hashes and the planner's bytes (`MemoryCosts`), testable without a model. The rules and why the
 engine always progresses: docs/design/engine.md ("Reservation and preemption", "Progress").
 Resident (no page pool), nothing is reserved or preempted: every request that takes a seat
 fits it.
@@ -19,11 +19,14 @@ from __future__ import annotations
 import itertools
 from typing import NamedTuple
 
-from fo_jax.engine.admission import RequestRefused
 from fo_jax.engine.kv_store import KVStore
 from fo_jax.engine.pages import PoolExhausted, RequestPages
 from fo_jax.engine.requests import RequestState
 from fo_jax.engine.settings import EngineSettings
+
+
+class RequestRefused(ValueError):
+    """A request that can never run with these budgets (the message gives the figures)."""
 
 
 class Room(NamedTuple):
@@ -199,6 +202,74 @@ class Scheduler:
             return None
         return max(others, key=lambda r: r.admitted)
 
+    def admit(self, now: int) -> tuple[list[RequestState], list[RequestState]]:
+        """Seat waiting requests in queue order (`queue`, at engine step `now`) while a seat is
+        free and the head of the queue fits (`take`); the first that does not blocks the ones
+        behind it (no overtaking). Returns (new: seated without kept pages, their cached
+        prefix matched, `cached_tokens`; kept: preempted ones that took back their kept pages,
+        in queue order). O(seats + prompt + pages) per seated request, O(Q log Q) for the
+        queue."""
+        free = self.free_seats()
+        new, kept = [], []
+        for req in self.queue(now) if free else []:
+            if not free:
+                break
+            had_pages = req.pages is not None  # preempted with its pages kept
+            if not self.take(req):
+                break
+            self.waiting.remove(req)
+            b = free.pop(0)
+            req.seat, req.preempted = b, False
+            req.admitted = next(self.admissions)
+            self.occupants[b] = req
+            (kept if had_pages else new).append(req)
+        return new, kept
+
+    def take(self, req: RequestState) -> bool:
+        """Whether `req` can take a seat now: its kept pages grown (`fits_kept`), or its
+        cached prefix matched (prefix reuse: `PrefixReuse.match`, `cached_tokens`, and the
+        blocks to copy resident, `prefix_held`) and its pages reserved (`reserve_pages`).
+        When it cannot and no seat is occupied, the pages other waiting requests kept are
+        dropped, youngest first, until it fits (`kept_to_drop`): it fits alone (`add_request`
+        refused any request that does not), and with no request running nothing else would
+        ever free them. O(queue + pages) per drop."""
+        while True:
+            if req.pages is not None:
+                if self.fits_kept(req):
+                    return True
+            elif self._reserve(req):
+                return True
+            other = self.kept_to_drop(req)
+            if other is None:
+                return False
+            self.drop_kept(other)
+
+    def _reserve(self, req: RequestState) -> bool:
+        """Match the request's cached prefix and reserve its pages (paged); False, with
+        nothing held, when they do not fit."""
+        prefix, held, cached = self.kv.prefix, [], 0
+        req.mtp_blocks = None
+        if prefix is not None:  # a request taking back its saved MTP state needs no MTP rows
+            held, cached, req.mtp_blocks = prefix.match(req.prompt,
+                                                        mtp=req.mtp_saved is None)
+        if self.kv.pool is not None:
+            pages = self.reserve_pages(req, held, cached)
+            if pages is None:
+                return False
+            req.pages, held = pages, []  # the pages hold the prefix's references now
+        req.cached_tokens, req.prefix_held = cached, held
+        return True
+
+    def drop_kept(self, req: RequestState) -> None:
+        """Drop a preempted request's pages: it will prefill its prompt again and replay its
+        tokens. Its full prompt pages the prefix cache registered stay cached (mapped again
+        on resume unless evicted meanwhile); the others go back to the pool. O(pages)."""
+        req.pages.release()
+        req.pages = None
+        req.prefilled = req.cached_tokens = 0
+        if not req.tokens:  # it prefills again from the start: so does its MTP state
+            req.mtp_saved = None
+
     # Growth and preemption (reserve="prompt") --------------------------------------------------
 
     def decoding_by_age(self) -> list[RequestState]:
@@ -245,4 +316,4 @@ class Scheduler:
         return [b for b, r in enumerate(self.occupants) if r is None]
 
 
-__all__ = ["Room", "Scheduler"]
+__all__ = ["RequestRefused", "Room", "Scheduler"]

@@ -24,10 +24,11 @@ from typing import Any
 
 from fo_jax import resident
 from fo_jax.config import ModelConfig
-from fo_jax.engine.admission import ORDERS, RESERVES
 from fo_jax.offload.config import OffloadConfig
 
 DEFAULT_PREFILL_CHUNK = 256
+ORDERS = ("fifo", "shortest")  # the queue's order (`SchedulerSettings.order`)
+RESERVES = ("full", "prompt")  # the pages reserved at admission (`SchedulerSettings.reserve`)
 DRAFTERS = ("ngram", "mtp")
 MAX_LOGPROBS = 20  # Engine(max_logprobs=...) default: most tokens a request's logprobs lists
 
@@ -51,7 +52,7 @@ class CacheSettings:
       num_pages: paged: pages of `offload.page_size` tokens in the shared host-KV and
         indexer-key pools (default seats x capacity / page_size: every seat full at once).
       host_pool_bytes: paged: size the pools in bytes of host KV instead (the planner's
-        bytes per page, `fo_jax.engine.admission.MemoryCosts`; as vLLM's host pool setting;
+        bytes per page, `fo_jax.engine.costs.MemoryCosts`; as vLLM's host pool setting;
         with drafter="mtp" and prefix_cache, + a page's MTP rows, `mtp_block_bytes`).
       prefix_cache: reuse the prefixes of earlier prompts, whole prefill chunks of them (a
         reused prefix ends where a chunk ends, so the rest of the prompt is computed exactly
@@ -366,6 +367,7 @@ class EngineSettings:
                                                                       max_logprobs=int(top)))
 
 
-__all__ = ["DEFAULT_PREFILL_CHUNK", "DRAFTERS", "MAX_LOGPROBS", "CacheSettings",
+__all__ = ["DEFAULT_PREFILL_CHUNK", "DRAFTERS", "MAX_LOGPROBS", "ORDERS", "RESERVES",
+           "CacheSettings",
            "EngineSettings", "MetricsSettings", "ProgramSettings", "RequestSettings",
            "SchedulerSettings", "SpeculativeSettings"]

@@ -32,7 +32,7 @@ the bound is then max_queue plus those.)
 
 Choices (`submit_choices`: n requests of one prompt, OpenAI's `n`): counted by the bound as
 one burst (all are queued or none), each told `Accepted` at once. When the engine has a prefix
-cache that can share the prompt (`prefix` or `prefix_store` set, and a whole prefill chunk
+cache that can share the prompt (`Engine.prefix` set, and a whole prefill chunk
 before the prompt's last token: `Engine.chunk`), the first is added at once and the others
 once it has sampled its first token: its prompt's whole chunks are in the cache by then, so
 each of the others maps them and prefills only the rest (the prompt is prefilled once). Else
@@ -347,8 +347,7 @@ class EngineDriver:
         """The engine's prefix cache can map a whole prefill chunk of the prompt (it maps
         whole chunks of all but the last token)."""
         engine = self.engine
-        cached = (getattr(engine, "prefix", None) is not None
-                  or getattr(engine, "prefix_store", None) is not None)
+        cached = getattr(engine, "prefix", None) is not None
         chunk = getattr(engine, "chunk", None)
         return cached and chunk is not None and len(prompt) - 1 >= chunk
 

@@ -84,7 +84,7 @@ def _check_placement(engine, path):
     for r, (device, e) in enumerate(zip(engine.devices, engine.engines)):
         _on_device(e.params, device, f"rank {r} params")
         _on_device(e.state, device, f"rank {r} state")
-        _on_device(e._seats, device, f"rank {r} seats")
+        _on_device(e.runner.seats, device, f"rank {r} seats")
         if path != "resident":
             kv = e.state.host.kv
             assert kv.sharding.memory_kind == "pinned_host", kv.sharding

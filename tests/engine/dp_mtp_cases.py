@@ -111,8 +111,8 @@ def _check_placement(engine):
     for r, (device, e) in enumerate(zip(engine.devices, engine.engines)):
         _on_device(e.params, device, f"rank {r} params")
         _on_device(e.mtp, device, f"rank {r} MTP params")
-        _on_device(e._mtp, device, f"rank {r} MTP seats")
-        _on_device(e._seats, device, f"rank {r} seats")
+        _on_device(e.runner.mtp_seats, device, f"rank {r} MTP seats")
+        _on_device(e.runner.seats, device, f"rank {r} seats")
 
 
 def case_stream(path):

@@ -109,17 +109,18 @@ def test_engine_flags_reach_the_engine():
                               "--queue-order", "shortest", "--num-drafts", "2",
                               "--max-wait-steps", "-1"])
     engine = build_engine(args)[0]
-    assert (engine.device_bytes, engine.reserve, engine.order, engine.num_drafts,
-            engine.max_wait_steps) == (500_000_000, "prompt", "shortest", 2, None)
+    sched = engine.scheduler
+    assert (sched.device_bytes, sched.reserve, sched.order, engine.num_drafts,
+            sched.max_wait_steps) == (500_000_000, "prompt", "shortest", 2, None)
     assert engine.offload.host_memory_kind == "pinned_host"
     args = parser.parse_args(["--model", "tiny", "--offload", "--capacity", "64",
                               "--pool-memory", "device", "--device-gb", "0.5"])
     engine = build_engine(args)[0]  # the paged KV on the device: its pages are device bytes
-    assert engine.offload.host_memory_kind == "device" and engine.costs.pool_on_device
+    assert engine.offload.host_memory_kind == "device" and engine.kv.costs.pool_on_device
     args = parser.parse_args(["--model", "tiny", "--capacity", "64", "--prefill-chunk", "16",
                               "--prefix-cache", "--prefix-cache-gb", "0.0001"])
     engine = build_engine(args)[0]  # resident: a prefix store of 100 kB
-    assert engine.prefix_store.num_blocks == 100_000 // engine.prefix_store.block_bytes
+    assert engine.prefix.store.num_blocks == 100_000 // engine.prefix.store.block_bytes
 
 
 def test_mtp_drafter_flag_loads_the_checkpoints_mtp_layer(capsys, tmp_path):
@@ -157,7 +158,7 @@ def test_mtp_drafter_flag_loads_the_checkpoints_mtp_layer(capsys, tmp_path):
         engine = build_engine(parser.parse_args([
             "--model-dir", parity, "--capacity", "64", "--prefill-chunk", "16", "--num-drafts",
             "1", "--drafter", "mtp", "--prefix-cache", *flags]))[0]
-        assert engine.drafter == "mtp" and engine.mtp_prefix is not None
+        assert engine.drafter == "mtp" and engine.prefix.mtp is not None
 
 
 class _Engine:

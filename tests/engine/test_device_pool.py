@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from fo_jax.config import get_config
-from fo_jax.engine.admission import MemoryCosts, RequestRefused
+from fo_jax.engine.costs import MemoryCosts
 from fo_jax.engine.engine import Engine
 from fo_jax.engine.metrics import page_bytes
+from fo_jax.engine.scheduler import RequestRefused
 from fo_jax.model.dsa import init_params
 from fo_jax.offload.config import OffloadConfig
 

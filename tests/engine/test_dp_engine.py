@@ -257,4 +257,4 @@ def test_cli_mtp_drafter_with_devices_and_prefix_cache(tmp_path):
         "--prefix-cache"]))[0]
     assert isinstance(engine, DataParallelEngine) and len(engine.engines) == 1
     rank = engine.engines[0]
-    assert rank.drafter == "mtp" and rank.mtp_prefix is not None
+    assert rank.drafter == "mtp" and rank.prefix.mtp is not None

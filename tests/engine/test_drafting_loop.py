@@ -327,11 +327,11 @@ def test_a_request_that_kept_its_pages_resumes_with_its_draft_history():
     seat = req.seat
     engine._preempt(req, keep_pages=True)
     # What another occupant of the seat would leave in its history meanwhile.
-    engine._history = engine._history.at[seat].set(0)
+    engine.runner.history = engine.runner.history.at[seat].set(0)
     while engine.counters["resumed_without_recompute"] == 0:
         engine.step()
     row = np.concatenate([req.prompt, np.asarray(req.tokens, np.int32)])
-    np.testing.assert_array_equal(np.asarray(engine._history)[req.seat, :len(row)], row)
+    np.testing.assert_array_equal(np.asarray(engine.runner.history)[req.seat, :len(row)], row)
     outputs = engine.run()
     assert engine.counters["resumed_without_recompute"] == 1
     assert engine.counters["replayed_tokens"] == 0 and engine.counters["draft_accepted"] > 0

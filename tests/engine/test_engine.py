@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from fo_jax import resident
 from fo_jax.config import get_config
-from fo_jax.engine.admission import RequestRefused
+from fo_jax.engine.scheduler import RequestRefused
 from fo_jax.engine.engine import Engine, TokenLogprobs
 from fo_jax.decode_loop import ResidentStep
 from fo_jax.model.dsa import init_params
@@ -198,7 +198,7 @@ def test_fp8_cache_schedule_with_preemption_and_a_shared_prefix():
     config = CONFIG.replace(kv_format="fp8_ds_mla")
     engine = _engine("ring", config=config, prefix_cache=True, reserve="prompt")
     assert engine.state.host.kv.dtype == np.uint8
-    assert engine.costs.page_host_bytes == 4 * config.num_layers * 52  # Z L Y, Y = 52 bytes
+    assert engine.kv.costs.page_host_bytes == 4 * config.num_layers * 52  # Z L Y, Y = 52 bytes
     requests = [(SYSTEM + _prompt(1, 9), 8, 0.0, 0), (SYSTEM + _prompt(2, 3), 8, 0.9, 1),
                 (_prompt(3, 5), 8, 0.0, 0)]
     ids = [engine.add_request(p, max_tokens=m, temperature=t, seed=s)
@@ -670,17 +670,17 @@ def test_a_request_that_kept_its_pages_resumes_only_when_the_call_leaves_it_its_
     engine, old, young = _two_growing(16)
     while engine.counters["preemptions"] == 0:
         engine.step()
-    costs, waiting = engine.costs, engine._requests[young]
+    costs, waiting = engine.kv.costs, engine._requests[young]
     running = engine._requests[old]
     while running.pages.pages_needed(engine.scheduler.tokens_needed(running)) == 0:
         engine.step()
     need = waiting.pages.pages_needed(engine.scheduler.tokens_needed(waiting))
-    engine.device_bytes = (engine.device_bytes_used() + costs.seat_device_bytes
-                           + need * costs.page_device_bytes)  # one page short of both
+    engine.scheduler.device_bytes = (engine.device_bytes_used() + costs.seat_device_bytes
+                                     + need * costs.page_device_bytes)  # one page short of both
     outputs = {o.request_id: o for o in engine.step()}
     assert engine.waiting_ids() == [young] and young not in outputs
     assert engine.counters["preemptions"] == 1 and engine.counters["resumed_without_recompute"] == 0
-    engine.device_bytes = 10**6
+    engine.scheduler.device_bytes = 10**6
     outputs = engine.run()
     assert engine.counters["resumed_without_recompute"] == 1
     assert tuple(outputs[young].token_ids) == _solo(tuple(_prompt(2, 1)), 12, 0.9, 3)[0]

@@ -194,7 +194,7 @@ def test_engine_with_mtp_drafts_gives_each_request_its_tokens_alone(path):
 
 def _mtp_rows(engine, req):
     """The request's seat MTP state: (KV rows, indexer keys, length, draft, h')."""
-    return engine._save_mtp(req.seat)
+    return engine.runner.save_mtp(req.seat)
 
 
 def _assert_same_mtp(a, b):
@@ -232,8 +232,8 @@ def test_preempted_mtp_requests_resume_with_their_mtp_state():
     req = engine._requests[ids[0]]
     seat = req.seat
     engine._preempt(req, keep_pages=True)
-    mtp = engine._mtp  # what another occupant would leave in the seat
-    engine._mtp = dataclasses.replace(
+    mtp = engine.runner.mtp_seats  # what another occupant would leave in the seat
+    engine.runner.mtp_seats = dataclasses.replace(
         mtp, state=dataclasses.replace(mtp.state, kv=mtp.state.kv.at[:, seat].set(0)),
         draft=mtp.draft.at[seat].set(7), hidden=mtp.hidden.at[seat].set(1.0))
     outputs = engine.run()
@@ -365,13 +365,13 @@ def _watch(engine):
         prefill(moved)
         for req in before:
             if req.prefilled == len(req.prompt):
-                seen[req.request_id] = engine._save_mtp(req.seat)
+                seen[req.request_id] = engine.runner.save_mtp(req.seat)
 
     def watched_start(started):
         start(started)
         for req in started:
             if req.cached_tokens:
-                seen["admitted", req.request_id] = engine._save_mtp(req.seat)
+                seen["admitted", req.request_id] = engine.runner.save_mtp(req.seat)
 
     engine._prefill, engine._start_mtp = watched_prefill, watched_start
     return seen
@@ -384,12 +384,12 @@ def _check(engine):
         assert engine.pool.num_held == len({p for r in engine._occupant if r is not None
                                             for p in r.pages.pages.tolist()})
     else:
-        engine.prefix_store.check()
-    engine.mtp_prefix.check()
+        engine.prefix.store.check()
+    engine.prefix.mtp.check()
     memory = "pinned_host"
-    if engine.prefix_store is not None:
-        memory = engine.prefix_store.memory
-    for _, kv, keys in engine.mtp_prefix._blocks.values():
+    if engine.prefix.store is not None:
+        memory = engine.prefix.store.memory
+    for _, kv, keys in engine.prefix.mtp._blocks.values():
         assert kv.sharding.memory_kind == keys.sharding.memory_kind == memory
 
 
@@ -428,7 +428,7 @@ def test_shared_prefix_requests_with_mtp_drafts_equal_their_solo_runs(path):
     assert c["prefix_hit_tokens"] == 2 * 16
     assert c["prefill_tokens"] == sum(len(p) for p, _ in specs) - 2 * 16
     assert c["draft_accepted"] > 0
-    assert engine.mtp_prefix.num_blocks == 2
+    assert engine.prefix.mtp.num_blocks == 2
     if path != "resident":
         assert engine.pool_occupancy()["held"] == 0
 
@@ -456,7 +456,7 @@ def test_a_prefix_followed_by_another_token_maps_one_chunk_fewer(path):
     # y[::-1] starts with y[-1]: another token than y[0] unless they agree.
     assert hits == [0, 16, 8, 16 if y[-1] == y[0] else 8, 8]
     # The main cache did match both chunks every time.
-    cache = engine.prefix if engine.pool is not None else engine.prefix_store.cache
+    cache = engine.prefix.cache
     assert cache.num_hit_tokens == 4 * 16
 
 
@@ -467,10 +467,10 @@ def test_mtp_rows_count_in_the_prefix_budget():
     per_block = block_bytes(CONFIG, CHUNK) + mtp_block_bytes(CONFIG, CHUNK)
     assert mtp_block_bytes(CONFIG, CHUNK) == CHUNK * (CONFIG.kv_width + CONFIG.index_head_dim) * 4
     engine = _prefix_engine("resident", prefix_cache_bytes=3 * per_block - 1)
-    assert engine.prefix_store.num_blocks == 2
-    assert engine.prefix_store.block_bytes == per_block
+    assert engine.prefix.store.num_blocks == 2
+    assert engine.prefix.store.block_bytes == per_block
     probe = _engine("ring", num_pages=1)
-    page = probe.costs.page_host_bytes + mtp_block_bytes(CONFIG, 4)
+    page = probe.kv.costs.page_host_bytes + mtp_block_bytes(CONFIG, 4)
     engine = _prefix_engine("ring", num_pages=None, host_pool_bytes=10 * page)
     assert engine.pool.num_pages == 10
 
@@ -488,10 +488,10 @@ def test_mtp_blocks_are_evicted_with_their_chunks():
         out = engine.run()[rid]
         _check(engine)
         assert tuple(out.token_ids) == _solo("resident", tuple(prompt), 3)[0]
-        assert engine.mtp_prefix.num_blocks == 2
+        assert engine.prefix.mtp.num_blocks == 2
         hits.append(engine.counters["prefix_hit_tokens"] - hit)
     assert hits == [0, 0, 0]
-    assert engine.prefix_store.cache.num_evicted == 4
+    assert engine.prefix.store.cache.num_evicted == 4
 
 
 def test_a_preempted_request_maps_the_prefix_again():

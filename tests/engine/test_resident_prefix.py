@@ -54,7 +54,7 @@ SYSTEM = _prompt(99, 16)  # two prefill chunks: two blocks
 
 
 def _check(engine):
-    store = engine.prefix_store
+    store = engine.prefix.store
     store.check()  # pool and cache agree, nothing held between steps, arrays of every block
     occ = store.occupancy()
     assert occ["cached"] + occ["free"] == occ["total"]
@@ -88,7 +88,7 @@ def test_staggered_shared_prefix_requests_equal_their_solo_runs():
     # Requests 1 and 2 reuse the system prompt's two blocks; 3 has it at another offset.
     assert engine.counters["prefix_hit_tokens"] == 2 * 16
     assert engine.counters["prefill_tokens"] == sum(len(s[0]) for s in specs) - 2 * 16
-    assert engine.prefix_store.cache.num_hit_tokens == 2 * 16
+    assert engine.prefix.store.cache.num_hit_tokens == 2 * 16
     engine.metrics.flush()  # the metrics report the reuse as the offloaded path's do
     assert engine.metrics.last["totals"]["prefix_hit_tokens"] == 2 * 16
     assert "fojax_prefix_cache_hit_tokens_total 32.0" in engine.metrics.prometheus_text()
@@ -119,8 +119,8 @@ def test_reused_rows_are_bitwise_those_prefilled_from_scratch(memory):
     np.testing.assert_array_equal(kv0, kv1)
     np.testing.assert_array_equal(keys0, keys1)
     if memory == "pinned_host":
-        slot = next(iter(engine.prefix_store.cache._hash_of))
-        assert engine.prefix_store._kv[slot].sharding.memory_kind == "pinned_host"
+        slot = next(iter(engine.prefix.store.cache._hash_of))
+        assert engine.prefix.store._kv[slot].sharding.memory_kind == "pinned_host"
 
 
 def test_least_recently_released_blocks_are_evicted_under_the_budget():
@@ -129,7 +129,7 @@ def test_least_recently_released_blocks_are_evicted_under_the_budget():
     last page first), so the first prompt's prefix is then found for one block, the second's
     for its block; tokens equal the solo runs throughout."""
     engine = _engine(prefix_cache_bytes=2 * BLOCK + BLOCK // 2)
-    assert engine.prefix_store.num_blocks == 2
+    assert engine.prefix.store.num_blocks == 2
     a, b = SYSTEM + _prompt(5, 9), _prompt(6, 8) + _prompt(7, 3)
     served = []
 
@@ -142,13 +142,13 @@ def test_least_recently_released_blocks_are_evicted_under_the_budget():
         served.append(engine.counters["prefix_hit_tokens"] - hit)
 
     serve(a)  # blocks a0, a1 stored (a2: no room)
-    assert engine.prefix_store.occupancy()["cached"] == 2
+    assert engine.prefix.store.occupancy()["cached"] == 2
     serve(b)  # b0 evicts a1, the deepest block of a
-    assert engine.prefix_store.occupancy()["evicted"] == 1
+    assert engine.prefix.store.occupancy()["evicted"] == 1
     serve(a[:17] + _prompt(8, 2))  # a0 found, a1 gone: 8 tokens; stores a1 again (evicts b0)
     serve(b[:9])  # b0 was evicted with the last insertion: nothing found
     assert served == [0, 0, 8, 0]
-    assert engine.prefix_store.occupancy()["total_bytes"] <= 2 * BLOCK + BLOCK // 2
+    assert engine.prefix.store.occupancy()["total_bytes"] <= 2 * BLOCK + BLOCK // 2
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -178,9 +178,9 @@ def test_bad_settings_are_refused(kwargs, message):
 
 def test_the_default_budget_holds_one_seat_of_blocks():
     engine = _engine()
-    assert engine.prefix_store.num_blocks == CAPACITY // CHUNK
-    assert engine.prefix_store.memory == "device"
-    assert _engine(prefix_cache=False).prefix_store is None
+    assert engine.prefix.store.num_blocks == CAPACITY // CHUNK
+    assert engine.prefix.store.memory == "device"
+    assert _engine(prefix_cache=False).prefix is None
 
 
 # Random schedules: requests sharing prefixes arrive, are cancelled, and evict each other's
@@ -263,7 +263,7 @@ def test_auto_engine_reuses_prefixes_on_both_tiers():
     assert engine.resident.counters["prefix_hit_tokens"] == 8
     assert engine.offloaded.counters["prefix_hit_tokens"] == 16
     assert engine.all_counters()["prefix_hit_tokens"] == 24
-    engine.resident.prefix_store.check()
+    engine.resident.prefix.store.check()
     assert engine.pool_occupancy()["held"] == 0
 
 
@@ -274,4 +274,4 @@ def test_auto_engine_prefix_settings():
     engine = AutoEngine(_params(), CONFIG, resident_seats=1, resident_capacity=SHORT,
                         offload=OFFLOAD, offload_seats=1, prefix_cache=True,
                         prefix_cache_bytes=BLOCK, prefill_chunk=CHUNK)
-    assert engine.resident.prefix_store.num_blocks == 1 and engine.offloaded.prefix is not None
+    assert engine.resident.prefix.store.num_blocks == 1 and engine.offloaded.prefix is not None

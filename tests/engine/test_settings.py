@@ -86,9 +86,11 @@ def test_flat_keywords_and_settings_build_the_same_engine():
     assert settings.cache.num_pages == 6 and settings.scheduler.order == "shortest"
     grouped = Engine(params, CONFIG, settings)
     assert flat.settings == grouped.settings
-    for name in ("seats", "capacity", "chunk", "order", "reserve", "max_wait_steps",
-                 "max_pages", "max_logprobs"):
+    for name in ("seats", "capacity", "chunk", "max_logprobs"):
         assert getattr(flat, name) == getattr(grouped, name)
+    for name in ("order", "reserve", "max_wait_steps"):  # the scheduler's
+        assert getattr(flat.scheduler, name) == getattr(grouped.scheduler, name)
+    assert flat.kv.max_pages == grouped.kv.max_pages  # the KV store's
     assert grouped.pool.num_pages == 6 and grouped.prefix is not None
     with pytest.raises(TypeError, match="takes no other settings"):
         Engine(params, CONFIG, settings, seats=3)

@@ -314,8 +314,8 @@ def test_a_request_submitted_as_shutdown_begins_is_cancelled_with_the_rest():
 
 class FakePrefixEngine(FakeEngine):
     """A FakeEngine with a prefix cache of prefill chunks of 2 tokens (what the driver reads:
-    `prefix_store` set, `chunk`)."""
-    prefix_store = object()
+    `prefix` set, `chunk`)."""
+    prefix = object()
     chunk = 2
 
 
