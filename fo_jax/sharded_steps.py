@@ -7,7 +7,7 @@
 
     sharded_decode_step (+ lower_sharded_decode_step), sharded_resident_decode_step,
     sharded_decode_loop, sharded_prefill, sharded_to_decode_state        steps
-    DataParallelOffloadEngine                  fo_jax.generate's OffloadEngine over them
+    DataParallelOffloadEngine                  fo_jax.batch_engines' OffloadEngine over them
 
 Each step wraps the single-device step's pure program in `shard_map` over `data`: every rank
 runs it on its B/D requests and F/D frames, in one compiled program for all ranks, with no
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from fo_jax import decode_loop, generate, resident
+from fo_jax import batch_engines, decode_loop, resident
 from fo_jax.config import ModelConfig
 from fo_jax.decode_loop import LoopOutput
 from fo_jax.offload import decode as offload_decode
@@ -492,16 +492,16 @@ def sharded_to_decode_state(state, *, mesh: Mesh, config: ModelConfig,
                         else _put(x, s), out, placed)
 
 
-class DataParallelOffloadEngine(generate.OffloadEngine):
-    """`fo_jax.generate.OffloadEngine` data-parallel over a mesh's `data` axis: the prefill,
-    the handoff and every decode step run on each rank's B/D requests and pool shard
+class DataParallelOffloadEngine(batch_engines.OffloadEngine):
+    """`fo_jax.batch_engines.OffloadEngine` data-parallel over a mesh's `data` axis: the
+    prefill, the handoff and every decode step run on each rank's B/D requests and pool shard
     (`sharded_prefill`, `sharded_to_decode_state`, `sharded_decode_step`, and
     `sharded_decode_loop` for decode_steps_per_call > 1). XLA implementation; no drafts, no
     debug checks."""
 
     def __init__(self, params, config: ModelConfig, *, mesh: Mesh, offload: OffloadConfig,
                  batch: int, num_buffers: int | None = None,
-                 prefill_chunk: int | None = generate.PREFILL_CHUNK):
+                 prefill_chunk: int | None = batch_engines.PREFILL_CHUNK):
         super().__init__(params, config, offload=offload, batch=batch, implementation="xla",
                          num_buffers=num_buffers, prefill_chunk=prefill_chunk)
         if batch % data_size(mesh):
@@ -526,7 +526,7 @@ class DataParallelOffloadEngine(generate.OffloadEngine):
                                             query_block=offload_prefill.QUERY_BLOCK)
             return logits
 
-        last = generate.chunked_prefill(run, tokens, lengths, self.prefill_chunk)
+        last = batch_engines.chunked_prefill(run, tokens, lengths, self.prefill_chunk)
         self.state = sharded_to_decode_state(state, mesh=self.mesh, config=self.config,
                                              offload=oc)
         self.totals = None
