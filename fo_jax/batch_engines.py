@@ -176,7 +176,7 @@ class _Lengths:
 
     def decode(self, seats: Seats, n_steps: int, sampling: Sampling) -> tuple[LoopOutput, Seats]:
         """Up to `n_steps` decode steps with on-device sampling in one program
-        (`fo_jax.engine.decode_loop`): (LoopOutput, new seats). No host sync: lengths and
+        (`fo_jax.decode_loop.decode_loop`): (LoopOutput, new seats). No host sync: lengths and
         step counts are read back when next asked for."""
         if self._lengths is None:
             raise ValueError(f"{type(self).__name__}.decode before prefill: prefill a batch "

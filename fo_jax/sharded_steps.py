@@ -370,7 +370,7 @@ def _loop_program(mesh: Mesh, step, n_steps: int, rules_key):
 
 def sharded_decode_loop(params, state, seats, n_steps: int, sampling, *, mesh: Mesh, step,
                         rules=None):
-    """`fo_jax.engine.decode_loop`, data-parallel over `data`: up to `n_steps` decode steps
+    """`fo_jax.decode_loop.decode_loop`, data-parallel over `data`: up to `n_steps` decode steps
     with on-device sampling in one program, each rank looping over its B/D requests and its
     pool shard (offloaded) or KV shard (resident) and leaving its loop when its own requests
     are done (no collective inside the loop). (LoopOutput, new state, new seats), split over
