@@ -45,6 +45,7 @@ import numpy as np
 from fo_jax import resident
 from fo_jax.config import ModelConfig
 from fo_jax.kernels import resolve_implementation
+# The MTP names beyond those the loop calls are re-exported: the engine imports them from here.
 from fo_jax.drafting import (MTPSeats, NGramDrafter, check_num_drafts, mtp_drafts, mtp_feed,
                              mtp_feed_jit, mtp_feed_seat, mtp_feed_seat_jit, mtp_observe,
                              ngram_drafts)
@@ -541,8 +542,3 @@ def _draft_loop_jit(params, state, seats: Seats, sampling: Sampling, history, mt
                       proposed=proposed, history=history, counts=counts, drafts=drafted,
                       mtp_seats=mtp_seats), state, seats
 
-
-__all__ = ["LoopOutput", "LoopStats", "MTPSeats", "OffloadedStep", "ResidentStep", "Seats",
-           "check_drafting", "check_history", "check_mtp_drafting", "decode_loop",
-           "draft_step_tokens", "finished", "loop_jit", "mtp_drafts", "mtp_feed", "mtp_feed_jit",
-           "mtp_feed_seat", "mtp_feed_seat_jit", "mtp_observe"]

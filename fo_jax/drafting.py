@@ -312,7 +312,8 @@ class MTPDrafter:
     Attributes:
       params: the main model's parameters (embed / head when the MTP layer shares them).
       mtp: the MTP parameters (`fo_jax.checkpoints.hf.load_checkpoint(..., mtp=True)`).
-      batch, capacity: those of the engine.
+      batch: the engine's batch.
+      capacity: the engine's capacity (tokens per request).
       prefill_chunk: pairs per `start` call (None: the whole prompt at once).
       seats: the `MTPSeats` (None before `start`); `state`: the MTP layer's state, with the
         chained pairs of the last `propose` until the next `observe`.
