@@ -3,7 +3,7 @@
     fo-jax generate [--offload --hot-slots C [--policy ring] [--check]
                      [--devices N [--expert-parallel N [--expert-layout all-to-all]]]]
                     [--prompt TEXT] [--kv-format bf16|fp8_ds_mla]
-                    [--model-dir DIR [--chat]] [--draft none|ngram|mtp] ...
+                    [--model-dir DIR [--chat]] [--drafter ngram|mtp [--num-drafts D]] ...
     fo-jax plan (--model glm52 | --model-dir DIR) --context 128000 [--budget-gb 29]
                 [--hot-slots 16384] [--kv-format bf16|fp8_ds_mla]
                 [--devices 8 --device-gb 141 [--weight-format fp8|bf16]
@@ -13,6 +13,10 @@
                  [--offload --pool-memory device --device-gb G --reserve prompt]
     fo-jax bench-serve [--offload --prefix-cache ...] [--requests 16 --rate 4 ...]
                        [--metrics-jsonl PATH --metrics-every 16]
+
+`generate`, `serve` and `bench-serve` share one vocabulary (`fo_jax.flags`): the model flags
+(`ModelArgs`: --model, --model-dir, --weights, --checkpoint-weights, --kv-format, --seed,
+--max-param-gb, --no-progress) and the drafting flags (--drafter, --num-drafts).
 
 `generate` runs the trained model that ships with the package by default (`trained-small`: a
 4.4 M-parameter DSA model trained on the Python standard library's sources, with its BPE
@@ -30,7 +34,8 @@ import argparse
 import sys
 
 from fo_jax import flags
-from fo_jax.resolve import (DEFAULT_MODEL, check_param_memory, checkpoint_bytes, format_bytes,
+from fo_jax.flags import ModelArgs, add_drafting_args, drafting
+from fo_jax.resolve import (check_param_memory, checkpoint_bytes, format_bytes,
                             model_dir_config, random_params, resolve_model, with_kv_format)
 
 DEFAULT_PROMPT = (
@@ -68,32 +73,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text with the embedded trained model "
                                           "(or a model directory, or a random preset)")
-    gen.add_argument("--model", default=None,
-                     help=f"{DEFAULT_MODEL} (default: the trained model shipped with the "
-                          "package) or a preset run with random weights (tiny, small) or "
-                          "--weights")
-    gen.add_argument("--model-dir", default=None,
-                     help="a model directory: config.json, model.safetensors (or a training "
-                          "run's sparse.safetensors), tokenizer.json; or a Hugging Face "
-                          "checkpoint of DeepseekV32ForCausalLM / GlmMoeDsaForCausalLM "
-                          "(config.json, safetensors shards, tokenizer.json, "
-                          "tokenizer_config.json, generation_config.json)")
+    ModelArgs.add_cli_args(gen, seed_help="sampling seed (and the random weights of a --model "
+                                          "preset)")
     gen.add_argument("--chat", action="store_true",
                      help="wrap --prompt as a user message in the checkpoint's chat template, "
                           "with the generation prompt")
-    gen.add_argument("--weights", default=None,
-                     help="safetensors weights for a --model preset (default: random)")
-    gen.add_argument("--checkpoint-weights", default=None, choices=("fp8", "dequantize"),
-                     help="a Hugging Face --model-dir's FP8 weights: fp8 keeps them FP8 (1 "
-                          "byte a weight plus its block scales, multiplied in FP8), dequantize "
-                          "converts them to the model's dtype on load (default: fp8 for a "
-                          "checkpoint with a quantization_config)")
-    gen.add_argument("--kv-format", default=None, choices=KV_FORMATS,
-                     help="how KV rows are stored, resident and offloaded alike: bf16, or "
-                          "fp8_ds_mla (DeepSeek's 656-byte FP8 rows at real size) (default: "
-                          "the model's own, bf16 for the presets and the embedded model)")
-    gen.add_argument("--seed", type=flags.seed, default=0,
-                     help="sampling seed (and the random weights of a --model preset)")
     gen.add_argument("--prompt", default=None,
                      help="the prompt text (default: with --offload, the first ~3,000 tokens "
                           f"of fo_jax/{DEMO_SOURCE}, a context longer than the hot cache; "
@@ -116,14 +100,7 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prefill-chunk", type=int, default=None,
                      help="prompt tokens per prefill call (default 2048: "
                           "fo_jax.generate.PREFILL_CHUNK)")
-    gen.add_argument("--draft", default="none", choices=("none", "ngram", "mtp"),
-                     help="speculative decoding: drafts from prompt lookup (ngram) or the "
-                          "model's MTP layer (mtp: a --model-dir HF checkpoint with MTP "
-                          "layers), verified by W-way decode steps; at --temperature 0 the "
-                          "tokens are those of --draft none, above it speculative sampling "
-                          "draws tokens of the same distribution")
-    gen.add_argument("--num-drafts", type=int, default=None,
-                     help="with --draft: drafts per step (default: the model's max_ways - 1)")
+    add_drafting_args(gen)
     gen.add_argument("--decode-steps-per-call", type=int, default=1,
                      help="decode steps per compiled call, with sampling on the device (default "
                           "1: one step per call; the tokens are the same for any value)")
@@ -131,9 +108,6 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="with --offload: run the resident model side by side, and check "
                           "finiteness and the offload invariants after every step; exit 1 on "
                           "any difference or violation")
-    gen.add_argument("--max-param-gb", type=float, default=None,
-                     help="refuse a model whose parameters exceed this many GB (default: half "
-                          "of the available memory)")
     gen.add_argument("--implementation", default=None, choices=("xla", "pallas"),
                      help="decode kernels (default: pallas on TPU, xla elsewhere)")
     gen.add_argument("--interpret", action="store_true",
@@ -153,7 +127,6 @@ def _build_parser() -> argparse.ArgumentParser:
                           "and holds 1/E of the experts, rows exchanged by all-to-all) or "
                           "replicated (a data rank's requests and attention replicated over E "
                           "devices, expert rows joined by an all-reduce)")
-    gen.add_argument("--no-progress", action="store_true")
 
     from fo_jax.server.serve import add_arguments as add_serve_arguments
 
@@ -275,7 +248,7 @@ def _kv_bytes(config, batch: int, capacity: int) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(shapes))
 
 
-def _check_devices(args) -> None:
+def _check_devices(args, drafter: str | None) -> None:
     """--devices N: the data-parallel offloaded engine's limits, before anything runs."""
     import jax
 
@@ -288,8 +261,10 @@ def _check_devices(args) -> None:
     if args.batch % args.devices:
         raise ValueError(f"--batch {args.batch} must be a multiple of --devices {args.devices} "
                          "(each device runs batch / devices requests)")
-    for flag, off in (("check", False), ("draft", "none"), ("implementation", None),
-                      ("interpret", False)):
+    if drafter is not None:
+        raise ValueError("--drafter does not run with --devices (the data-parallel engine runs "
+                         "XLA steps, without drafts or checks)")
+    for flag, off in (("check", False), ("implementation", None), ("interpret", False)):
         if getattr(args, flag) != off:
             raise ValueError(f"--{flag.replace('_', '-')} does not run with --devices (the "
                              "data-parallel engine runs XLA steps, without drafts or checks)")
@@ -317,7 +292,8 @@ def _cmd_generate(args) -> int:
     from fo_jax.tokenizer import ByteTokenizer
     from fo_jax.weights import load_params
 
-    config, load, tokenizer = resolve_model(args)
+    model_args = ModelArgs.from_cli_args(args)
+    config, load, tokenizer = resolve_model(model_args)
     if args.chat and not hasattr(tokenizer, "apply_chat_template"):
         kind = "bytes" if tokenizer is None else tokenizer.kind
         raise ValueError(f"--chat: the {kind} tokenizer has no chat template; --chat needs a "
@@ -331,24 +307,24 @@ def _cmd_generate(args) -> int:
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     check_sampling(args.temperature, args.top_p)
-    if args.draft == "none" and args.num_drafts is not None:
-        raise ValueError("--num-drafts applies with --draft ngram or mtp only")
-    _, num_drafts = gen.check_draft(args.draft, args.num_drafts, config)
-    if args.draft == "mtp":
+    drafter, num_drafts = drafting(args.drafter, args.num_drafts, config)
+    draft = "none" if drafter is None else drafter
+    _, num_drafts = gen.check_draft(draft, num_drafts or None, config)
+    if drafter == "mtp":
         from fo_jax.checkpoints import load_checkpoint
 
         if load is not None and getattr(load, "func", None) is not load_checkpoint:
-            raise ValueError("--draft mtp needs the MTP layers of a Hugging Face checkpoint "
+            raise ValueError("--drafter mtp needs the MTP layers of a Hugging Face checkpoint "
                              "(--model-dir of one with num_nextn_predict_layers >= 1)")
     gen.check_decode_steps_per_call(args.decode_steps_per_call)
-    if args.draft != "none" and args.decode_steps_per_call > 1:
-        raise ValueError(f"--draft {args.draft} verifies drafts step by step from the host: use "
+    if drafter is not None and args.decode_steps_per_call > 1:
+        raise ValueError(f"--drafter {drafter} verifies drafts step by step from the host: use "
                          "--decode-steps-per-call 1")
     if args.check and args.decode_steps_per_call > 1:
         raise ValueError("--check compares the logits of every step with the resident model's: "
                          "use --decode-steps-per-call 1")
     if args.devices is not None:
-        _check_devices(args)
+        _check_devices(args, drafter)
     elif args.expert_parallel is not None:
         raise ValueError("--expert-parallel splits the experts over --devices: add --devices")
     if not args.offload:
@@ -398,21 +374,21 @@ def _cmd_generate(args) -> int:
                                 policy=policy, host_access=args.host_access,
                                 host_memory_kind="device" if args.interpret else "pinned_host")
         offload.validate_for(config)
-    check_param_memory(config, args.max_param_gb,
+    check_param_memory(config, model_args.max_param_gb,
                        state_bytes=_kv_bytes(config, args.batch, capacity),
                        state=f"the KV of --batch {args.batch} requests of {capacity} tokens")
     mtp = None
-    if load is not None and args.draft == "mtp":
+    if load is not None and drafter == "mtp":
         _, params, mtp = load(mtp=True)
     elif load is not None:
         params = load()[1]
     else:
-        params = (load_params(args.weights, config) if args.weights
-                  else random_params(config, args.seed))
-        if args.draft == "mtp":  # a preset's random weights: a random MTP layer too
+        params = (load_params(model_args.weights, config) if model_args.weights
+                  else random_params(config, model_args.seed))
+        if drafter == "mtp":  # a preset's random weights: a random MTP layer too
             from fo_jax.model.mtp import init_mtp_params
 
-            mtp = init_mtp_params(config, jax.random.key(args.seed + 1))
+            mtp = init_mtp_params(config, jax.random.key(model_args.seed + 1))
     if args.devices is not None:
         from fo_jax import sharded_steps, sharding
 
@@ -464,7 +440,7 @@ def _cmd_generate(args) -> int:
         result = gen.generate(engine, prompts, max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, top_p=args.top_p, key=key,
                               on_step=on_step, progress=not args.no_progress,
-                              draft=args.draft, num_drafts=args.num_drafts,
+                              draft=draft, num_drafts=num_drafts or None,
                               on_rollback=on_rollback,
                               decode_steps_per_call=args.decode_steps_per_call,
                               stop_tokens=stop_tokens)

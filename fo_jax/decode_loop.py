@@ -16,9 +16,11 @@
     # out.mtp_seats carries them to the next call
 
 Public: `decode_loop`, `Seats`, `LoopOutput`, `LoopStats`, the steps
-`OffloadedStep` / `ResidentStep`, MTP drafting (`MTPSeats`, `mtp_feed`, `mtp_feed_seat`,
-`mtp_drafts`, `mtp_observe`) and the checks `check_drafting`, `check_mtp_drafting`,
-`check_history` (bad drafting settings raise `ValueError`).
+`OffloadedStep` / `ResidentStep` and the checks `check_drafting`, `check_mtp_drafting`,
+`check_history` (bad drafting settings raise `ValueError`). The drafters' rules are
+`fo_jax.drafting`'s, one per kind (n-gram: `ngram_drafts`; MTP: `MTPSeats`, `mtp_feed`,
+`mtp_feed_seat`, `mtp_drafts`, `mtp_observe`, re-exported here), the same that
+`fo_jax.generate` drafts with.
 
 Contracts: the tokens equal those of a Python loop of single steps bit for bit; a done request
 takes no token and its state does not change; the state is donated and updated in place; one
@@ -43,7 +45,10 @@ import numpy as np
 from fo_jax import resident
 from fo_jax.config import ModelConfig
 from fo_jax.kernels import resolve_implementation
-from fo_jax.drafting import NGramDrafter, check_num_drafts, ngram_drafts
+# The MTP names beyond those the loop calls are re-exported: the engine imports them from here.
+from fo_jax.drafting import (MTPSeats, NGramDrafter, check_num_drafts, mtp_drafts, mtp_feed,
+                             mtp_feed_jit, mtp_feed_seat, mtp_feed_seat_jit, mtp_observe,
+                             ngram_drafts)
 from fo_jax.offload import decode as offload_decode
 from fo_jax.offload import state as offload_state
 from fo_jax.offload.config import OffloadConfig
@@ -205,133 +210,6 @@ class ResidentStep:
             implementation=self.implementation, interpret=self.interpret, active=active,
             return_hidden=return_hidden)
         return (logits, state, None, *hidden)
-
-
-# MTP drafts ------------------------------------------------------------------------------------
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class MTPSeats:
-    """What MTP drafting (`decode_loop(..., mtp=...)`) carries per seat between steps and calls.
-
-    The rule is `fo_jax.drafting.MTPDrafter`'s: MTP layer 0 holds one pair (h_i, t_{i+1}) per
-    position i the main model stores (h_i its last hidden state there, t_{i+1} the token after
-    it), so between steps state.lengths equals the main state's lengths.
-
-    Attributes:
-      state: the MTP layer's `fo_jax.resident.ResidentState` (one layer, one indexer group):
-        [1, B, S, D+R] KV rows, [1, B, S, N] indexer keys, lengths [B].
-      draft: [B] int32 the next step's first draft (the argmax at the last pair).
-      hidden: [B, E] the layer's output h' at the last pair (what further drafts chain from).
-    """
-
-    state: Any
-    draft: jax.Array
-    hidden: jax.Array
-
-    @classmethod
-    def create(cls, config: ModelConfig, *, batch: int, capacity: int) -> "MTPSeats":
-        """Empty seats (lengths 0): fill them with `mtp_feed` (a prompt's pairs) first."""
-        from fo_jax.resident import create_mtp_state
-
-        return cls(state=create_mtp_state(config, batch=batch, capacity=capacity),
-                   draft=jnp.zeros((batch,), jnp.int32),
-                   hidden=jnp.zeros((batch, config.dim), config.jnp_dtype))
-
-    @property
-    def batch(self) -> int:
-        return self.draft.shape[0]
-
-
-def mtp_feed(params, mtp, seats: MTPSeats, hidden, tokens, num_new, *, config: ModelConfig,
-             query_block: int | None = None) -> MTPSeats:
-    """Append T pairs per seat to the MTP state (`fo_jax.resident.mtp_step`): hidden [B, T, E]
-    the main model's last hidden states, tokens [B, T] the tokens after them, the first
-    num_new[b] real (0: the seat is not written and keeps its draft). A seat fed >= 1 pair
-    takes its draft and h' at its last pair (`MTPDrafter.start` / `observe`). Pure and
-    jit-able: one MTP layer over T tokens against its own cache of S rows."""
-    from fo_jax.resident import mtp_step
-
-    num_new = jnp.asarray(num_new, jnp.int32)
-    logits, out, state = mtp_step(params, mtp, seats.state, hidden, tokens, num_new,
-                                  config=config, query_block=query_block)
-    rows = jnp.arange(seats.batch)
-    last = jnp.clip(num_new - 1, 0, tokens.shape[1] - 1)
-    fed = num_new > 0
-    draft = jnp.argmax(logits[rows, last], axis=-1).astype(jnp.int32)
-    return MTPSeats(state=state, draft=jnp.where(fed, draft, seats.draft),
-                    hidden=jnp.where(fed[:, None], out[rows, last].astype(seats.hidden.dtype),
-                                     seats.hidden))
-
-
-mtp_feed_jit = jax.jit(mtp_feed, static_argnames=("config", "query_block"),
-                       donate_argnames=("seats",))
-
-
-def mtp_feed_seat(params, mtp, seats: MTPSeats, seat, hidden, tokens, num_new, *,
-                  config: ModelConfig, query_block: int | None = None) -> MTPSeats:
-    """`mtp_feed` of seat `seat` alone: hidden [1, T, E], tokens [1, T], num_new [1]; the seat's
-    MTP rows, draft and h' are sliced out, fed and written back, the other seats left as they
-    are (work independent of B, bit for bit `mtp_feed` on a batch-1 `MTPSeats`). `seat` is an
-    int32 scalar, traced under `mtp_feed_seat_jit` (one program for every seat). Pure."""
-    def one(x, axis):
-        return jax.lax.dynamic_slice_in_dim(x, seat, 1, axis=axis)
-
-    def put(full, part, axis):
-        return jax.lax.dynamic_update_slice_in_dim(full, part, seat, axis=axis)
-
-    st = seats.state
-    view = MTPSeats(state=dataclasses.replace(st, kv=one(st.kv, 1),
-                                              index_keys=one(st.index_keys, 1),
-                                              lengths=one(st.lengths, 0)),
-                    draft=one(seats.draft, 0), hidden=one(seats.hidden, 0))
-    out = mtp_feed(params, mtp, view, hidden, tokens, num_new, config=config,
-                   query_block=query_block)
-    state = dataclasses.replace(st, kv=put(st.kv, out.state.kv, 1),
-                                index_keys=put(st.index_keys, out.state.index_keys, 1),
-                                lengths=put(st.lengths, out.state.lengths, 0))
-    return MTPSeats(state=state, draft=put(seats.draft, out.draft, 0),
-                    hidden=put(seats.hidden, out.hidden, 0))
-
-
-mtp_feed_seat_jit = jax.jit(mtp_feed_seat, static_argnames=("config", "query_block"),
-                            donate_argnames=("seats",))
-
-
-def mtp_drafts(params, mtp, seats: MTPSeats, active, num_drafts: int, *,
-               config: ModelConfig):
-    """([B, num_drafts] drafts, MTP state with the chained pairs appended): the first draft is
-    `seats.draft`; draft k >= 2 is the argmax of MTP layer 0 fed (h', draft k - 1) of the
-    previous one (`MTPDrafter.propose`): num_drafts - 1 MTP calls of one pair per seat. The
-    chained pairs are speculative: `mtp_observe` forgets them. Inactive seats are not
-    written (their drafts unspecified)."""
-    from fo_jax.resident import mtp_step
-
-    drafts, draft, hidden, state = [seats.draft], seats.draft, seats.hidden, seats.state
-    ones = active.astype(jnp.int32)
-    for _ in range(1, num_drafts):
-        logits, out, state = mtp_step(params, mtp, state, hidden[:, None], draft[:, None],
-                                      ones, config=config)
-        draft = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-        hidden = out[:, 0].astype(seats.hidden.dtype)
-        drafts.append(draft)
-    return jnp.stack(drafts, axis=1), state
-
-
-def mtp_observe(params, mtp, seats: MTPSeats, state, hidden, tokens, count, lengths, active, *,
-                config: ModelConfig) -> MTPSeats:
-    """After a verification step: forget the chained pairs (each active seat's MTP length back
-    to the main length n before the step, `lengths`; O(B)), then feed the pairs of the count
-    [B] kept positions: hidden [B, W, E] of the W fed tokens, tokens [B, W] the tokens yielded
-    after them (`draft_step_tokens`) (`MTPDrafter.observe`). One MTP call of W pairs."""
-    from fo_jax.resident import ResidentState
-
-    state = ResidentState(kv=state.kv, index_keys=state.index_keys,
-                          lengths=jnp.where(active, lengths, state.lengths))
-    seats = MTPSeats(state=state, draft=seats.draft, hidden=seats.hidden)
-    return mtp_feed(params, mtp, seats, hidden, tokens, jnp.where(active, count, 0),
-                    config=config)
 
 
 # The loop --------------------------------------------------------------------------------------
@@ -669,3 +547,4 @@ def _draft_loop_jit(params, state, seats: Seats, sampling: Sampling, history, mt
     return LoopOutput(tokens=out, fed=fed, num_steps=num_steps, stats=stats, accepted=accepted,
                       proposed=proposed, history=history, counts=counts, drafts=drafted,
                       mtp_seats=mtp_seats), state, seats
+

@@ -10,27 +10,37 @@ prefix of drafts equal to the model's greedy choices at temperature 0, or the dr
 speculative sampling accepts above it (see `generate`): a drafter changes how many tokens a
 step yields, never which tokens (greedy) or their distribution (sampled).
 
-  * `NGramDrafter` (prompt lookup): finds the most recent earlier occurrence of the history's
-    last n tokens (n from `max_ngram` down to `min_ngram`) and proposes what followed it. Needs
+One drafter per kind, its rule written once, as pure jnp that runs on the device: the decode
+loop (`fo_jax.decode_loop`, what the engine runs) traces it inside its program, and the
+drafter objects `generate` calls from the host run the same functions.
+
+  * n-gram (prompt lookup): `ngram_drafts` finds the most recent earlier occurrence of the
+    history's last n tokens (n from `max_ngram` down to `min_ngram`) and proposes what
+    followed it; `NGramDrafter` holds its settings and runs it on the host's histories. Needs
     no model: it pays off when the output repeats its input (code, quotes, summaries).
-  * `MTPDrafter` (DeepSeek-V3.2 / GLM-5 `num_nextn_predict_layers`): the model's own
+  * MTP (DeepSeek-V3.2 / GLM-5 `num_nextn_predict_layers`): the model's own
     multi-token-prediction layer (`fo_jax.model.mtp`), fed the main model's last hidden states
-    (before the final norm) and the tokens that follow them. Besides `propose` it has the hooks
-    the generation loop calls: `start` after the prefill and `observe` after each
-    verification step (with the step's hidden states and what was kept). It needs an engine
-    that returns hidden states: `ResidentEngine(..., mtp=mtp_params)` or
-    `OffloadEngine(..., mtp=mtp_params)`. The serving engine's decode loop runs the same rule
-    on the device (`fo_jax.engine.Engine(..., drafter="mtp")`, `fo_jax.decode_loop.MTPSeats`).
+    (before the final norm) and the tokens that follow them. `MTPSeats` carries its state and
+    each request's next draft; `mtp_feed` (and `mtp_feed_seat`, one seat) feeds pairs,
+    `mtp_drafts` chains the drafts, `mtp_observe` keeps what a verification step kept.
+    `MTPDrafter` runs them for `generate`: besides `propose` it has the hooks the generation
+    loop calls, `start` after the prefill and `observe` after each verification step (with
+    the step's hidden states and what was kept). It needs an engine that returns hidden
+    states: `ResidentEngine(..., mtp=mtp_params)` or `OffloadEngine(..., mtp=mtp_params)`.
+    The serving engine's decode loop runs the same functions on the device
+    (`fo_jax.engine.Engine(..., drafter="mtp")`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from fo_jax.config import ModelConfig
 
 DRAFTS = ("none", "ngram", "mtp")
 
@@ -57,7 +67,9 @@ class NGramDrafter:
     history before them; at the most recent match, the (up to num_drafts) tokens that followed
     it are the drafts. With no match at any n, or a continuation shorter than num_drafts, the
     missing drafts repeat the last known token (a guess like any other: the verification
-    rejects it when wrong). O(T n) numpy work per request and step, T the history length.
+    rejects it when wrong). The rule is `ngram_drafts` (on the device; the decode loop runs it
+    in its program): `propose` pads the host's histories to a width of a power of two (one
+    program per width and setting) and runs it.
 
     Attributes:
       max_ngram, min_ngram: the n-gram lengths tried, longest first (1 <= min <= max).
@@ -79,29 +91,24 @@ class NGramDrafter:
 
     def propose(self, histories: Sequence[Sequence[int]], num_drafts: int) -> np.ndarray:
         check_num_drafts(num_drafts)
-        return np.stack([self.propose_one(np.asarray(h), num_drafts) for h in histories]
-                        ).astype(np.int32).reshape(len(histories), num_drafts)
+        rows = [np.asarray(h).reshape(-1) for h in histories]
+        if any(h.size == 0 for h in rows):
+            raise ValueError("a history needs at least one token (the prompt is never empty)")
+        if not rows:
+            return np.zeros((0, num_drafts), np.int32)
+        longest = max(h.size for h in rows)
+        width = max(16, 1 << (longest - 1).bit_length())  # a power of two: few programs
+        padded = np.zeros((len(rows), width), np.int32)
+        for b, h in enumerate(rows):
+            padded[b, :h.size] = h
+        lengths = np.asarray([h.size for h in rows], np.int32)
+        drafts = _ngram_drafts_jit(padded, lengths, int(num_drafts),
+                                   max_ngram=int(self.max_ngram), min_ngram=int(self.min_ngram))
+        return np.asarray(drafts).astype(np.int32).reshape(len(rows), num_drafts)
 
     def propose_one(self, history: np.ndarray, num_drafts: int) -> np.ndarray:
         """[num_drafts] drafts to follow one request's history (1-D, at least one token)."""
-        history = np.asarray(history).reshape(-1)
-        if history.size == 0:
-            raise ValueError("a history needs at least one token (the prompt is never empty)")
-        found = np.zeros(0, history.dtype)
-        for n in range(min(self.max_ngram, history.size - 1), self.min_ngram - 1, -1):
-            pattern = history[-n:]
-            # Windows of the history before its last token: a match starting at i is followed
-            # by history[i + n:], which is never empty.
-            windows = np.lib.stride_tricks.sliding_window_view(history[:-1], n)
-            hits = np.flatnonzero(np.all(windows == pattern, axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                found = history[start:start + num_drafts]
-                break
-        fill = found[-1] if found.size else history[-1]
-        out = np.full(num_drafts, fill, history.dtype)
-        out[:found.size] = found
-        return out
+        return self.propose([history], num_drafts)[0]
 
 
 def ngram_drafts(history, lengths, num_drafts: int, *, max_ngram: int = 3,
@@ -110,8 +117,8 @@ def ngram_drafts(history, lengths, num_drafts: int, *, max_ngram: int = 3,
 
     history: [B, S] int32, row b's first lengths[b] tokens (>= 1) are its history (prompt +
       generated, the last not yet fed); what lies past them is never read.
-    The rule is NGramDrafter's (tests/engine/test_drafting_loop.py checks it against the host
-    drafter): for n = max_ngram down to min_ngram (n <= T - 1), the most recent earlier
+    The rule (tests/engine/test_drafting_loop.py checks it against a plain numpy reference):
+    for n = max_ngram down to min_ngram (n <= T - 1), the most recent earlier
     occurrence of the last n tokens, its continuation (at most num_drafts tokens, cut at the
     history's end), the missing drafts filled with the last token found (or, with no match,
     the history's last token). A window ending at j matches n tokens iff it matches n - 1 and
@@ -145,14 +152,149 @@ def ngram_drafts(history, lengths, num_drafts: int, *, max_ngram: int = 3,
     return jnp.take_along_axis(history, jnp.clip(pos, 0, width - 1), axis=1)
 
 
+_ngram_drafts_jit = jax.jit(ngram_drafts, static_argnames=("num_drafts", "max_ngram",
+                                                         "min_ngram"))
+
+
 def check_num_drafts(num_drafts) -> None:
     if not isinstance(num_drafts, (int, np.integer)) or isinstance(num_drafts, bool) \
             or num_drafts < 0:
         raise ValueError(f"num_drafts={num_drafts!r} must be an int >= 0")
 
 
+# MTP drafts ------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MTPSeats:
+    """What MTP drafting (`decode_loop(..., mtp=...)`) carries per seat between steps and calls.
+
+    The MTP drafter's state (`MTPDrafter` runs the same from the host): MTP layer 0 holds one
+    pair (h_i, t_{i+1}) per position i the main model stores (h_i its last hidden state there,
+    t_{i+1} the token after it), so between steps state.lengths equals the main state's
+    lengths.
+
+    Attributes:
+      state: the MTP layer's `fo_jax.resident.ResidentState` (one layer, one indexer group):
+        [1, B, S, D+R] KV rows, [1, B, S, N] indexer keys, lengths [B].
+      draft: [B] int32 the next step's first draft (the argmax at the last pair).
+      hidden: [B, E] the layer's output h' at the last pair (what further drafts chain from).
+    """
+
+    state: Any
+    draft: jax.Array
+    hidden: jax.Array
+
+    @classmethod
+    def create(cls, config: ModelConfig, *, batch: int, capacity: int) -> "MTPSeats":
+        """Empty seats (lengths 0): fill them with `mtp_feed` (a prompt's pairs) first."""
+        from fo_jax.resident import create_mtp_state
+
+        return cls(state=create_mtp_state(config, batch=batch, capacity=capacity),
+                   draft=jnp.zeros((batch,), jnp.int32),
+                   hidden=jnp.zeros((batch, config.dim), config.jnp_dtype))
+
+    @property
+    def batch(self) -> int:
+        return self.draft.shape[0]
+
+
+def mtp_feed(params, mtp, seats: MTPSeats, hidden, tokens, num_new, *, config: ModelConfig,
+             query_block: int | None = None) -> MTPSeats:
+    """Append T pairs per seat to the MTP state (`fo_jax.resident.mtp_step`): hidden [B, T, E]
+    the main model's last hidden states, tokens [B, T] the tokens after them, the first
+    num_new[b] real (0: the seat is not written and keeps its draft). A seat fed >= 1 pair
+    takes its draft and h' at its last pair (`MTPDrafter.start` / `observe`). Pure and
+    jit-able: one MTP layer over T tokens against its own cache of S rows."""
+    from fo_jax.resident import mtp_step
+
+    num_new = jnp.asarray(num_new, jnp.int32)
+    logits, out, state = mtp_step(params, mtp, seats.state, hidden, tokens, num_new,
+                                  config=config, query_block=query_block)
+    rows = jnp.arange(seats.batch)
+    last = jnp.clip(num_new - 1, 0, tokens.shape[1] - 1)
+    fed = num_new > 0
+    draft = jnp.argmax(logits[rows, last], axis=-1).astype(jnp.int32)
+    return MTPSeats(state=state, draft=jnp.where(fed, draft, seats.draft),
+                    hidden=jnp.where(fed[:, None], out[rows, last].astype(seats.hidden.dtype),
+                                     seats.hidden))
+
+
+mtp_feed_jit = jax.jit(mtp_feed, static_argnames=("config", "query_block"),
+                       donate_argnames=("seats",))
+
+
+def mtp_feed_seat(params, mtp, seats: MTPSeats, seat, hidden, tokens, num_new, *,
+                  config: ModelConfig, query_block: int | None = None) -> MTPSeats:
+    """`mtp_feed` of seat `seat` alone: hidden [1, T, E], tokens [1, T], num_new [1]; the seat's
+    MTP rows, draft and h' are sliced out, fed and written back, the other seats left as they
+    are (work independent of B, bit for bit `mtp_feed` on a batch-1 `MTPSeats`). `seat` is an
+    int32 scalar, traced under `mtp_feed_seat_jit` (one program for every seat). Pure."""
+    def one(x, axis):
+        return jax.lax.dynamic_slice_in_dim(x, seat, 1, axis=axis)
+
+    def put(full, part, axis):
+        return jax.lax.dynamic_update_slice_in_dim(full, part, seat, axis=axis)
+
+    st = seats.state
+    view = MTPSeats(state=dataclasses.replace(st, kv=one(st.kv, 1),
+                                              index_keys=one(st.index_keys, 1),
+                                              lengths=one(st.lengths, 0)),
+                    draft=one(seats.draft, 0), hidden=one(seats.hidden, 0))
+    out = mtp_feed(params, mtp, view, hidden, tokens, num_new, config=config,
+                   query_block=query_block)
+    state = dataclasses.replace(st, kv=put(st.kv, out.state.kv, 1),
+                                index_keys=put(st.index_keys, out.state.index_keys, 1),
+                                lengths=put(st.lengths, out.state.lengths, 0))
+    return MTPSeats(state=state, draft=put(seats.draft, out.draft, 0),
+                    hidden=put(seats.hidden, out.hidden, 0))
+
+
+mtp_feed_seat_jit = jax.jit(mtp_feed_seat, static_argnames=("config", "query_block"),
+                            donate_argnames=("seats",))
+
+
+def mtp_drafts(params, mtp, seats: MTPSeats, active, num_drafts: int, *,
+               config: ModelConfig):
+    """([B, num_drafts] drafts, MTP state with the chained pairs appended): the first draft is
+    `seats.draft`; draft k >= 2 is the argmax of MTP layer 0 fed (h', draft k - 1) of the
+    previous one (`MTPDrafter.propose`): num_drafts - 1 MTP calls of one pair per seat. The
+    chained pairs are speculative: `mtp_observe` forgets them. Inactive seats are not
+    written (their drafts unspecified)."""
+    from fo_jax.resident import mtp_step
+
+    drafts, draft, hidden, state = [seats.draft], seats.draft, seats.hidden, seats.state
+    ones = active.astype(jnp.int32)
+    for _ in range(1, num_drafts):
+        logits, out, state = mtp_step(params, mtp, state, hidden[:, None], draft[:, None],
+                                      ones, config=config)
+        draft = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        hidden = out[:, 0].astype(seats.hidden.dtype)
+        drafts.append(draft)
+    return jnp.stack(drafts, axis=1), state
+
+
+def mtp_observe(params, mtp, seats: MTPSeats, state, hidden, tokens, count, lengths, active, *,
+                config: ModelConfig) -> MTPSeats:
+    """After a verification step: forget the chained pairs (each active seat's MTP length back
+    to the main length n before the step, `lengths`; O(B)), then feed the pairs of the count
+    [B] kept positions: hidden [B, W, E] of the W fed tokens, tokens [B, W] the tokens yielded
+    after them (`draft_step_tokens`) (`MTPDrafter.observe`). One MTP call of W pairs."""
+    from fo_jax.resident import ResidentState
+
+    state = ResidentState(kv=state.kv, index_keys=state.index_keys,
+                          lengths=jnp.where(active, lengths, state.lengths))
+    seats = MTPSeats(state=state, draft=seats.draft, hidden=seats.hidden)
+    return mtp_feed(params, mtp, seats, hidden, tokens, jnp.where(active, count, 0),
+                    config=config)
+
+
+
 class MTPDrafter:
-    """Drafts from the model's multi-token-prediction layer, greedy.
+    """Drafts from the model's multi-token-prediction layer, greedy, for `generate`: the MTP
+    rule of the decode loop (`MTPSeats`, `mtp_feed`, `mtp_drafts`, `mtp_observe`) run from the
+    host, step by step.
 
     MTP layer 0 maps (h_i, t_{i+1}) -- the main model's last hidden state at position i and the
     token after it -- to logits of t_{i+2} (`fo_jax.resident.mtp_step`). Its KV state (one
@@ -162,16 +304,19 @@ class MTPDrafter:
     draft is the argmax at the last pair; draft k >= 2 chains, as DeepSeek does with one
     layer: the layer's own output h' and draft k - 1 are fed back as the next pair (always
     through MTP layer 0: a checkpoint's further MTP layers, if any, are loaded but unused).
-    Chained pairs are speculative: `observe` rolls them back (`fo_jax.resident.rollback`)
-    before feeding the kept pairs, so the state equals that of a run that never chained.
+    Chained pairs are speculative: `observe` rolls them back before feeding the kept pairs, so
+    the state equals that of a run that never chained.
     Per step: one MTP call of W pairs (`observe`) plus W - 2 calls of one pair (`propose`),
     each one decoder layer against the layer's own cache; host reads of the drafts only.
 
     Attributes:
       params: the main model's parameters (embed / head when the MTP layer shares them).
       mtp: the MTP parameters (`fo_jax.checkpoints.hf.load_checkpoint(..., mtp=True)`).
-      batch, capacity: those of the engine.
+      batch: the engine's batch.
+      capacity: the engine's capacity (tokens per request).
       prefill_chunk: pairs per `start` call (None: the whole prompt at once).
+      seats: the `MTPSeats` (None before `start`); `state`: the MTP layer's state, with the
+        chained pairs of the last `propose` until the next `observe`.
     """
 
     name = "mtp"
@@ -184,29 +329,17 @@ class MTPDrafter:
         check_mtp_params(mtp, config)
         self.params, self.mtp, self.config = params, mtp, config
         self.batch, self.capacity, self.prefill_chunk = batch, capacity, prefill_chunk
-        self.state = None
-        self._draft = self._hidden = self._real = None
+        self.seats: MTPSeats | None = None
+        self._chained = None  # the state with the last propose's chained pairs
+        self._real = None  # the state's lengths before them
 
-    def _run(self, hidden, tokens, num_new, query_block=None):
-        from fo_jax.resident import mtp_step
-
-        logits, out, self.state = mtp_step(
-            self.params, self.mtp, self.state, hidden, jnp.asarray(tokens, jnp.int32),
-            jnp.asarray(num_new, jnp.int32), config=self.config, query_block=query_block)
-        return logits, out
-
-    def _take(self, logits, out, last) -> None:
-        """The first draft and h' at each request's last real pair (index `last` [B])."""
-        rows = jnp.arange(self.batch)
-        last = jnp.asarray(np.clip(last, 0, logits.shape[1] - 1))
-        self._draft = jnp.argmax(logits[rows, last], axis=-1).astype(jnp.int32)
-        self._hidden = out[rows, last]
-        self._real = jnp.copy(self.state.lengths)  # the state is donated to the next call
+    @property
+    def state(self):
+        return self.seats.state if self._chained is None else self._chained
 
     def start(self, hidden, tokens: np.ndarray, lengths: np.ndarray, first) -> None:
         """After the prefill: hidden [B, T, E] of the padded prompts tokens [B, T] (lengths [B]
         real), first [B] the first generated tokens. Starts a new MTP state."""
-        from fo_jax.resident import create_mtp_state
         from fo_jax.resident import QUERY_BLOCK
 
         tokens = np.asarray(tokens)
@@ -214,54 +347,51 @@ class MTPDrafter:
         nxt = np.zeros(tokens.shape, np.int64)
         nxt[:, :-1] = tokens[:, 1:]
         nxt[np.arange(self.batch), lengths - 1] = np.asarray(first)
-        self.state = create_mtp_state(self.config, batch=self.batch, capacity=self.capacity)
+        seats = MTPSeats.create(self.config, batch=self.batch, capacity=self.capacity)
         num_t = tokens.shape[1]
         chunk = num_t if self.prefill_chunk is None else int(self.prefill_chunk)
-        draft = hid = None
         for lo in range(0, num_t, chunk):
             hi = min(lo + chunk, num_t)
-            logits, out = self._run(hidden[:, lo:hi], nxt[:, lo:hi],
-                                    np.clip(lengths - lo, 0, hi - lo), QUERY_BLOCK)
-            end = lengths - 1 - lo
-            here = jnp.asarray((end >= 0) & (end < hi - lo))
-            self._take(logits, out, end)
-            draft = self._draft if draft is None else jnp.where(here, self._draft, draft)
-            hid = self._hidden if hid is None else jnp.where(here[:, None], self._hidden, hid)
-        self._draft, self._hidden = draft, hid
+            seats = mtp_feed(self.params, self.mtp, seats, hidden[:, lo:hi],
+                             jnp.asarray(nxt[:, lo:hi], jnp.int32),
+                             np.clip(lengths - lo, 0, hi - lo), config=self.config,
+                             query_block=QUERY_BLOCK)
+        self.seats, self._chained = seats, None
 
     def observe(self, hidden, tokens, keep) -> None:
         """After a verification step: hidden [B, W, E] of the W fed tokens, tokens [B, W] the
         tokens generated after each (greedy or sampled; read for the kept ones only), keep [B]
-        how many fed tokens were kept (0: none)."""
-        if self.state is None:
+        how many fed tokens were kept (0: none, the request keeps its draft)."""
+        if self.seats is None:
             raise ValueError("MTPDrafter.observe before start: the generation loop calls "
                              "start after the prefill")
-        from fo_jax.resident import rollback
-
-        self.state = rollback(self.state, self.state.lengths - self._real)
-        keep = np.asarray(keep, np.int32)
-        logits, out = self._run(hidden, tokens, keep)
-        self._take(logits, out, keep - 1)
+        state = self.state
+        real = state.lengths if self._chained is None else self._real
+        every = jnp.ones((self.batch,), bool)
+        self.seats = mtp_observe(self.params, self.mtp, self.seats, state, hidden,
+                                 jnp.asarray(tokens, jnp.int32),
+                                 jnp.asarray(np.asarray(keep), jnp.int32), real, every,
+                                 config=self.config)
+        self._chained = None
 
     def propose(self, histories: Sequence[Sequence[int]], num_drafts: int) -> np.ndarray:
         """[B, num_drafts] drafts (the histories are not read: the state holds them)."""
         check_num_drafts(num_drafts)
-        if self.state is None:
+        if self.seats is None:
             raise ValueError("MTPDrafter.propose before start: the generation loop calls "
                              "start after the prefill")
         if len(histories) != self.batch:
             raise ValueError(f"{len(histories)} histories for an MTP drafter of batch "
                              f"{self.batch}")
-        drafts = [self._draft]
-        draft, hidden = self._draft, self._hidden
-        ones = np.ones(self.batch, np.int32)
-        for _ in range(1, num_drafts):
-            logits, out = self._run(hidden[:, None], draft[:, None], ones)
-            draft = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-            hidden = out[:, 0]
-            drafts.append(draft)
-        out = np.asarray(jax.device_get(jnp.stack(drafts, axis=1))).astype(np.int32)
-        return out[:, :num_drafts]
+        if num_drafts == 0:
+            return np.zeros((self.batch, 0), np.int32)
+        if self._chained is None:
+            self._real = jnp.copy(self.seats.state.lengths)  # the state is donated below
+        seats = dataclasses.replace(self.seats, state=self.state)
+        drafts, self._chained = mtp_drafts(self.params, self.mtp, seats,
+                                           jnp.ones((self.batch,), bool), num_drafts,
+                                           config=self.config)
+        return np.asarray(jax.device_get(drafts)).astype(np.int32)
 
 
 def make_drafter(draft: str, config, *, engine=None) -> Drafter | None:
@@ -294,3 +424,8 @@ def make_drafter(draft: str, config, *, engine=None) -> Drafter | None:
     batch = getattr(engine, "batch", None) or engine.state.batch
     return MTPDrafter(engine.params, mtp, config, batch=batch,
                       capacity=engine.capacity, prefill_chunk=engine.prefill_chunk)
+
+
+__all__ = ["DRAFTS", "Drafter", "MTPDrafter", "MTPSeats", "NGramDrafter", "check_num_drafts",
+           "make_drafter", "mtp_drafts", "mtp_feed", "mtp_feed_jit", "mtp_feed_seat",
+           "mtp_feed_seat_jit", "mtp_observe", "ngram_drafts"]

@@ -1,23 +1,22 @@
-"""Text generation over either inference path.
+"""Text generation over either inference path: a client of the decode core the serving engine
+runs (the decode loop's steps and program, `fo_jax.sampling`, `fo_jax.drafting`).
 
     engine = ResidentEngine(params, config, batch=1, capacity=512)
     engine = OffloadEngine(params, config, offload=OffloadConfig(...), batch=1)
     result = generate(engine, [prompt_ids], max_new_tokens=32, temperature=0.8, top_p=0.9,
                       key=jax.random.key(0))
 
-An engine prefills a ragged batch of prompts (in chunks of `prefill_chunk` tokens, default
-`PREFILL_CHUNK`: a long prompt never runs as one program) and then takes decode steps of one
-token per request; `generate` samples (`fo_jax.sampling`: greedy at temperature 0, else
-temperature + top-p with a PRNG key). With a drafter (`draft="ngram"` or `"mtp"`, `fo_jax.drafting`) a generation
-verifies W - 1 drafted tokens per step and rolls the rejected ones back (`engine.rollback`):
-greedy, the same tokens in fewer steps; sampled, speculative sampling (the decode loop's rule,
-`fo_jax.sampling.speculative_tokens`): tokens of the same distribution. With
-`decode_steps_per_call=N > 1` it runs N steps per compiled call instead
-(`fo_jax.decode_loop`: sampling on the device, the same tokens).
-Offload statistics are summed on the device step by step (no host sync per step). Engines keep
-each request's length on the host and refuse a step past capacity before it runs; with
-`check=True` (debug; `fo-jax generate --check`) they read the whole state back after the
-prefill and every step and raise `StateCheckError` on a non-finite value or a broken invariant.
+The engines (`fo_jax.batch_engines`, re-exported here) prefill a ragged batch of prompts and
+step it with the decode loop's steps; `generate` samples (`fo_jax.sampling`: greedy at
+temperature 0, else temperature + top-p with a PRNG key). With a drafter (`draft="ngram"` or
+`"mtp"`, `fo_jax.drafting`: the rules the decode loop drafts with) a generation verifies
+W - 1 drafted tokens per step with the decode loop's rule (`fo_jax.sampling.
+speculative_tokens`: greedy, the same tokens in fewer steps; sampled, speculative sampling,
+tokens of the same distribution) and rolls the rejected ones back (`engine.rollback`). With
+`decode_steps_per_call=N > 1` it runs N steps per compiled call instead (`fo_jax.decode_loop`:
+sampling on the device, the same tokens). With `check=True` engines (debug; `fo-jax generate
+--check`) the state is read back and checked after the prefill and every step
+(`StateCheckError`).
 """
 
 from __future__ import annotations
@@ -28,464 +27,15 @@ from collections.abc import Sequence
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from fo_jax import resident
-from fo_jax.config import ModelConfig, sequence_capacity_check
-from fo_jax.model.kv_format import load_kv_rows
+from fo_jax.batch_engines import (PREFILL_CHUNK, OffloadEngine, ResidentEngine, StateCheckError,
+                                  check_prefill_chunk, chunked_prefill)
+from fo_jax.config import sequence_capacity_check
+from fo_jax.decode_loop import Seats
 from fo_jax.drafting import make_drafter
-from fo_jax.decode_loop import LoopOutput, OffloadedStep, ResidentStep, Seats, decode_loop
-from fo_jax.offload import decode as offload_decode
-from fo_jax.offload import prefill as offload_prefill
-from fo_jax.kernels import resolve_implementation
-from fo_jax.offload.config import OffloadConfig, check_num_buffers
-from fo_jax.offload.invariants import check_invariants
-from fo_jax.offload import state as offload_state
-from fo_jax.offload.state import DecodeState
 from fo_jax.sampling import Sampling, check_sampling, sample, speculative_tokens
-
-
-class StateCheckError(RuntimeError):
-    """The debug checks of an engine (`check=True`) found a bad state after a prefill or step:
-    a non-finite value in stored rows or logits, or a broken invariant of the offloaded state.
-    The engine keeps the state as it was found, for inspection."""
-
-
-# Prompt tokens per prefill call of the engines: bounds what grows with the chunk (the logits
-# [B, chunk, V], activations) and the number of compiled prefill programs; inside a chunk the
-# prefill's query blocks bound the attention's temporaries.
-PREFILL_CHUNK = 2048
-
-
-def check_prefill_chunk(chunk) -> None:
-    """Raise unless `chunk` is None or an int >= 1."""
-    if chunk is not None and (not isinstance(chunk, (int, np.integer))
-                              or isinstance(chunk, bool) or chunk < 1):
-        raise ValueError(f"prefill_chunk={chunk!r} must be an int >= 1 (prompt tokens per "
-                         "prefill call), or None for the whole prompt at once")
-
-
-def chunked_prefill(run, tokens: np.ndarray, lengths, chunk: int | None) -> jax.Array:
-    """Prefill padded prompts [B, T] chunk by chunk; logits [B, V] of each request's last token.
-
-    run(tokens [B, t], num_new [B]) -> logits [B, t, V] prefills one chunk (appending to the
-    state); chunk None: the whole prompt at once. Requests whose prompt ended in an earlier
-    chunk take 0 new tokens.
-    """
-    check_prefill_chunk(chunk)
-    lengths = np.asarray(lengths, np.int32)
-    batch, num_t = tokens.shape
-    chunk = num_t if chunk is None else int(chunk)
-    last = None
-    for lo in range(0, num_t, chunk):
-        hi = min(lo + chunk, num_t)
-        logits = run(tokens[:, lo:hi], np.clip(lengths - lo, 0, hi - lo).astype(np.int32))
-        end = lengths - 1 - lo  # the last token's index in this chunk
-        here = jnp.asarray((end >= 0) & (end < hi - lo))[:, None]
-        picked = logits[jnp.arange(batch), jnp.asarray(np.clip(end, 0, hi - lo - 1))]
-        last = picked if last is None else jnp.where(here, picked, last)
-    return last
-
-
-def _first_non_finite(rows, lengths) -> tuple[int, int, int] | None:
-    """(u, b, t) of the first non-finite value of rows [U, B, S, X] on a stored token
-    (t < lengths[b]), or None."""
-    rows = np.asarray(rows).astype(np.float32)
-    stored = np.arange(rows.shape[2])[None, :] < np.asarray(lengths)[:, None]  # [B, S]
-    bad = np.argwhere(~np.all(np.isfinite(rows), axis=-1) & stored[None])
-    return tuple(int(x) for x in bad[0]) if bad.size else None
-
-
-def _kv_values(rows, config) -> np.ndarray:
-    """KV rows as the float32 values they hold (fp8_ds_mla bytes dequantized; debug checks)."""
-    return np.asarray(load_kv_rows(jnp.asarray(rows), kv_lora_rank=config.kv_lora_rank))
-
-
-def _check_finite(where: str, lengths, parts, logits) -> None:
-    """Raise StateCheckError on a non-finite stored row of `parts` [(label, verb, rows)] or
-    a non-finite logit [B, ..., V] (logits None: rows only)."""
-    for label, verb, rows in parts:
-        hit = _first_non_finite(rows, lengths)
-        if hit is not None:
-            u, b, t = hit
-            raise StateCheckError(f"{where}: request {b}: the {label} {u} {verb} a non-finite "
-                                  f"value at token {t}")
-    if logits is None:
-        return
-    bad = np.argwhere(~np.isfinite(np.asarray(logits).astype(np.float32)))
-    if bad.size:
-        raise StateCheckError(f"{where}: request {int(bad[0][0])}: non-finite logits at "
-                              f"{bad[0].tolist()}")
-
-
-class _Lengths:
-    """Each request's length, known on the host (no device read): steps past capacity are
-    refused before they run (or, for a verification step, dropped: see `step`), and a step's
-    rejected drafts are forgotten by `rollback`. Decode-loop calls (`decode`) add to lengths and
-    steps lazily: their counts are read from the device only when lengths or steps are next
-    asked for.
-
-    tokens_kept: tokens fed by decode steps and kept (not rolled back), over the batch.
-    """
-
-    _lengths = None
-    _steps = 0
-    _tokens_kept = 0
-    _pending: tuple = ()
-    _before = None  # lengths before the last step, until its rollback
-
-    def _start(self, lengths) -> None:
-        self._pending = ()
-        self.lengths = np.asarray(lengths).astype(np.int64)
-        self.steps = 0
-        self.tokens_kept = 0
-        self._before = None  # lengths before the last step, until its rollback
-
-    def _settle(self) -> None:
-        pending, self._pending = self._pending, ()
-        for out in pending:
-            fed = np.asarray(out.fed)
-            self._lengths = self._lengths + fed
-            self._steps += int(out.num_steps)
-            self._tokens_kept += int(fed.sum())
-
-    @property
-    def tokens_kept(self) -> int:
-        self._settle()
-        return self._tokens_kept
-
-    @tokens_kept.setter
-    def tokens_kept(self, value: int) -> None:
-        self._settle()
-        self._tokens_kept = value
-
-    @property
-    def lengths(self):
-        self._settle()
-        return self._lengths
-
-    @lengths.setter
-    def lengths(self, value) -> None:
-        self._settle()
-        self._lengths = value
-
-    @property
-    def steps(self) -> int:
-        self._settle()
-        return self._steps
-
-    @steps.setter
-    def steps(self, value: int) -> None:
-        self._settle()
-        self._steps = value
-
-    def decode(self, seats: Seats, n_steps: int, sampling: Sampling) -> tuple[LoopOutput, Seats]:
-        """Up to `n_steps` decode steps with on-device sampling in one program
-        (`fo_jax.engine.decode_loop`): (LoopOutput, new seats). No host sync: lengths and
-        step counts are read back when next asked for."""
-        if self._lengths is None:
-            raise ValueError(f"{type(self).__name__}.decode before prefill: prefill a batch "
-                             "first")
-        if self.check:
-            raise ValueError("check mode reads the state back after every step: decode with "
-                             "single steps (decode_steps_per_call=1)")
-        out, self.state, seats = decode_loop(self.params, self.state, seats, n_steps, sampling,
-                                             step=self.loop_step())
-        self._before = None  # nothing to roll back: a loop's tokens are kept
-        self._pending = self._pending + (out,)
-        self._add_stats(out.stats)
-        return out, seats
-
-    def _add_stats(self, stats) -> None:
-        pass
-
-    def _check_room(self, tokens, drop_past_capacity: bool = False) -> int:
-        if self.lengths is None:
-            raise ValueError(f"{type(self).__name__}.step before prefill: prefill a batch first")
-        ways = int(np.shape(tokens)[1])
-        need = self.lengths + ways
-        worst = int(np.argmax(need))
-        if need[worst] > self.capacity and not drop_past_capacity:
-            raise ValueError(
-                f"request {worst} holds {int(self.lengths[worst])} tokens; a step of {ways} "
-                f"more needs {int(need[worst])} positions, beyond the engine's capacity of "
-                f"{self.capacity}: build the engine with a larger capacity")
-        return ways
-
-    def _stepped(self, ways: int) -> None:
-        """Host bookkeeping after a step of `ways` tokens per request (cut at capacity)."""
-        self._before = self.lengths
-        self.lengths = np.minimum(self.lengths + ways, self.capacity)
-        self.tokens_kept += int(np.sum(self.lengths - self._before))
-        self.steps += 1
-
-    def rollback(self, keep) -> None:
-        """Keep the first keep[b] tokens the last step fed request b; forget the rest.
-
-        The verification of drafts: after a step of [last token, drafts...], keep the tokens
-        whose drafts were accepted. The state afterwards equals, on every stored position, that
-        of a run that fed only the kept tokens (`fo_jax.resident.rollback`,
-        `fo_jax.offload.state.rollback`: O(B) work). At most one rollback per step; keep[b]
-        in [0, tokens the step stored for b].
-        """
-        if self._before is None:
-            raise ValueError(f"{type(self).__name__}.rollback needs a decode step to roll back "
-                             "(one rollback per step)")
-        stored = self.lengths - self._before
-        keep = np.asarray(keep)
-        if (keep.shape != stored.shape or not np.issubdtype(keep.dtype, np.integer)
-                or np.any(keep < 0) or np.any(keep > stored)):
-            raise ValueError(f"keep={keep.tolist()} must be {stored.size} ints in [0, tokens "
-                             f"the last step stored] = [0, {stored.tolist()}]")
-        drop = stored - keep
-        self.state = self._rollback(self.state, jnp.asarray(drop.astype(np.int32)))
-        self.lengths, self._before = self._before + keep, None
-        self.tokens_kept -= int(np.sum(drop))
-        if self.check:
-            self._check_state(f"rollback after decode step {self.steps}", None)
-
-
-class ResidentEngine(_Lengths):
-    """The reference path: whole KV on device.
-
-    check: debug mode: after the prefill and every step, read the state back and raise
-      StateCheckError on a non-finite stored KV row, indexer key or logit.
-    mtp: the model's multi-token-prediction parameters (`load_checkpoint(..., mtp=True)`), for
-      `generate(..., draft="mtp")`; None: none.
-    prefill / step return the last hidden states too with `hidden=True` (what the MTP drafter
-    reads; the logits are the same bit for bit).
-    """
-
-    name = "resident"
-    returns_hidden = True
-
-    def __init__(self, params, config: ModelConfig, *, batch: int, capacity: int,
-                 implementation: str | None = None, interpret=False, check: bool = False,
-                 prefill_chunk: int | None = PREFILL_CHUNK, mtp: dict | None = None):
-        check_prefill_chunk(prefill_chunk)
-        if mtp is not None:
-            from fo_jax.model.mtp import check_mtp_params
-
-            check_mtp_params(mtp, config)
-        self.mtp = mtp
-        self.params, self.config = params, config
-        self.prefill_chunk = prefill_chunk
-        self.implementation = resolve_implementation(implementation, interpret)
-        self.interpret, self.check = interpret, check
-        self.state = resident.ResidentState.create(config, batch=batch, capacity=capacity)
-        self.lengths, self.steps = None, 0
-        # Eager, one O(B) op on the lengths (committed or not as the state's, so the next
-        # step hits the same compiled program).
-        self._rollback = resident.rollback
-
-    def loop_step(self) -> ResidentStep:
-        """The step `decode` runs in its loop."""
-        return ResidentStep(self.config, self.implementation, self.interpret)
-
-    @property
-    def capacity(self) -> int:
-        return self.state.capacity
-
-    def prefill(self, tokens: np.ndarray, lengths: np.ndarray, *, hidden: bool = False):
-        """Prefill padded prompts [B, T] with `lengths` real tokens; logits of each last token
-        (with `hidden`: and the last hidden states [B, T, E] of every prompt position).
-
-        Starts a new batch: whatever an earlier generation left is dropped.
-        """
-        self.state = resident.ResidentState.create(self.config, batch=self.state.batch,
-                                                   capacity=self.state.capacity)
-        hiddens = []
-
-        def run(chunk, num_new):
-            logits, self.state, *h = resident.prefill(self.params, self.state, chunk, num_new,
-                                                      config=self.config, return_hidden=hidden)
-            hiddens.extend(h)
-            return logits
-
-        last = chunked_prefill(run, tokens, lengths, self.prefill_chunk)
-        self._start(lengths)
-        if self.check:
-            self._check_state("prefill", last)
-        if hidden:
-            return last, jnp.concatenate(hiddens, axis=1)
-        return last
-
-    def step(self, tokens, *, drop_past_capacity: bool = False, hidden: bool = False):
-        """Append tokens [B, W] to every request; logits [B, W, V] (with `hidden`: logits and
-        the last hidden states [B, W, E]).
-
-        A step past capacity is refused before it runs, unless `drop_past_capacity`: then the
-        tokens beyond capacity are dropped (their logits unspecified), as a verification step
-        does with drafts it will roll back anyway.
-        """
-        ways = self._check_room(tokens, drop_past_capacity)
-        logits, self.state, *h = resident.decode_step(
-            self.params, self.state, tokens, config=self.config, check=False,
-            implementation=self.implementation, interpret=self.interpret,
-            return_hidden=hidden)
-        self._stepped(ways)
-        if self.check:
-            self._check_state(f"decode step {self.steps}", logits)
-        return (logits, h[0]) if hidden else logits
-
-    def _check_state(self, where: str, logits) -> None:
-        _check_finite(where, self.lengths, [("KV of layer", "holds",
-                                             _kv_values(self.state.kv, self.config)),
-                                            ("indexer keys of group", "hold",
-                                             self.state.index_keys)], logits)
-
-    def device_kv_bytes(self) -> int:
-        return self.state.device_bytes()
-
-    def summary(self) -> dict:
-        return {}
-
-
-class OffloadEngine(_Lengths):
-    """FlashOffloading end to end: the offloaded prefill (a few layer buffers, KV written back
-    to host pages), the handoff, then offloaded decode steps.
-
-    num_buffers: prefill layer buffers, default min(4, L); the prefill's rule
-      (`check_num_buffers`), checked here.
-    check: debug mode: after the prefill and every step, read the whole state back and raise
-      StateCheckError on a non-finite stored host row, indexer key or logit, or a broken
-      invariant (`fo_jax.offload.invariants.check_invariants`, with the step's selection).
-    mtp: the model's multi-token-prediction parameters, for `generate(..., draft="mtp")`
-      (as ResidentEngine); prefill / step return the last hidden states too with `hidden=True`.
-    Every setting is checked on construction, before anything runs.
-    """
-
-    name = "offload"
-    returns_hidden = True
-
-    def __init__(self, params, config: ModelConfig, *, offload: OffloadConfig, batch: int,
-                 implementation: str | None = None, interpret=False,
-                 num_buffers: int | None = None, check: bool = False,
-                 prefill_chunk: int | None = PREFILL_CHUNK, mtp: dict | None = None):
-        offload.validate_for(config)
-        check_prefill_chunk(prefill_chunk)
-        if mtp is not None:
-            from fo_jax.model.mtp import check_mtp_params
-
-            check_mtp_params(mtp, config)
-        self.mtp = mtp
-        self.prefill_chunk = prefill_chunk
-        self.num_buffers = check_num_buffers(
-            min(4, config.num_layers) if num_buffers is None else num_buffers, config.num_layers)
-        self.params, self.config, self.offload = params, config, offload
-        self.implementation = offload_decode.check_implementation(implementation, interpret,
-                                                                  offload)
-        self.interpret, self.check = interpret, check
-        self.batch = batch
-        self.state: DecodeState | None = None
-        self.totals = None
-        self.lengths, self.steps = None, 0
-        # Eager: one O(B) op on the lengths; the other leaves (host pages included) pass as
-        # they are. Committed, so the next step hits the same compiled program.
-        self._rollback = lambda state, drop: offload_state.committed(
-            offload_state.rollback(state, drop))
-
-    def loop_step(self) -> OffloadedStep:
-        """The step `decode` runs in its loop."""
-        return OffloadedStep(self.config, self.offload, self.implementation, self.interpret)
-
-    @property
-    def capacity(self) -> int:
-        return self.offload.capacity
-
-    def prefill(self, tokens: np.ndarray, lengths: np.ndarray, *, hidden: bool = False):
-        """As ResidentEngine.prefill, offloaded (with `hidden`: and the last hidden states)."""
-        oc = self.offload
-        state = offload_prefill.PrefillState.create(
-            self.config, batch=self.batch, capacity=oc.capacity, page_size=oc.page_size,
-            memory_kind=oc.host_memory_kind)
-        hiddens = []
-
-        def run(chunk, num_new):
-            nonlocal state
-            logits, state, *h = offload_prefill.prefill(
-                self.params, state, chunk, num_new, config=self.config,
-                num_buffers=self.num_buffers, host_access=oc.host_access, return_hidden=hidden)
-            hiddens.extend(h)
-            return logits
-
-        last = chunked_prefill(run, tokens, lengths, self.prefill_chunk)
-        self.state = offload_prefill.to_decode_state(state, config=self.config, offload=oc)
-        self.totals = None
-        self._start(lengths)
-        if self.check:
-            self._check_state("prefill", last)
-        if hidden:
-            return last, jnp.concatenate(hiddens, axis=1)
-        return last
-
-    def step(self, tokens, *, drop_past_capacity: bool = False, hidden: bool = False):
-        """Append tokens [B, W] to every request; logits [B, W, V] (as ResidentEngine.step;
-        with `hidden`: logits and the last hidden states [B, W, E])."""
-        ways = self._check_room(tokens, drop_past_capacity)
-        logits, self.state, stats, *h = offload_decode.decode_step(
-            self.params, self.state, tokens, config=self.config, offload=self.offload,
-            check=False, implementation=self.implementation, interpret=self.interpret,
-            return_hidden=hidden)
-        self._stepped(ways)
-        self._add_stats(stats)
-        if self.check:
-            # The selection check needs the length before the step: known unless cut.
-            whole = bool(np.all(self.lengths - self._before == ways))
-            self._check_state(f"decode step {self.steps}", logits,
-                              stats.selected if whole else None)
-        return (logits, h[0]) if hidden else logits
-
-    def _add_stats(self, stats) -> None:
-        """Add a step's DecodeStats (or a loop's LoopStats) to the totals, on the device."""
-        # float32 sums: int32 byte counters would overflow within a few steps at real sizes.
-        counts = {name: getattr(stats, name).astype(jnp.float32).sum()
-                  for name in ("hits", "tail_hits", "misses", "union", "h2d_bytes",
-                               "d2h_bytes")}
-        self.totals = counts if self.totals is None else jax.tree_util.tree_map(
-            jnp.add, self.totals, counts)
-
-    def _check_state(self, where: str, logits, selected=None) -> None:
-        state = self.state
-        # Per-request rows and keys, read through the page table: [L, B, S, D+R], [G, B, S, N].
-        _check_finite(where, self.lengths, [("host KV of layer", "holds",
-                                             _kv_values(state.token_rows(), self.config)),
-                                            ("indexer keys of group", "hold",
-                                             state.token_index_keys())], logits)
-        try:
-            check_invariants(state, config=self.config, offload=self.offload, selected=selected)
-        except AssertionError as err:
-            raise StateCheckError(f"{where}: invariant violated: {err}") from None
-
-    def device_kv_bytes(self) -> int:
-        return self.state.device_bytes()
-
-    def summary(self) -> dict:
-        """Hit rate and bytes moved per generated token (one host read, at the end).
-
-        Counts include the rows the rejected drafts of verification steps moved; "per token"
-        divides by the tokens kept.
-
-        With no decode step yet (a generation of one new token) the hit rate is None and the
-        counts are 0.
-        """
-        host_kv = self.state.host_bytes() if self.state is not None else 0
-        if self.totals is None:
-            return {"decode_steps": 0, "hit_rate": None, "misses": 0,
-                    "h2d_bytes_per_token": 0.0, "d2h_bytes_per_token": 0.0,
-                    "host_kv_bytes": host_kv}
-        t = {k: float(v) for k, v in jax.device_get(self.totals).items()}
-        selected = t["hits"] + t["tail_hits"] + t["misses"]
-        tokens = max(self.tokens_kept, 1)  # steps x batch without drafts
-        return {
-            "decode_steps": self.steps,
-            "hit_rate": (t["hits"] + t["tail_hits"]) / max(selected, 1),
-            "misses": int(t["misses"]),
-            "h2d_bytes_per_token": t["h2d_bytes"] / tokens,
-            "d2h_bytes_per_token": t["d2h_bytes"] / tokens,
-            "host_kv_bytes": host_kv,
-        }
 
 
 @dataclasses.dataclass
@@ -603,7 +153,7 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
     `extra` of the result holds the drafting figures with a drafter: "tokens_per_step" (mean
     tokens generated per request and step), "accepted_drafts", "proposed_drafts".
       decode_steps_per_call: N > 1 runs N steps per compiled call with on-device sampling
-        (`fo_jax.engine.decode_loop`): the same tokens as N = 1 (one jitted step and one
+        (`fo_jax.decode_loop`): the same tokens as N = 1 (one jitted step and one
         sampling call per token from Python), with one host dispatch per N tokens; not with
         a drafter.
       stop_tokens: ids that end a request (a checkpoint's EOS ids): generation ends once every
@@ -726,7 +276,8 @@ def _speculate(engine, drafter, num_drafts: int, prompts, first: np.ndarray,
     are within capacity, so their unspecified logits decide nothing): the capacity W = 1
     needs is enough. With `stop_tokens` the loop ends once every request has generated one
     (the tokens past that column are those never generated: zeros). Host work per step:
-    O(B W) besides the drafter; the sampled verification is one jitted call of O(B W V log V).
+    O(B W) besides the drafter; the verification is one jitted call (the decode loop's rule),
+    O(B W V) greedy, O(B W V log V) sampled.
     """
     config = engine.config
     needs_hidden = getattr(drafter, "needs_hidden", False)
@@ -737,8 +288,8 @@ def _speculate(engine, drafter, num_drafts: int, prompts, first: np.ndarray,
     rows = np.arange(batch)
     emitted, accepted_total, proposed, request_steps = 0, 0, 0, 0
     step = 0
-    sampling = (Sampling.create(batch, temperature=temperature, top_p=top_p)
-                if temperature > 0 else None)
+    sampling = Sampling.create(batch, temperature=temperature, top_p=top_p)
+    key = jax.random.key(0) if key is None else key  # read only when sampled
     while np.any(count < max_new_tokens):
         if stop_tokens and all(np.isin(generated[b, :count[b]], stop_tokens).any()
                                for b in range(batch)):
@@ -759,13 +310,10 @@ def _speculate(engine, drafter, num_drafts: int, prompts, first: np.ndarray,
             logits = engine.step(fed, drop_past_capacity=True)
         if on_step is not None:
             on_step(step, fed, logits)
-        if sampling is None:
-            tokens = np.asarray(jnp.argmax(logits, axis=-1)).astype(np.int32)  # [B, W]
-            accepted = np.cumprod(drafts == tokens[:, :-1], axis=1).sum(axis=1)
-        else:
-            tokens, accepted, key = _speculative_tokens(
-                jnp.asarray(fed, jnp.int32), logits, key, sampling, jnp.asarray(remaining > 0))
-            tokens, accepted = np.asarray(tokens), np.asarray(accepted)
+        # The decode loop's verification, greedy and sampled alike (`speculative_tokens`).
+        tokens, accepted, key = _speculative_tokens(
+            np.asarray(fed, np.int32), logits, key, sampling, np.asarray(remaining > 0))
+        tokens, accepted = np.asarray(tokens), np.asarray(accepted)
         keep = np.minimum(accepted + 1, remaining)
         engine.rollback(keep)
         if needs_hidden:
@@ -802,3 +350,8 @@ def _progress(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, disable=not enabled, unit="tok", desc="decode", leave=False)
+
+
+__all__ = ["GenerationResult", "OffloadEngine", "PREFILL_CHUNK", "ResidentEngine",
+           "StateCheckError", "check_decode_steps_per_call", "check_draft",
+           "check_prefill_chunk", "chunked_prefill", "generate", "pad_prompts"]

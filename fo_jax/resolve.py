@@ -1,5 +1,6 @@
 """Which model a command runs: its config, a loader of its weights and its tokenizer, from
-the `--model` / `--model-dir` / `--weights` flags, and the memory check before any weight is read.
+the model flags (`fo_jax.flags.ModelArgs`: `--model` / `--model-dir` / `--weights`, ...), and
+the memory check before any weight is read.
 
 The `fo-jax` commands (`fo_jax.cli`) and the server (`fo_jax.server.serve`) resolve models
 here, reading only config and tokenizer files: the embedded model and model directories come
@@ -8,7 +9,7 @@ with weights (`load()` reads them, after `check_param_memory`), a preset gets ra
 
 from __future__ import annotations
 
-DEFAULT_MODEL = "trained-small"
+from fo_jax.flags import DEFAULT_MODEL, ModelArgs
 
 
 def format_bytes(n: float) -> str:
@@ -143,18 +144,25 @@ def with_kv_format(config, kv_format: str | None):
         raise ValueError(f"--kv-format {kv_format}: {err}") from None
 
 
-def resolve_model(args):
-    """(config, load weights or None, tokenizer or None) from --model / --model-dir /
-    --weights, reading only config and tokenizer files: the embedded model and model
-    directories come with weights (`load()` reads them, after the memory check) and a
-    tokenizer; a preset gets random weights (or --weights) and the byte tokenizer. With a
-    --kv-format flag (`generate`, `serve`, `bench-serve`), the config stores its KV rows so
-    (`with_kv_format`)."""
+def resolve_model(args: ModelArgs):
+    """(config, load weights or None, tokenizer or None) of the model flags `args`, reading
+    only config and tokenizer files: the embedded model and model directories come with
+    weights (`load()` reads them, after the memory check) and a tokenizer; a preset gets random
+    weights (or --weights) and the byte tokenizer. The config stores its KV rows as
+    --kv-format says (`with_kv_format`).
+
+    Raises:
+      ValueError: flags that do not go together, or files that are missing or malformed,
+        naming the flag or the file.
+    """
+    if not isinstance(args, ModelArgs):
+        raise TypeError(f"resolve_model takes a fo_jax.flags.ModelArgs "
+                        f"(ModelArgs.from_cli_args), got {type(args).__name__}")
     config, load, tokenizer = _resolve_model(args)
-    return with_kv_format(config, getattr(args, "kv_format", None)), load, tokenizer
+    return with_kv_format(config, args.kv_format), load, tokenizer
 
 
-def _resolve_model(args):
+def _resolve_model(args: ModelArgs):
     """`resolve_model` before --kv-format."""
     import functools
 
@@ -162,7 +170,7 @@ def _resolve_model(args):
     from fo_jax.config import get_config
     from fo_jax.tokenizer import load_tokenizer
 
-    fp8 = getattr(args, "checkpoint_weights", None)  # generate and serve have the flag
+    fp8 = args.checkpoint_weights
     if args.model_dir is not None:
         if args.model is not None or args.weights is not None:
             raise ValueError("--model-dir brings its own config and weights: drop --model / "

@@ -7,7 +7,7 @@
 
     sharded_decode_step (+ lower_sharded_decode_step), sharded_resident_decode_step,
     sharded_decode_loop, sharded_prefill, sharded_to_decode_state        steps
-    DataParallelOffloadEngine                  fo_jax.generate's OffloadEngine over them
+    DataParallelOffloadEngine                  fo_jax.batch_engines' OffloadEngine over them
 
 Each step wraps the single-device step's pure program in `shard_map` over `data`: every rank
 runs it on its B/D requests and F/D frames, in one compiled program for all ranks, with no
@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from fo_jax import decode_loop, generate, resident
+from fo_jax import batch_engines, decode_loop, resident
 from fo_jax.config import ModelConfig
 from fo_jax.decode_loop import LoopOutput
 from fo_jax.model.kv_format import kv_fill
@@ -395,11 +395,12 @@ def _loop_program(mesh: Mesh, step, n_steps: int, rules_key):
 
 def sharded_decode_loop(params, state, seats, n_steps: int, sampling, *, mesh: Mesh, step,
                         rules=None):
-    """`fo_jax.engine.decode_loop`, data-parallel over `data`: up to `n_steps` decode steps
+    """`fo_jax.decode_loop.decode_loop`, data-parallel over `data`: up to `n_steps` decode steps
     with on-device sampling in one program, each rank looping over its B/D requests and its
     pool shard (offloaded) or KV shard (resident) and leaving its loop when its own requests
     are done (no collective inside the loop; under `ALL_TO_ALL_RULES` the MoE layers'
-    all-to-alls, and the ranks leave together when all are done). (LoopOutput, new state, new seats), split over
+    all-to-alls, and the ranks leave together when all are done). (LoopOutput, new state,
+    new seats), split over
     `data`; `num_steps` is the busiest rank's, and so are the state's step counter and random
     policy key (values every rank holds alike: each rank's are what its loop would hold after
     inactive steps up to that count). state: placed by `shard_state` (donated); seats, sampling: as
@@ -520,9 +521,9 @@ def sharded_to_decode_state(state, *, mesh: Mesh, config: ModelConfig,
                         else _put(x, s), out, placed)
 
 
-class DataParallelOffloadEngine(generate.OffloadEngine):
-    """`fo_jax.generate.OffloadEngine` data-parallel over a mesh's `data` axis: the prefill,
-    the handoff and every decode step run on each rank's B/D requests and pool shard
+class DataParallelOffloadEngine(batch_engines.OffloadEngine):
+    """`fo_jax.batch_engines.OffloadEngine` data-parallel over a mesh's `data` axis: the
+    prefill, the handoff and every decode step run on each rank's B/D requests and pool shard
     (`sharded_prefill`, `sharded_to_decode_state`, `sharded_decode_step`, and
     `sharded_decode_loop` for decode_steps_per_call > 1). XLA implementation; no drafts, no
     debug checks. rules: `fo_jax.sharding`'s (None: `RULES`; `ALL_TO_ALL_RULES` with params
@@ -531,7 +532,7 @@ class DataParallelOffloadEngine(generate.OffloadEngine):
 
     def __init__(self, params, config: ModelConfig, *, mesh: Mesh, offload: OffloadConfig,
                  batch: int, num_buffers: int | None = None,
-                 prefill_chunk: int | None = generate.PREFILL_CHUNK, rules=None):
+                 prefill_chunk: int | None = batch_engines.PREFILL_CHUNK, rules=None):
         super().__init__(params, config, offload=offload, batch=batch, implementation="xla",
                          num_buffers=num_buffers, prefill_chunk=prefill_chunk)
         if batch % data_size(mesh):
@@ -558,7 +559,7 @@ class DataParallelOffloadEngine(generate.OffloadEngine):
                                             rules=self.rules)
             return logits
 
-        last = generate.chunked_prefill(run, tokens, lengths, self.prefill_chunk)
+        last = batch_engines.chunked_prefill(run, tokens, lengths, self.prefill_chunk)
         self.state = sharded_to_decode_state(state, mesh=self.mesh, config=self.config,
                                              offload=oc, rules=self.rules)
         self.totals = None

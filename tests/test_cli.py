@@ -165,7 +165,7 @@ def test_generate_with_ngram_drafts_checks_bitwise_and_reports_tokens_per_step(c
               "--prompt", "\n".join(["        self.check_error(self.get_args, **kwargs)"] * 3)]
     assert main(common) == 0
     plain = capsys.readouterr().out
-    code = main(common + ["--offload", "--check", "--draft", "ngram"])
+    code = main(common + ["--offload", "--check", "--drafter", "ngram"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert out.split("--- summary ---")[0] == plain.split("--- summary ---")[0]
@@ -178,7 +178,7 @@ def test_generate_with_ngram_drafts_checks_bitwise_and_reports_tokens_per_step(c
 
 def test_generate_with_ngram_drafts_samples(capsys):
     # Drafts at temperature > 0: speculative sampling (fo_jax.generate.generate).
-    code = main(["generate", "--model", "tiny", "--draft", "ngram", "--temperature", "0.8",
+    code = main(["generate", "--model", "tiny", "--drafter", "ngram", "--temperature", "0.8",
                  "--top-p", "0.9", "--max-new-tokens", "4", "--prompt", "abcabc",
                  "--num-drafts", "1", "--no-progress"])
     out = capsys.readouterr().out
@@ -188,15 +188,20 @@ def test_generate_with_ngram_drafts_samples(capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["generate", "--model", "tiny", "--draft", "mtp"],
+    (["generate", "--model", "tiny", "--drafter", "mtp"],
      "draft='mtp' needs the multi-token-prediction layer of the model (num_nextn_predict_layers "
      "of a DeepSeek-V3.2 / GLM-5 checkpoint); model 'tiny' has no MTP layer loaded"),
-    (["generate", "--model", "tiny", "--draft", "ngram", "--num-drafts", "9"],
+    (["generate", "--model", "tiny", "--drafter", "ngram", "--num-drafts", "9"],
      "num_drafts=9 must be an int in [1, max_ways - 1 = 3] of config 'tiny'"),
-    (["generate", "--model", "tiny", "--draft", "ngram", "--decode-steps-per-call", "2"],
-     "--draft ngram verifies drafts step by step from the host: use --decode-steps-per-call 1"),
-    (["generate", "--model", "tiny", "--num-drafts", "2"],
-     "--num-drafts applies with --draft ngram or mtp only"),
+    (["generate", "--model", "tiny", "--drafter", "ngram", "--decode-steps-per-call", "2"],
+     "--drafter ngram verifies drafts step by step from the host: use --decode-steps-per-call 1"),
+    # --num-drafts D alone drafts with ngram (as serve and bench-serve); a drafter needs D >= 1.
+    (["generate", "--model", "tiny", "--num-drafts", "2", "--decode-steps-per-call", "2"],
+     "--drafter ngram verifies drafts step by step from the host"),
+    (["generate", "--model", "tiny", "--drafter", "ngram", "--num-drafts", "0"],
+     "--drafter ngram needs --num-drafts >= 1"),
+    (["generate", "--model", "tiny", "--drafter", "ngram", "--devices", "1", "--offload"],
+     "--drafter does not run with --devices"),
 ])
 def test_draft_errors_exit_2_with_a_message(capsys, argv, message):
     assert main(argv) == 2

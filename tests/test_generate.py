@@ -108,3 +108,26 @@ def test_engines_prefill_long_prompts_in_chunks(monkeypatch):
     with pytest.raises(ValueError, match=r"prefill_chunk=0 must be an int >= 1 \(prompt tokens "
                                          r"per prefill call\), or None for the whole prompt"):
         gen.OffloadEngine(params, CONFIG, offload=offload, batch=2, prefill_chunk=0)
+
+
+def test_engines_step_with_the_decode_loops_steps():
+    """One decode core: the engines `generate` drives (fo_jax.batch_engines, re-exported by
+    fo_jax.generate) step with the step objects the decode loop runs, one each, so a step from
+    the host and a step inside `decode_loop` are the same program's step."""
+    from fo_jax import batch_engines
+    from fo_jax.decode_loop import OffloadedStep, ResidentStep
+
+    assert gen.ResidentEngine is batch_engines.ResidentEngine
+    assert gen.OffloadEngine is batch_engines.OffloadEngine
+    params = init_params(CONFIG, jax.random.key(0))
+    res = gen.ResidentEngine(params, CONFIG, batch=1, capacity=16)
+    off = gen.OffloadEngine(params, CONFIG, batch=1,
+                            offload=OffloadConfig(hot_slots=64, page_size=8, capacity=16))
+    for engine, kind in ((res, ResidentStep), (off, OffloadedStep)):
+        assert isinstance(engine.loop_step(), kind) and engine.loop_step() is engine.loop_step()
+        calls = []
+        step = engine.loop_step()
+        engine._loop_step = lambda *a, step=step, **k: (calls.append(1), step(*a, **k))[1]
+        engine.prefill(np.asarray([[40, 41, 42]]), np.asarray([3]))
+        logits = engine.step(np.asarray([[43]]))
+        assert calls == [1] and logits.shape == (1, 1, CONFIG.vocab_size)

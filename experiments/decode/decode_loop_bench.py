@@ -5,7 +5,7 @@ One question, one run (ratios are to the baseline measured in the same run):
   python    today's generation loop (`fo_jax.generate.generate` with decode_steps_per_call=1):
             per token, one jitted decode step, a key split and a jitted sampling call
             dispatched from Python (no host sync per step);
-  loop N    `fo_jax.engine.decode_loop` with N steps per call (sampling, stop checks and
+  loop N    `fo_jax.decode_loop.decode_loop` with N steps per call (sampling, stop checks and
             statistics on the device): one dispatch per N tokens.
 
 With `--num-drafts D` the question is drafts in the loop instead (greedy, prefilled prompts that

@@ -3,10 +3,13 @@
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
     engine_args = EngineArgs.from_cli_args(parser.parse_args())   # flags checked here
+    config, load, tokenizer = resolve_model(engine_args.model_args)   # fo_jax.resolve
     offload = engine_args.offload_config(config)                  # checked against the model
     settings = engine_args.engine_settings(config, offload)       # fo_jax.engine.EngineSettings
 
-`EngineArgs` holds the flags' values as parsed (GB, -1 for "no aging", ...), one field per flag;
+`EngineArgs` holds the flags' values as parsed (GB, -1 for "no aging", ...), one field per flag,
+the model flags and the drafting flags being those every command shares (`fo_jax.flags`:
+`ModelArgs`, `add_drafting_args`, as `fo-jax generate` takes them);
 `from_cli_args` checks the rules between flags (an offloaded-only flag without --offload, ...)
 before any model is read, with messages that name the flags; `engine_settings` turns them into
 the engine's settings (`fo_jax.engine.settings`: bytes, None, ...), which check themselves
@@ -19,9 +22,10 @@ import argparse
 import dataclasses
 
 from fo_jax import flags
-from fo_jax.config import KV_FORMATS, ModelConfig
+from fo_jax.config import ModelConfig
 from fo_jax.engine.settings import (CacheSettings, EngineSettings, SchedulerSettings,
                                     SpeculativeSettings)
+from fo_jax.flags import ModelArgs, add_drafting_args, drafting
 from fo_jax.offload.config import MEMORY_KINDS, OffloadConfig, check_hot_slots, min_hot_slots
 
 PLACEMENTS = ("round_robin", "least_requests", "least_context", "least_misses")
@@ -30,18 +34,14 @@ DEFAULT_CAPACITY = 2048  # --capacity default: min(max_seq_len, this)
 
 @dataclasses.dataclass(frozen=True)
 class EngineArgs:
-    """The model and engine flags, one field per flag (`add_cli_args` gives each its help).
+    """The model and engine flags, one field per flag (`add_cli_args` gives each its help);
+    the model flags are `model_args` (`fo_jax.flags.ModelArgs`).
 
     Raises (at construction, `__post_init__`):
       ValueError: flags that cannot go together or are out of range, naming the flags.
     """
 
-    model: str | None = None
-    model_dir: str | None = None
-    weights: str | None = None
-    checkpoint_weights: str | None = None
-    kv_format: str | None = None
-    seed: int = 0
+    model_args: ModelArgs = ModelArgs()
     seats: int = 4
     capacity: int | None = None
     offload: bool = False
@@ -57,36 +57,16 @@ class EngineArgs:
     queue_order: str = "fifo"
     max_wait_steps: int = 256
     decode_steps_per_call: int = 1
-    num_drafts: int = 0
-    drafter: str = "ngram"
+    num_drafts: int | None = None
+    drafter: str | None = None
     prefill_chunk: int = 256
     devices: int | None = None
     placement: str | None = None
-    max_param_gb: float | None = None
-    no_progress: bool = False
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """Add the model and engine flags to `parser`."""
-        parser.add_argument("--model", default=None,
-                            help="trained-small (default: the model shipped with the package) "
-                                 "or a preset with random weights (tiny, small) or --weights")
-        parser.add_argument("--model-dir", default=None,
-                            help="a model directory (fo_jax.embedded)")
-        parser.add_argument("--weights", default=None,
-                            help="safetensors weights for a --model preset")
-        parser.add_argument("--checkpoint-weights", default=None, choices=("fp8", "dequantize"),
-                            help="a Hugging Face --model-dir's FP8 weights: fp8 keeps them FP8 "
-                                 "(multiplied in FP8 with their block scales), dequantize "
-                                 "converts them on load (default: fp8 for a checkpoint with a "
-                                 "quantization_config)")
-        parser.add_argument("--kv-format", default=None, choices=KV_FORMATS,
-                            help="how KV rows are stored, resident and offloaded alike: bf16, "
-                                 "or fp8_ds_mla (DeepSeek's 656-byte FP8 rows at real size) "
-                                 "(default: the model's own, bf16 for the presets and the "
-                                 "embedded model)")
-        parser.add_argument("--seed", type=flags.seed, default=0,
-                            help="random weights of a --model preset")
+        ModelArgs.add_cli_args(parser)
         parser.add_argument("--seats", type=int, default=4, help="requests decoded at once")
         parser.add_argument("--capacity", type=int, default=None,
                             help="tokens per seat, prompt + output (default: min(max_seq_len, "
@@ -134,16 +114,7 @@ class EngineArgs:
                             help="with --queue-order shortest: engine steps after which a "
                                  "waiting request goes ahead of shorter ones (-1: no aging)")
         parser.add_argument("--decode-steps-per-call", type=int, default=1)
-        parser.add_argument("--num-drafts", type=int, default=0,
-                            help="drafts per request and decode step, verified on the device "
-                                 "(speculative sampling at temperature > 0; 0 = none; at most "
-                                 "the model's max_ways - 1)")
-        parser.add_argument("--drafter", choices=("ngram", "mtp"), default="ngram",
-                            help="with --num-drafts: n-gram lookup in each request's history, "
-                                 "or the model's MTP layer (a --model-dir Hugging Face "
-                                 "checkpoint with num_nextn_predict_layers >= 1; a preset's "
-                                 "random weights get a random one; with --devices, one copy "
-                                 "per device)")
+        add_drafting_args(parser)  # --drafter, --num-drafts: as `fo-jax generate`
         parser.add_argument("--prefill-chunk", type=int, default=256)
         parser.add_argument("--devices", type=int, default=None,
                             help="serve data-parallel on this many local devices: one engine "
@@ -155,15 +126,15 @@ class EngineArgs:
                             help="with --devices: the rank of a new request (default "
                                  "least_misses with --offload, else least_context; "
                                  "fo_jax.placement)")
-        parser.add_argument("--max-param-gb", type=float, default=None)
-        parser.add_argument("--no-progress", action="store_true")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
         """The engine flags of parsed `args` (a parser given `add_cli_args`; other flags are
         left alone), checked."""
         values = vars(args)
-        return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
+        return cls(model_args=ModelArgs.from_cli_args(args),
+                   **{f.name: values[f.name] for f in dataclasses.fields(cls)
+                      if f.name != "model_args"})
 
     def __post_init__(self):
         for flag in ("seats", "decode_steps_per_call", "prefill_chunk", "page_size"):
@@ -200,6 +171,11 @@ class EngineArgs:
         if self.devices is not None and self.placement == "least_misses" and not self.offload:
             raise ValueError("--placement least_misses needs --offload (the resident path "
                              "copies no misses)")
+
+    def drafting(self, config: ModelConfig) -> tuple[str | None, int]:
+        """(drafter or None, drafts per step) of --drafter and --num-drafts for `config`
+        (`fo_jax.flags.drafting`: --num-drafts defaults to max_ways - 1 with a drafter)."""
+        return drafting(self.drafter, self.num_drafts, config)
 
     def capacity_for(self, config: ModelConfig) -> int:
         """--capacity, or its default min(max_seq_len, 2048)."""
@@ -239,8 +215,9 @@ class EngineArgs:
             order=self.queue_order, reserve=self.reserve, device_bytes=gb(self.device_gb),
             max_wait_steps=None if self.max_wait_steps == -1 else self.max_wait_steps,
             prefill_chunk=self.prefill_chunk, decode_steps_per_call=self.decode_steps_per_call)
+        drafter, num_drafts = self.drafting(config)
         return EngineSettings(cache=cache, scheduler=scheduler, speculative=SpeculativeSettings(
-            num_drafts=self.num_drafts, drafter=self.drafter))
+            num_drafts=num_drafts, drafter=drafter or "ngram"))
 
 
 __all__ = ["EngineArgs", "PLACEMENTS"]

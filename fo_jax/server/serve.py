@@ -217,32 +217,33 @@ def build_engine(args, *, metrics_jsonl: str | None = None):
     from fo_jax.weights import load_params
 
     engine_args = EngineArgs.from_cli_args(args)
-    config, load, tokenizer = resolve_model(engine_args)
+    model_args = engine_args.model_args
+    config, load, tokenizer = resolve_model(model_args)
     if tokenizer is None:
         tokenizer = ByteTokenizer()
         if config.vocab_size < 256:
             raise ValueError(f"the byte tokenizer needs vocab_size >= 256; {config.name!r} has "
                              f"{config.vocab_size}")
-    num_drafts = engine_args.num_drafts
+    drafter, num_drafts = engine_args.drafting(config)
     try:
         check_drafting(num_drafts, config)
     except ValueError as err:
         raise ValueError(f"--num-drafts {num_drafts}: {err}") from None
-    if engine_args.drafter == "mtp":
+    if drafter == "mtp":
         _check_mtp_flags(config, load, num_drafts)
     offload = engine_args.offload_config(config)
     devices = _devices(engine_args, metrics_jsonl)
-    check_param_memory(config, engine_args.max_param_gb)
+    check_param_memory(config, model_args.max_param_gb)
     mtp = None
-    if load is not None and engine_args.drafter == "mtp":
+    if load is not None and drafter == "mtp":
         _, params, mtp = load(mtp=True)
     elif load is not None:
         params = load()[1]
     else:
-        seed = engine_args.seed
-        params = (load_params(engine_args.weights, config) if engine_args.weights
+        seed = model_args.seed
+        params = (load_params(model_args.weights, config) if model_args.weights
                   else random_params(config, seed))
-        if engine_args.drafter == "mtp":  # a preset's random weights: a random MTP layer too
+        if drafter == "mtp":  # a preset's random weights: a random MTP layer too
             from fo_jax.model.mtp import init_mtp_params
 
             mtp = init_mtp_params(config, jax.random.key(seed + 1))

@@ -107,8 +107,8 @@ def test_mtp_needs_an_mtp_layer(tmp_path, random_params):
 
 
 def test_cli_draft_mtp_from_a_model_dir(tmp_path, capsys):
-    # A tiny HF checkpoint with an MTP layer and a tokenizer: --draft mtp prints the text of
-    # --draft none and its drafting figures, resident and offloaded (checked bitwise).
+    # A tiny HF checkpoint with an MTP layer and a tokenizer: --drafter mtp prints the text of
+    # a run without drafts and its drafting figures, resident and offloaded (checked bitwise).
     from fo_jax.cli import main
     from tests.checkpoints.hf_tiny import tiny_hf_config, write_tokenizer
 
@@ -121,12 +121,12 @@ def test_cli_draft_mtp_from_a_model_dir(tmp_path, capsys):
               "--max-new-tokens", "6", "--no-progress"]
     assert main(common) == 0
     plain = capsys.readouterr().out
-    assert main(common + ["--draft", "mtp"]) == 0
+    assert main(common + ["--drafter", "mtp"]) == 0
     out = capsys.readouterr().out
     assert out.split("--- summary ---")[0] == plain.split("--- summary ---")[0]
     assert re.search(r"drafts: mtp, 3 per step: [0-9.]+ tokens per step over \d+ steps "
                      r"\(accepted \d+ of \d+ drafts\)", out), out
-    assert main(common + ["--draft", "mtp", "--offload", "--check"]) == 0
+    assert main(common + ["--drafter", "mtp", "--offload", "--check"]) == 0
     out = capsys.readouterr().out
     assert out.split("--- summary ---")[0] == plain.split("--- summary ---")[0]
     assert "offloaded logits bitwise equal to the resident model's" in out

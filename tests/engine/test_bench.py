@@ -146,7 +146,8 @@ def test_mtp_drafter_flag_loads_the_checkpoints_mtp_layer(capsys, tmp_path):
                                              "--num-drafts", "1", "--drafter", "mtp"]))[0]
     assert engine.drafter == "mtp" and engine.num_drafts == 1 and "eh_proj" in engine.mtp
     for flags, message in (
-            (["--model-dir", parity], "--drafter mtp needs --num-drafts >= 1"),
+            (["--model-dir", parity, "--num-drafts", "0"],
+             "--drafter mtp needs --num-drafts >= 1"),
             (["--model", "tiny", "--num-drafts", "1"],
              "--drafter mtp needs a model with an MTP layer (num_nextn_predict_layers >= 1); "
              "'tiny' has none: use --drafter ngram")):

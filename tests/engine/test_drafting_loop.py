@@ -1,8 +1,9 @@
 """Drafts inside the jitted decode loop (fo_jax.decode_loop, fo_jax.engine.engine): the device
-n-gram drafter proposes what the host NGramDrafter proposes; a loop with drafts yields the
-tokens of host-driven drafting (`fo_jax.generate.generate(..., draft="ngram")`, greedy or
-sampled with the same key) and of W = 1 greedy decoding, in fewer steps; an engine with drafts gives every request the tokens it gets
-alone in the same engine, bit for bit, and never yields past max_tokens or a stop token."""
+n-gram rule proposes what a plain numpy reference proposes (and the host NGramDrafter runs that
+rule); a loop with drafts yields the tokens of host-driven drafting
+(`fo_jax.generate.generate(..., draft="ngram")`, greedy or sampled with the same key) and of
+W = 1 greedy decoding, in fewer steps; an engine with drafts gives every request the tokens it
+gets alone in the same engine, bit for bit, and never yields past max_tokens or a stop token."""
 
 import functools
 
@@ -43,10 +44,29 @@ def _params():
 def _offload():
     return OffloadConfig(hot_slots=12, page_size=4, capacity=CAPACITY, policy="ring")
 
+def ngram_reference(history, num_drafts: int, *, max_ngram: int, min_ngram: int):
+    """The n-gram rule, plainly, for one history (numpy): for n = max_ngram down to
+    min_ngram, the most recent earlier match of the last n tokens and what followed it, the
+    missing drafts filled with the last token found (or the history's last token)."""
+    history = np.asarray(history).reshape(-1)
+    found = np.zeros(0, history.dtype)
+    for n in range(min(max_ngram, history.size - 1), min_ngram - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(history[:-1], n)
+        hits = np.flatnonzero(np.all(windows == history[-n:], axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            found = history[start:start + num_drafts]
+            break
+    out = np.full(num_drafts, found[-1] if found.size else history[-1], history.dtype)
+    out[:found.size] = found
+    return out
+
+
 @pytest.mark.parametrize("ngram", [(1, 3), (2, 2), (1, 1), (2, 4)])
 def test_device_drafter_equals_the_host_drafter(ngram):
     """Random histories over a 4-token vocabulary (many matches, at every n), garbage past each
-    history's length; 1 and 3 drafts (continuations cut at the history's end, filled)."""
+    history's length; 1 and 3 drafts (continuations cut at the history's end, filled): the
+    device rule equals the plain numpy reference, and the host drafter runs the same rule."""
     lo, hi = ngram
     rng = np.random.default_rng(hi)
     histories = rng.integers(0, 4, (48, 20)).astype(np.int32)
@@ -55,8 +75,11 @@ def test_device_drafter_equals_the_host_drafter(ngram):
     for num_drafts in (1, 3):
         got = ngram_drafts(jnp.asarray(histories), jnp.asarray(lengths), num_drafts,
                            max_ngram=hi, min_ngram=lo)
-        want = drafter.propose([h[:n] for h, n in zip(histories, lengths)], num_drafts)
+        want = np.stack([ngram_reference(h[:n], num_drafts, max_ngram=hi, min_ngram=lo)
+                         for h, n in zip(histories, lengths)])
         np.testing.assert_array_equal(np.asarray(got), want)
+        np.testing.assert_array_equal(
+            drafter.propose([h[:n] for h, n in zip(histories, lengths)], num_drafts), want)
 
 MAX_NEW = 12
 
