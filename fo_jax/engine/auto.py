@@ -52,7 +52,8 @@ class AutoEngine:
       prefix_cache_bytes, prefix_cache_memory: the resident tier's prefix store (see
         `Engine`); the offloaded tier's cache lives in its pool.
       engine_kwargs: every other keyword (decode_steps_per_call, prefill_chunk, tokenizer,
-        max_stop_ids, query_block, implementation, ...) goes to both engines.
+        max_stop_ids, query_block, implementation, ...) goes to both engines; both run
+        without overlap (overlap=True is refused: the moves need exact lengths).
     Raises:
       ValueError: bad settings, before anything is allocated.
     """
@@ -74,6 +75,11 @@ class AutoEngine:
             if name in engine_kwargs:
                 raise ValueError(f"{name} is not an AutoEngine setting (give resident_seats, "
                                  "resident_capacity, offload and offload_seats)")
+        if engine_kwargs.get("overlap"):
+            raise ValueError("AutoEngine runs its tiers with overlap=False: it moves requests "
+                             "between them by their exact lengths every step, which a decode "
+                             "call in flight would leave unknown")
+        engine_kwargs["overlap"] = False
         self.config = config
         self.resident = Engine(params, config, seats=resident_seats, capacity=resident_capacity,
                                prefix_cache=prefix_cache, prefix_cache_bytes=prefix_cache_bytes,
