@@ -785,15 +785,16 @@ def test_overlap_finished_requests_emit_nothing_more_and_their_seats_go_on_clean
 
 def test_overlap_cancel_while_its_call_is_in_flight():
     """A request cancelled while a decode call that runs it is in flight gets no token of
-    that call (its seat's results are dropped at the read back); the waiting request that
-    takes its seat at the next step, before that call is read, gets its solo tokens."""
+    that call (its seat's results are dropped at the read back); the waiting requests that
+    take its seat and pages, the first at the next step, before that call is read, get their
+    solo tokens."""
     engine = _engine("ring")
     a = engine.add_request(_prompt(1, 9), max_tokens=8)
     kept = [(_prompt(2, 4), 8), (_prompt(4, 5), 8), (_prompt(6, 3), 6)]
-    ids = [engine.add_request(p, max_tokens=m) for p, m in kept]  # the last one waits
+    ids = [engine.add_request(p, max_tokens=m) for p, m in kept]  # the last ones wait
     while a not in engine.scheduler.unread:  # its prompt takes two prefill chunks
         engine.step()
-    assert engine.runner.in_flight is not None and engine.num_waiting() == 1
+    assert engine.runner.in_flight is not None and engine.num_waiting() >= 1
     before = len(engine.requests()[a].tokens)
     assert engine.cancel(a) is True
     outputs = engine.run()
