@@ -236,18 +236,17 @@ class DecodeRunner:
     def dispatch(self, running: list[RequestState], *, logprobs: int | None = None) -> InFlight:
         """Dispatch one decode call (`decode`) of the seats of `running` without waiting for
         it: an `InFlight` holding its outputs, the seats' requests, and the lengths and done
-        flags it leaves (the lengths copied: the next program takes the state). With overlap
-        a watcher notes when it is ready (`fo_jax.engine.overlap.watch`)."""
-        dispatched = time.perf_counter()
-        work = self.clock.begin(dispatched)
+        flags it leaves (the lengths copied: the next program takes the state). A watcher
+        notes when it is ready (`fo_jax.engine.overlap.watch`: the device's clock)."""
         out = self.decode(logprobs=logprobs)
+        dispatched = time.perf_counter()  # the device cannot start it before: the Python of
+        # the dispatch is host work it waits for
         lengths = self.kv.state.lengths
         call = InFlight(out, {r.seat: r for r in running},
                         lengths=jnp.copy(lengths) if self.overlap else lengths,
-                        done=self.seats.done, dispatched=dispatched, work=work)
-        if self.overlap:
-            call.watched = True
-            watch(out.tokens, call.mark_ready)
+                        done=self.seats.done, dispatched=dispatched,
+                        work=self.clock.begin(dispatched), watched=True)
+        watch(out.tokens, call.mark_ready)  # with or without overlap: the same clock
         return call
 
     def take_in_flight(self) -> InFlight | None:
