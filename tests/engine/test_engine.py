@@ -840,3 +840,22 @@ def test_the_device_clock_counts_the_gaps_between_work_in_dispatch_order():
     assert timings == {"device_idle_s": 1.0, "device_busy_s": 3.0}
     clock.end(clock.begin(4.5), 5.0, timings)  # 0.5 s idle, 0.5 s busy
     assert timings == {"device_idle_s": 1.5, "device_busy_s": 3.5}
+
+
+def test_overlap_export_seat_reads_the_call_in_flight_back_first():
+    """`export_seat` with a decode call in flight reads it back first (`Engine.synchronize`):
+    the request leaves with every token the device sampled for it, its exact length and
+    count, and in another engine it goes on to its solo tokens."""
+    prompt = _prompt(3, 6)
+    source, target = _engine("ring"), _engine("ring")
+    rid = source.add_request(prompt, max_tokens=12)
+    while rid not in source.scheduler.unread or len(source.requests()[rid].tokens) < 3:
+        source.step()
+    moved = source.export_seat(rid, rows=CAPACITY)
+    assert source.runner.in_flight is None and not source.has_unfinished()
+    tokens = moved.request.tokens
+    assert (moved.length, moved.generated) == (len(prompt) + len(tokens) - 1, len(tokens))
+    assert target.import_seat(moved)
+    out = target.run()[rid]
+    assert tuple(out.token_ids) == _solo(tuple(prompt), 12, 0.0, 0)[0]
+    assert source.pool_occupancy()["held"] == target.pool_occupancy()["held"] == 0
