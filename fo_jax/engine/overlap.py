@@ -80,7 +80,9 @@ class InFlight:
         watcher's time when it saw the call finish first, else now."""
         tokens = np.asarray(self.out.tokens)
         if self.watched and not self._ready.is_set():
-            self._ready.wait(0.05)  # the watcher wakes with us: take its (earlier) time
+            # the watcher wakes with us: take its time (earlier if the call ended while the
+            # host was busy); not long: it may still be waiting on another engine's call
+            self._ready.wait(0.005)
         self.mark_ready(time.perf_counter())
         return tokens
 
