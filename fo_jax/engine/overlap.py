@@ -18,8 +18,9 @@ docs/design/engine.md, "Overlap".
 `DeviceClock` measures how long the device waits for the host: every program group of a
 step (the prefill chunks, a decode call) is one interval from its dispatch (or the end of
 the work before it, if later) to the moment its results were ready; the gaps between them
-are the device's idle time. A background thread (`watch`) notes when a call in flight
-becomes ready, so a call that finished long before the host read it is timed right.
+are the device's idle time. A background thread (`watch`) notes when each decode call becomes
+ready (with or without overlap: one measure), so a call that finished long before the host
+read it is timed right.
 """
 
 from __future__ import annotations
