@@ -25,6 +25,11 @@
 #                            32, 1, locality and uniform workloads (decode_bench.py)
 #   serving_saturation 80 s  serving_bench.py --closed-loop: TPOT offloaded / resident, every
 #                            seat busy (16 seats, 32 requests, 1 and 16 steps per call)
+#   serving_overlap    90 s  (named only, not a default part: the defaults fill their 470 s)
+#                            serving_bench.py --closed-loop at one step per call with the
+#                            engine's overlap on and off: the host share (device idle,
+#                            waiting for the host; target <= 0.05 with overlap) and the
+#                            device's idle ms per step, resident and offloaded, 16 seats
 #   summary             5 s  PASS / FAIL / MISSING per target (device_summary.py)
 # Each part's log goes to $OUT/NAME.log and its JSON lines to $OUT/NAME.jsonl (replaced when
 # the part runs again). PARTS picks parts by name, in this order; earlier questions can be
@@ -96,6 +101,10 @@ part decode_ratio ${DECODE_S:-75} $PY -m experiments.decode.decode_bench $smoke 
 part serving_saturation ${SERVING_S:-80} $PY -m experiments.serving.serving_bench $smoke \
   --closed-loop --paths resident offload --workloads poisson --host-access ffi \
   $(full --seats 16 --requests 32 --steps-per-call 1 16) --out "$OUT/serving_saturation.jsonl"
+part serving_overlap ${OVERLAP_S:-90} $PY -m experiments.serving.serving_bench $smoke \
+  --closed-loop --paths resident offload --workloads poisson --host-access ffi \
+  --steps-per-call 1 --overlap on off $(full --seats 16 --requests 32) \
+  --out "$OUT/serving_overlap.jsonl"
 part summary ${SUMMARY_S:-5} $PY -m experiments.accelerator.device_summary --dir "$OUT"
 
 # Earlier questions (by name in PARTS) ---------------------------------------------------------

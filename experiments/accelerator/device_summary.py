@@ -13,6 +13,9 @@ Targets (TARGETS below; the figures of an H200 run, against baselines of the sam
   decode        offloaded / resident decode step on `small`, batch 8: <= 1.10 with the locality
                 workload, <= 1.25 uniform (other batches printed for the record)
   serving       TPOT p50 offloaded / resident <= 1.2 at saturation (closed loop), each N
+  overlap       (the named part serving_overlap, judged only when it ran) host share <= 0.05
+                with the engine's overlap at one step per call, each path; without overlap
+                printed beside it
 
 A target whose figures are not in the folder (its part did not run, or was cut short) is
 MISSING, never PASS. On a CPU (the smoke run) the figures mean nothing: the verdicts only show
@@ -33,12 +36,13 @@ FILES = {"library": "ffi_library.jsonl", "checks": "ffi_checks.jsonl",
          "prefill": "prefill_exact.jsonl", "engine": "engine_exact.jsonl",
          "access": "access_rates.jsonl", "gather": "access_gather.jsonl",
          "decode": "decode_ratio.jsonl",
-         "serving": "serving_saturation.jsonl"}
+         "serving": "serving_saturation.jsonl", "overlap": "serving_overlap.jsonl"}
 MIN_RATIO_TO_READ_BULK = 0.6
 MIN_GB_PER_S = 20.0  # decode misses and write-through
 MAX_DECODE_RATIO = {"locality": 1.10, "uniform": 1.25}
 DECODE_BATCH = 8
 MAX_TPOT_RATIO = 1.2
+MAX_HOST_SHARE = 0.05  # with overlap, one decode step per call
 
 
 def read_rows(folder: str) -> dict[str, list[dict]]:
@@ -74,6 +78,7 @@ def verdicts(rows: dict[str, list[dict]]) -> list[tuple[str, str]]:
     out += _access(rows["access"] + rows["gather"])
     out += _decode(rows["decode"])
     out += _serving(rows["serving"])
+    out += _overlap(rows.get("overlap", []))
     return out
 
 
@@ -196,6 +201,24 @@ def _serving(rows) -> list[tuple[str, str]]:
                             f"{text}, N={n}: x{ratio:.3f} ({by['offload']['tpot_p50'] * 1e3:.2f}"
                             f" vs {by['resident']['tpot_p50'] * 1e3:.2f} ms, "
                             f"{by['offload']['seats']} seats)"))
+    return out
+
+
+def _overlap(rows) -> list[tuple[str, str]]:
+    """Host share with the engine's overlap at one step per call, per path (nothing when the
+    named part did not run)."""
+    out = []
+    for path in dict.fromkeys(r["path"] for r in rows if r.get("steps_per_call") == 1):
+        by = {r["overlap"]: r for r in rows
+              if r["path"] == path and r.get("steps_per_call") == 1 and "overlap" in r}
+        if True not in by:
+            continue
+        on, off = by[True], by.get(False)
+        text = (f"host share with overlap <= {MAX_HOST_SHARE} at one step per call, {path}: "
+                f"{on['host_share']:.3f}")
+        if off is not None:
+            text += f" (without overlap {off['host_share']:.3f})"
+        out.append(_verdict(on["host_share"] <= MAX_HOST_SHARE, text))
     return out
 
 

@@ -16,13 +16,20 @@ random prompts of `--prompt-len` tokens and outputs of `--output-len` tokens (un
 range), greedy. The host clock drives arrivals, so a cell whose steps are slower sees more
 requests waiting. Per cell: seats, mean and peak concurrency (running requests per step),
 output tokens per second, TTFT and time per output token (p50 / p99), compiled programs per
-output token (host round trips), and the engine's own host work as a share of its step time
-(scheduling, tables, sampling bookkeeping: everything outside the prefill and decode programs).
-Ratios are to the first cell of the same run (these machines are noisy).
+output token (host round trips), the host share (the share of the device's time it sat idle
+waiting for the engine's host work: scheduling, tables, sampling bookkeeping, detokenizing, and
+between steps the caller's; `fo_jax.engine.overlap.DeviceClock`) and the device's idle time per
+engine step. Ratios are to the first cell of the same run (these machines are noisy).
+
+`--overlap on off` serves each Poisson cell twice, with the engine's overlap (decode call
+n + 1 dispatched before call n is read back, `SchedulerSettings.overlap`, the default) and
+without it: the same workload, the same tokens, and the host share each leaves.
 
     python -m experiments.serving.serving_bench                         # small model, CPU sizes
     python -m experiments.serving.serving_bench --smoke                 # seconds; run by the tests
     python -m experiments.serving.serving_bench --closed-loop --seats 16 --workloads poisson
+    python -m experiments.serving.serving_bench --closed-loop --workloads poisson \
+        --steps-per-call 1 --overlap on off                            # overlap against none
 
 With `--closed-loop` the engine runs at saturation instead: the same requests, arrival times
 ignored, `--seats` of them in the engine at once (each finished one replaced at once by the
@@ -132,6 +139,9 @@ def main(argv=None):
                              "engine at once on every path (saturation)")
     parser.add_argument("--seats", type=int, default=None,
                         help="closed loop: seats of every path (default: --max-seats)")
+    parser.add_argument("--overlap", nargs="+", choices=("on", "off"), default=["on"],
+                        help="poisson workload: serve each cell with the engine's overlap on "
+                             "(the default) and / or off")
     parser.add_argument("--host-access", default=None, choices=HOST_ACCESS,
                         help="how the offloaded engine moves rows (default: the backend's)")
     parser.add_argument("--out", default=None, help="append JSON lines here")
@@ -173,7 +183,7 @@ def main(argv=None):
              if args.closed_loop else ""))
     print(f"{'cell':22s}{'seats':>6s}{'mean/peak run':>15s}{'tok/s':>9s}{'ratio':>7s}"
           f"{'TTFT p50/p99 s':>17s}{'TPOT p50 ms':>13s}{'prog/tok':>10s}{'host share':>12s}"
-          f"{'preempt':>9s}")
+          f"{'idle ms/step':>14s}{'preempt':>9s}")
     rows, base = [], None
     for path in args.paths if "poisson" in args.workloads else ():
         kwargs, pages = {}, None
@@ -192,20 +202,23 @@ def main(argv=None):
         if seats < 1:
             print(f"{path}: one seat (and its capacity) needs more than the budget; skipped")
             continue
-        for n in args.steps_per_call:
+        for n, overlap in [(n, o) for n in args.steps_per_call for o in args.overlap]:
             engine = Engine(params, config, seats=int(seats), capacity=args.capacity,
-                            decode_steps_per_call=n, prefill_chunk=args.prefill_chunk, **kwargs)
+                            decode_steps_per_call=n, prefill_chunk=args.prefill_chunk,
+                            overlap=overlap == "on", **kwargs)
             fig = run_workload(engine, requests,
                                concurrency=int(seats) if args.closed_loop else None)
             base = base or fig["tokens_per_s"]
-            name = f"{path} N={n}"
+            name = f"{path} N={n}" + (f" overlap {overlap}" if len(args.overlap) > 1 else "")
             tpot = "-" if fig["tpot_p50"] is None else f"{fig['tpot_p50'] * 1e3:.1f}"
             print(f"{name:22s}{seats:>6d}{fig['mean_running']:>9.2f}/{fig['peak_running']:<5d}"
                   f"{fig['tokens_per_s']:>9.1f}{fig['tokens_per_s'] / base:>7.2f}"
                   f"{fig['ttft_p50']:>8.2f}/{fig['ttft_p99']:<8.2f}{tpot:>13s}"
                   f"{fig['programs_per_token']:>10.3f}{fig['host_share']:>12.3f}"
+                  f"{fig['device_idle_per_step_s'] * 1e3:>14.2f}"
                   f"{engine.counters['preemptions']:>9d}")
             rows.append({**meta, "model": config.name, "path": path, "steps_per_call": n,
+                         "overlap": overlap == "on",
                          "workload": "closed_loop" if args.closed_loop else "poisson",
                          "host_access": offload.host_access if path != "resident" else None,
                          "pool_size": pages,
@@ -218,6 +231,8 @@ def main(argv=None):
             write_jsonl(args.out, rows[-1:])  # cell by cell: a cell cut short loses no other
     if args.closed_loop:
         print(tpot_ratio_line(rows))
+    if len(args.overlap) > 1:
+        print(overlap_line(rows))
     if args.shared_prefix > 0 and "shared_prefix" in args.workloads:
         prefix_rows = _prefix_cells(args, config, params, offload, budget, meta)
         write_jsonl(args.out, prefix_rows)
@@ -225,11 +240,30 @@ def main(argv=None):
     return rows
 
 
+def overlap_line(rows) -> str:
+    """Host share and device idle ms per step with overlap against without, per path and
+    steps per call, from the rows of one run."""
+    parts = []
+    for path, n in dict.fromkeys((r["path"], r["steps_per_call"]) for r in rows):
+        by = {r["overlap"]: r for r in rows if (r["path"], r["steps_per_call"]) == (path, n)}
+        if {True, False} <= set(by):
+            on, off = by[True], by[False]
+            parts.append(f"{path} N={n} {on['host_share']:.3f} vs {off['host_share']:.3f} "
+                         f"({on['device_idle_per_step_s'] * 1e3:.2f} vs "
+                         f"{off['device_idle_per_step_s'] * 1e3:.2f} ms idle per step)")
+    return ("host share with overlap vs without: "
+            + ("; ".join(parts) or "no pair of cells with and without overlap"))
+
+
 def tpot_ratio_line(rows) -> str:
-    """Offloaded / resident TPOT p50 per steps-per-call, from the closed-loop rows."""
+    """Offloaded / resident TPOT p50 per steps-per-call, from the closed-loop rows (the first
+    `--overlap` setting's)."""
     parts = []
     for n in sorted({r["steps_per_call"] for r in rows}):
-        by = {r["path"]: r for r in rows if r["steps_per_call"] == n}
+        by = {}
+        for r in rows:
+            if r["steps_per_call"] == n:
+                by.setdefault(r["path"], r)
         if {"resident", "offload"} <= set(by) and by["resident"]["tpot_p50"] \
                 and by["offload"]["tpot_p50"] is not None:
             parts.append(f"N={n} x{by['offload']['tpot_p50'] / by['resident']['tpot_p50']:.2f}")

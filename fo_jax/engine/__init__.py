@@ -6,7 +6,8 @@ engine, shared with `fo_jax.generate`; sampling is `fo_jax.sampling`. Both are r
 `fo_jax.engine.engine`: continuous batching over seats (`Engine`), composed of a scheduler
 (`fo_jax.engine.scheduler`: queue, admission, preemption), a KV store
 (`fo_jax.engine.kv_store`: resident or paged seats, prefix reuse, a seat's rows out and in), the
-decode-loop runner (`fo_jax.engine.runner`) and the requests' host records
+decode-loop runner (`fo_jax.engine.runner`; with overlap, the decode call in flight and the
+device's clock: `fo_jax.engine.overlap`) and the requests' host records
 (`fo_jax.engine.requests`).
 `fo_jax.engine.settings`: the engine's settings as frozen dataclasses by concern
 (`EngineSettings`: `CacheSettings`, `SchedulerSettings`, `SpeculativeSettings`, ...), checked

@@ -57,6 +57,7 @@ class EngineArgs:
     queue_order: str = "fifo"
     max_wait_steps: int = 256
     decode_steps_per_call: int = 1
+    overlap: bool = True
     num_drafts: int | None = None
     drafter: str | None = None
     prefill_chunk: int = 256
@@ -114,6 +115,12 @@ class EngineArgs:
                             help="with --queue-order shortest: engine steps after which a "
                                  "waiting request goes ahead of shorter ones (-1: no aging)")
         parser.add_argument("--decode-steps-per-call", type=int, default=1)
+        parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                            help="dispatch the next decode call before reading back the last "
+                                 "one, so the engine's host work runs while the device "
+                                 "computes (the same tokens either way; --no-overlap reads "
+                                 "each call back first; not with --devices, whose ranks run "
+                                 "side by side already)")
         add_drafting_args(parser)  # --drafter, --num-drafts: as `fo-jax generate`
         parser.add_argument("--prefill-chunk", type=int, default=256)
         parser.add_argument("--devices", type=int, default=None,
@@ -214,7 +221,8 @@ class EngineArgs:
         scheduler = SchedulerSettings(
             order=self.queue_order, reserve=self.reserve, device_bytes=gb(self.device_gb),
             max_wait_steps=None if self.max_wait_steps == -1 else self.max_wait_steps,
-            prefill_chunk=self.prefill_chunk, decode_steps_per_call=self.decode_steps_per_call)
+            prefill_chunk=self.prefill_chunk, decode_steps_per_call=self.decode_steps_per_call,
+            overlap=self.overlap)
         drafter, num_drafts = self.drafting(config)
         return EngineSettings(cache=cache, scheduler=scheduler, speculative=SpeculativeSettings(
             num_drafts=num_drafts, drafter=drafter or "ngram"))

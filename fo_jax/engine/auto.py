@@ -56,7 +56,8 @@ class AutoEngine:
         query_block, implementation, ...) to both. With prefix_cache both tiers reuse the
         prompt prefixes of earlier requests on their tier: the resident tier copies cached
         blocks into the seat, the offloaded tier maps cached pages (needs prefill_chunk a
-        multiple of offload.page_size).
+        multiple of offload.page_size). Both tiers run without overlap (overlap=True is
+        refused: the moves need exact lengths).
     Raises:
       ValueError: bad settings, before anything is allocated.
     """
@@ -76,6 +77,11 @@ class AutoEngine:
             if name in engine_kwargs:
                 raise ValueError(f"{name} is not an AutoEngine setting (give resident_seats, "
                                  "resident_capacity, offload and offload_seats)")
+        if engine_kwargs.get("overlap"):
+            raise ValueError("AutoEngine runs its tiers with overlap=False: it moves requests "
+                             "between them by their exact lengths every step, which a decode "
+                             "call in flight would leave unknown")
+        engine_kwargs["overlap"] = False
         self.config = config
         tier = {name: engine_kwargs.pop(name) for name in OFFLOADED_ONLY + RESIDENT_ONLY
                 if name in engine_kwargs}

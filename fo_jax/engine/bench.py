@@ -81,7 +81,8 @@ def run_workload(engine: Engine, requests, *, warm: bool = True,
 
     Figures: wall seconds, output tokens and tokens/s, mean / peak running requests per step,
     TTFT and time per output token (p50 / p99), compiled programs per output token (host
-    round trips), the engine's host work as a share of its step time, prompt tokens prefilled
+    round trips), the host share (the device's time idle, waiting for the engine's host work:
+    `_host_share`) and the device's idle time per step, prompt tokens prefilled
     and served from the prefix cache, and, offloaded, the hit rate (in total and per indexer
     group), the bytes moved (in total and H2D per token) and the pool's pages at the end.
     With `metrics_path`, the timed run's counters go there as JSON lines every
@@ -148,7 +149,7 @@ def run_workload(engine: Engine, requests, *, warm: bool = True,
         "tpot_p50": float(np.percentile(tpot, 50)) if tpot.size else None,
         "tpot_p99": float(np.percentile(tpot, 99)) if tpot.size else None,
         "programs_per_token": (c["prefill_calls"] + c["decode_calls"]) / max(tokens, 1),
-        "host_share": 1 - (t["prefill_s"] + t["decode_s"]) / max(t["step_s"], 1e-9),
+        **_host_share(t, c["steps"]),
         "prefill_tokens": c["prefill_tokens"], "cached_tokens": c["prefix_hit_tokens"],
         "steps": c["steps"], "prefill_calls": c["prefill_calls"],
         "decode_calls": c["decode_calls"], "decode_tokens": c["decode_tokens"],
@@ -174,6 +175,20 @@ def run_workload(engine: Engine, requests, *, warm: bool = True,
     return figures
 
 
+def _host_share(timings: dict, steps: int) -> dict:
+    """The device's wait for the host: "host_share", the share of the device's time (busy +
+    idle, `fo_jax.engine.overlap.DeviceClock`) it sat idle waiting for the engine's host
+    work (and, between steps, the caller's), and "device_idle_per_step_s". An engine
+    without the device clock (a `DataParallelEngine`'s figures): the share of its step time
+    outside the programs, None per step."""
+    busy, idle = timings.get("device_busy_s"), timings.get("device_idle_s")
+    if busy is None or idle is None:
+        share = 1 - (timings["prefill_s"] + timings["decode_s"]) / max(timings["step_s"], 1e-9)
+        return {"host_share": share, "device_idle_per_step_s": None}
+    return {"host_share": idle / max(busy + idle, 1e-9),
+            "device_idle_per_step_s": idle / max(steps, 1)}
+
+
 def _fmt_bytes(n: float) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
@@ -194,7 +209,9 @@ def summary_lines(figures: dict) -> list[str]:
         f"output token p50 / p99: {tpot}",
         f"prompt tokens prefilled {f['prefill_tokens']}, from the prefix cache "
         f"{f['cached_tokens']}; programs per output token {f['programs_per_token']:.3f}; "
-        f"engine host work {f['host_share']:.1%} of its step time",
+        f"device idle, waiting for the host, {f['host_share']:.1%} of its time"
+        + ("" if f.get("device_idle_per_step_s") is None
+           else f" ({f['device_idle_per_step_s'] * 1e3:.2f} ms per step)"),
     ]
     if f.get("draft_proposed"):
         lines.append(f"drafts: {f['draft_accepted']} of {f['draft_proposed']} accepted; "

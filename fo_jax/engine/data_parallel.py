@@ -62,7 +62,9 @@ class DataParallelEngine:
       **engine_kwargs: `Engine`'s arguments (seats, capacity, offload, ...), for every rank:
         `seats` and `num_pages` are per rank; `mtp` (the MTP parameters) is copied to every
         device, as the weights are. `metrics_path` is not supported (one log per engine:
-        read `counters` / `imbalance()` instead).
+        read `counters` / `imbalance()` instead). The ranks run without overlap (overlap is
+        set False: the ranks' steps already run side by side, and the placement reads each
+        step's offload statistics).
     Raises:
       ValueError: bad devices or placement, and every `Engine` refusal, before anything is
         allocated on a second device.
@@ -95,6 +97,13 @@ class DataParallelEngine:
                 else settings.metrics.path) is not None:
             raise ValueError("metrics_path is not supported by DataParallelEngine (one log per "
                              "engine); read counters, stats and imbalance() instead")
+        # The ranks run without overlap: their steps already run side by side (one thread per
+        # rank), and the placement reads each step's offload statistics as of that step.
+        if settings is not None:
+            engine_kwargs["settings"] = dataclasses.replace(
+                settings, scheduler=dataclasses.replace(settings.scheduler, overlap=False))
+        else:
+            engine_kwargs["overlap"] = False
         self.devices, self.placement = devices, placement
         self.engines: list[Engine] = []
         mtp = engine_kwargs.pop("mtp", None)

@@ -74,7 +74,7 @@ class Engine:
         `fo_jax.model.mtp.init_mtp_params`) of a config with num_nextn_predict_layers >= 1.
       kwargs: without `settings`, the settings as flat keywords (`EngineSettings.create`: seats,
         capacity, offload, prefix_cache, reserve, device_bytes, decode_steps_per_call,
-        num_drafts, ...).
+        overlap, num_drafts, ...).
     Raises:
       ValueError: bad settings, before anything is allocated.
     """
@@ -116,9 +116,11 @@ class Engine:
                          "preemptions": 0, "preemptions_kept_pages": 0,
                          "resumed_without_recompute": 0, "replayed_tokens": 0,
                          "decode_steps": 0, "draft_accepted": 0, "draft_proposed": 0}
-        # Wall seconds of `step`: in the prefill / decode programs (until their results are
-        # ready) and in total; the rest is the engine's own host work.
-        self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "step_s": 0.0}
+        # Wall seconds of `step`: waiting for the prefill / decode programs (until their
+        # results are ready) and in total; and the device's busy and idle time as the host
+        # sees it (`fo_jax.engine.overlap.DeviceClock`: idle, it waited for the host).
+        self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "step_s": 0.0,
+                        "device_busy_s": 0.0, "device_idle_s": 0.0}
         log = settings.metrics
         self.metrics = None if log.path is None else MetricsLog(self, path=log.path,
                                                                 every=log.every)
@@ -247,19 +249,37 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Admit, prefill one chunk, decode `decode_steps_per_call` steps (see the module
-        doc); the outputs of the requests that moved."""
+        doc); the outputs of the requests that moved. With overlap, the decode call is
+        dispatched and the previous one read back: the outputs are those of the previous
+        call (and of this step's prefill), and a call stays in flight between steps
+        (docs/design/engine.md, "Overlap")."""
         start = time.perf_counter()
-        moved: dict[str, list[int]] = {}
+        moved, self.runner.carried = self.runner.carried, {}
+        if self.runner.in_flight is not None and not self.runner.in_flight.live():
+            # every request of the call in flight was cancelled since: read it back now
+            self._read_back(self.runner.take_in_flight(), moved)
+        if self.runner.in_flight is None and not self.num_running():
+            self.runner.clock.rest(start)  # the device waited for requests, not for us
         self._admit()
         self._prefill(moved)
-        self._grow_pages()
+        self._grow_pages(moved)
         self._decode(moved)
         self.counters["steps"] += 1
         self.timings["step_s"] += time.perf_counter() - start
-        outputs = [self._requests[rid].output(new) for rid, new in moved.items()]
+        outputs = [self._requests[rid].output(new) for rid, new in moved.items()
+                   if rid in self._requests]
         if self.metrics is not None:  # host figures; device counters read every N steps
             self.metrics.on_step(outputs)
         return outputs
+
+    def synchronize(self) -> None:
+        """Read back the decode call in flight (overlap), if any: every request's host
+        record is then exact (its tokens, whether it finished), as before any operation that
+        needs a seat's exact state (preemption, `export_seat`). Its tokens are returned by the
+        next `step`. O(seats) host work after waiting for the call."""
+        call = self.runner.take_in_flight()
+        if call is not None:
+            self._read_back(call, self.runner.carried)
 
     def device_bytes_used(self) -> int | None:
         """Device bytes of request state by the planner's arithmetic (`MemoryCosts`; None on
@@ -313,13 +333,16 @@ class Engine:
         for req in resumed:
             req.key_data = None
 
-    def _grow_pages(self) -> None:
+    def _grow_pages(self, moved) -> None:
         """reserve="prompt": before the decode call, give every decoding request the pages
-        the call may write (`Scheduler.tokens_needed`), oldest request first. When they cannot
-        be had, do what `Scheduler.make_room` says must go first (drop kept pages, or preempt
-        the youngest running request with or without its pages) and try again; the rule and
-        why it always progresses: docs/design/engine.md, "Progress". A request that is itself
-        the youngest is preempted. O(seats + queue + pages allocated) per preemption or drop."""
+        the call may write (`Scheduler.tokens_needed`), oldest request first. When they cannot be
+        had, do what `Scheduler.make_room` says must go first (drop kept pages, or preempt the
+        youngest running request with or without its pages) and try again; the rule and why it
+        always progresses: docs/design/engine.md, "Progress". A request that is itself the
+        youngest is preempted. With overlap, a request of the call in flight grows for that
+        call's tokens too (`Scheduler.unread`), and before a preemption or a drop the call in
+        flight is read back (the victim's exact state; requests it finished free their pages)
+        and the decision taken again. O(seats + queue + pages allocated) per preemption or drop."""
         if self.pool is None or self.scheduler.reserve == "full":
             return
         rows = {}
@@ -330,6 +353,13 @@ class Engine:
                     rows[req.seat] = req.pages.table_row()
                 if room.action in ("ready", "grown"):
                     break
+                if self.runner.in_flight is not None:  # overlap: read the call in flight
+                    # back first (a preemption needs the victim's exact state), then decide
+                    # again with the host records exact (its finished requests' pages freed,
+                    # one call's growth asked, not two)
+                    self._read_back(self.runner.take_in_flight(), moved)
+                    rows = {b: row for b, row in rows.items() if self._occupant[b] is not None}
+                    continue
                 if room.action == "drop_kept":
                     self.scheduler.drop_kept(room.other)
                     continue
@@ -377,6 +407,7 @@ class Engine:
         # position's logits [V] of those the chunk completes; hidden states [1, chunk, E].
         before, last, hidden = {}, {}, {}
         start = time.perf_counter()
+        work = self.runner.clock.begin(start)
         for req in requests:
             part = req.prompt[req.prefilled:req.prefilled + chunk]
             tokens = np.zeros((1, chunk), np.int32)
@@ -388,7 +419,9 @@ class Engine:
             if req.prefilled + len(part) == len(req.prompt):
                 last[req.seat] = logits[0, len(part) - 1]
         jax.block_until_ready(logits)  # the last program of a chain through the state
-        self.timings["prefill_s"] += time.perf_counter() - start
+        ready = time.perf_counter()
+        self.timings["prefill_s"] += ready - start
+        self.runner.clock.end(work, ready, self.timings)
         self.counters["prefill_calls"] += len(requests)
         self.counters["prefill_tokens"] += sum(n for _, n in before.values())
         for req in requests:
@@ -448,21 +481,46 @@ class Engine:
         self.counters["replayed_tokens"] += self.runner.replay(resumed)
 
     def _decode(self, moved) -> None:
+        """Dispatch one decode call of the running seats, then read back the call in flight
+        before it, if any (overlap), and keep the new one in flight while any of its requests
+        may go on; without overlap, read the new call back at once."""
         running = [r for r in self._occupant
                    if r is not None and r.prefilled == len(r.prompt) and r.finish_reason is None]
-        if not running:
+        previous = self.runner.take_in_flight()
+        call = None
+        if running:
+            start = time.perf_counter()
+            want = any(r.top_logprobs is not None for r in running)
+            call = self.runner.dispatch(running, logprobs=self.max_logprobs if want else None)
+            # another program with logprobs: only while a seated request asks for them
+            self.timings["decode_s"] += time.perf_counter() - start
+        if previous is not None:
+            self._read_back(previous, moved)
+        if call is None:
             return
+        if self.runner.overlap and call.live():  # read back by the next step
+            self.runner.in_flight = call
+            self.scheduler.unread.update(r.request_id for r in call.live())
+        else:  # without overlap; or every request of it has ended (its tokens unused)
+            self._read_back(call, moved)
+
+    def _read_back(self, call, moved) -> None:
+        """Read a decode call's tokens (waiting for the device) and record them for the
+        requests it ran that still hold their seats (`InFlight.live`: one that finished or
+        was cancelled since it was dispatched produced nothing more); free the seats of the
+        requests it finished."""
         start = time.perf_counter()
-        want = any(r.top_logprobs is not None for r in running)
-        out = self.runner.decode(logprobs=self.max_logprobs if want else None)  # another
-        # program with logprobs: only while a seated request asks for them
-        tokens = np.asarray(out.tokens)  # waits for the program
+        out = call.out
+        tokens = call.tokens()  # waits for the program
         lp_np = None if out.logprobs is None else jax.device_get((out.logprobs,
                                                                   out.logprob_ids))
         self.timings["decode_s"] += time.perf_counter() - start
+        self.runner.clock.end(call.work, call.ready_at, self.timings)
+        self.scheduler.unread.clear()
         self.counters["decode_calls"] += 1
         self.counters["decode_tokens"] += int(np.sum(tokens >= 0))
         self.counters["decode_steps"] += int(out.num_steps)
+        running = call.live()
         if self.num_drafts:
             self.counters["draft_accepted"] += int(np.sum(out.accepted))
             self.counters["draft_proposed"] += int(np.sum(out.proposed))
@@ -474,8 +532,8 @@ class Engine:
                 jnp.add, self.stats, out.stats)
         if self.metrics is not None:
             self.metrics.add_stats(out.stats)  # on the device: no host sync
-        lengths = np.asarray(self.state.lengths)
-        done = np.asarray(self._seats.done)
+        lengths = np.asarray(call.lengths)
+        done = np.asarray(call.done)
         stopped = []
         for req in running:
             new = [int(t) for t in tokens[req.seat] if t >= 0]
@@ -564,6 +622,7 @@ class Engine:
         generated and MTP state (`DecodeRunner.export_seat`). The seat is freed at once, its
         pages released (the request counts as neither finished nor cancelled here) and the id
         forgotten."""
+        self.synchronize()  # overlap: its exact state (the call in flight read back)
         req = self._requests.get(request_id)
         if req is None:
             raise KeyError(f"no request {request_id!r}")

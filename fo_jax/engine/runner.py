@@ -5,12 +5,17 @@
     runner.set_rows({b: (token, count, done)}, keys)   # the joined seats decode from here
     out = runner.decode(logprobs=None)                  # decode_steps_per_call steps, one call
     moved = runner.export_seat(req, kv.read_seat(...))  # a request leaving for another engine
+    call = runner.dispatch(running, logprobs=None)      # the same, kept as an `InFlight`
 
 It holds what the decode loop carries between calls: each seat's last token, PRNG key, count
 and done flag (`fo_jax.decode_loop.Seats`), the seats' sampling settings (`Sampling`, rebuilt
 only when a seat's request changes), and the drafters' state (with n-gram drafts each seat's
 history, prompt + sampled tokens [seats, capacity]; with MTP drafts the MTP layer's state and
-each seat's next draft, `MTPSeats`). The KV it decodes is the KV store's (`kv.state`).
+each seat's next draft, `MTPSeats`). The KV it decodes is the KV store's (`kv.state`). With
+overlap it keeps the decode call dispatched and not yet read back (`in_flight`: the engine
+reads it after dispatching the next one) and the device's clock (`fo_jax.engine.overlap`); its
+updates of the seats are programs on the device arrays, never reads, so none of them waits for
+a call in flight.
 
 Contracts: every program has the same shapes whoever sits in the other seats, a seat's rows are
 computed from its own state alone and inactive seats are never written, so a request's tokens
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any
 
 import jax
@@ -32,6 +38,7 @@ import numpy as np
 from fo_jax.config import ModelConfig
 from fo_jax.engine.kv_store import KVStore, SeatRows, masked_rows
 from fo_jax.decode_loop import MTPSeats, Seats, decode_loop, mtp_feed_seat_jit
+from fo_jax.engine.overlap import DeviceClock, InFlight, watch
 from fo_jax.engine.requests import RequestState
 from fo_jax.engine.settings import EngineSettings
 from fo_jax.sampling import Sampling, sample_tokens, token_logprobs
@@ -106,6 +113,13 @@ class DecodeRunner:
                           if mtp is not None else None)
         self.sampling_rows = [sampling_row(None)] * batch
         self._sampling = None  # rebuilt when a seat's request changes
+        # Overlap (`fo_jax.engine.overlap`): the decode call dispatched and not read back yet,
+        # the device's busy / idle clock, and outputs read outside a step (`Engine.synchronize`)
+        # that the next step returns.
+        self.overlap = bool(settings.scheduler.overlap)
+        self.in_flight: InFlight | None = None
+        self.clock = DeviceClock()
+        self.carried: dict[str, list[int]] = {}
 
     # Sampling settings -----------------------------------------------------------------------
 
@@ -132,35 +146,42 @@ class DecodeRunner:
 
     def restore(self, rows: dict) -> None:
         """Seat b decodes again from rows[b] = (last token, tokens generated, PRNG key data):
-        the Seats rows of a request that joins without sampling its first token. O(B)."""
-        tokens = np.array(self.seats.tokens)
-        generated = np.array(self.seats.generated)
-        done = np.array(self.seats.done)
-        data = np.array(jax.random.key_data(self.seats.keys))
-        for b, (token, count, key_data) in rows.items():
-            tokens[b], generated[b], done[b], data[b] = token, count, False, key_data
-        keys = jax.random.wrap_key_data(jnp.asarray(data),
-                                        impl=jax.random.key_impl(self.seats.keys))
-        self.seats = committed(Seats(tokens=jnp.asarray(tokens), keys=keys,
-                                     generated=jnp.asarray(generated), done=jnp.asarray(done)))
+        the Seats rows of a request that joins without sampling its first token. O(B), on the
+        device: nothing waits for a call in flight."""
+        mask, tokens, generated, _ = self._rows({b: (t, n, False) for b, (t, n, _) in
+                                                 rows.items()})
+        data = np.zeros((self.batch,) + self.key_shape, np.uint32)
+        for b, (_, _, key_data) in rows.items():
+            data[b] = key_data
+        seats = _update_seats(self.seats, mask, tokens, generated, jnp.zeros_like(mask))
+        self.seats = dataclasses.replace(seats, keys=_set_keys(seats.keys, mask,
+                                                               jnp.asarray(data)))
 
     def set_rows(self, rows: dict, keys) -> None:
         """Seat b's last token, count and done flag set to rows[b] = (token, generated,
-        done), every seat's keys to `keys` (`first_tokens`). O(B)."""
-        generated = np.array(self.seats.generated)
-        tokens = np.array(self.seats.tokens)
-        done = np.array(self.seats.done)
-        for b, (token, count, finished) in rows.items():
-            tokens[b], generated[b], done[b] = token, count, finished
-        self.seats = committed(Seats(tokens=jnp.asarray(tokens), keys=keys,
-                                     generated=jnp.asarray(generated), done=jnp.asarray(done)))
+        done), every seat's keys to `keys` (`first_tokens`). O(B), on the device."""
+        mask, tokens, generated, done = self._rows(rows)
+        seats = _update_seats(self.seats, mask, tokens, generated, done)
+        self.seats = dataclasses.replace(seats, keys=keys)
 
     def set_done(self, seats) -> None:
-        """The seats of `seats` are done: the loop leaves them inactive. O(B)."""
-        done = np.array(self.seats.done)
-        for b in seats:
-            done[b] = True
-        self.seats = committed(dataclasses.replace(self.seats, done=jnp.asarray(done)))
+        """The seats of `seats` are done: the loop leaves them inactive. O(B), on the
+        device."""
+        mask = np.zeros((self.batch,), bool)
+        mask[list(seats)] = True
+        self.seats = _mark_done(self.seats, jnp.asarray(mask))
+
+    def _rows(self, rows: dict):
+        """rows {b: (token, generated, done)} as [B] device arrays (mask, tokens, generated,
+        done)."""
+        mask = np.zeros((self.batch,), bool)
+        tokens = np.zeros((self.batch,), np.int32)
+        generated = np.zeros((self.batch,), np.int32)
+        done = np.zeros((self.batch,), bool)
+        for b, (token, count, finished) in rows.items():
+            mask[b], tokens[b], generated[b], done[b] = True, token, count, finished
+        return (jnp.asarray(mask), jnp.asarray(tokens), jnp.asarray(generated),
+                jnp.asarray(done))
 
     def key_data(self, b: int) -> np.ndarray:
         """Seat b's PRNG key data (on the host)."""
@@ -185,9 +206,12 @@ class DecodeRunner:
             picked = jnp.zeros((batch, self.config.vocab_size), last[new[0].seat].dtype)
             for req in new:
                 picked = _set_row(picked, jnp.asarray(req.seat, jnp.int32), last[req.seat])
-            first, keys, lp = _first_tokens(picked, keys, jnp.asarray(fresh),
-                                            jnp.asarray(new_mask), self.sampling(),
-                                            logprobs=logprobs)
+            # The new seats sample with their fresh keys alone, then join the other seats'
+            # keys: nothing here reads the keys of a decode call still in flight.
+            first, sampled, lp = _first_tokens(picked, jnp.asarray(fresh),
+                                               jnp.asarray(new_mask), self.sampling(),
+                                               logprobs=logprobs)
+            keys = _set_keys(keys, jnp.asarray(new_mask), jax.random.key_data(sampled))
             first_np = np.asarray(first)
             lp_np = None if lp is None else jax.device_get(lp)
         if resumed:
@@ -234,6 +258,27 @@ class DecodeRunner:
             if self.mtp_seats is not None:
                 self.mtp_seats = out.mtp_seats
         return out
+
+    def dispatch(self, running: list[RequestState], *, logprobs: int | None = None) -> InFlight:
+        """Dispatch one decode call (`decode`) of the seats of `running` without waiting for
+        it: an `InFlight` holding its outputs, the seats' requests, and the lengths and done
+        flags it leaves (the lengths copied: the next program takes the state). A watcher
+        notes when it is ready (`fo_jax.engine.overlap.watch`: the device's clock)."""
+        out = self.decode(logprobs=logprobs)
+        dispatched = time.perf_counter()  # the device cannot start it before: the Python of
+        # the dispatch is host work it waits for
+        lengths = self.kv.state.lengths
+        call = InFlight(out, {r.seat: r for r in running},
+                        lengths=jnp.copy(lengths) if self.overlap else lengths,
+                        done=self.seats.done, dispatched=dispatched,
+                        work=self.clock.begin(dispatched), watched=True)
+        watch(out.tokens, call.mark_ready)  # with or without overlap: the same clock
+        return call
+
+    def take_in_flight(self) -> InFlight | None:
+        """The call in flight (None: none), no longer held here: the caller reads it."""
+        call, self.in_flight = self.in_flight, None
+        return call
 
     def replay(self, resumed: list[RequestState]) -> int:
         """Feed each resumed request's sampled tokens but the last (their KV was dropped with
@@ -378,6 +423,21 @@ class DecodeRunner:
 
 
 @jax.jit
+def _update_seats(seats: Seats, mask, tokens, generated, done) -> Seats:
+    """`seats` with the last token, count and done flag of the seats of `mask` [B] set (the
+    keys kept). O(B)."""
+    return Seats(tokens=jnp.where(mask, tokens, seats.tokens), keys=seats.keys,
+                 generated=jnp.where(mask, generated, seats.generated),
+                 done=jnp.where(mask, done, seats.done))
+
+
+@jax.jit
+def _mark_done(seats: Seats, mask) -> Seats:
+    """`seats` with the seats of `mask` [B] done. O(B)."""
+    return dataclasses.replace(seats, done=seats.done | mask)
+
+
+@jax.jit
 def _set_keys(keys, mask, data):
     """Per-seat keys [B] with the seats of `mask` set to the key data `data` [B, ...]."""
     new = jnp.where(mask.reshape((-1,) + (1,) * (data.ndim - 1)), data,
@@ -392,16 +452,15 @@ def _set_row(rows, seat, row):
 
 
 @functools.partial(jax.jit, static_argnames=("logprobs",))
-def _first_tokens(picked, keys, fresh, mask, sampling: Sampling, *,
-                  logprobs: int | None = None):
+def _first_tokens(picked, fresh, mask, sampling: Sampling, *, logprobs: int | None = None):
     """Each joining seat's first token, sampled from its last prompt position's logits
-    (picked [B, V]) with a fresh key (key data `fresh` [B, ...] where `mask`); other seats'
-    keys stay: (tokens [B], keys, log-probabilities). With logprobs=K (static), the tokens'
-    and the K most likely tokens' log-probabilities ([B, K + 1] values and ids,
-    `token_logprobs`), else None. O(B V)."""
-    data = jnp.where(mask.reshape((-1,) + (1,) * (fresh.ndim - 1)), fresh,
-                     jax.random.key_data(keys))
-    keys = jax.random.wrap_key_data(data, impl=jax.random.key_impl(keys))
+    (picked [B, V]) with a fresh key (key data `fresh` [B, ...], read where `mask`): (tokens
+    [B], the keys after sampling (those of `mask` meaningful), log-probabilities). Each seat
+    samples its row alone (`sample_tokens`), so a seat's token and key are those it gets
+    beside any other seats. With logprobs=K (static), the tokens' and the K most likely
+    tokens' log-probabilities ([B, K + 1] values and ids, `token_logprobs`), else None.
+    O(B V)."""
+    keys = jax.random.wrap_key_data(fresh)
     tokens, keys = sample_tokens(picked, keys, sampling, mask)
     lp = None if logprobs is None else token_logprobs(picked, tokens, logprobs)
     return tokens, keys, lp

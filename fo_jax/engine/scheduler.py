@@ -63,6 +63,9 @@ class Scheduler:
         self.device_bytes = None if sched.device_bytes is None else int(sched.device_bytes)
         self.call_tokens = int(sched.decode_steps_per_call) * (
             int(settings.speculative.num_drafts) + 1)  # the most one decode call stores
+        # Overlap: the ids of the requests of the decode call in flight (their host records
+        # lag that call's tokens: `tokens_needed` counts them).
+        self.unread: set[str] = set()
         self.occupants: list[RequestState | None] = [None] * kv.seats
         self.waiting: list[RequestState] = []
         self.arrivals = itertools.count()
@@ -80,11 +83,14 @@ class Scheduler:
         """Tokens the request's pages must hold before its next decode call (or, admitted,
         through its prefill, its replay and its first decode call): with reserve="prompt",
         the tokens stored (prompt + fed tokens: every sampled token but the last) + one
-        call's tokens; with reserve="full", all it may ever hold."""
+        call's tokens (two calls' for a request of the call in flight, `unread`: the host
+        has not seen the tokens it stores); with reserve="full", all it may ever hold."""
         full = self.reserved_tokens(len(req.prompt), req.max_tokens)
         if self.reserve == "full":
             return full
-        return min(len(req.prompt) + max(len(req.tokens) - 1, 0) + self.call_tokens, full)
+        calls = 2 if req.request_id in self.unread else 1
+        return min(len(req.prompt) + max(len(req.tokens) - 1, 0) + calls * self.call_tokens,
+                   full)
 
     def seat_bytes(self, req: RequestState) -> int:
         """Device bytes seat-bound to a running request: its seat (hot cache, tails, slot

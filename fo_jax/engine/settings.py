@@ -139,6 +139,12 @@ class SchedulerSettings:
         a longer chunk would only pad).
       decode_steps_per_call: decode steps per program (1 keeps per-token latency; more means
         fewer host round trips per token).
+      overlap: dispatch decode call n + 1 before reading back call n's tokens, so the
+        engine's host work (scheduling, page tables, detokenizing, the caller's streaming)
+        runs while the device computes (`fo_jax.engine.overlap`); the host learns of a
+        finished request one call later (the device has masked it meanwhile). Every
+        request's tokens are the same either way, bit for bit. False: read each call back
+        before the next step (docs/design/engine.md, "Overlap").
     """
 
     order: str = "fifo"
@@ -147,8 +153,12 @@ class SchedulerSettings:
     device_bytes: int | None = None
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     decode_steps_per_call: int = 1
+    overlap: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap={self.overlap!r} must be True or False (dispatch the "
+                             "next decode call before reading back the last one)")
         _check_positive(decode_steps_per_call=self.decode_steps_per_call,
                         prefill_chunk=self.prefill_chunk)
         if self.order not in ORDERS:
@@ -273,7 +283,7 @@ _KEYWORDS = {
         "prefix_cache_bytes", "prefix_cache_memory")},
     **{name: ("scheduler", name) for name in (
         "order", "max_wait_steps", "reserve", "device_bytes", "prefill_chunk",
-        "decode_steps_per_call")},
+        "decode_steps_per_call", "overlap")},
     **{name: ("speculative", name) for name in ("num_drafts", "drafter")},
     **{name: ("requests", name) for name in ("max_stop_ids", "max_logprobs")},
     **{name: ("programs", name) for name in (

@@ -124,7 +124,13 @@ def test_bad_settings_and_requests_are_refused():
                                          r"offload.capacity=32\]"):
         AutoEngine(_params(), CONFIG, resident_seats=1, resident_capacity=64, offload=OFFLOAD,
                    offload_seats=1)
+    with pytest.raises(ValueError, match=r"AutoEngine runs its tiers with overlap=False: it "
+                                         "moves requests between them by their exact lengths"):
+        AutoEngine(_params(), CONFIG, resident_seats=1, resident_capacity=16, offload=OFFLOAD,
+                   offload_seats=1, overlap=True)
     engine = _auto()
+    assert not engine.resident.settings.scheduler.overlap
+    assert not engine.offloaded.settings.scheduler.overlap
     with pytest.raises(ValueError, match="does not fit a seat of 32 tokens"):
         engine.add_request(_prompt(0, 40))
     rid = engine.add_request(_prompt(0, 4), request_id="a")

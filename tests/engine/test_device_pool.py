@@ -127,19 +127,20 @@ def test_preemption_in_a_device_pool(old_tokens):
     assert engine.pool_occupancy()["held"] == 0 and engine.device_bytes_used() == 0
 
 
-@pytest.mark.parametrize("budget", [9000, 12000])
-def test_a_schedule_with_prefix_cache_and_preemption(budget):
+@pytest.mark.parametrize("budget, overlap", [(9000, True), (12000, False)])
+def test_a_schedule_with_prefix_cache_and_preemption(budget, overlap):
     """Five requests (three share a one-chunk system prompt) arriving over the first steps,
     reserve="prompt", the prefix cache on: requests wait, share pages and are preempted
     (9,000 B: device bytes short, pages kept and resumed; 12,000 B: pool pages short, pages
     dropped and replayed); every request's tokens equal its solo resident run bit for bit,
     the budget holds after every step, and no page is held at the end (cached ones mapped by
-    none)."""
+    none). The 12,000 B arrivals are timed to the steps of an engine without overlap (with
+    it, a finished request's seat frees one step later and the pool never runs short)."""
     system = _prompt(99, 8)
     specs = [(system + _prompt(1, 3), 9, 0.0, 0, 0), (_prompt(2, 5), 12, 0.9, 1, 0),
              (system + _prompt(3, 1), 6, 0.0, 0, 1), (_prompt(4, 2), 10, 0.0, 0, 2),
              (system + _prompt(5, 4), 5, 0.9, 2, 3)]
-    engine = _engine(device_bytes=budget, reserve="prompt", prefix_cache=True)
+    engine = _engine(device_bytes=budget, reserve="prompt", prefix_cache=True, overlap=overlap)
     ids, step = {}, 0
     while len(ids) < len(specs) or engine.has_unfinished():
         for i, (prompt, max_tokens, temperature, seed, at) in enumerate(specs):

@@ -98,6 +98,8 @@ def test_defaults_and_placement_bookkeeping():
     assert _engine(offload=None).placement == "least_context"
     engine = _engine("least_context")
     assert engine.ranks == 2 and engine.seats == 2
+    # The ranks run without overlap (they step side by side already).
+    assert not any(e.settings.scheduler.overlap for e in engine.engines)
     assert engine.add_request(list(range(20)), max_tokens=2) == "req-0"
     assert engine.choose_rank(3) == (1, 0)
     assert engine.add_request([1, 2, 3], max_tokens=2) == "req-1"

@@ -346,6 +346,8 @@ def test_a_request_that_kept_its_pages_resumes_with_its_draft_history():
     ids = [engine.add_request(prompt, max_tokens=max_tokens) for prompt, max_tokens in jobs]
     while len(engine._requests[ids[1]].tokens) < 3:
         engine.step()
+    engine.synchronize()  # a preemption reads the seat's exact state (the engine's own
+    # preemptions read back the decode call in flight first: overlap)
     req = engine._requests[ids[1]]
     seat = req.seat
     engine._preempt(req, keep_pages=True)

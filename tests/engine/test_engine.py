@@ -15,6 +15,7 @@ from fo_jax import resident
 from fo_jax.config import get_config
 from fo_jax.engine.scheduler import RequestRefused
 from fo_jax.engine.engine import Engine, TokenLogprobs
+from fo_jax.engine.overlap import DeviceClock
 from fo_jax.decode_loop import ResidentStep
 from fo_jax.model.dsa import init_params
 from fo_jax.offload.config import OffloadConfig
@@ -139,13 +140,23 @@ def test_random_schedules_with_the_fp8_kv_format(requests, arrivals, cancels, pa
     _check_random_schedule(requests, arrivals, cancels, path, pool, FP8_CONFIG)
 
 
-def _check_random_schedule(requests, arrivals, cancels, path, pool, config):
+def test_a_random_schedule_without_overlap():
+    """overlap=False (each decode call read back before the step returns; the random
+    schedules run with overlap on, the default): the preemption schedule of
+    `test_random_schedules`, with a cancel, gives every request its solo tokens too."""
+    _check_random_schedule(
+        [(True, 1, 9, 8, 0.0, 0), (True, 2, 3, 8, 0.9, 1), (False, 3, 5, 8, 0.0, 0)],
+        [0, 0, 1, 0, 0, 0], [(6, 1)], "ring", (True, "prompt", None), CONFIG, overlap=False)
+
+
+def _check_random_schedule(requests, arrivals, cancels, path, pool, config, overlap=True):
     """Run one random schedule on the offloaded engine of `config` and check it against the
     solo resident runs (`test_random_schedules`)."""
     prefix_cache, reserve, device_bytes = pool
     engine = _engine(path, n=2, prefix_cache=prefix_cache, config=config,
-                     reserve=reserve, device_bytes=device_bytes)
+                     reserve=reserve, device_bytes=device_bytes, overlap=overlap)
     assert engine.config.kv_format == config.kv_format
+    assert engine.settings.scheduler.overlap == overlap
     prompts = [(SYSTEM if shared else []) + _prompt(seed, length)
                for shared, seed, length, *_ in requests]
     pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
@@ -685,3 +696,166 @@ def test_a_request_that_kept_its_pages_resumes_only_when_the_call_leaves_it_its_
     assert engine.counters["resumed_without_recompute"] == 1
     assert tuple(outputs[young].token_ids) == _solo(tuple(_prompt(2, 1)), 12, 0.9, 3)[0]
     assert tuple(outputs[old].token_ids) == _solo(tuple(_prompt(1, 1)), 16, 0.0, 0)[0]
+
+
+# Overlap: decode call n + 1 dispatched before call n is read back -----------------------------
+
+
+def _log_calls(engine):
+    """Record the engine's decode calls in order: ("dispatch", k) when call k is dispatched,
+    ("read", k) when its tokens are read back (`DecodeRunner.dispatch`, `InFlight.tokens`)."""
+    events, dispatch = [], engine.runner.dispatch
+
+    def logged(running, **kwargs):
+        call = dispatch(running, **kwargs)
+        number, read = sum(e[0] == "dispatch" for e in events), call.tokens
+        events.append(("dispatch", number))
+
+        def tokens():
+            events.append(("read", number))
+            return read()
+
+        call.tokens = tokens
+        return call
+
+    engine.runner.dispatch = logged
+    return events
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_overlap_dispatches_the_next_call_before_reading_the_last(overlap):
+    """With overlap each step dispatches decode call k + 1 and only then reads call k's tokens
+    (the device computes k + 1 while the host records k, and the caller streams); the last
+    call, dispatched before the host knew the request had finished, is read back at once (no
+    call is left in flight). Without overlap each call is read back before the next is
+    dispatched. The tokens are the solo run's either way."""
+    prompt = _prompt(3, 6)
+    engine = _engine("ring", overlap=overlap)
+    rid = engine.add_request(prompt, max_tokens=9)
+    events = _log_calls(engine)
+    out = engine.run()[rid]
+    assert tuple(out.token_ids) == _solo(tuple(prompt), 9, 0.0, 0)[0]
+    calls = sum(e[0] == "dispatch" for e in events)
+    assert sorted(events) == sorted([(e, k) for k in range(calls) for e in ("dispatch", "read")])
+    if overlap:
+        assert events[:3] == [("dispatch", 0), ("dispatch", 1), ("read", 0)]
+        for k in range(calls - 1):
+            assert events.index(("dispatch", k + 1)) < events.index(("read", k))
+        assert calls == 5  # 8 tokens in calls of 2, + the one dispatched after the last
+    else:
+        assert events == [(e, k) for k in range(calls) for e in ("dispatch", "read")]
+        assert calls == 4
+    assert engine.runner.in_flight is None and not engine.scheduler.unread
+    assert engine.timings["device_busy_s"] > 0 and engine.timings["device_idle_s"] >= 0
+
+
+def test_overlap_finished_requests_emit_nothing_more_and_their_seats_go_on_cleanly():
+    """The host learns of a finish one call later: a request ending on a stop token (masked
+    on the device in the call already in flight) and one ending on a stop string (seen by the
+    host only: the call in flight decodes it once more, its tokens dropped, its pages written
+    past its end) emit nothing after their stop, and the requests that take their seats (and
+    pages) next get their solo tokens; the state's invariants hold after every step and no
+    page stays held."""
+    engine = _engine("ring", n=1, tokenizer=_Letters())
+    first = _prompt(3, 6)
+    want_first, _ = _solo(tuple(first), 8, 0.0, 0)
+    second = _prompt(5, 7)
+    want_second, _ = _solo(tuple(second), 10, 0.0, 0)
+    text = _Letters().decode(want_second)
+    stop = text[3:5]
+    a = engine.add_request(first, max_tokens=8, stop_token_ids=[want_first[2]])
+    b = engine.add_request(second, max_tokens=10, stop=[stop])
+    others = [(_prompt(7, 5), 12), (_prompt(8, 4), 6), (_prompt(9, 3), 6)]
+    ids = [engine.add_request(p, max_tokens=m) for p, m in others]  # two wait for a and b
+    while engine.has_unfinished():
+        engine.step()
+        check_invariants(engine.state, config=CONFIG, offload=_offload("ring"),
+                         seats=engine.decoding_seats())
+        engine.pool.check()
+    outputs = engine.run()
+    assert outputs[a].finish_reason == "stop"
+    assert outputs[a].token_ids == list(want_first[:want_first.index(want_first[2]) + 1])
+    at = text.find(stop)
+    assert outputs[b].finish_reason == "stop" and outputs[b].text == text[:at]
+    assert outputs[b].token_ids == list(want_second[:at + len(stop)])
+    for rid, (prompt, max_tokens) in zip(ids, others):
+        assert tuple(outputs[rid].token_ids) == _solo(tuple(prompt), max_tokens, 0.0, 0)[0]
+    assert engine.pool_occupancy()["held"] == 0
+
+
+def test_overlap_cancel_while_its_call_is_in_flight():
+    """A request cancelled while a decode call that runs it is in flight gets no token of
+    that call (its seat's results are dropped at the read back); the waiting requests that
+    take its seat and pages, the first at the next step, before that call is read, get their
+    solo tokens."""
+    engine = _engine("ring")
+    a = engine.add_request(_prompt(1, 9), max_tokens=8)
+    kept = [(_prompt(2, 4), 8), (_prompt(4, 5), 8), (_prompt(6, 3), 6)]
+    ids = [engine.add_request(p, max_tokens=m) for p, m in kept]  # the last ones wait
+    while a not in engine.scheduler.unread:  # its prompt takes two prefill chunks
+        engine.step()
+    assert engine.runner.in_flight is not None and engine.num_waiting() >= 1
+    before = len(engine.requests()[a].tokens)
+    assert engine.cancel(a) is True
+    outputs = engine.run()
+    assert outputs[a].finish_reason == "cancelled" and len(outputs[a].token_ids) == before
+    assert tuple(outputs[a].token_ids) == _solo(tuple(_prompt(1, 9)), 8, 0.0, 0)[0][:before]
+    for rid, (prompt, max_tokens) in zip(ids, kept):
+        assert tuple(outputs[rid].token_ids) == _solo(tuple(prompt), max_tokens, 0.0, 0)[0]
+    assert engine.pool_occupancy()["held"] == 0
+
+
+def test_overlap_reads_the_call_in_flight_back_before_a_preemption():
+    """reserve="prompt" under overlap: a request of the call in flight grows for that call's
+    tokens too, and when the pool runs short the call in flight is read back before anyone is
+    preempted (the victim's tokens, key and state exact); both get their solo tokens."""
+    engine = _engine("ring", reserve="prompt")
+    seen, preempt = [], engine._preempt
+
+    def checked(req, **kwargs):
+        seen.append(engine.runner.in_flight)
+        return preempt(req, **kwargs)
+
+    engine._preempt = checked
+    old = engine.add_request(_prompt(1, 13), max_tokens=12)
+    young = engine.add_request(_prompt(2, 9), max_tokens=12, temperature=0.9, seed=3)
+    outputs = engine.run()
+    assert seen and all(call is None for call in seen)
+    assert tuple(outputs[old].token_ids) == _solo(tuple(_prompt(1, 13)), 12, 0.0, 0)[0]
+    assert tuple(outputs[young].token_ids) == _solo(tuple(_prompt(2, 9)), 12, 0.9, 3)[0]
+    assert engine.pool_occupancy()["free"] == 8
+
+
+def test_the_device_clock_counts_the_gaps_between_work_in_dispatch_order():
+    """`DeviceClock`: work begun in dispatch order, ended out of order (a decode call in
+    flight ends after the prefill dispatched behind it), counted in dispatch order: idle is the
+    gap between the end of one and the start of the next, from the last `rest`."""
+    clock, timings = DeviceClock(), {}
+    clock.rest(0.0)
+    call = clock.begin(1.0)  # dispatched at 1 s: idle 1 s since the rest
+    prefill = clock.begin(2.0)  # behind the call: starts when it ends, at 3 s
+    clock.end(prefill, 4.0, timings)
+    assert timings == {}  # waits for the call before it
+    clock.end(call, 3.0, timings)
+    assert timings == {"device_idle_s": 1.0, "device_busy_s": 3.0}
+    clock.end(clock.begin(4.5), 5.0, timings)  # 0.5 s idle, 0.5 s busy
+    assert timings == {"device_idle_s": 1.5, "device_busy_s": 3.5}
+
+
+def test_overlap_export_seat_reads_the_call_in_flight_back_first():
+    """`export_seat` with a decode call in flight reads it back first (`Engine.synchronize`):
+    the request leaves with every token the device sampled for it, its exact length and
+    count, and in another engine it goes on to its solo tokens."""
+    prompt = _prompt(3, 6)
+    source, target = _engine("ring"), _engine("ring")
+    rid = source.add_request(prompt, max_tokens=12)
+    while rid not in source.scheduler.unread or len(source.requests()[rid].tokens) < 3:
+        source.step()
+    moved = source.export_seat(rid, rows=CAPACITY)
+    assert source.runner.in_flight is None and not source.has_unfinished()
+    tokens = moved.request.tokens
+    assert (moved.length, moved.generated) == (len(prompt) + len(tokens) - 1, len(tokens))
+    assert target.import_seat(moved)
+    out = target.run()[rid]
+    assert tuple(out.token_ids) == _solo(tuple(prompt), 12, 0.0, 0)[0]
+    assert source.pool_occupancy()["held"] == target.pool_occupancy()["held"] == 0

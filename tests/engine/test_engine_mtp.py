@@ -229,6 +229,8 @@ def test_preempted_mtp_requests_resume_with_their_mtp_state():
     ids = [engine.add_request(prompt, max_tokens=max_tokens) for prompt, max_tokens in jobs]
     while len(engine._requests[ids[0]].tokens) < 3:
         engine.step()
+    engine.synchronize()  # a preemption reads the seat's exact state (the engine's own
+    # preemptions read back the decode call in flight first: overlap)
     req = engine._requests[ids[0]]
     seat = req.seat
     engine._preempt(req, keep_pages=True)

@@ -42,6 +42,8 @@ def _offload(**kw):
     (lambda: SchedulerSettings(max_wait_steps=-2), "max_wait_steps=-2 must be an int >= 0"),
     (lambda: SchedulerSettings(reserve="all"), r"reserve='all' must be one of"),
     (lambda: SchedulerSettings(device_bytes=True), "device_bytes=True must be an int >= 1"),
+    (lambda: SchedulerSettings(overlap=1), r"overlap=1 must be True or False \(dispatch the "
+                                           "next decode call before reading back the last one"),
     (lambda: SpeculativeSettings(drafter="eagle"), r"drafter='eagle' must be one of"),
     (lambda: RequestSettings(max_stop_ids=0), "max_stop_ids=0 must be an int >= 1"),
     (lambda: MetricsSettings(every=0), "metrics_every=0 must be an int >= 1"),
@@ -119,6 +121,8 @@ def test_the_flags_build_the_settings():
         order="shortest", max_wait_steps=None, reserve="prompt", device_bytes=500_000_000,
         prefill_chunk=16)
     assert settings.speculative == SpeculativeSettings(num_drafts=2)
+    assert settings.scheduler.overlap  # on by default; --no-overlap turns it off
+    assert not _args("--no-overlap").engine_settings(CONFIG, None).scheduler.overlap
     resident = _args("--model", "tiny", "--prefix-cache", "--prefix-cache-gb", "1e-6")
     assert resident.offload_config(CONFIG) is None
     cache = resident.engine_settings(CONFIG, None).cache

@@ -102,6 +102,22 @@ def test_real_width_is_a_named_part(tmp_path):
 
 
 @needs_bash
+def test_serving_overlap_is_a_named_part(tmp_path):
+    """The overlap comparison (host share with the engine's overlap on and off, one step per
+    call) is not a default part (the defaults fill their 470 s); named, it runs at full size
+    with both settings."""
+    done = _run(tmp_path, python=None, SMOKE=None, PARTS="ffi_library serving_overlap summary")
+    assert done.returncode == 0, done.stdout + done.stderr
+    heads = re.findall(r"^=== (\w+) \(limit (\d+)s\)", done.stdout, re.M)
+    assert heads == [("ffi_library", "30"), ("serving_overlap", "90"), ("summary", "5")]
+    runs = [line for line in (tmp_path / "calls").read_text().splitlines()
+            if not line.startswith("-c")]
+    assert "--smoke" not in runs[1] and "--overlap on off" in runs[1]
+    assert "--steps-per-call 1 " in runs[1] and "--seats 16 --requests 32" in runs[1]
+    assert f"--out {tmp_path}/out/serving_overlap.jsonl" in runs[1]
+
+
+@needs_bash
 def test_smoke_flags_and_a_missing_library_stops_the_run(tmp_path):
     done = _run(tmp_path, python=None, SMOKE="1", PARTS=None, fail="host_copy_check")
     assert done.returncode == 1
@@ -188,6 +204,18 @@ def test_summary_passes_a_good_run_and_fails_each_target(load_experiment):
     edge = _figures(decode=with_(0, ratio=1.10),
                     access=with_(0, ratio_to_read_bulk=0.6, gb_per_s=20.0))
     assert set(_statuses(summary, edge)) == {"PASS"}
+
+
+def test_summary_judges_the_overlap_part_only_when_it_ran(load_experiment):
+    summary = load_experiment("device_summary")
+    rows = _figures()
+    assert not [line for _, line in summary.verdicts(rows) if "overlap" in line]
+    rows["overlap"] = [{"path": "resident", "steps_per_call": 1, "overlap": o, "host_share": h}
+                       for o, h in ((True, 0.05), (False, 0.30))]
+    assert ("PASS", "host share with overlap <= 0.05 at one step per call, resident: 0.050 "
+                    "(without overlap 0.300)") in summary.verdicts(rows)
+    rows["overlap"][0]["host_share"] = 0.051
+    assert [s for s, line in summary.verdicts(rows) if "overlap" in line] == ["FAIL"]
 
 
 def test_summary_says_missing_not_pass(load_experiment, tmp_path, capsys):

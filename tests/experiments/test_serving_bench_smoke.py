@@ -63,6 +63,24 @@ def test_closed_loop(load_experiment, tmp_path, capsys):
             in printed)
 
 
+def test_overlap_on_and_off(load_experiment, capsys):
+    """`--overlap on off`: each cell served with the engine's overlap and without, the same
+    greedy tokens; the host shares and idle times per step printed side by side."""
+    module = load_experiment("serving_bench")
+    rows = module.main(["--smoke", "--closed-loop", "--seats", "2", "--steps-per-call", "1",
+                        "--workloads", "poisson", "--paths", "resident", "--overlap", "on",
+                        "off"])
+    printed = capsys.readouterr().out
+    assert [(r["path"], r["overlap"]) for r in rows] == [("resident", True),
+                                                         ("resident", False)]
+    assert rows[0]["output_tokens"] == rows[1]["output_tokens"]
+    for r in rows:
+        assert 0 <= r["host_share"] <= 1 and r["device_idle_per_step_s"] >= 0
+    on, off = rows
+    assert (f"host share with overlap vs without: resident N=1 {on['host_share']:.3f} vs "
+            f"{off['host_share']:.3f}" in printed)
+
+
 def test_closed_loop_flags(load_experiment, capsys):
     module = load_experiment("serving_bench")
     for flags, message in (
