@@ -246,7 +246,7 @@ class ResidentEngine(_Lengths):
     check: debug mode: after the prefill and every step, read the state back and raise
       StateCheckError on a non-finite stored KV row, indexer key or logit.
     mtp: the model's multi-token-prediction parameters (`load_checkpoint(..., mtp=True)`), for
-      `generate(..., draft="mtp")`; None: none.
+      `generate(..., drafter="mtp")`; None: none.
     prefill / step return the last hidden states too with `hidden=True` (what the MTP drafter
     reads; the logits are the same bit for bit).
     """
@@ -344,7 +344,7 @@ class OffloadEngine(_Lengths):
     check: debug mode: after the prefill and every step, read the whole state back and raise
       StateCheckError on a non-finite stored host row, indexer key or logit, or a broken
       invariant (`fo_jax.offload.invariants.check_invariants`, with the step's selection).
-    mtp: the model's multi-token-prediction parameters, for `generate(..., draft="mtp")`
+    mtp: the model's multi-token-prediction parameters, for `generate(..., drafter="mtp")`
       (as ResidentEngine); prefill / step return the last hidden states too with `hidden=True`.
     Every setting is checked on construction, before anything runs.
     """

@@ -308,8 +308,7 @@ def _cmd_generate(args) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     check_sampling(args.temperature, args.top_p)
     drafter, num_drafts = drafting(args.drafter, args.num_drafts, config)
-    draft = "none" if drafter is None else drafter
-    _, num_drafts = gen.check_draft(draft, num_drafts or None, config)
+    _, num_drafts = gen.check_drafter(drafter, num_drafts or None, config)
     if drafter == "mtp":
         from fo_jax.checkpoints import load_checkpoint
 
@@ -440,7 +439,7 @@ def _cmd_generate(args) -> int:
         result = gen.generate(engine, prompts, max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, top_p=args.top_p, key=key,
                               on_step=on_step, progress=not args.no_progress,
-                              draft=draft, num_drafts=num_drafts or None,
+                              drafter=drafter, num_drafts=num_drafts or None,
                               on_rollback=on_rollback,
                               decode_steps_per_call=args.decode_steps_per_call,
                               stop_tokens=stop_tokens)

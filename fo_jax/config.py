@@ -20,6 +20,7 @@ Presets:
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 import jax.numpy as jnp
@@ -448,6 +449,24 @@ def get_config(name: str) -> ModelConfig:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown model preset {name!r}; known presets: {sorted(PRESETS)}") from None
+
+
+def check_num_drafts(num_drafts, config: ModelConfig | None = None) -> None:
+    """Raise unless `num_drafts` (draft tokens per request and decode step) is an int >= 0 and,
+    given `config`, a step of W = num_drafts + 1 ways fits it (W <= config.max_ways).
+
+    The one range check of the number of drafts: `fo_jax.generate.generate`, the drafting flags
+    (`fo_jax.flags.drafting`), the engine's settings, the decode loop and the drafters call it
+    (a drafter's own rule, such as needing num_drafts >= 1, is theirs)."""
+    if (not isinstance(num_drafts, numbers.Integral) or isinstance(num_drafts, bool)
+            or num_drafts < 0):
+        raise ValueError(f"num_drafts={num_drafts!r} must be an int >= 0 (draft tokens per "
+                         "request and step; 0 = no drafts)")
+    if config is not None and num_drafts + 1 > config.max_ways:
+        raise ValueError(
+            f"num_drafts={num_drafts} makes steps of W = {num_drafts + 1} ways, but config "
+            f"{config.name!r} allows at most max_ways={config.max_ways}: use num_drafts <= "
+            f"{config.max_ways - 1}, or a config with max_ways >= {num_drafts + 1}")
 
 
 def sequence_capacity_check(config: ModelConfig, needed: int) -> None:

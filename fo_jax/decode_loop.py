@@ -16,11 +16,11 @@
     # out.mtp_seats carries them to the next call
 
 Public: `decode_loop`, `Seats`, `LoopOutput`, `LoopStats`, the steps
-`OffloadedStep` / `ResidentStep` and the checks `check_drafting`, `check_mtp_drafting`,
-`check_history` (bad drafting settings raise `ValueError`). The drafters' rules are
-`fo_jax.drafting`'s, one per kind (n-gram: `ngram_drafts`; MTP: `MTPSeats`, `mtp_feed`,
-`mtp_feed_seat`, `mtp_drafts`, `mtp_observe`, re-exported here), the same that
-`fo_jax.generate` drafts with.
+`OffloadedStep` / `ResidentStep` and the checks `check_mtp_drafting`, `check_history` (bad
+drafting settings raise `ValueError`; the number of drafts: `fo_jax.config.check_num_drafts`).
+The drafters' rules are `fo_jax.drafting`'s, one per kind (n-gram: `ngram_drafts`; MTP:
+`MTPSeats`, `mtp_feed`, `mtp_feed_seat`, `mtp_drafts`, `mtp_observe`, re-exported here), the
+same that `fo_jax.generate` drafts with.
 
 Contracts: the tokens equal those of a Python loop of single steps bit for bit; a done request
 takes no token and its state does not change; the state is donated and updated in place; one
@@ -43,12 +43,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from fo_jax import resident
-from fo_jax.config import ModelConfig
+from fo_jax.config import ModelConfig, check_num_drafts
 from fo_jax.kernels import resolve_implementation
 # The MTP names beyond those the loop calls are re-exported: the engine imports them from here.
-from fo_jax.drafting import (MTPSeats, NGramDrafter, check_num_drafts, mtp_drafts, mtp_feed,
-                             mtp_feed_jit, mtp_feed_seat, mtp_feed_seat_jit, mtp_observe,
-                             ngram_drafts)
+from fo_jax.drafting import (MTPSeats, NGramDrafter, mtp_drafts, mtp_feed, mtp_feed_jit,
+                             mtp_feed_seat, mtp_feed_seat_jit, mtp_observe, ngram_drafts)
 from fo_jax.offload import decode as offload_decode
 from fo_jax.offload import state as offload_state
 from fo_jax.offload.config import OffloadConfig
@@ -312,7 +311,7 @@ def decode_loop(params, state, seats: Seats, n_steps: int, sampling: Sampling, *
             raise ValueError(f"{name} hold {value} requests but the state holds {batch}: "
                              "build them for the same batch")
     check_keys(seats.keys, batch)
-    check_drafting(num_drafts, step.config)
+    check_num_drafts(num_drafts, step.config)
     check_logprobs(logprobs, step.config)
     if logprobs is not None and num_drafts:
         raise NotImplementedError(
@@ -382,20 +381,6 @@ def check_mtp_drafting(mtp, config: ModelConfig, *, drafter=None) -> None:
                          "load_checkpoint(..., mtp=True) (or fo_jax.model.mtp.init_mtp_params)"
                          " and pass them as mtp=")
     check_mtp_params(mtp, config)
-
-
-def check_drafting(num_drafts, config: ModelConfig) -> None:
-    """Raise unless num_drafts is an int >= 0 with W = num_drafts + 1 <= config.max_ways."""
-    try:
-        check_num_drafts(num_drafts)
-    except ValueError:
-        raise ValueError(f"num_drafts={num_drafts!r} must be an int >= 0 (draft tokens per "
-                         "request and step; 0 = no drafts)") from None
-    if num_drafts + 1 > config.max_ways:
-        raise ValueError(
-            f"num_drafts={num_drafts} makes steps of W = {num_drafts + 1} ways, but config "
-            f"{config.name!r} allows at most max_ways={config.max_ways}: use num_drafts <= "
-            f"{config.max_ways - 1}, or a config with max_ways >= {num_drafts + 1}")
 
 
 @functools.partial(jax.jit, static_argnames=("n_steps", "step", "logprobs", "together"),

@@ -1,6 +1,6 @@
 """Drafters for speculative decoding: they propose the next tokens, a W-way step verifies them.
 
-    drafter = make_drafter("ngram", config)           # or "none" (None), "mtp"
+    drafter = make_drafter("ngram", config)           # or "mtp"; None: no drafter
     drafts = drafter.propose(histories, num_drafts)    # [B, W - 1] int32
 
 A drafter sees each request's history (prompt + every token generated so far, the last one not
@@ -40,9 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fo_jax.config import ModelConfig
+from fo_jax.config import ModelConfig, check_num_drafts
 
-DRAFTS = ("none", "ngram", "mtp")
+DRAFTERS = ("ngram", "mtp")  # make_drafter's names (None: no drafter)
 
 
 class Drafter(Protocol):
@@ -154,12 +154,6 @@ def ngram_drafts(history, lengths, num_drafts: int, *, max_ngram: int = 3,
 
 _ngram_drafts_jit = jax.jit(ngram_drafts, static_argnames=("num_drafts", "max_ngram",
                                                          "min_ngram"))
-
-
-def check_num_drafts(num_drafts) -> None:
-    if not isinstance(num_drafts, (int, np.integer)) or isinstance(num_drafts, bool) \
-            or num_drafts < 0:
-        raise ValueError(f"num_drafts={num_drafts!r} must be an int >= 0")
 
 
 # MTP drafts ------------------------------------------------------------------------------------
@@ -394,38 +388,40 @@ class MTPDrafter:
         return np.asarray(jax.device_get(drafts)).astype(np.int32)
 
 
-def make_drafter(draft: str, config, *, engine=None) -> Drafter | None:
-    """The drafter named `draft` for a model of `config`: None for "none".
+def make_drafter(name: str | None, config, *, engine=None) -> Drafter | None:
+    """The drafter named `name` ("ngram" or "mtp") for a model of `config`: None for None (or
+    "none", its old spelling): no drafter.
 
     "mtp" needs `engine`: a `fo_jax.generate.ResidentEngine` or `OffloadEngine` built with the
     model's MTP parameters (`mtp=`, from `load_checkpoint(..., mtp=True)`); an engine whose step
     does not return the hidden states the layer reads is refused with NotImplementedError.
     """
-    if draft not in DRAFTS:
-        raise ValueError(f"draft={draft!r} is not one of {', '.join(DRAFTS)} (the drafter "
-                         "proposing tokens for the W-way verification step)")
-    if draft == "none":
+    if name is None or name == "none":
         return None
-    if draft == "ngram":
+    if name not in DRAFTERS:
+        raise ValueError(f"drafter={name!r} must be one of None, "
+                         f"{', '.join(map(repr, DRAFTERS))} (where the drafts for the W-way "
+                         "verification step come from)")
+    if name == "ngram":
         return NGramDrafter()
-    name = getattr(config, "name", config)
+    model = getattr(config, "name", config)
     if engine is not None and not getattr(engine, "returns_hidden", False):
         raise NotImplementedError(
-            f"draft='mtp' reads the main model's last hidden states, which the "
+            f"drafter='mtp' reads the main model's last hidden states, which the "
             f"{getattr(engine, 'name', type(engine).__name__)!r} engine's step does not return "
-            "yet: use the resident engine (ResidentEngine(..., mtp=...)) or draft='ngram'")
+            "yet: use the resident engine (ResidentEngine(..., mtp=...)) or drafter='ngram'")
     mtp = getattr(engine, "mtp", None)
     if mtp is None or config.num_nextn_predict_layers < 1:
         raise ValueError(
-            f"draft='mtp' needs the multi-token-prediction layer of the model "
+            f"drafter='mtp' needs the multi-token-prediction layer of the model "
             f"(num_nextn_predict_layers of a DeepSeek-V3.2 / GLM-5 checkpoint); model "
-            f"{name!r} has no MTP layer loaded: load it with load_checkpoint(..., mtp=True) "
-            "and pass it as ResidentEngine(..., mtp=...), or use draft='ngram' or 'none'")
+            f"{model!r} has no MTP layer loaded: load it with load_checkpoint(..., mtp=True) "
+            "and pass it as ResidentEngine(..., mtp=...), or use drafter='ngram' or None")
     batch = getattr(engine, "batch", None) or engine.state.batch
     return MTPDrafter(engine.params, mtp, config, batch=batch,
                       capacity=engine.capacity, prefill_chunk=engine.prefill_chunk)
 
 
-__all__ = ["DRAFTS", "Drafter", "MTPDrafter", "MTPSeats", "NGramDrafter", "check_num_drafts",
-           "make_drafter", "mtp_drafts", "mtp_feed", "mtp_feed_jit", "mtp_feed_seat",
-           "mtp_feed_seat_jit", "mtp_observe", "ngram_drafts"]
+__all__ = ["DRAFTERS", "Drafter", "MTPDrafter", "MTPSeats", "NGramDrafter", "make_drafter",
+           "mtp_drafts", "mtp_feed", "mtp_feed_jit", "mtp_feed_seat", "mtp_feed_seat_jit",
+           "mtp_observe", "ngram_drafts"]

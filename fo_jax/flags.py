@@ -16,8 +16,9 @@ append to (`fo_jax.engine.metrics.MetricsLog`); `output_path` is the same as a t
 
 `generate`, `serve` and `bench-serve` take one vocabulary: the model flags (`ModelArgs`, which
 `fo_jax.resolve.resolve_model` reads) and the drafting flags (`add_drafting_args`, resolved by
-`drafting`: `--drafter ngram|mtp` with `--num-drafts D`). Nothing here imports the rest of
-fo_jax but `fo_jax.config`.
+`drafting`: `--drafter ngram|mtp` with `--num-drafts D`, D checked against the model by
+`fo_jax.config.check_num_drafts`, the rule `generate` and the engine check too). Nothing here
+imports the rest of fo_jax but `fo_jax.config`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import math
 import os
 import sys
 
-from fo_jax.config import KV_FORMATS
+from fo_jax.config import KV_FORMATS, check_num_drafts
 
 SEED_MAX = 2**63 - 2  # jax.random.key takes an int64; a preset's random MTP layer uses seed + 1
 
@@ -234,20 +235,27 @@ def add_drafting_args(parser: argparse.ArgumentParser) -> None:
 def drafting(drafter: str | None, num_drafts: int | None, config) -> tuple[str | None, int]:
     """(drafter or None, drafts per step) of the --drafter and --num-drafts flags for a model
     of `config`: --num-drafts defaults to the model's max_ways - 1 with a drafter, 0 without;
-    --num-drafts D >= 1 alone drafts with ngram. Whether D fits the model is the caller's
-    check (`fo_jax.decode_loop.check_drafting`).
+    --num-drafts D >= 1 alone drafts with ngram. D is checked against the model
+    (`fo_jax.config.check_num_drafts`: W = D + 1 <= config.max_ways).
 
     Raises:
-      ValueError: a drafter with --num-drafts 0, or an unknown drafter, naming the flags.
+      ValueError: a drafter with --num-drafts 0, an unknown drafter, or a D the model's steps
+        cannot verify, naming the flags.
     """
     if drafter is not None and drafter not in DRAFTERS:
         raise ValueError(f"--drafter {drafter}: choose one of {', '.join(DRAFTERS)}")
     if drafter is None:
-        return ("ngram", num_drafts) if num_drafts else (None, 0)
-    if num_drafts is None:
-        return drafter, config.max_ways - 1
-    if num_drafts < 1:
+        if not num_drafts:
+            return None, 0
+        drafter = "ngram"
+    elif num_drafts is None:
+        num_drafts = config.max_ways - 1
+    elif num_drafts < 1:
         raise ValueError(f"--drafter {drafter} needs --num-drafts >= 1")
+    try:
+        check_num_drafts(num_drafts, config)
+    except ValueError as err:
+        raise ValueError(f"--num-drafts {num_drafts}: {err}") from None
     return drafter, num_drafts
 
 

@@ -8,8 +8,8 @@ runs (the decode loop's steps and program, `fo_jax.sampling`, `fo_jax.drafting`)
 
 The engines (`fo_jax.batch_engines`, re-exported here) prefill a ragged batch of prompts and
 step it with the decode loop's steps; `generate` samples (`fo_jax.sampling`: greedy at
-temperature 0, else temperature + top-p with a PRNG key). With a drafter (`draft="ngram"` or
-`"mtp"`, `fo_jax.drafting`: the rules the decode loop drafts with) a generation verifies
+temperature 0, else temperature + top-p with a PRNG key). With a drafter (`drafter="ngram"`
+or `"mtp"`, `fo_jax.drafting`: the rules the decode loop drafts with) a generation verifies
 W - 1 drafted tokens per step with the decode loop's rule (`fo_jax.sampling.
 speculative_tokens`: greedy, the same tokens in fewer steps; sampled, speculative sampling,
 tokens of the same distribution) and rolls the rejected ones back (`engine.rollback`). With
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Callable
 
@@ -32,7 +33,7 @@ import numpy as np
 from fo_jax import resident
 from fo_jax.batch_engines import (PREFILL_CHUNK, OffloadEngine, ResidentEngine, StateCheckError,
                                   check_prefill_chunk, chunked_prefill)
-from fo_jax.config import sequence_capacity_check
+from fo_jax.config import check_num_drafts, sequence_capacity_check
 from fo_jax.decode_loop import Seats
 from fo_jax.drafting import make_drafter
 from fo_jax.sampling import Sampling, check_sampling, sample, speculative_tokens
@@ -77,19 +78,20 @@ def pad_prompts(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     return tokens, lengths
 
 
-def check_draft(draft, num_drafts, config, engine=None):
+def check_drafter(drafter, num_drafts, config, engine=None):
     """The drafter and W - 1 drafts per step a generation runs with: (drafter or None, n).
 
-    draft: "none", "ngram", "mtp" (`fo_jax.drafting.make_drafter`; "mtp" needs the `engine`
-    it drafts for) or a Drafter object; num_drafts: None for config.max_ways - 1. Any
+    drafter: None (no drafts; "none" is accepted too), "ngram", "mtp"
+    (`fo_jax.drafting.make_drafter`; "mtp" needs the `engine` it drafts for) or a Drafter
+    object; num_drafts: None for config.max_ways - 1 (`fo_jax.config.check_num_drafts`: a
+    step of W = 1 + num_drafts ways must fit the model), at least 1 with a drafter. Any
     temperature goes with a drafter: drafts are verified greedily at temperature 0 and by
     speculative sampling above (`generate`).
     """
-    if draft == "mtp" and engine is None and config.num_nextn_predict_layers >= 1:
-        drafter = "mtp"  # checked without an engine (the CLI, before loading): built later
-    else:
-        drafter = (make_drafter(draft, config, engine=engine) if isinstance(draft, str)
-                   else draft)
+    if drafter == "mtp" and engine is None and config.num_nextn_predict_layers >= 1:
+        pass  # checked without an engine (the CLI, before loading): built later
+    elif drafter is None or isinstance(drafter, str):
+        drafter = make_drafter(drafter, config, engine=engine)
     if (getattr(drafter, "needs_hidden", False) and engine is not None
             and not getattr(engine, "returns_hidden", False)):
         raise NotImplementedError(
@@ -97,17 +99,31 @@ def check_draft(draft, num_drafts, config, engine=None):
             f"{engine.name!r} engine's step does not return yet: use the resident engine")
     if drafter is None:
         if num_drafts is not None:
-            raise ValueError(f"num_drafts={num_drafts!r} needs a drafter: pass draft='ngram' "
-                             "(or 'mtp'), or leave num_drafts None")
+            raise ValueError(f"num_drafts={num_drafts!r} needs a drafter: pass "
+                             "drafter='ngram' (or 'mtp'), or leave num_drafts None")
         return None, 0
-    most = config.max_ways - 1
-    num_drafts = most if num_drafts is None else num_drafts
-    if (not isinstance(num_drafts, (int, np.integer)) or isinstance(num_drafts, bool)
-            or not 1 <= num_drafts <= most):
-        raise ValueError(f"num_drafts={num_drafts!r} must be an int in [1, max_ways - 1 = "
-                         f"{most}] of config {config.name!r} (a step verifies the current "
-                         "token and its drafts as W = 1 + num_drafts ways)")
+    num_drafts = config.max_ways - 1 if num_drafts is None else num_drafts
+    check_num_drafts(num_drafts, config)
+    if num_drafts == 0:
+        name = drafter if isinstance(drafter, str) else drafter.name
+        raise ValueError(f"drafter={name!r} needs num_drafts >= 1 (drafts per request and "
+                         "decode step): pass num_drafts, or drop drafter")
     return drafter, int(num_drafts)
+
+
+_UNSET = object()  # generate's deprecated `draft=` not given
+
+
+def _drafter_keyword(drafter, draft):
+    """generate's `drafter`, given as `drafter=` or as its deprecated alias `draft=`."""
+    if draft is _UNSET:
+        return drafter
+    if drafter is not None:
+        raise TypeError(f"generate() got drafter={drafter!r} and draft={draft!r}: draft= is "
+                        "the deprecated spelling of drafter=: pass drafter= only")
+    warnings.warn("generate(draft=...) is deprecated: pass drafter= (None for no drafts)",
+                  DeprecationWarning, stacklevel=3)
+    return draft
 
 
 def check_decode_steps_per_call(n) -> None:
@@ -120,10 +136,10 @@ def check_decode_steps_per_call(n) -> None:
 def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, key: jax.Array | None = None,
              on_step: Callable[[int, jax.Array, jax.Array], None] | None = None,
-             progress: bool = False, draft="none", num_drafts: int | None = None,
+             progress: bool = False, drafter=None, num_drafts: int | None = None,
              on_rollback: Callable[[int, np.ndarray], None] | None = None,
              decode_steps_per_call: int = 1,
-             stop_tokens: Sequence[int] = ()) -> GenerationResult:
+             stop_tokens: Sequence[int] = (), draft=_UNSET) -> GenerationResult:
     """Prefill `prompts`, then decode `max_new_tokens` tokens per request.
 
     Args:
@@ -133,8 +149,9 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
         (the side-by-side check uses it; needs decode_steps_per_call=1); W = 1 without
         drafts.
       progress: show a progress bar.
-      draft: "none", "ngram" (prompt lookup), "mtp" (the model's MTP layer: a ResidentEngine
-        built with `mtp=`; `fo_jax.drafting.MTPDrafter`) or a `fo_jax.drafting.Drafter`.
+      drafter: None (no drafts), "ngram" (prompt lookup), "mtp" (the model's MTP layer: a
+        ResidentEngine built with `mtp=`; `fo_jax.drafting.MTPDrafter`) or a
+        `fo_jax.drafting.Drafter`, as the engine's `Engine(..., drafter=...)`.
         With a drafter, each step feeds [last token, num_drafts drafts] as W ways and
         rolls back what it does not keep (`engine.rollback`). Greedy (temperature 0): it
         keeps the longest prefix of drafts equal to the greedy tokens plus the next greedy
@@ -146,7 +163,7 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
         p(d), p the nucleus distribution `sample` draws from at the way before it; the first
         rejection samples p without d, renormalized; after num_drafts acceptances a bonus
         token is sampled. The tokens follow the distribution of sampling without drafts,
-        token by token, but are other draws than a draft="none" run with the same key.
+        token by token, but are other draws than a run without drafts with the same key.
       num_drafts: drafts per step, default config.max_ways - 1.
       on_rollback: with a drafter, called as on_rollback(step, keep [B]) after each step's
         rollback (keep[b]: tokens fed to request b that were kept).
@@ -160,13 +177,16 @@ def generate(engine, prompts: list[list[int]], *, max_new_tokens: int, temperatu
         request has sampled one (the stop token is in `tokens`; what a request that stopped
         earlier holds after its stop token is unspecified: cut it there), so `tokens` may be
         [B, n < max_new_tokens] and `context_length` counts the positions filled.
+      draft: the deprecated spelling of `drafter` ("none" for None), accepted with a
+        DeprecationWarning for one release; giving both is a TypeError.
     Everything is validated before the engine is touched.
     """
+    drafter = _drafter_keyword(drafter, draft)
     config = engine.config
     if max_new_tokens < 1:
         raise ValueError(f"{max_new_tokens=} must be >= 1")
     check_sampling(temperature, top_p)
-    drafter, num_drafts = check_draft(draft, num_drafts, config, engine)
+    drafter, num_drafts = check_drafter(drafter, num_drafts, config, engine)
     check_decode_steps_per_call(decode_steps_per_call)
     if decode_steps_per_call > 1 and on_step is not None:
         raise ValueError("on_step sees the logits of every step; a decode loop of "
@@ -353,5 +373,5 @@ def _progress(total: int, enabled: bool):
 
 
 __all__ = ["GenerationResult", "OffloadEngine", "PREFILL_CHUNK", "ResidentEngine",
-           "StateCheckError", "check_decode_steps_per_call", "check_draft",
+           "StateCheckError", "check_decode_steps_per_call", "check_drafter",
            "check_prefill_chunk", "chunked_prefill", "generate", "pad_prompts"]

@@ -568,7 +568,7 @@ class DataParallelOffloadEngine(batch_engines.OffloadEngine):
 
     def rollback(self, keep) -> None:
         raise NotImplementedError("the data-parallel engine does not verify drafts (no "
-                                  "rollback): generate with draft='none'")
+                                  "rollback): generate without a drafter (drafter=None)")
 
     def decode(self, seats, n_steps: int, sampling):
         """Up to `n_steps` decode steps with on-device sampling in one data-parallel program

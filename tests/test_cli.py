@@ -189,10 +189,11 @@ def test_generate_with_ngram_drafts_samples(capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["generate", "--model", "tiny", "--drafter", "mtp"],
-     "draft='mtp' needs the multi-token-prediction layer of the model (num_nextn_predict_layers "
+     "drafter='mtp' needs the multi-token-prediction layer of the model (num_nextn_predict_layers "
      "of a DeepSeek-V3.2 / GLM-5 checkpoint); model 'tiny' has no MTP layer loaded"),
     (["generate", "--model", "tiny", "--drafter", "ngram", "--num-drafts", "9"],
-     "num_drafts=9 must be an int in [1, max_ways - 1 = 3] of config 'tiny'"),
+     "--num-drafts 9: num_drafts=9 makes steps of W = 10 ways, but config 'tiny' allows at most "
+     "max_ways=4: use num_drafts <= 3, or a config with max_ways >= 10"),
     (["generate", "--model", "tiny", "--drafter", "ngram", "--decode-steps-per-call", "2"],
      "--drafter ngram verifies drafts step by step from the host: use --decode-steps-per-call 1"),
     # --num-drafts D alone drafts with ngram (as serve and bench-serve); a drafter needs D >= 1.

@@ -7,7 +7,7 @@ import pytest
 
 from fo_jax import generate as gen
 from fo_jax import resident
-from fo_jax.config import get_config
+from fo_jax.config import check_num_drafts, get_config
 from fo_jax.drafting import NGramDrafter, make_drafter
 from fo_jax.model.dsa import init_params
 from fo_jax.offload import checks
@@ -68,14 +68,15 @@ def test_ngram_settings_are_checked(kwargs, message):
 
 
 def test_make_drafter():
-    assert make_drafter("none", CONFIG) is None
+    assert make_drafter(None, CONFIG) is None and make_drafter("none", CONFIG) is None
     assert isinstance(make_drafter("ngram", CONFIG), NGramDrafter)
-    with pytest.raises(ValueError, match=r"draft='mtp' needs the multi-token-prediction "
+    with pytest.raises(ValueError, match=r"drafter='mtp' needs the multi-token-prediction "
                                          r"layer of the model .*model 'tiny' has no MTP "
                                          r"layer loaded: load it with "
                                          r"load_checkpoint\(\.\.\., mtp=True\)"):
         make_drafter("mtp", CONFIG)
-    with pytest.raises(ValueError, match=r"draft='eagle' is not one of none, ngram, mtp"):
+    with pytest.raises(ValueError, match=r"drafter='eagle' must be one of None, 'ngram', 'mtp' "
+                                         r"\(where the drafts"):
         make_drafter("eagle", CONFIG)
 
 
@@ -179,7 +180,7 @@ def test_greedy_with_drafts_gives_the_w1_greedy_tokens(params):
     want = gen.generate(engines["resident"](), prompts, max_new_tokens=new)
     for name, make in engines.items():
         oracle = OracleDrafter(prompts, want.tokens, wrong=[3, 1000])
-        got = gen.generate(make(), prompts, max_new_tokens=new, draft=oracle)
+        got = gen.generate(make(), prompts, max_new_tokens=new, drafter=oracle)
         np.testing.assert_array_equal(got.tokens, want.tokens, err_msg=name)
         np.testing.assert_array_equal(got.context_length, want.context_length)
         extra = got.extra
@@ -187,7 +188,7 @@ def test_greedy_with_drafts_gives_the_w1_greedy_tokens(params):
         assert extra["verify_steps"] < new - 1
         assert extra["tokens_per_step"] > 1.4
         assert 0 < extra["accepted_drafts"] < extra["proposed_drafts"]
-        ngram = gen.generate(make(), prompts, max_new_tokens=new, draft="ngram")
+        ngram = gen.generate(make(), prompts, max_new_tokens=new, drafter="ngram")
         np.testing.assert_array_equal(ngram.tokens, want.tokens, err_msg=name)
         assert ngram.extra["draft"] == "ngram" and ngram.extra["tokens_per_step"] >= 1
     assert got.extra["decode_steps"] == extra["verify_steps"]
@@ -205,7 +206,7 @@ def test_sampled_drafting_offloaded_equals_resident(params):
     want = gen.generate(engines["resident"](), prompts, max_new_tokens=new)
     kwargs = dict(max_new_tokens=new, temperature=0.1, top_p=0.9, key=jax.random.key(4))
     runs = {name: gen.generate(make(), prompts,
-                               draft=OracleDrafter(prompts, want.tokens, wrong=[3, 1000]),
+                               drafter=OracleDrafter(prompts, want.tokens, wrong=[3, 1000]),
                                **kwargs)
             for name, make in engines.items()}
     np.testing.assert_array_equal(runs["offload"].tokens, runs["resident"].tokens)
@@ -215,21 +216,68 @@ def test_sampled_drafting_offloaded_equals_resident(params):
     assert 0 < extra["accepted_drafts"] < extra["proposed_drafts"] - 3, extra
     assert extra["verify_steps"] < new - 1
     other = gen.generate(engines["resident"](), prompts,
-                         draft=OracleDrafter(prompts, want.tokens, wrong=[3, 1000]),
+                         drafter=OracleDrafter(prompts, want.tokens, wrong=[3, 1000]),
                          **dict(kwargs, key=jax.random.key(5), temperature=1.0))
     assert not np.array_equal(other.tokens, runs["resident"].tokens)
 
 
 def test_bad_draft_counts_are_refused(params):
     engine = gen.ResidentEngine(params, CONFIG, batch=1, capacity=32)
-    with pytest.raises(ValueError, match=r"num_drafts=4 must be an int in \[1, max_ways - 1 = "
-                                         r"3\] of config 'tiny'"):
-        gen.generate(engine, [[1, 2]], max_new_tokens=4, draft="ngram", num_drafts=4)
-    with pytest.raises(ValueError, match=r"num_drafts=2 needs a drafter: pass draft='ngram'"):
+    with pytest.raises(ValueError, match=r"num_drafts=4 makes steps of W = 5 ways, but config "
+                                         r"'tiny' allows at most max_ways=4: use num_drafts <= 3"):
+        gen.generate(engine, [[1, 2]], max_new_tokens=4, drafter="ngram", num_drafts=4)
+    with pytest.raises(ValueError, match=r"num_drafts=2 needs a drafter: pass drafter='ngram'"):
         gen.generate(engine, [[1, 2]], max_new_tokens=4, num_drafts=2)
-    with pytest.raises(ValueError, match=r"draft='mtp' needs the multi-token-prediction"):
-        gen.generate(engine, [[1, 2]], max_new_tokens=4, draft="mtp")
+    with pytest.raises(ValueError, match=r"drafter='mtp' needs the multi-token-prediction"):
+        gen.generate(engine, [[1, 2]], max_new_tokens=4, drafter="mtp")
+    with pytest.raises(ValueError, match=r"num_drafts=-1 must be an int >= 0 \(draft tokens per "
+                                         r"request and step; 0 = no drafts\)"):
+        gen.generate(engine, [[1, 2]], max_new_tokens=4, drafter="ngram", num_drafts=-1)
+    with pytest.raises(ValueError, match=r"drafter='ngram' needs num_drafts >= 1 \(drafts per "
+                                         r"request and decode step\): pass num_drafts, or drop "
+                                         r"drafter"):
+        gen.generate(engine, [[1, 2]], max_new_tokens=4, drafter="ngram", num_drafts=0)
     assert engine.lengths is None  # refused before anything ran
+
+
+def test_the_number_of_drafts_has_one_range_check():
+    """`check_num_drafts`: an int >= 0 (any int type, not a bool), and with a config
+    W = num_drafts + 1 <= max_ways; generate, the flags, the engine and the loop call it."""
+    for ok in (0, 3, np.int32(2)):
+        check_num_drafts(ok, CONFIG)
+    check_num_drafts(7)  # without a config: no upper bound
+    for bad in (-1, 1.0, True, "2", None):
+        with pytest.raises(ValueError, match=rf"num_drafts={bad!r} must be an int >= 0 "
+                                             r"\(draft tokens per request and step; 0 = no "
+                                             r"drafts\)"):
+            check_num_drafts(bad, CONFIG)
+    with pytest.raises(ValueError, match=r"^num_drafts=4 makes steps of W = 5 ways, but config "
+                                         r"'tiny' allows at most max_ways=4: use num_drafts <= 3,"
+                                         r" or a config with max_ways >= 5$"):
+        check_num_drafts(4, CONFIG)
+
+
+def test_draft_is_the_deprecated_spelling_of_drafter(params):
+    """generate's old `draft=` keyword: still accepted (one release) with a DeprecationWarning
+    naming drafter=, "none" as None; with drafter= too, a TypeError."""
+    def engine():
+        return gen.ResidentEngine(params, CONFIG, batch=1, capacity=32)
+
+    deprecated = r"generate\(draft=\.\.\.\) is deprecated: pass drafter= \(None for no drafts\)"
+    refused = engine()
+    with pytest.warns(DeprecationWarning, match=deprecated):
+        with pytest.raises(ValueError, match=r"num_drafts=4 makes steps of W = 5 ways"):
+            gen.generate(refused, [[1, 2]], max_new_tokens=4, draft="ngram", num_drafts=4)
+    with pytest.raises(TypeError, match=r"generate\(\) got drafter='ngram' and draft='mtp': "
+                                        r"draft= is the deprecated spelling of drafter=: pass "
+                                        r"drafter= only"):
+        gen.generate(refused, [[1, 2]], max_new_tokens=4, drafter="ngram", draft="mtp")
+    assert refused.lengths is None  # refused before anything ran
+    with pytest.warns(DeprecationWarning, match=deprecated):
+        old = gen.generate(engine(), [[1, 2]], max_new_tokens=3, draft="none")
+    new = gen.generate(engine(), [[1, 2]], max_new_tokens=3, drafter="none")  # "none": None
+    np.testing.assert_array_equal(old.tokens, new.tokens)
+    assert "draft" not in old.extra and "draft" not in new.extra
 
 
 def test_engine_rollback_is_checked(params):

@@ -75,6 +75,10 @@ def test_drafting_resolves_the_defaults(drafter, num_drafts, expected):
 @pytest.mark.parametrize("drafter, num_drafts, message", [
     ("mtp", 0, "--drafter mtp needs --num-drafts >= 1"),
     ("eagle", 1, "--drafter eagle: choose one of ngram, mtp"),
+    # D checked against the model (fo_jax.config.check_num_drafts), with or without --drafter.
+    ("ngram", 4, r"--num-drafts 4: num_drafts=4 makes steps of W = 5 ways, but config 'tiny' "
+                 r"allows at most max_ways=4: use num_drafts <= 3"),
+    (None, 9, r"--num-drafts 9: num_drafts=9 makes steps of W = 10 ways"),
 ])
 def test_drafting_refuses_what_cannot_run(drafter, num_drafts, message):
     with pytest.raises(ValueError, match=message):

@@ -54,7 +54,7 @@ def test_mtp_greedy_drafting_gives_the_w1_greedy_tokens(model):
     config = model[0]
     want = gen.generate(_engine(model), PROMPTS, max_new_tokens=NEW)
     for num_drafts in (1, 3):
-        got = gen.generate(_engine(model), PROMPTS, max_new_tokens=NEW, draft="mtp",
+        got = gen.generate(_engine(model), PROMPTS, max_new_tokens=NEW, drafter="mtp",
                            num_drafts=num_drafts)
         np.testing.assert_array_equal(got.tokens, want.tokens)
         np.testing.assert_array_equal(got.context_length, want.context_length)
@@ -74,7 +74,7 @@ def test_offloaded_mtp_drafting_gives_the_w1_greedy_tokens(model):
                             capacity=48)
     want = gen.generate(_engine(model), PROMPTS, max_new_tokens=NEW)
     engine = gen.OffloadEngine(params, config, offload=offload, batch=2, mtp=mtp)
-    got = gen.generate(engine, PROMPTS, max_new_tokens=NEW, draft="mtp", num_drafts=2)
+    got = gen.generate(engine, PROMPTS, max_new_tokens=NEW, drafter="mtp", num_drafts=2)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     assert got.extra["draft"] == "mtp"
 
@@ -82,11 +82,11 @@ def test_offloaded_mtp_drafting_gives_the_w1_greedy_tokens(model):
 def test_models_without_mtp_are_refused(model):
     config, params, _ = model
     plain = gen.ResidentEngine(params, config, batch=2, capacity=CAPACITY)
-    with pytest.raises(ValueError, match=r"draft='mtp' needs the multi-token-prediction layer "
+    with pytest.raises(ValueError, match=r"drafter='mtp' needs the multi-token-prediction layer "
                        r"of the model .* has no MTP layer loaded: load it with "
                        r"load_checkpoint\(\.\.\., mtp=True\) and pass it as "
                        r"ResidentEngine\(\.\.\., mtp=\.\.\.\)"):
-        gen.generate(plain, PROMPTS, max_new_tokens=4, draft="mtp")
+        gen.generate(plain, PROMPTS, max_new_tokens=4, drafter="mtp")
     assert isinstance(make_drafter("mtp", config, engine=_engine(model)), MTPDrafter)
 
 
@@ -195,7 +195,7 @@ def test_an_mtp_layer_that_copies_the_model_is_accepted_on_repeats(model):
     for num_drafts, steps in ((1, 6), (3, 3)):
         got = gen.generate(gen.ResidentEngine(still, config, batch=2, capacity=CAPACITY,
                                               mtp=copy),
-                           PROMPTS, max_new_tokens=NEW, draft="mtp", num_drafts=num_drafts)
+                           PROMPTS, max_new_tokens=NEW, drafter="mtp", num_drafts=num_drafts)
         np.testing.assert_array_equal(got.tokens, want.tokens)
         extra = got.extra
         print(f"copying MTP layer, num_drafts={num_drafts}: {extra['tokens_per_step']:.2f} "
@@ -227,9 +227,9 @@ def test_sampled_mtp_drafting_offloaded_equals_resident_and_feeds_the_sampled_to
         observe(hidden, tokens, keep)
 
     drafter.observe = recording
-    got = gen.generate(engine, PROMPTS, draft=drafter, **kwargs)
+    got = gen.generate(engine, PROMPTS, drafter=drafter, **kwargs)
     offloaded = gen.generate(gen.OffloadEngine(params, config, offload=offload, batch=2,
-                                               mtp=mtp), PROMPTS, draft="mtp", **kwargs)
+                                               mtp=mtp), PROMPTS, drafter="mtp", **kwargs)
     np.testing.assert_array_equal(offloaded.tokens, got.tokens)
     np.testing.assert_array_equal(offloaded.context_length, got.context_length)
     assert offloaded.extra["verify_steps"] == got.extra["verify_steps"]

@@ -136,7 +136,7 @@ def test_sampled_drafting_follows_the_nucleus_distribution(num_drafts):
     drafter = TableDrafter(p1, p2)
     result = gen.generate(_engine(), [PROMPT] * SAMPLES, max_new_tokens=NEW,
                           temperature=TEMPERATURE, top_p=TOP_P, key=jax.random.key(num_drafts),
-                          draft=drafter, num_drafts=num_drafts)
+                          drafter=drafter, num_drafts=num_drafts)
     x = result.tokens
     assert x.shape == (SAMPLES, NEW)
     counts = np.zeros(law.shape)

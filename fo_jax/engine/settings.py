@@ -23,7 +23,7 @@ import numbers
 from typing import Any
 
 from fo_jax import resident
-from fo_jax.config import ModelConfig
+from fo_jax.config import ModelConfig, check_num_drafts
 from fo_jax.offload.config import OffloadConfig
 
 DEFAULT_PREFILL_CHUNK = 256
@@ -205,10 +205,10 @@ class SpeculativeSettings:
 
     def check(self, config: ModelConfig, mtp) -> None:
         """Raise unless these drafts can run on `config` with the MTP parameters `mtp`."""
-        from fo_jax.decode_loop import check_drafting, check_mtp_drafting
+        from fo_jax.decode_loop import check_mtp_drafting
 
         try:
-            check_drafting(self.num_drafts, config)
+            check_num_drafts(self.num_drafts, config)
         except ValueError as err:
             raise ValueError(f"{err} (Engine(num_drafts=...))") from None
         if self.drafter == "ngram":

@@ -209,7 +209,6 @@ def build_engine(args, *, metrics_jsonl: str | None = None):
     are read. `metrics_jsonl`: the --metrics-jsonl of the command (refused with --devices)."""
     import jax
 
-    from fo_jax.decode_loop import check_drafting
     from fo_jax.engine import Engine
     from fo_jax.engine.args import EngineArgs
     from fo_jax.resolve import check_param_memory, random_params, resolve_model
@@ -224,11 +223,7 @@ def build_engine(args, *, metrics_jsonl: str | None = None):
         if config.vocab_size < 256:
             raise ValueError(f"the byte tokenizer needs vocab_size >= 256; {config.name!r} has "
                              f"{config.vocab_size}")
-    drafter, num_drafts = engine_args.drafting(config)
-    try:
-        check_drafting(num_drafts, config)
-    except ValueError as err:
-        raise ValueError(f"--num-drafts {num_drafts}: {err}") from None
+    drafter, num_drafts = engine_args.drafting(config)  # checked against the model
     if drafter == "mtp":
         _check_mtp_flags(config, load, num_drafts)
     offload = engine_args.offload_config(config)

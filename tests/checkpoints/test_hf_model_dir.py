@@ -68,7 +68,7 @@ def test_generate_runs_resident_and_offloaded_and_stops_at_the_eos_ids(hf_dir, t
     looped = _generate(directory, ids, 8, stop_tokens=(stop,), decode_steps_per_call=3)
     np.testing.assert_array_equal(looped[:first + 1], greedy[:first + 1])
     assert (looped[first + 1:] == -1).all()
-    drafted = _generate(directory, ids, 8, stop_tokens=(stop,), draft="ngram")
+    drafted = _generate(directory, ids, 8, stop_tokens=(stop,), drafter="ngram")
     np.testing.assert_array_equal(drafted, greedy[:first + 1])
 
 

@@ -1,7 +1,7 @@
 """Drafts inside the jitted decode loop (fo_jax.decode_loop, fo_jax.engine.engine): the device
 n-gram rule proposes what a plain numpy reference proposes (and the host NGramDrafter runs that
 rule); a loop with drafts yields the tokens of host-driven drafting
-(`fo_jax.generate.generate(..., draft="ngram")`, greedy or sampled with the same key) and of
+(`fo_jax.generate.generate(..., drafter="ngram")`, greedy or sampled with the same key) and of
 W = 1 greedy decoding, in fewer steps; an engine with drafts gives every request the tokens it
 gets alone in the same engine, bit for bit, and never yields past max_tokens or a stop token."""
 
@@ -145,7 +145,7 @@ def test_loop_with_drafts_yields_the_greedy_tokens_in_fewer_steps():
         return gen.generate(engine, PROMPTS, max_new_tokens=MAX_NEW, **kwargs).tokens
 
     got, steps, accepted, proposed = _loop("resident")
-    np.testing.assert_array_equal(got, generate(draft="ngram", num_drafts=DRAFTS))
+    np.testing.assert_array_equal(got, generate(drafter="ngram", num_drafts=DRAFTS))
     np.testing.assert_array_equal(got, generate())
     assert accepted > 0 and proposed >= DRAFTS * steps
     assert steps < MAX_NEW - 1
@@ -160,7 +160,7 @@ def test_sampled_loop_with_drafts_yields_host_drafting_tokens():
     agree but for the last bits, which decide nothing here), not the greedy ones."""
     got, steps, accepted, proposed = _loop("resident", sampled=True)
     engine = gen.ResidentEngine(_params(), CONFIG, batch=2, capacity=CAPACITY)
-    host = gen.generate(engine, PROMPTS, max_new_tokens=MAX_NEW, draft="ngram",
+    host = gen.generate(engine, PROMPTS, max_new_tokens=MAX_NEW, drafter="ngram",
                         num_drafts=DRAFTS, key=jax.random.key(SAMPLED_KEY), **SAMPLED)
     np.testing.assert_array_equal(host.tokens, got)
     assert host.extra["verify_steps"] == steps

@@ -76,7 +76,7 @@ def _engine(path, **kwargs):
 def test_loop_mtp_drafts_are_the_host_drafters():
     """Resident, 3 prompts (one of 9 tokens: two prefill chunks of 8), 4 steps per call: each
     request's drafts at each of its steps equal those `fo_jax.generate.generate(...,
-    draft="mtp")` verified (the host MTPDrafter, fed the same hidden states), its tokens equal
+    drafter="mtp")` verified (the host MTPDrafter, fed the same hidden states), its tokens equal
     the host's (W = 1 greedy decoding's), and drafts were accepted."""
     prompts, new = [[96] * 5, [208] * 7, [100, 219, 141] * 3], 12
     batch = len(prompts)
@@ -86,7 +86,7 @@ def test_loop_mtp_drafts_are_the_host_drafters():
                                   mtp=_mtp(), prefill_chunk=8)
 
     host = []
-    want = gen.generate(engine(), prompts, max_new_tokens=new, draft="mtp", num_drafts=DRAFTS,
+    want = gen.generate(engine(), prompts, max_new_tokens=new, drafter="mtp", num_drafts=DRAFTS,
                         on_step=lambda step, fed, logits: host.append(np.asarray(fed)[:, 1:]))
     # The W = 1 greedy tokens (no near-tie: tests/engine/test_drafting_loop.py).
     assert want.tokens[0].tolist() == [44] * new
