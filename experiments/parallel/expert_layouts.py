@@ -51,12 +51,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from experiments.common import run_metadata, synthetic_states, write_jsonl  # noqa: E402
+from experiments.common import run_metadata, write_jsonl  # noqa: E402
 
 from fo_jax import hlo_checks, sharded_steps, sharding  # noqa: E402
 from fo_jax.config import get_config  # noqa: E402
-from fo_jax.model.dsa import init_params  # noqa: E402
+from fo_jax.model import dsa  # noqa: E402
 from fo_jax.offload.config import OffloadConfig  # noqa: E402
+from fo_jax.offload.state import DecodeState  # noqa: E402
 
 DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "..", "results", "parallel",
                            "expert_layouts", "expert_layouts.jsonl")
@@ -66,6 +67,40 @@ LAYOUTS = (("all-to-all data 8", "all-to-all", DEVICES),
            ("replicated expert 2 x data 4", "replicated", 2))
 BASELINE = LAYOUTS[1][0]
 EXPERTS = ("w1", "w2", "w3")
+
+
+def numpy_params(config, seed):
+    """Weights of `dsa.init_params`' shapes, dtypes and distributions (unit norms, zero
+    biases, normal(0, fan_in^-0.5) matrices), drawn with numpy: its one program that draws
+    them all takes longer to compile than this run's steps on 8 simulated devices."""
+    rng = np.random.default_rng(seed)
+    treedef, specs = dsa._leaf_specs(config)
+    leaves = []
+    for kind, shape, dtype in specs:
+        if kind in ("ones", "zeros"):
+            value = np.full(shape, 1.0 if kind == "ones" else 0.0, np.float32)
+        else:
+            value = rng.standard_normal(shape, np.float32)
+            value *= 1.0 if kind == "embed" else shape[-2] ** -0.5
+        leaves.append(jnp.asarray(value.astype(jnp.dtype(dtype))))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def cache_state(config, offload, batch, context, seed, heavy=0.1, boost=4.0):
+    """The offloaded state of `batch` requests of `context` random tokens each, drawn with
+    numpy (`experiments.common.synthetic_states` without its jax.random programs): a `heavy`
+    share of the tokens with indexer keys `boost` times longer, which the indexer keeps
+    selecting step after step."""
+    rng = np.random.default_rng(seed)
+    dtype = jnp.dtype(config.jnp_kv_dtype)
+    kv = rng.standard_normal((config.num_layers, batch, offload.capacity, config.kv_width),
+                             np.float32).astype(dtype)
+    keys = rng.standard_normal((config.num_groups, batch, offload.capacity,
+                                config.index_head_dim), np.float32)
+    keys = np.where(rng.random((1, batch, offload.capacity, 1)) < heavy, keys * boost, keys)
+    lengths = np.full((batch,), context, np.int32)
+    return DecodeState.from_resident(kv, keys.astype(dtype), lengths, config=config,
+                                     offload=offload)
 
 
 def expert_bytes(placed) -> int:
@@ -158,7 +193,7 @@ def step(run):
     logits, run["state"], _ = run["compiled"](run["placed"], run["state"], tokens, None)
     logits.block_until_ready()
     elapsed = time.perf_counter() - start
-    run["tokens"] = np.asarray(jnp.argmax(logits[:, -1], axis=-1), np.int32)[:, None]
+    run["tokens"] = np.asarray(logits)[:, -1].argmax(-1).astype(np.int32)[:, None]
     run["greedy"].append(run["tokens"][:, 0].tolist())
     return elapsed
 
@@ -229,8 +264,8 @@ def main(argv=None):
         config = config.replace(num_layers=2, indexer_layers=(0,), index_topk=4, max_ways=2)
     offload = OffloadConfig(hot_slots=args.hot_slots, page_size=args.page_size,
                             capacity=args.capacity, policy="ring")
-    params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(args.seed))
-    _, dec = synthetic_states(config, offload, args.batch, args.context, args.seed)
+    params = numpy_params(config, args.seed)
+    dec = cache_state(config, offload, args.batch, args.context, args.seed)
     rng = np.random.default_rng(args.seed)
     first = rng.integers(0, config.vocab_size, (args.batch, 1)).astype(np.int32)
     runs = []
@@ -259,7 +294,8 @@ def main(argv=None):
                      "moe_hidden": config.moe_hidden, "batch": args.batch,
                      "context": args.context, "capacity": args.capacity,
                      "hot_slots": args.hot_slots, "page_size": args.page_size,
-                     "steps": args.steps, "smoke": args.smoke, "seed": args.seed,
+                     "steps": args.steps, "warmup": args.warmup, "smoke": args.smoke,
+                     "seed": args.seed,
                      "step_s": step_s, "step_times_s": run["times"],
                      "tokens_per_s": args.batch / step_s,
                      "expert_bytes_per_device": run["expert_bytes"],
