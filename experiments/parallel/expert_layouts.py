@@ -88,7 +88,7 @@ def numpy_params(config, seed):
 
 def cache_state(config, offload, batch, context, seed, heavy=0.1, boost=4.0):
     """The offloaded state of `batch` requests of `context` random tokens each, drawn with
-    numpy (`experiments.common.synthetic_states` without its jax.random programs): a `heavy`
+    numpy (experiments/common.py's `synthetic_states` without its jax.random programs): a `heavy`
     share of the tokens with indexer keys `boost` times longer, which the indexer keeps
     selecting step after step."""
     rng = np.random.default_rng(seed)
