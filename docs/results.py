@@ -18,6 +18,7 @@ import textwrap
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 H200 = "experiments/results/accelerator/h200/decode_bench.jsonl"
 DP = "experiments/results/serving/dp_serving/dp_serving.jsonl"
+EXPERT_LAYOUTS = "experiments/results/parallel/expert_layouts/expert_layouts.jsonl"
 RANKS = "experiments/results/traces/rank_imbalance/rank_imbalance.jsonl"
 REPLAY = "experiments/results/traces/replay/replay.jsonl"
 POISSON = "experiments/results/serving/poisson.jsonl"
@@ -117,6 +118,28 @@ def dp_serving() -> str:
                    f"{statistics.mean(speed):.2f}x ({min(speed):.2f}-{max(speed):.2f}x) |")
     command = f"python -m experiments.serving.dp_serving --seeds {' '.join(map(str, seeds))}"
     return _source(rows, DP, command) + "\n\n" + "\n".join(out)
+
+
+def expert_layouts() -> str:
+    rows = _rows(EXPERT_LAYOUTS, question="expert_layouts", smoke=False)
+    out = ["| layout | expert bytes per device | step, median ms | tokens / s | vs replicated "
+           "expert 8 | exchange alone, ms | exchange / step (estimate) |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['layout_name']} | {r['expert_bytes_per_device'] / 2 ** 20:.0f} MiB "
+                   f"of {r['expert_bytes_total'] / 2 ** 20:.0f} | {r['step_s'] * 1e3:.1f} | "
+                   f"{r['tokens_per_s']:.0f} | {r['vs_baseline']:.2f}x | "
+                   f"{r['exchange_s'] * 1e3:.2f} | {r['exchange_share']:.1%} |")
+    r = rows[0]
+    same = all(x["same_tokens_as_baseline"] for x in rows)
+    note = (f"`{r['model']}` widened (dim {r['dim']}, {r['experts']} experts of hidden "
+            f"{r['moe_hidden']}, {r['top']} per token, {r['moe_layers']} MoE layers of "
+            f"{r['num_layers']}), offloaded decode step, {r['batch']} requests of "
+            f"{r['context']} tokens (C = {r['hot_slots']}), {r['steps']} interleaved steps per "
+            f"layout on {r['devices']} simulated CPU devices; greedy tokens "
+            f"{'equal' if same else 'NOT equal'} across layouts. ")
+    command = "python -m experiments.parallel.expert_layouts"
+    return note + _source(rows, EXPERT_LAYOUTS, command) + "\n\n" + "\n".join(out)
 
 
 def rank_imbalance() -> str:
@@ -525,7 +548,8 @@ def real_sizes_all_to_all() -> str:
 
 
 TABLES = {"h200_management": h200_management, "h200_step": h200_step,
-          "dp_serving": dp_serving, "rank_imbalance": rank_imbalance,
+          "dp_serving": dp_serving, "expert_layouts": expert_layouts,
+          "rank_imbalance": rank_imbalance,
           "replay_8192": replay_8192, "serving_budget": serving_budget,
           "serving_latency": serving_latency, "auto_offload": auto_offload,
           "h200_host_access": h200_host_access, "h200_decode_loop": h200_decode_loop,

@@ -81,6 +81,7 @@ SLOW_FILES = (
     "tests/experiments/test_decode_bench_smoke.py",
     "tests/model/test_init_params.py",
     "tests/experiments/test_record_traces_smoke.py",
+    "tests/experiments/test_expert_layouts_smoke.py",
     "tests/test_readme.py",
     "tests/engine/test_bench.py",
 )

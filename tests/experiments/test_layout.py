@@ -8,7 +8,7 @@ import re
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXPERIMENTS = ROOT / "experiments"
 INDEX = ROOT / "docs" / "experiments.md"
-GROUPS = {"decode", "serving", "traces", "accelerator", "training"}
+GROUPS = {"decode", "serving", "traces", "accelerator", "training", "parallel"}
 
 
 def _scripts():

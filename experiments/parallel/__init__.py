@@ -1,0 +1,1 @@
+"""Parallel layouts: how the model is split over many devices, measured."""
