@@ -1,6 +1,6 @@
 """FP8 over a mesh of 8 simulated CPU devices (fo_jax.sharding, fo_jax.sharded_steps).
 
-Subprocesses run the FP8 cases of data_parallel_cases.py (`FP8_SUITES`, one each; XLA_FLAGS
+A subprocess runs the FP8 cases of data_parallel_cases.py (`FP8_SUITES`, all three; XLA_FLAGS
 gives them 8 devices, the rest of the suite keeps one). `--fp8-weights`: FP8 weights (e4m3
 values, 128 x 128 block scales) placed over `model` (attention heads) and `expert` (MoE
 experts) as the bf16 weights they stand for, each device holding 1/2 of every split weight's
@@ -16,19 +16,18 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASES = os.path.join(ROOT, "tests", "sharding", "data_parallel_cases.py")
 
 
-@pytest.mark.parametrize("suite", ["--fp8-weights", "--fp8-kv-steps", "--fp8-generate"])
-def test_fp8_cases_on_eight_devices(suite):
+def test_fp8_cases_on_eight_devices():  # one subprocess: jax starts once
     flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, CASES, suite], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, CASES, "--fp8-weights", "--fp8-kv-steps",
+                           "--fp8-generate"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     assert "ALL OK" in proc.stdout, output[-6000:]
