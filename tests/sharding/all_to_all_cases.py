@@ -30,12 +30,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from data_parallel_cases import (CONFIG, NAN, PROMPT, assert_state_equal, log,  # noqa: E402
-                                 random_decode_state, random_params, raises, rank_state)
+from data_parallel_cases import (CONFIG, NAN, PROMPT, assert_ranks_decode,  # noqa: E402
+                                 assert_state_equal, log, random_decode_state,
+                                 random_params, raises, rank_state)
 from fo_jax import hlo_checks, resident, sharded_steps, sharding  # noqa: E402
 from fo_jax.model.dsa import quantize_params  # noqa: E402
 from fo_jax.model.moe import all_to_all_capacity  # noqa: E402
-from fo_jax.offload import decode as offload_decode  # noqa: E402
 from fo_jax.offload import prefill as offload_prefill  # noqa: E402
 from fo_jax.offload.config import OffloadConfig  # noqa: E402
 from fo_jax.offload.state import DecodeState  # noqa: E402
@@ -128,17 +128,8 @@ def decode_case(rng, *, ranks, batch, steps, inactive=False, fp8=False):
         logits, sharded, stats = compiled(
             placed, sharded, jax.device_put(tokens, shard_in[2]),
             None if active is None else jax.device_put(active, shard_in[3]))
-        for r in range(ranks):
-            seats = slice(r * per, (r + 1) * per)
-            want, refs[r], want_stats = offload_decode.decode_step(
-                params, refs[r], tokens[seats], config=MOE, offload=OFFLOAD,
-                active=None if active is None else active[seats])
-            live = slice(None) if active is None else active[seats]
-            chex.assert_trees_all_equal(np.asarray(logits)[seats][live],
-                                        np.asarray(want)[live])
-            got_stats = jax.tree.map(lambda x: np.take(np.asarray(x), np.arange(
-                seats.start, seats.stop), axis=0 if x.ndim == 1 else 1), stats)
-            chex.assert_trees_all_equal(got_stats, jax.tree.map(np.asarray, want_stats))
+        assert_ranks_decode(logits, stats, refs, params, tokens, active, config=MOE,
+                            offload=OFFLOAD)
     assert_state_equal(sharded, mesh, refs, ranks)
     expert_bytes = sum(x.nbytes for n in ("w1", "w2", "w3")
                        for x in jax.tree.leaves(params["moe"][n]))

@@ -114,6 +114,24 @@ def assert_state_equal(sharded, mesh, refs, ranks):
                                     jax.tree.map(to_numpy, refs[r]))
 
 
+def assert_ranks_decode(logits, stats, refs, params, tokens, active, *, config, offload):
+    """A sharded decode step's logits and stats against each rank's single-device step on its
+    seats (refs[r]: rank r's state, advanced in place), bit for bit; an inactive seat's logits
+    are unspecified (not compared)."""
+    ranks = len(refs)
+    per = len(tokens) // ranks
+    for r in range(ranks):
+        seats = slice(r * per, (r + 1) * per)
+        want, refs[r], want_stats = offload_decode.decode_step(
+            params, refs[r], tokens[seats], config=config, offload=offload,
+            active=None if active is None else active[seats])
+        live = slice(None) if active is None else active[seats]
+        chex.assert_trees_all_equal(np.asarray(logits)[seats][live], np.asarray(want)[live])
+        got_stats = jax.tree.map(lambda x: np.take(np.asarray(x), np.arange(
+            seats.start, seats.stop), axis=0 if x.ndim == 1 else 1), stats)
+        chex.assert_trees_all_equal(got_stats, jax.tree.map(np.asarray, want_stats))
+
+
 def assert_split(x, axis: int, ranks: int, memory_kind: str = "device"):
     """x is split over its axis `axis` in `ranks` shards (no replication), in memory_kind."""
     shard = x.sharding.shard_shape(x.shape)
@@ -203,7 +221,6 @@ def decode_case(params, rng, *, ranks, batch, ways, policy, page, hot, steps, pe
     # The rows as the KV format stores them (fp8_ds_mla: uint8 rows of kv_row_width bytes).
     assert (sharded.host.kv.dtype, sharded.hot.dtype) == (config.kv_row_dtype,) * 2
     assert sharded.host.kv.shape[-1] == config.kv_row_width
-    per = batch // ranks
     step = functools.partial(sharded_steps.sharded_decode_step, mesh=mesh, config=config,
                              offload=offload)
     if hlo:
@@ -221,18 +238,8 @@ def decode_case(params, rng, *, ranks, batch, ways, policy, page, hot, steps, pe
             logits, sharded, stats = step(params, sharded, tokens, active=active)
         else:
             logits, sharded, stats = step(params, sharded, tokens)
-        for r in range(ranks):
-            seats = slice(r * per, (r + 1) * per)
-            want, refs[r], want_stats = offload_decode.decode_step(
-                params, refs[r], tokens[seats], config=config, offload=offload,
-                active=None if active is None else active[seats])
-            # An inactive seat's logits are unspecified.
-            live = slice(None) if active is None else active[seats]
-            chex.assert_trees_all_equal(np.asarray(logits)[seats][live],
-                                        np.asarray(want)[live])
-            got_stats = jax.tree.map(lambda x: np.take(np.asarray(x), np.arange(
-                seats.start, seats.stop), axis=0 if x.ndim == 1 else 1), stats)
-            chex.assert_trees_all_equal(got_stats, jax.tree.map(np.asarray, want_stats))
+        assert_ranks_decode(logits, stats, refs, params, tokens, active, config=config,
+                            offload=offload)
     check_decode_shardings(sharded, ranks)
     if not hlo:  # one compiled program served every step (outputs placed as the inputs)
         statics = (("config", config), ("offload", offload), ("implementation", "xla"),
