@@ -469,26 +469,33 @@ def key_results() -> str:
     return note + "\n\n" + "\n".join(out)
 
 
-def real_sizes() -> str:
-    """The planner's figures for the real models (no results file: computed from the code)."""
+def _planner():
+    """(get_config, the module fo_jax.plan), imported from this checkout."""
     sys.path.insert(0, str(ROOT))
     try:
+        from fo_jax import plan
         from fo_jax.config import get_config
-        from fo_jax.plan import KV_FORMATS, plan_devices
     finally:
         sys.path.remove(str(ROOT))
-    context, devices, device_gb, hot = 131_072, 8, 141, 16_384
+    return get_config, plan
 
-    def gb(n):
-        return f"{n / 1e9:.1f} GB"
+
+def gb(n) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def real_sizes() -> str:
+    """The planner's figures for the real models (no results file: computed from the code)."""
+    get_config, planner = _planner()
+    context, devices, device_gb, hot = 131_072, 8, 141, 16_384
 
     out = ["| model | weights bf16 / FP8 (per device) | KV format | resident request | "
            "offloaded request: device + host | batch per device, FP8 weights: resident / "
            "offloaded |", "|---|---|---|---|---|---|"]
     for name in ("deepseek_v32", "glm5", "glm52"):
-        for fmt in KV_FORMATS:
-            plan = plan_devices(get_config(name).replace(kv_format=fmt), context,
-                                devices=devices, device_gb=device_gb, hot_slots=hot)
+        for fmt in planner.KV_FORMATS:
+            plan = planner.plan_devices(get_config(name).replace(kv_format=fmt), context,
+                                        devices=devices, device_gb=device_gb, hot_slots=hot)
             w, d, kv = plan.weight_bytes, plan.weights_per_device, plan.kv[fmt]
             out.append(f"| {name} | {gb(w['bf16'])} / {gb(w['fp8'])} ({gb(d['bf16'])} / "
                        f"{gb(d['fp8'])}) | {fmt} | {gb(kv.resident_bytes)} | "
@@ -507,25 +514,18 @@ def real_sizes() -> str:
 
 def real_sizes_all_to_all() -> str:
     """The planner's per-device figures for the all-to-all layout (computed from the code)."""
-    sys.path.insert(0, str(ROOT))
-    try:
-        from fo_jax.config import get_config
-        from fo_jax.plan import KV_FORMATS, plan_expert_parallel
-    finally:
-        sys.path.remove(str(ROOT))
+    get_config, planner = _planner()
     context, devices, device_gb, hot = 131_072, 8, 141, 16_384
-
-    def gb(n):
-        return f"{n / 1e9:.1f} GB"
 
     out = ["| model | KV format | weights per device: replicated + experts / 8 | KV per device "
            "| request: resident / offloaded device + host | batch per device: resident / "
            "offloaded (host per device) | longest context: resident / offloaded |",
            "|---|---|---|---|---|---|---|"]
     for name in ("deepseek_v32", "glm52"):
-        for fmt in KV_FORMATS:
-            p = plan_expert_parallel(get_config(name).replace(kv_format=fmt), context,
-                                     devices=devices, device_gb=device_gb, hot_slots=hot)
+        for fmt in planner.KV_FORMATS:
+            p = planner.plan_expert_parallel(get_config(name).replace(kv_format=fmt), context,
+                                             devices=devices, device_gb=device_gb,
+                                             hot_slots=hot)
             out.append(f"| {name} | {fmt} | {gb(p.weights_per_device)}: "
                        f"{gb(p.replicated_bytes)} + {gb(p.expert_bytes)} / {devices} | "
                        f"{gb(p.kv_budget_bytes)} | {gb(p.resident_request_bytes)} / "
