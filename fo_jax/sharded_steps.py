@@ -6,7 +6,8 @@
                                                config=config, offload=offload)
 
     sharded_decode_step (+ lower_sharded_decode_step), sharded_resident_decode_step,
-    sharded_decode_loop, sharded_prefill, sharded_to_decode_state        steps
+    sharded_decode_loop, sharded_prefill, sharded_to_decode_state,
+    sharded_prefill_seats (resident, one seat per rank)                   steps
     DataParallelOffloadEngine                  fo_jax.batch_engines' OffloadEngine over them
 
 Each step wraps the single-device step's pure program in `shard_map` over `data`: every rank
@@ -465,6 +466,78 @@ def sharded_prefill(params, state, tokens, num_new=None, *, mesh: Mesh, config: 
     return program(params, state,
                    _place(_host_tokens(given, tokens), LAYOUTS["tokens"], mesh, rules),
                    _place(np.asarray(num_new), LAYOUTS["per_request"], mesh, rules))
+
+
+
+@functools.lru_cache(maxsize=16)
+def _seat_prefill_program(mesh: Mesh, statics: tuple, rules_key):
+    """jit(shard_map) of one resident prefill chunk per rank, for (params, state, seat [D],
+    tokens [D, T], num_new [D]): rank r runs `fo_jax.resident.prefill_seat` (its pure program:
+    its seat's rows sliced out, the [1, T] chunk run over them, written back) on its own KV
+    shard with seat[r] (a rank-local seat), tokens[r] and num_new[r]; the state is donated and
+    keeps its shardings."""
+    rules = dict(rules_key) if rules_key is not None else None
+    kwargs = dict(statics)
+
+    def body(params, state, seat, tokens, num_new):
+        return resident.prefill_seat(_dispatching(params, mesh, rules), state, seat[0], tokens,
+                                     num_new, check=False, **kwargs)
+
+    def run(params, state, seat, tokens, num_new):
+        rank = logical_spec(LAYOUTS["per_request"], mesh, rules)
+        in_specs = (step_param_specs(params, mesh, rules), specs(state, mesh, rules), rank,
+                    logical_spec(LAYOUTS["tokens"], mesh, rules), rank)
+        out_specs = (logical_spec(LAYOUTS["logits"], mesh, rules), specs(state, mesh, rules))
+        logits, new_state = _data_parallel(body, mesh, in_specs, out_specs)(
+            params, state, seat, tokens, num_new)
+        new_state = jax.tree.map(jax.lax.with_sharding_constraint, new_state,
+                                 shardings(state, mesh, rules))
+        return logits, new_state
+
+    return jax.jit(run, donate_argnums=(1,))
+
+
+def sharded_prefill_seats(params, state: resident.ResidentState, seats, tokens, num_new, *,
+                          mesh: Mesh, config: ModelConfig,
+                          query_block: int | None = resident.QUERY_BLOCK, check: bool = True,
+                          rules=None):
+    """One resident prefill chunk of one seat per data-parallel rank, in one program: rank r
+    appends the first num_new[r] of tokens[r] to its seat seats[r] (rank-local: global seat
+    r B/D + seats[r]) by the single-device `fo_jax.resident.prefill_seat` on its own KV shard
+    (shard_map over `data`). A rank with num_new[r] = 0 writes nothing; its row still runs
+    (under `ALL_TO_ALL_RULES` every rank takes part in every MoE layer's all-to-alls).
+
+    state: a ResidentState placed by `shard_state` (donated). seats, num_new: [D] ints; tokens:
+    [D, T] token ids. Returns (logits [D, T, V]: row r rank r's seat's, its padding positions
+    unspecified; new state). Each rank's logits and KV are bit for bit those of
+    `prefill_seat` on its shard alone (tiles MoE path; tests/engine/sharded_engine_cases.py).
+    With `check`, ids, counts and capacity are validated against concrete values (a read of
+    the lengths)."""
+    resident.check_live(state, "sharded_prefill_seats")
+    ranks = check_divides(state, mesh)
+    per_rank = state.batch // ranks
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2 or tokens.shape[0] != ranks:
+        raise ValueError(f"tokens must be [D = {ranks}, T] (one chunk per data-parallel rank), "
+                         f"got shape {tokens.shape}")
+    seats, num_new = (np.asarray(x) for x in (seats, num_new))
+    for name, x, high in (("seats", seats, per_rank - 1), ("num_new", num_new, tokens.shape[1])):
+        if (x.shape != (ranks,) or not np.issubdtype(x.dtype, np.integer)
+                or np.any(x < 0) or np.any(x > high)):
+            raise ValueError(f"{name} must be [D = {ranks}] ints in [0, {high}], got "
+                             f"{x.tolist()}")
+    resident.check_token_values(tokens, config)
+    resident.check_query_block(query_block)
+    if check and resident.is_concrete(state.lengths):
+        lengths = np.asarray(host_values(state.lengths))
+        resident.check_capacity(lengths[np.arange(ranks) * per_rank + seats], num_new,
+                                state.capacity, config)
+    statics = (("config", config),
+               ("query_block", None if query_block is None else int(query_block)))
+    program = _seat_prefill_program(mesh, statics, _rules_key(rules))
+    place = lambda x, axes: _place(x.astype(np.int32), axes, mesh, rules)  # noqa: E731
+    return program(params, state, place(seats, LAYOUTS["per_request"]),
+                   place(tokens, LAYOUTS["tokens"]), place(num_new, LAYOUTS["per_request"]))
 
 
 @functools.lru_cache(maxsize=16)
