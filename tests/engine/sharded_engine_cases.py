@@ -7,7 +7,8 @@ python tests/engine/sharded_engine_cases.py`. Prints one line per case and "ALL 
 A stream of requests (prompts of one to three prefill chunks, different max_tokens, staggered
 arrivals, three on one rank of two seats: one waits in its rank's queue) is served by one
 `ShardedEngine` over 4 ranks, in the all-to-all layout (each device 1/4 of the experts) and on
-the plain data mesh (every weight on every device); every request's greedy tokens must equal
+the plain data mesh (every weight on every device); every request's tokens (greedy, and two
+sampled with their own seeds) must equal
 those of the same request served alone by one single-device `Engine` of the same settings
 with the whole weights; every request sits only in seats of its rank; the seats are free and
 the lengths zero at the end; the refusals' messages.
@@ -42,6 +43,9 @@ SETTINGS = dict(seats=SEATS, capacity=CAPACITY, decode_steps_per_call=2, prefill
 # rank 3 has free ones).
 STREAM = [(0, 1, 20, 6, 0), (0, 2, 3, 8, 0), (0, 3, 9, 5, None), (0, 4, 2, 7, None),
           (1, 5, 5, 2, 0), (2, 6, 12, 4, None), (3, 7, 4, 3, None)]
+# Prompt seeds of the requests that sample (temperature 0.8, top_p 0.9, their own PRNG seed);
+# the others are greedy.
+SAMPLED = (3, 6)
 T0 = time.time()
 
 
@@ -56,6 +60,10 @@ def _params():
     return jax.device_put(params, jax.devices()[0])
 
 
+def _sampling(seed):
+    return dict(temperature=0.8, top_p=0.9, seed=seed) if seed in SAMPLED else {}
+
+
 def _prompt(seed, length):
     return np.random.default_rng(seed).integers(0, CONFIG.vocab_size, length).tolist()
 
@@ -66,7 +74,8 @@ def _solo():
     out = []
     engine = Engine(_params(), CONFIG, **SETTINGS)
     for _, seed, length, max_tokens, _ in STREAM:
-        rid = engine.add_request(_prompt(seed, length), max_tokens=max_tokens)
+        rid = engine.add_request(_prompt(seed, length), max_tokens=max_tokens,
+                                 **_sampling(seed))
         out.append(engine.run()[rid].token_ids)
         engine.release(rid)
     return out
@@ -104,7 +113,7 @@ def stream_case(mesh, rules, *, split: bool, what: str) -> None:
         for i, (arrival, seed, length, max_tokens, rank) in enumerate(STREAM):
             if arrival == step:
                 ids[i] = engine.add_request(_prompt(seed, length), max_tokens=max_tokens,
-                                            rank=rank)
+                                            rank=rank, **_sampling(seed))
         engine.step()
         for b, rid in enumerate(engine.seat_request_ids()):
             if rid is not None:
@@ -163,9 +172,37 @@ def error_cases() -> None:
     log("refusals ok")
 
 
+def serve_case() -> None:
+    """`fo-jax serve --model tiny_moe --devices 4 --expert-parallel 4` builds one ShardedEngine
+    over the 4 devices, 1/4 of the experts on each (nothing runs); a model without experts is
+    refused before its weights are read."""
+    import argparse
+
+    from fo_jax.server.serve import add_arguments, build_engine
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flags = ["--devices", "4", "--expert-parallel", "4", "--seats", "2", "--capacity", "32",
+             "--prefill-chunk", "8"]
+    engine = build_engine(parser.parse_args(["--model", "tiny_moe", *flags]))[0]
+    assert isinstance(engine, ShardedEngine), type(engine)
+    assert (engine.ranks, engine.seats, engine.placement) == (4, 8, "least_context")
+    assert engine.rules == sharding.ALL_TO_ALL_RULES
+    for name in ("w1", "w2", "w3"):
+        w = engine.params["moe"][name]
+        assert {s.data.shape[1] for s in w.addressable_shards} == {w.shape[1] // RANKS}, name
+        assert len({s.device for s in w.addressable_shards}) == RANKS
+    raises(lambda: build_engine(parser.parse_args(["--model", "tiny", *flags])),
+           "--expert-parallel splits the MoE experts, but 'tiny' has none: drop it (--devices "
+           "alone serves data-parallel)")
+    log("serve --devices 4 --expert-parallel 4: one ShardedEngine, 1/4 of the experts per "
+        "device; a dense model refused")
+
+
 def main():
     assert len(jax.devices()) == RANKS, jax.devices()
     error_cases()
+    serve_case()
     mesh, rules = sharding.expert_mesh(RANKS, expert=RANKS)
     stream_case(mesh, rules, split=True, what="all-to-all layout (experts split)")
     stream_case(sharding.make_mesh(RANKS), None, split=False, what="data mesh (replicated)")

@@ -140,6 +140,16 @@ def test_the_flags_build_the_settings():
     (["--placement", "round_robin"], "--placement chooses among data-parallel ranks"),
     (["--devices", "1", "--placement", "least_misses"],
      "--placement least_misses needs --offload"),
+    (["--expert-parallel", "2"],
+     "--expert-parallel splits the experts over --devices: add --devices"),
+    (["--devices", "4", "--expert-parallel", "2"], "--expert-parallel 2 must equal --devices 4: "
+     "the sharded engine splits the experts over every device"),
+    (["--devices", "2", "--expert-parallel", "2", "--offload"],
+     "--expert-parallel does not run with --offload"),
+    (["--devices", "2", "--expert-parallel", "2", "--prefix-cache"],
+     "--expert-parallel does not run with --prefix-cache yet: drop it"),
+    (["--devices", "2", "--expert-parallel", "2", "--drafter", "ngram"],
+     "--expert-parallel does not run with drafts"),
 ])
 def test_bad_flag_combinations_are_refused_before_any_model(argv, message):
     with pytest.raises(ValueError, match=message):
