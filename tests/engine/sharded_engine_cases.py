@@ -10,8 +10,9 @@ arrivals, three on one rank of two seats: one waits in its rank's queue) is serv
 the plain data mesh (every weight on every device); every request's tokens (greedy, and two
 sampled with their own seeds) must equal
 those of the same request served alone by one single-device `Engine` of the same settings
-with the whole weights; every request sits only in seats of its rank; the seats are free and
-the lengths zero at the end; the refusals' messages.
+with the whole weights; every request sits only in seats of its rank; a request cancelled while
+it decodes frees its seat; the seats are free and the lengths zero at the end; the refusals'
+messages.
 """
 
 import functools
@@ -114,6 +115,11 @@ def stream_case(mesh, rules, *, split: bool, what: str) -> None:
             if arrival == step:
                 ids[i] = engine.add_request(_prompt(seed, length), max_tokens=max_tokens,
                                             rank=rank, **_sampling(seed))
+        if step == 1:  # a long request, cancelled two steps later while it decodes
+            cancelled = engine.add_request(_prompt(8, 4), max_tokens=20, rank=3)
+        if step == 3:
+            assert cancelled in engine.seat_request_ids() and engine.cancel(cancelled)
+            assert cancelled not in engine.seat_request_ids()
         engine.step()
         for b, rid in enumerate(engine.seat_request_ids()):
             if rid is not None:
@@ -137,6 +143,11 @@ def stream_case(mesh, rules, *, split: bool, what: str) -> None:
     assert all(r is None for r in engine.seat_request_ids())
     assert not np.asarray(engine.state.lengths).any(), np.asarray(engine.state.lengths)
     assert engine.counters["requests_finished"] == len(STREAM)
+    assert engine.counters["requests_cancelled"] == 1
+    assert 0 < len(outs[cancelled].token_ids) < 20, outs[cancelled].token_ids
+    for rid in list(ids.values()) + [cancelled]:
+        engine.release(rid)
+    raises(lambda: engine.rank_of(cancelled), f"no request {cancelled!r}", KeyError)
     log(f"{what}: {len(STREAM)} requests on ranks {placed}, {step} steps, "
         f"{engine.counters['prefill_calls']} prefill programs, "
         f"{engine.counters['decode_calls']} decode calls: tokens bitwise their solo runs")
