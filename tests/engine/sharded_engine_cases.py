@@ -11,8 +11,8 @@ the plain data mesh (every weight on every device); every request's tokens (gree
 sampled with their own seeds) must equal
 those of the same request served alone by one single-device `Engine` of the same settings
 with the whole weights; every request sits only in seats of its rank; a request cancelled while
-it decodes frees its seat; the seats are free and the lengths zero at the end; the refusals'
-messages.
+it decodes frees its seat; the seats are free and the lengths zero at the end; the server's
+driver runs it; the refusals' messages.
 """
 
 import functools
@@ -151,6 +151,39 @@ def stream_case(mesh, rules, *, split: bool, what: str) -> None:
     log(f"{what}: {len(STREAM)} requests on ranks {placed}, {step} steps, "
         f"{engine.counters['prefill_calls']} prefill programs, "
         f"{engine.counters['decode_calls']} decode calls: tokens bitwise their solo runs")
+    return engine
+
+
+def driver_case(engine) -> None:
+    """The HTTP server's EngineDriver runs a ShardedEngine as it runs an Engine: requests are
+    served over the ranks and released (the engine's programs are compiled already)."""
+    import asyncio
+
+    from fo_jax.server.driver import Accepted, EngineDriver
+
+    driver = EngineDriver(engine, max_queue=8, stats_every=1)
+    driver.start()
+
+    async def drain(handle):
+        items = []
+        while not getattr(items[-1] if items else None, "finished", False):
+            items.append(await asyncio.wait_for(handle.queue.get(), 60))
+        return items
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        handles = [driver.submit([1 + i, 2, 3], loop=loop, max_tokens=3) for i in range(5)]
+        return await asyncio.gather(*(drain(h) for h in handles))
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        assert driver.stop(timeout=30)
+    assert all(isinstance(items[0], Accepted) for items in got)
+    assert [items[-1].finish_reason for items in got] == ["length"] * 5
+    assert [len(items[-1].token_ids) for items in got] == [3] * 5
+    assert not engine.has_unfinished() and not engine.requests()  # released by the driver
+    log("the server's EngineDriver over the sharded engine: 5 requests served and released")
 
 
 def raises(fn, message, kind=ValueError):
@@ -216,7 +249,9 @@ def main():
     serve_case()
     mesh, rules = sharding.expert_mesh(RANKS, expert=RANKS)
     stream_case(mesh, rules, split=True, what="all-to-all layout (experts split)")
-    stream_case(sharding.make_mesh(RANKS), None, split=False, what="data mesh (replicated)")
+    engine = stream_case(sharding.make_mesh(RANKS), None, split=False,
+                         what="data mesh (replicated)")
+    driver_case(engine)
     log("ALL OK")
 
 

@@ -2,7 +2,8 @@
 program per step, on 4 simulated devices in a subprocess (sharded_engine_cases.py: a request
 stream whose tokens are bit for bit each request's solo run on one single-device Engine, in the
 all-to-all layout with 1/4 of the experts per device and on the plain data mesh; admission per
-rank; seats free at the end; the refusals' messages)."""
+rank; seats free at the end; a cancel; the server's driver over it; `serve --devices 4
+--expert-parallel 4` builds it; the refusals' messages)."""
 
 import os
 import subprocess
