@@ -68,12 +68,13 @@ class ShardedResidentKV(KVStore):
         self.mesh, self.rules = mesh, rules
         self.ranks = sharding.data_size(mesh)
         self.per_rank = self.seats // self.ranks
-        shapes = jax.eval_shape(lambda: resident.ResidentState.create(
-            config, batch=self.seats, capacity=self.capacity))
-        self._shardings = sharding.shardings(shapes, mesh, rules)
-        self.state = jax.jit(lambda: resident.ResidentState.create(
-            config, batch=self.seats, capacity=self.capacity),
-            out_shardings=self._shardings)()
+        def create():
+            return resident.ResidentState.create(config, batch=self.seats,
+                                                 capacity=self.capacity)
+
+        # Built on the mesh, each rank's rows on its device (never whole on one device).
+        self._shardings = sharding.shardings(jax.eval_shape(create), mesh, rules)
+        self.state = jax.jit(create, out_shardings=self._shardings)()
         self.step_fn = ResidentStep(config, "xla")
 
     def set_seats(self, seats: dict) -> None:
@@ -211,6 +212,11 @@ class ShardedEngine(Engine):
             raise TypeError(f"ShardedEngine(params, config, settings) takes no other settings, "
                             f"got {sorted(kwargs)}: put them in the EngineSettings")
         check_settings(settings)
+        if any(mesh.shape.get(axis, 1) > 1 for axis in (sharding.MODEL, sharding.EXPERT)):
+            raise NotImplementedError(
+                f"the sharded engine runs a mesh of data ranks only (make_mesh(R), or "
+                f"expert_mesh(R, expert=R): the experts split over the data ranks), got mesh "
+                f"axes {dict(mesh.shape)}")
         placement = "least_context" if placement is None else placement
         if placement not in PLACEMENTS:
             raise ValueError(f"placement={placement!r}: the sharded engine places by one of "

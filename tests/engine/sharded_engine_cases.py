@@ -12,7 +12,8 @@ sampled with their own seeds) must equal
 those of the same request served alone by one single-device `Engine` of the same settings
 with the whole weights; every request sits only in seats of its rank; a request cancelled while
 it decodes frees its seat; the seats are free and the lengths zero at the end; the server's
-driver runs it; the refusals' messages.
+driver runs it; `sharded_steps.sharded_prefill_seats` is bit for bit `resident.prefill_seat`
+on each rank's KV alone; the refusals' messages.
 """
 
 import functools
@@ -186,6 +187,53 @@ def driver_case(engine) -> None:
     log("the server's EngineDriver over the sharded engine: 5 requests served and released")
 
 
+def prefill_seats_case(mesh, rules) -> None:
+    """`sharded_steps.sharded_prefill_seats` against `resident.prefill_seat` on each rank's KV
+    alone (the whole weights): two rounds, a rank writing nothing in each, the second over
+    history; logits and every rank's KV, lengths and untouched seats bit for bit (unwritten
+    rows NaN). The engine's shapes: its programs are compiled already."""
+    from fo_jax import resident, sharded_steps
+
+    rng = np.random.default_rng(5)
+    state = resident.ResidentState.create(CONFIG, batch=RANKS * SEATS, capacity=CAPACITY,
+                                          fill=float("nan"))
+    refs = [resident.ResidentState.create(CONFIG, batch=SEATS, capacity=CAPACITY,
+                                          fill=float("nan")) for _ in range(RANKS)]
+    refs = [jax.device_put(r, jax.devices()[0]) for r in refs]
+    state = sharding.shard_state(state, mesh, rules)
+    placed = sharding.shard_params(_params(), mesh, rules)
+    for round_, idle in enumerate((2, 0)):
+        seats = rng.integers(0, SEATS, RANKS).astype(np.int32) if round_ else \
+            np.arange(RANKS, dtype=np.int32) % SEATS
+        tokens = rng.integers(0, CONFIG.vocab_size, (RANKS, CHUNK)).astype(np.int32)
+        num_new = rng.integers(1, CHUNK + 1, RANKS).astype(np.int32)
+        num_new[idle] = 0
+        logits, state = sharded_steps.sharded_prefill_seats(
+            placed, state, seats, tokens, num_new, mesh=mesh, config=CONFIG,
+            query_block=None, rules=rules)
+        for r in range(RANKS):
+            want, refs[r] = resident.prefill_seat(_params(), refs[r], int(seats[r]),
+                                                  tokens[r:r + 1], num_new[r:r + 1],
+                                                  config=CONFIG, query_block=None)
+            n = int(num_new[r])
+            np.testing.assert_array_equal(np.asarray(logits)[r, :n], np.asarray(want)[0, :n])
+    whole = jax.tree.map(np.asarray, state)
+    for r in range(RANKS):
+        rows = slice(r * SEATS, (r + 1) * SEATS)
+        np.testing.assert_array_equal(whole.kv[:, rows], np.asarray(refs[r].kv))
+        np.testing.assert_array_equal(whole.index_keys[:, rows], np.asarray(refs[r].index_keys))
+        np.testing.assert_array_equal(whole.lengths[rows], np.asarray(refs[r].lengths))
+    raises(lambda: sharded_steps.sharded_prefill_seats(
+        placed, state, np.zeros(RANKS, np.int32), np.zeros((RANKS, CHUNK), np.int32),
+        np.asarray([0, 0, CHUNK + 1, 0]), mesh=mesh, config=CONFIG, rules=rules),
+        f"num_new must be [D = {RANKS}] ints in [0, {CHUNK}], got [0, 0, {CHUNK + 1}, 0]")
+    raises(lambda: sharded_steps.sharded_prefill_seats(
+        placed, state, np.asarray([0, SEATS, 0, 0]), np.zeros((RANKS, CHUNK), np.int32),
+        np.zeros(RANKS, np.int32), mesh=mesh, config=CONFIG, rules=rules),
+        f"seats must be [D = {RANKS}] ints in [0, {SEATS - 1}], got [0, {SEATS}, 0, 0]")
+    log("sharded_prefill_seats: 2 rounds, each rank bitwise its one-device prefill_seat")
+
+
 def raises(fn, message, kind=ValueError):
     try:
         fn()
@@ -207,6 +255,11 @@ def error_cases() -> None:
     raises(lambda: make(placement="least_misses", **SETTINGS),
            "placement='least_misses': the sharded engine places by one of ('round_robin', "
            "'least_requests', 'least_context')")
+    raises(lambda: ShardedEngine(_params(), CONFIG, mesh=sharding.make_mesh(RANKS, expert=2),
+                                 **SETTINGS),
+           "the sharded engine runs a mesh of data ranks only (make_mesh(R), or "
+           "expert_mesh(R, expert=R): the experts split over the data ranks), got mesh axes "
+           "{'data': 2, 'model': 1, 'expert': 2}", NotImplementedError)
     engine = make(**SETTINGS)
     raises(lambda: engine.add_request([1, 2], rank=RANKS),
            f"rank={RANKS} must be an int in [0, R = {RANKS}) or None")
@@ -249,6 +302,7 @@ def main():
     serve_case()
     mesh, rules = sharding.expert_mesh(RANKS, expert=RANKS)
     stream_case(mesh, rules, split=True, what="all-to-all layout (experts split)")
+    prefill_seats_case(mesh, rules)
     engine = stream_case(sharding.make_mesh(RANKS), None, split=False,
                          what="data mesh (replicated)")
     driver_case(engine)
