@@ -15,8 +15,8 @@ once; `fo_jax.engine.args`: the command-line flags that build them (`EngineArgs`
 `fo_jax.engine.data_parallel`: R engines on R devices behind one request stream
 (`DataParallelEngine`), each request placed on a rank by a `fo_jax.placement` rule.
 `fo_jax.engine.sharded`: one engine over every data-parallel rank of a mesh, each step one
-prefill program per round and one decode program over all ranks (`ShardedEngine`; resident KV,
-the MoE experts split over the devices in the all-to-all layout).
+prefill program per round and one decode program over all ranks (`ShardedEngine`: resident,
+or a host pool per rank; the MoE experts split over the devices in the all-to-all layout).
 `fo_jax.engine.auto`: automatic offload (`AutoEngine`): short resident seats while a request
 fits them, offloaded seats once it outgrows them, and back when a short seat frees (lossless
 moves).

@@ -135,7 +135,7 @@ class EngineArgs:
                                  "in one program, the MoE experts split over them (E = N: each "
                                  "device holds its own requests' KV and 1/N of the experts, "
                                  "rows exchanged by all-to-all; fo_jax.engine.sharded); "
-                                 "resident KV only")
+                                 "with --offload, a host pool per device")
         parser.add_argument("--placement", default=None, choices=PLACEMENTS,
                             help="with --devices: the rank of a new request (default "
                                  "least_misses with --offload, else least_context; "
@@ -197,8 +197,12 @@ class EngineArgs:
             raise ValueError(f"--expert-parallel {expert} must equal --devices {self.devices}: "
                              "the sharded engine splits the experts over every device (each "
                              "holds its own requests and 1/devices of the experts)")
-        refused = [(self.offload, "--offload (the paged and offloaded KV: a page pool per "
-                    "rank is not done yet; the sharded engine serves the resident KV)"),
+        refused = [(self.reserve != "full", "--reserve prompt (growth and preemption per "
+                    "rank)"),
+                   (self.device_gb is not None, "--device-gb"),
+                   (self.host_pool_gb is not None, "--host-pool-gb"),
+                   (self.pool_memory == "device", "--pool-memory device"),
+                   (self.placement == "least_misses", "--placement least_misses"),
                    (self.prefix_cache, "--prefix-cache"),
                    (self.drafter is not None or bool(self.num_drafts), "drafts (--drafter, "
                     "--num-drafts)")]

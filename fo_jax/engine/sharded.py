@@ -10,26 +10,31 @@
 An `Engine` whose parts span a mesh of R data ranks (`fo_jax.sharding`: the plain data mesh
 `make_mesh(R)`, or the all-to-all layout `expert_mesh(R, expert=R)` whose ranks each hold 1/R
 of the routed experts). Rank r holds seats [r B, (r + 1) B) of the engine's R B (`seats` is B,
-per rank), their resident KV shard [L, B, S, D+R] on its device, and its own queue: a request
+per rank), their KV on its device (resident: its shard [L, B, S, D+R] of the rows,
+`ShardedResidentKV`; paged, `offload=OffloadConfig(...)`: its own page pool of `num_pages`
+pages, host KV in its device's `pinned_host` memory, `ShardedPagedKV`), and its own queue: a
+request
 is placed on a rank for good by `add_request` (the `placement` rule of `fo_jax.placement`:
 round_robin, least_requests, least_context; default least_context) and admitted only into a
 free seat of its rank, in its rank's queue order (`RankScheduler`). Each `step()` admits per
 rank, then prefills: one program per round over all ranks, each rank running one chunk of one
 of its prefilling requests (`fo_jax.sharded_steps.sharded_prefill_seats`; a rank with nothing
-to prefill runs a row that writes nothing), until every prefilling request has had its chunk;
+to prefill runs a row that writes nothing; paged, the chunks of a round load the same number
+of history pages), until every prefilling request has had its chunk;
 then one decode call over every rank's seats (`fo_jax.sharded_steps.sharded_decode_loop`:
 every rank takes part in every step's all-to-alls, a rank with no decoding seat steps
 inactively). The weights are placed by the rules (`shard_params`): with the all-to-all layout
 each device holds 1/R of the experts and every other weight whole.
 
 Contracts: a request's tokens are those of one single-device `Engine` of the same settings (B
-seats, the whole weights) serving it alone, bit for bit on the tiles MoE path (the sharded
-steps' contract per rank, and the engine's: a seat's rows never depend on the others'); seats
-free when requests finish. Costs: one prefill program per round (the most requests prefilling
-on one rank), one decode program per step, whatever R; placement O(R + requests) per
-`add_request`.
+seats, `num_pages` pages, the whole weights) serving it alone, bit for bit on the tiles MoE
+path (the sharded steps' contract per rank, and the engine's: a seat's rows never depend on
+the others'); seats free and pages back in their rank's pool when requests finish. Costs: one prefill program per round (the most requests prefilling
+on one rank; paged, per history bucket), one decode program per step, whatever R; placement
+O(R + requests) per `add_request`.
 
-Not yet (refused with a message): the paged and offloaded KV (a page pool per rank), prefix
+Not yet (refused with a message): paged, reserve="prompt" (growth and preemption per rank),
+device_bytes, host_pool_bytes, the pool in device memory and least_misses placement; prefix
 reuse, drafts, log-probabilities, a metrics log, and moving requests between engines. It runs
 without overlap (`overlap` is set False: each decode call is read back at once). Design:
 docs/guides/many-devices.md, "One sharded engine".
@@ -48,9 +53,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from fo_jax import placement as placement_rules
 from fo_jax import resident, sharded_steps, sharding
 from fo_jax.config import ModelConfig
-from fo_jax.decode_loop import ResidentStep
+from fo_jax.decode_loop import OffloadedStep, ResidentStep
 from fo_jax.engine.engine import Engine
 from fo_jax.engine.kv_store import KVStore
+from fo_jax.engine.pages import NO_PAGE, PagePool
+from fo_jax.offload import prefill as offload_prefill
+from fo_jax.offload.state import DecodeState
 from fo_jax.engine.runner import DecodeRunner
 from fo_jax.engine.scheduler import Scheduler
 from fo_jax.engine.settings import EngineSettings
@@ -82,16 +90,15 @@ class ShardedResidentKV(KVStore):
         self.state = dataclasses.replace(  # the lengths stay split as the programs take them
             self.state, lengths=jax.device_put(self.state.lengths, self._shardings.lengths))
 
-    def prefill_ranks(self, params, rows: dict) -> jax.Array:
+    def history_pages(self, prefilled: int) -> None:
+        """No history pages: a resident chunk reads its seat's rows."""
+        return None
+
+    def prefill_ranks(self, params, rows: dict, *, history_pages: None = None) -> jax.Array:
         """One prefill chunk per rank in one program: rows {rank: (rank-local seat, its chunk's
         tokens, at most prefill_chunk)}; a rank not in `rows` writes nothing. Returns the logits
         [R, prefill_chunk, V] (row r: rank r's chunk's)."""
-        seats = np.zeros((self.ranks,), np.int32)
-        tokens = np.zeros((self.ranks, self.chunk), np.int32)
-        num_new = np.zeros((self.ranks,), np.int32)
-        for r, (b, part) in rows.items():
-            seats[r], num_new[r] = b, len(part)
-            tokens[r, :len(part)] = part
+        seats, tokens, num_new = _round_arrays(rows, self.ranks, self.chunk)
         logits, self.state = sharded_steps.sharded_prefill_seats(
             params, self.state, seats, tokens, num_new, mesh=self.mesh, config=self.config,
             query_block=self.query_block, check=False, rules=self.rules)
@@ -108,12 +115,109 @@ class ShardedResidentKV(KVStore):
         raise NotImplementedError("requests do not move into the sharded engine yet")
 
 
+class ShardedPagedKV(KVStore):
+    """Every rank's seats' paged KV: one `DecodeState` of R B seats split over the mesh's
+    `data` axis, whose host KV pool [L, R F, Z, D+R] (`pinned_host`) and indexer-key pool hold
+    F pages per rank (rank r's frames on its device's host memory), and one `PagePool` of F
+    pages per rank (`pools`; rank-local page ids, as the sharded state's page table holds
+    them). `num_pages` (default B P) is per rank. The state is built on one device and split
+    once (`shard_state`: a one-off O(pool) copy through host memory)."""
+
+    paged = True
+
+    def __init__(self, config: ModelConfig, settings: EngineSettings, *, mesh: Mesh, rules):
+        super().__init__(config, settings)
+        self.mesh, self.rules = mesh, rules
+        self.ranks = sharding.data_size(mesh)
+        self.per_rank = self.seats // self.ranks
+        z = self.offload.page_size
+        self.max_pages = self.capacity // z
+        num_pages = settings.cache.num_pages
+        num_pages = self.per_rank * self.max_pages if num_pages is None else int(num_pages)
+        self.pools = [PagePool(num_pages, z) for _ in range(self.ranks)]
+        self.pool = self.pools[0]  # the sizes every rank's pool has (`check_fits_alone`)
+        state = DecodeState.create(
+            config, self.offload, batch=self.seats, num_frames=self.ranks * num_pages,
+            table=np.full((self.seats, self.max_pages), NO_PAGE, np.int32))
+        self.state = sharding.shard_state(state, mesh, rules)
+        self._shardings = sharding.shardings(self.state, mesh, rules)
+        self.step_fn = OffloadedStep(config, self.offload, "xla")
+
+    def rank_view(self, rank: int) -> "RankKV":
+        return RankKV(self, rank)
+
+    def set_seats(self, seats: dict) -> None:
+        super().set_seats(seats)
+        self.state = dataclasses.replace(  # as the programs take them
+            self.state, lengths=jax.device_put(self.state.lengths, self._shardings.lengths),
+            table=jax.device_put(self.state.table, self._shardings.table))
+
+    def join(self, mask: np.ndarray) -> None:
+        self.state = sharded_steps.sharded_join_seats(self.state, mask, config=self.config,
+                                                      offload=self.offload, mesh=self.mesh,
+                                                      rules=self.rules)
+
+    def history_pages(self, prefilled: int) -> int:
+        """The history pages a chunk after `prefilled` tokens loads: a power of two (one
+        program per bucket), as one `Engine`'s paged prefill loads for it."""
+        pages = -(-int(prefilled) // self.offload.page_size)
+        bucket = 1 << (pages - 1).bit_length() if pages > 0 else 0
+        return min(bucket, self.max_pages)
+
+    def prefill_ranks(self, params, rows: dict, *, history_pages: int) -> jax.Array:
+        """As `ShardedResidentKV.prefill_ranks`, over each rank's own pages, every rank loading
+        `history_pages` pages of history (the bucket of every chunk of the round)."""
+        seats, tokens, num_new = _round_arrays(rows, self.ranks, self.chunk)
+        st, oc = self.state, self.offload
+        view = offload_prefill.PrefillState(host=st.host, table=st.table,
+                                            index_keys=st.index_keys, lengths=st.lengths)
+        logits, view = sharded_steps.sharded_prefill_seats(
+            params, view, seats, tokens, num_new, mesh=self.mesh, config=self.config,
+            query_block=self.query_block, check=False, rules=self.rules,
+            history_pages=history_pages, num_buffers=self.num_buffers,
+            host_access=oc.host_access)
+        self.state = dataclasses.replace(st, host=view.host, table=view.table,
+                                         index_keys=view.index_keys, lengths=view.lengths)
+        return logits
+
+    def prefill(self, params, b: int, tokens, num_new, *, prefilled: int, hidden=False):
+        raise NotImplementedError("the sharded engine prefills every rank at once "
+                                  "(prefill_ranks)")
+
+    def read_seat(self, b: int, **_):
+        raise NotImplementedError("requests do not move out of the sharded engine yet")
+
+    def write_seat(self, b: int, rows, **_):
+        raise NotImplementedError("requests do not move into the sharded engine yet")
+
+
+class RankKV:
+    """What one rank's scheduler sees of a `ShardedPagedKV`: its own pool, the seat sizes."""
+
+    paged, prefix, costs = True, None, None
+
+    def __init__(self, kv: ShardedPagedKV, rank: int):
+        self.pool = kv.pools[rank]
+        self.seats, self.capacity, self.max_pages = kv.seats, kv.capacity, kv.max_pages
+
+
+def _round_arrays(rows: dict, ranks: int, chunk: int):
+    """[R] seats, [R, chunk] tokens and [R] counts of a prefill round's rows {rank: (rank-local
+    seat, tokens)}; a rank not in `rows` runs seat 0 with no token."""
+    seats = np.zeros((ranks,), np.int32)
+    tokens = np.zeros((ranks, chunk), np.int32)
+    num_new = np.zeros((ranks,), np.int32)
+    for r, (b, part) in rows.items():
+        seats[r], num_new[r] = b, len(part)
+        tokens[r, :len(part)] = part
+    return seats, tokens, num_new
+
+
 class ShardedRunner(DecodeRunner):
     """`DecodeRunner` whose seats and sampling settings are split over the mesh as the KV is,
     and whose decode call is `fo_jax.sharded_steps.sharded_decode_loop` over every rank."""
 
-    def __init__(self, params, config: ModelConfig, settings: EngineSettings,
-                 kv: ShardedResidentKV):
+    def __init__(self, params, config: ModelConfig, settings: EngineSettings, kv):
         super().__init__(params, config, settings, kv)
         self.mesh, self.rules = kv.mesh, kv.rules
         self.seats = self._on_mesh(self.seats)
@@ -150,7 +254,7 @@ class RankScheduler(Scheduler):
     """One rank's admission: its own queue (the waiting requests placed on it, in the queue
     order of `Scheduler.queue`) and its own seats [r B, (r + 1) B) of the engine's seat list,
     which it shares with the other ranks' schedulers (as it shares the waiting list: a
-    request's rank is `placed[request_id]`)."""
+    request's rank is `placed[request_id]`); paged, its own page pool (`RankKV`)."""
 
     def __init__(self, settings: EngineSettings, kv: KVStore, *, rank: int, per_rank: int,
                  occupants: list, waiting: list, placed: dict, admissions):
@@ -170,9 +274,10 @@ class ShardedScheduler(Scheduler):
     """The engine's scheduler: the seat list and waiting list of every rank, admission rank by
     rank (`RankScheduler`: a request takes a seat of its own rank only)."""
 
-    def __init__(self, settings: EngineSettings, kv: ShardedResidentKV, *, placed: dict):
+    def __init__(self, settings: EngineSettings, kv, *, placed: dict):
         super().__init__(settings, kv)
-        self.ranks = [RankScheduler(settings, kv, rank=r, per_rank=kv.per_rank,
+        self.ranks = [RankScheduler(settings, kv.rank_view(r) if kv.paged else kv, rank=r,
+                                    per_rank=kv.per_rank,
                                     occupants=self.occupants, waiting=self.waiting,
                                     placed=placed, admissions=self.admissions)
                       for r in range(kv.ranks)]
@@ -193,8 +298,8 @@ class ShardedEngine(Engine):
     Args:
       params, config: the model; the weights are placed on the mesh by `rules`
         (`fo_jax.sharding.shard_params`).
-      settings / kwargs: as `Engine`; `seats` is per rank (the engine holds R seats times
-        it).
+      settings / kwargs: as `Engine`; `seats` and `num_pages` are per rank (the engine
+        holds R times `seats` seats, and R pools).
       mesh, rules: `fo_jax.sharding.expert_mesh(R, expert=R)` (the all-to-all layout) or
         `make_mesh(R)` with rules None (`RULES`: every weight on every device).
       placement: a rule of `PLACEMENTS` (default least_context).
@@ -236,7 +341,8 @@ class ShardedEngine(Engine):
                          tokenizer=tokenizer)
 
     def _make_kv_store(self, config: ModelConfig, settings: EngineSettings):
-        return ShardedResidentKV(config, settings, mesh=self.mesh, rules=self.rules)
+        store = ShardedPagedKV if settings.cache.paged else ShardedResidentKV
+        return store(config, settings, mesh=self.mesh, rules=self.rules)
 
     def _make_runner(self, params, config: ModelConfig, settings: EngineSettings, mtp):
         return ShardedRunner(params, config, settings, self.kv)
@@ -323,28 +429,35 @@ class ShardedEngine(Engine):
 
     def _prefill(self, moved) -> None:
         """One prefill chunk of each prefilling request: in rounds, each round one program over
-        every rank (`ShardedResidentKV.prefill_ranks`) in which each rank runs one chunk of
-        its next prefilling request (by seat); then the completed prompts join
-        (`Engine._join`). A request's chunk is the [1, prefill_chunk] program of one
-        `Engine`'s prefill on its own seat, so its KV and logits are those of its solo run."""
+        every rank (`prefill_ranks`) in which each rank runs one chunk of its next prefilling
+        request (by seat; paged, of those whose chunk loads the round's number of history
+        pages, the bucket of the first one waiting: a chunk runs the program one `Engine`
+        runs for it); then the completed prompts join (`Engine._join`). A request's chunk is
+        the [1, prefill_chunk] program of one `Engine`'s prefill on its own seat, so its KV and
+        logits are those of its solo run."""
         per = self.seats_per_rank
         by_rank = [[r for r in self._occupant[rank * per:(rank + 1) * per]
                     if r is not None and r.prefilled < len(r.prompt)]
                    for rank in range(self.ranks)]
-        rounds = max(len(reqs) for reqs in by_rank)
-        if not rounds:
+        requests = [req for reqs in by_rank for req in reqs]
+        if not requests:
             return
-        before, last = {}, {}  # per request: tokens in its chunk; seat: last logits [V]
+        pending = [list(reqs) for reqs in by_rank]
+        before, last, rounds = {}, {}, 0  # per request: tokens in its chunk; seat: last [V]
         start = time.perf_counter()
         work = self.runner.clock.begin(start)
-        for i in range(rounds):
+        while any(pending):
+            pages = self.kv.history_pages(next(reqs[0] for reqs in pending if reqs).prefilled)
             rows, parts = {}, {}
-            for rank, reqs in enumerate(by_rank):
-                if i < len(reqs):
-                    req = reqs[i]
+            for rank, reqs in enumerate(pending):
+                req = next((r for r in reqs if self.kv.history_pages(r.prefilled) == pages),
+                           None)
+                if req is not None:
+                    reqs.remove(req)
                     part = req.prompt[req.prefilled:req.prefilled + self.chunk]
                     rows[rank], parts[rank] = (req.seat - rank * per, part), (req, len(part))
-            logits = self.kv.prefill_ranks(self.params, rows)
+            logits = self.kv.prefill_ranks(self.params, rows, history_pages=pages)
+            rounds += 1
             for rank, (req, n) in parts.items():
                 before[req.request_id] = n
                 if req.prefilled + n == len(req.prompt):
@@ -356,26 +469,44 @@ class ShardedEngine(Engine):
         self.runner.clock.end(work, ready, self.timings)
         self.counters["prefill_calls"] += rounds
         self.counters["prefill_tokens"] += sum(before.values())
-        requests = [req for reqs in by_rank for req in reqs]
         for req in requests:
             req.prefilled += before[req.request_id]
         joined = [r for r in requests if r.prefilled == len(r.prompt)]
         if joined:
             self._join(joined, last, moved)
 
+    # Pools ---------------------------------------------------------------------------------
+
+    def rank_pool_occupancy(self) -> list[dict] | None:
+        """[R] each rank's pool pages (free, held, cached, total); None resident."""
+        if self.pool is None:
+            return None
+        return [{"free": p.num_free, "held": p.num_held, "cached": p.num_cached,
+                 "total": p.num_pages} for p in self.kv.pools]
+
+    def pool_occupancy(self) -> dict | None:
+        """Every rank's pool pages summed (free, held, cached, total); None resident."""
+        per_rank = self.rank_pool_occupancy()
+        if per_rank is None:
+            return None
+        return {k: sum(p[k] for p in per_rank) for k in per_rank[0]}
+
 
 def check_settings(settings: EngineSettings) -> None:
     """Raise NotImplementedError for settings the sharded engine does not run yet."""
-    cache, sched = settings.cache, settings.scheduler
-    refused = [(cache.offload is not None, "the paged and offloaded KV (offload=...: a page "
-                "pool per rank)"),
+    cache, sched, offload = settings.cache, settings.scheduler, settings.cache.offload
+    refused = [(offload is not None and offload.host_memory_kind == "device", "the paged KV "
+                "pool in device memory (host_memory_kind='device')"),
+               (sched.reserve != "full", "reserve='prompt' (growth and preemption per rank)"),
+               (sched.device_bytes is not None, "device_bytes"),
+               (cache.host_pool_bytes is not None, "host_pool_bytes (size each rank's pool "
+                "with num_pages)"),
                (cache.prefix_cache, "prefix_cache"),
                (settings.speculative.num_drafts > 0, "drafts (num_drafts > 0)"),
                (settings.metrics.path is not None, "a metrics log (metrics_path)")]
     for bad, what in refused:
         if bad:
-            raise NotImplementedError(f"the sharded engine does not run {what} yet; it runs "
-                                      "the resident KV")
+            raise NotImplementedError(f"the sharded engine does not run {what} yet")
 
 
 __all__ = ["PLACEMENTS", "RankScheduler", "ShardedEngine", "ShardedResidentKV",

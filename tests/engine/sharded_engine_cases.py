@@ -2,18 +2,21 @@
 
 Run by tests/engine/test_sharded_engine.py in a subprocess (the rest of the suite keeps one
 device); runs alone too: `XLA_FLAGS=--xla_force_host_platform_device_count=4 PYTHONPATH=.
-python tests/engine/sharded_engine_cases.py`. Prints one line per case and "ALL OK".
+python tests/engine/sharded_engine_cases.py [resident | offloaded]`. Prints one line per case
+and "ALL OK".
 
 A stream of requests (prompts of one to three prefill chunks, different max_tokens, staggered
 arrivals, three on one rank of two seats: one waits in its rank's queue) is served by one
-`ShardedEngine` over 4 ranks, in the all-to-all layout (each device 1/4 of the experts) and on
-the plain data mesh (every weight on every device); every request's tokens (greedy, and two
-sampled with their own seeds) must equal
-those of the same request served alone by one single-device `Engine` of the same settings
-with the whole weights; every request sits only in seats of its rank; a request cancelled while
-it decodes frees its seat; the seats are free and the lengths zero at the end; the server's
-driver runs it; `sharded_steps.sharded_prefill_seats` is bit for bit `resident.prefill_seat`
-on each rank's KV alone; the refusals' messages.
+`ShardedEngine` over 4 ranks: "resident", in the all-to-all layout (each device 1/4 of the
+experts) and on the plain data mesh (every weight on every device); "offloaded", in the
+all-to-all layout with a host pool per rank (every page back in its pool at the end; `serve
+--offload` builds it). Every
+request's tokens (greedy, and two sampled with their own seeds) must equal those of the same
+request served alone by one single-device `Engine` of the same settings with the whole
+weights; every request sits only in seats of its rank; a request cancelled while it decodes
+frees its seat; the seats are free and the lengths zero at the end. "resident" also: the
+server's driver runs it; `sharded_steps.sharded_prefill_seats` is bit for bit
+`resident.prefill_seat` on each rank's KV alone; the refusals' messages.
 """
 
 import functools
@@ -70,11 +73,14 @@ def _prompt(seed, length):
     return np.random.default_rng(seed).integers(0, CONFIG.vocab_size, length).tolist()
 
 
+OFFLOAD = OffloadConfig(hot_slots=16, page_size=4, capacity=CAPACITY, policy="ring")
+
+
 @functools.cache
-def _solo():
+def _solo(offload=None):
     """Each request of STREAM alone in one single-device Engine of the same settings."""
     out = []
-    engine = Engine(_params(), CONFIG, **SETTINGS)
+    engine = Engine(_params(), CONFIG, offload=offload, **SETTINGS)
     for _, seed, length, max_tokens, _ in STREAM:
         rid = engine.add_request(_prompt(seed, length), max_tokens=max_tokens,
                                  **_sampling(seed))
@@ -103,13 +109,20 @@ def check_experts(engine, *, split: bool) -> None:
             assert shard.data.shape == whole[name].shape, name
 
 
-def stream_case(mesh, rules, *, split: bool, what: str) -> None:
+def stream_case(mesh, rules, *, split: bool, what: str, offload=None) -> None:
     engine = ShardedEngine(_params(), CONFIG, mesh=mesh, rules=rules, placement="round_robin",
-                           **SETTINGS)
+                           offload=offload, **SETTINGS)
     assert engine.seats == RANKS * SEATS and engine.ranks == RANKS
     check_experts(engine, split=split)
-    kv = engine.state.kv
-    assert kv.sharding.spec[1] == "data" and kv.addressable_shards[0].data.shape[1] == SEATS
+    if offload is None:
+        kv = engine.state.kv
+        assert kv.sharding.spec[1] == "data" and kv.addressable_shards[0].data.shape[1] == SEATS
+    else:  # one host pool shard per rank, in its device's pinned_host memory
+        pool = engine.state.host.kv
+        assert pool.sharding.memory_kind == "pinned_host", pool.sharding
+        assert pool.sharding.spec[1] == "data" and len(engine.kv.pools) == RANKS
+        frames = engine.kv.pools[0].num_pages
+        assert {s.data.shape[1] for s in pool.addressable_shards} == {frames}
     ids, step, waited = {}, 0, False
     while len(ids) < len(STREAM) or engine.has_unfinished():
         for i, (arrival, seed, length, max_tokens, rank) in enumerate(STREAM):
@@ -134,7 +147,7 @@ def stream_case(mesh, rules, *, split: bool, what: str) -> None:
     for i, (*_, rank) in enumerate(STREAM):
         assert rank is None or placed[i] == rank, (i, placed)
     assert len(set(placed)) == RANKS, placed  # every rank served some
-    solo = _solo()
+    solo = _solo(offload)
     outs = engine.run()
     for i in range(len(STREAM)):
         got = outs[ids[i]].token_ids
@@ -145,6 +158,9 @@ def stream_case(mesh, rules, *, split: bool, what: str) -> None:
     assert not np.asarray(engine.state.lengths).any(), np.asarray(engine.state.lengths)
     assert engine.counters["requests_finished"] == len(STREAM)
     assert engine.counters["requests_cancelled"] == 1
+    if offload is not None:  # every page back in its rank's pool
+        assert [p["held"] for p in engine.rank_pool_occupancy()] == [0] * RANKS
+        assert engine.stats is not None
     assert 0 < len(outs[cancelled].token_ids) < 20, outs[cancelled].token_ids
     for rid in list(ids.values()) + [cancelled]:
         engine.release(rid)
@@ -246,10 +262,9 @@ def raises(fn, message, kind=ValueError):
 def error_cases() -> None:
     mesh = sharding.make_mesh(RANKS)
     make = functools.partial(ShardedEngine, _params(), CONFIG, mesh=mesh)
-    raises(lambda: make(**dict(SETTINGS, offload=OffloadConfig(hot_slots=16, page_size=4,
-                                                               capacity=CAPACITY))),
-           "the sharded engine does not run the paged and offloaded KV (offload=...: a page "
-           "pool per rank) yet; it runs the resident KV", NotImplementedError)
+    raises(lambda: make(**dict(SETTINGS, offload=OFFLOAD, reserve="prompt")),
+           "the sharded engine does not run reserve='prompt' (growth and preemption per "
+           "rank) yet", NotImplementedError)
     raises(lambda: make(**dict(SETTINGS, prefix_cache=True)),
            "the sharded engine does not run prefix_cache yet", NotImplementedError)
     raises(lambda: make(placement="least_misses", **SETTINGS),
@@ -296,8 +311,7 @@ def serve_case() -> None:
         "device; a dense model refused")
 
 
-def main():
-    assert len(jax.devices()) == RANKS, jax.devices()
+def resident_cases():
     error_cases()
     serve_case()
     mesh, rules = sharding.expert_mesh(RANKS, expert=RANKS)
@@ -306,8 +320,43 @@ def main():
     engine = stream_case(sharding.make_mesh(RANKS), None, split=False,
                          what="data mesh (replicated)")
     driver_case(engine)
+
+
+def serve_offloaded_case() -> None:
+    """`fo-jax serve --devices 4 --expert-parallel 4 --offload` builds one ShardedEngine with a
+    host pool per rank (nothing runs)."""
+    import argparse
+
+    from fo_jax.server.serve import add_arguments, build_engine
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    engine = build_engine(parser.parse_args([
+        "--model", "tiny_moe", "--devices", "4", "--expert-parallel", "4", "--offload",
+        "--page-size", "4", "--seats", "2", "--capacity", "32", "--prefill-chunk", "8"]))[0]
+    assert isinstance(engine, ShardedEngine) and engine.kv.paged, type(engine.kv)
+    assert engine.rank_pool_occupancy() == [{"free": 16, "held": 0, "cached": 0,
+                                             "total": 16}] * RANKS
+    assert engine.state.host.kv.sharding.memory_kind == "pinned_host"
+    log("serve --devices 4 --expert-parallel 4 --offload: a host pool of 16 pages per rank")
+
+
+def offloaded_cases():
+    serve_offloaded_case()
+    mesh, rules = sharding.expert_mesh(RANKS, expert=RANKS)
+    stream_case(mesh, rules, split=True, offload=OFFLOAD,
+                what="all-to-all layout, offloaded (a host pool per rank)")
+
+
+SUITES = {"resident": resident_cases, "offloaded": offloaded_cases}
+
+
+def main(argv):
+    assert len(jax.devices()) == RANKS, jax.devices()
+    for name in argv[1:] or list(SUITES):
+        SUITES[name]()
     log("ALL OK")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv)
