@@ -197,9 +197,7 @@ class EngineArgs:
             raise ValueError(f"--expert-parallel {expert} must equal --devices {self.devices}: "
                              "the sharded engine splits the experts over every device (each "
                              "holds its own requests and 1/devices of the experts)")
-        refused = [(self.reserve != "full", "--reserve prompt (growth and preemption per "
-                    "rank)"),
-                   (self.device_gb is not None, "--device-gb"),
+        refused = [(self.device_gb is not None, "--device-gb"),
                    (self.host_pool_gb is not None, "--host-pool-gb"),
                    (self.pool_memory == "device", "--pool-memory device"),
                    (self.placement == "least_misses", "--placement least_misses"),

@@ -29,13 +29,19 @@ each device holds 1/R of the experts and every other weight whole.
 Contracts: a request's tokens are those of one single-device `Engine` of the same settings (B
 seats, `num_pages` pages, the whole weights) serving it alone, bit for bit on the tiles MoE
 path (the sharded steps' contract per rank, and the engine's: a seat's rows never depend on
-the others'); seats free and pages back in their rank's pool when requests finish. Costs: one prefill program per round (the most requests prefilling
+the others'; preempted and resumed requests included); seats free and pages back in their
+rank's pool when requests finish. Costs: one prefill program per round (the most requests prefilling
 on one rank; paged, per history bucket), one decode program per step, whatever R; placement
 O(R + requests) per `add_request`.
 
-Not yet (refused with a message): paged, reserve="prompt" (growth and preemption per rank),
-device_bytes, host_pool_bytes, the pool in device memory and least_misses placement; prefix
-reuse, drafts, log-probabilities, a metrics log, and moving requests between engines. It runs
+Paged, with reserve="prompt", each rank grows its requests' pages per decode call and, when its
+pool runs short, preempts its own youngest request (`RankScheduler`: `Scheduler`'s rules over
+the rank's seats, queue and pool); a request resumes on its rank (pages kept: rejoined; dropped:
+prefilled again and its tokens replayed by the sharded decode step, `ShardedRunner.replay`).
+
+Not yet (refused with a message): paged, device_bytes, host_pool_bytes, the pool in device
+memory and least_misses placement; prefix reuse, drafts, log-probabilities, a metrics log, and
+moving requests between engines. It runs
 without overlap (`overlap` is set False: each decode call is read back at once). Design:
 docs/guides/many-devices.md, "One sharded engine".
 """
@@ -55,7 +61,8 @@ from fo_jax import resident, sharded_steps, sharding
 from fo_jax.config import ModelConfig
 from fo_jax.decode_loop import OffloadedStep, ResidentStep
 from fo_jax.engine.engine import Engine
-from fo_jax.engine.kv_store import KVStore
+from fo_jax.engine.costs import MemoryCosts
+from fo_jax.engine.kv_store import KVStore, masked_rows
 from fo_jax.engine.pages import NO_PAGE, PagePool
 from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload.state import DecodeState
@@ -76,6 +83,7 @@ class ShardedResidentKV(KVStore):
         self.mesh, self.rules = mesh, rules
         self.ranks = sharding.data_size(mesh)
         self.per_rank = self.seats // self.ranks
+
         def create():
             return resident.ResidentState.create(config, batch=self.seats,
                                                  capacity=self.capacity)
@@ -136,6 +144,12 @@ class ShardedPagedKV(KVStore):
         num_pages = self.per_rank * self.max_pages if num_pages is None else int(num_pages)
         self.pools = [PagePool(num_pages, z) for _ in range(self.ranks)]
         self.pool = self.pools[0]  # the sizes every rank's pool has (`check_fits_alone`)
+        num_buffers = self.num_buffers
+        # The planner's bytes of one rank's seats and pages (each rank's scheduler's, `RankKV`).
+        self.rank_costs = MemoryCosts.from_config(
+            config, page_size=z, hot_slots=self.offload.hot_slots,
+            num_buffers=min(4, config.num_layers) if num_buffers is None else num_buffers,
+            pool_memory=self.offload.host_memory_kind)
         state = DecodeState.create(
             config, self.offload, batch=self.seats, num_frames=self.ranks * num_pages,
             table=np.full((self.seats, self.max_pages), NO_PAGE, np.int32))
@@ -151,6 +165,15 @@ class ShardedPagedKV(KVStore):
         self.state = dataclasses.replace(  # as the programs take them
             self.state, lengths=jax.device_put(self.state.lengths, self._shardings.lengths),
             table=jax.device_put(self.state.table, self._shardings.table))
+
+    def set_rows(self, rows: dict) -> None:
+        """Set seat b's page-table row to rows[b] (its rank's page ids; lengths unchanged)."""
+        mask = np.zeros((self.seats,), bool)
+        table = np.full((self.seats, self.max_pages), NO_PAGE, np.int32)
+        for b, row in rows.items():
+            mask[b], table[b] = True, row
+        self.state = dataclasses.replace(self.state, table=jax.device_put(
+            masked_rows(self.state.table, mask, table), self._shardings.table))
 
     def join(self, mask: np.ndarray) -> None:
         self.state = sharded_steps.sharded_join_seats(self.state, mask, config=self.config,
@@ -194,10 +217,10 @@ class ShardedPagedKV(KVStore):
 class RankKV:
     """What one rank's scheduler sees of a `ShardedPagedKV`: its own pool, the seat sizes."""
 
-    paged, prefix, costs = True, None, None
+    paged, prefix = True, None
 
     def __init__(self, kv: ShardedPagedKV, rank: int):
-        self.pool = kv.pools[rank]
+        self.pool, self.costs = kv.pools[rank], kv.rank_costs
         self.seats, self.capacity, self.max_pages = kv.seats, kv.capacity, kv.max_pages
 
 
@@ -239,6 +262,25 @@ class ShardedRunner(DecodeRunner):
             self._sampling = out = self._on_mesh(out)
         return out
 
+    def replay(self, resumed) -> int:
+        """`DecodeRunner.replay` over every rank: each resumed request's sampled tokens but the
+        last fed again, one per step, by the sharded decode step (`sharded_decode_step`: each
+        rank the single-device step that computed them, the other seats inactive), so its KV
+        is the one it had, bit for bit. Returns the tokens replayed."""
+        kv, batch, replayed = self.kv, self.batch, 0
+        for i in range(max(len(r.tokens) - 1 for r in resumed)):
+            tokens = np.zeros((batch, 1), np.int32)
+            active = np.zeros((batch,), bool)
+            for req in resumed:
+                if i < len(req.tokens) - 1:
+                    tokens[req.seat, 0], active[req.seat] = req.tokens[i], True
+            _, kv.state, _ = sharded_steps.sharded_decode_step(
+                self.params, kv.state, tokens, mesh=self.mesh, config=self.config,
+                offload=kv.offload, active=active, check=False, implementation="xla",
+                rules=self.rules)
+            replayed += int(active.sum())
+        return replayed
+
     def decode(self, *, logprobs: int | None = None):
         """One decode call of every rank's seats (`sharded_decode_loop`)."""
         if logprobs is not None:
@@ -250,24 +292,62 @@ class ShardedRunner(DecodeRunner):
         return out
 
 
+class RankSeats:
+    """Rank r's seats [r B, (r + 1) B) of the engine's seat list, as its scheduler sees them:
+    iterated, only its own occupants; indexed, by the engine's (global) seat numbers."""
+
+    def __init__(self, seats: list, seat_range: range):
+        self.seats, self.range = seats, seat_range
+
+    def __iter__(self):
+        return (self.seats[b] for b in self.range)
+
+    def __len__(self) -> int:
+        return len(self.range)
+
+    def __getitem__(self, b: int):
+        return self.seats[b]
+
+    def __setitem__(self, b: int, req) -> None:
+        self.seats[b] = req
+
+
+class RankWaiting:
+    """Rank r's waiting requests, as its scheduler sees them: iterated, only those placed on
+    it (`placed[request_id] == r`); changed, the engine's waiting list."""
+
+    def __init__(self, waiting: list, placed: dict, rank: int):
+        self.waiting, self.placed, self.rank = waiting, placed, rank
+
+    def __iter__(self):
+        return (r for r in self.waiting if self.placed[r.request_id] == self.rank)
+
+    def __contains__(self, req) -> bool:
+        return req in self.waiting and self.placed[req.request_id] == self.rank
+
+    def append(self, req) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req) -> None:
+        self.waiting.remove(req)
+
+
 class RankScheduler(Scheduler):
-    """One rank's admission: its own queue (the waiting requests placed on it, in the queue
-    order of `Scheduler.queue`) and its own seats [r B, (r + 1) B) of the engine's seat list,
-    which it shares with the other ranks' schedulers (as it shares the waiting list: a
-    request's rank is `placed[request_id]`); paged, its own page pool (`RankKV`)."""
+    """One rank's admission, growth and preemption: `Scheduler`'s rules over its own queue
+    (the waiting requests placed on it: `RankWaiting`), its own seats [r B, (r + 1) B) of the
+    engine's (`RankSeats`) and, paged, its own page pool (`RankKV`): a request waits for a seat
+    and pages of its rank, and only requests of its rank are preempted for it."""
 
-    def __init__(self, settings: EngineSettings, kv: KVStore, *, rank: int, per_rank: int,
-                 occupants: list, waiting: list, placed: dict, admissions):
+    def __init__(self, settings: EngineSettings, kv, *, rank: int, per_rank: int,
+                 occupants: list, waiting: list, placed: dict, admissions, unread: set):
         super().__init__(settings, kv)
-        self.rank, self.placed = rank, placed
-        self.seat_range = range(rank * per_rank, (rank + 1) * per_rank)
-        self.occupants, self.waiting, self.admissions = occupants, waiting, admissions
-
-    def queue(self, now: int):
-        return [r for r in super().queue(now) if self.placed[r.request_id] == self.rank]
+        self.rank = rank
+        self.occupants = RankSeats(occupants, range(rank * per_rank, (rank + 1) * per_rank))
+        self.waiting = RankWaiting(waiting, placed, rank)
+        self.admissions, self.unread = admissions, unread
 
     def free_seats(self) -> list[int]:
-        return [b for b in self.seat_range if self.occupants[b] is None]
+        return [b for b in self.occupants.range if self.occupants[b] is None]
 
 
 class ShardedScheduler(Scheduler):
@@ -276,10 +356,11 @@ class ShardedScheduler(Scheduler):
 
     def __init__(self, settings: EngineSettings, kv, *, placed: dict):
         super().__init__(settings, kv)
+        self.placed = placed
         self.ranks = [RankScheduler(settings, kv.rank_view(r) if kv.paged else kv, rank=r,
-                                    per_rank=kv.per_rank,
-                                    occupants=self.occupants, waiting=self.waiting,
-                                    placed=placed, admissions=self.admissions)
+                                    per_rank=kv.per_rank, occupants=self.occupants,
+                                    waiting=self.waiting, placed=placed,
+                                    admissions=self.admissions, unread=self.unread)
                       for r in range(kv.ranks)]
 
     def admit(self, now: int):
@@ -289,6 +370,10 @@ class ShardedScheduler(Scheduler):
             new += n
             kept += k
         return new, kept
+
+    def make_room(self, req):
+        """`Scheduler.make_room` on the request's rank (its pool, its requests)."""
+        return self.ranks[self.placed[req.request_id]].make_room(req)
 
 
 class ShardedEngine(Engine):
@@ -484,6 +569,11 @@ class ShardedEngine(Engine):
         return [{"free": p.num_free, "held": p.num_held, "cached": p.num_cached,
                  "total": p.num_pages} for p in self.kv.pools]
 
+    def device_bytes_used(self) -> list[int | None]:
+        """[R] each rank's device bytes of request state by the planner's arithmetic
+        (`Scheduler.device_bytes_used` of its scheduler; None resident)."""
+        return [rank.device_bytes_used() for rank in self.scheduler.ranks]
+
     def pool_occupancy(self) -> dict | None:
         """Every rank's pool pages summed (free, held, cached, total); None resident."""
         per_rank = self.rank_pool_occupancy()
@@ -497,7 +587,6 @@ def check_settings(settings: EngineSettings) -> None:
     cache, sched, offload = settings.cache, settings.scheduler, settings.cache.offload
     refused = [(offload is not None and offload.host_memory_kind == "device", "the paged KV "
                 "pool in device memory (host_memory_kind='device')"),
-               (sched.reserve != "full", "reserve='prompt' (growth and preemption per rank)"),
                (sched.device_bytes is not None, "device_bytes"),
                (cache.host_pool_bytes is not None, "host_pool_bytes (size each rank's pool "
                 "with num_pages)"),

@@ -10,7 +10,8 @@ arrivals, three on one rank of two seats: one waits in its rank's queue) is serv
 `ShardedEngine` over 4 ranks: "resident", in the all-to-all layout (each device 1/4 of the
 experts) and on the plain data mesh (every weight on every device); "offloaded", in the
 all-to-all layout with a host pool per rank (every page back in its pool at the end; `serve
---offload` builds it). Every
+--offload` builds it), and with pools of 8 pages and reserve="prompt", where rank 0 preempts
+its younger request, which resumes (prefilled again, its tokens replayed). Every
 request's tokens (greedy, and two sampled with their own seeds) must equal those of the same
 request served alone by one single-device `Engine` of the same settings with the whole
 weights; every request sits only in seats of its rank; a request cancelled while it decodes
@@ -76,12 +77,19 @@ def _prompt(seed, length):
 OFFLOAD = OffloadConfig(hot_slots=16, page_size=4, capacity=CAPACITY, policy="ring")
 
 
+# Two requests on rank 0 whose pages outgrow its pool of 8 pages as they decode (reserve
+# "prompt"): the younger is preempted, its pages dropped, and it resumes (prefill + replay).
+# (The offloaded STREAM runs with pools of 8 pages too: the same programs.)
+PREEMPT_STREAM = [(0, 11, 9, 14, 0), (0, 12, 5, 14, 0), (0, 13, 3, 6, 1), (1, 14, 6, 8, 2)]
+PREEMPT = (("reserve", "prompt"), ("num_pages", 8))
+
+
 @functools.cache
-def _solo(offload=None):
-    """Each request of STREAM alone in one single-device Engine of the same settings."""
+def _solo(offload=None, stream=tuple(STREAM), extra=()):
+    """Each request of `stream` alone in one single-device Engine of the same settings."""
     out = []
-    engine = Engine(_params(), CONFIG, offload=offload, **SETTINGS)
-    for _, seed, length, max_tokens, _ in STREAM:
+    engine = Engine(_params(), CONFIG, offload=offload, **SETTINGS, **dict(extra))
+    for _, seed, length, max_tokens, _ in stream:
         rid = engine.add_request(_prompt(seed, length), max_tokens=max_tokens,
                                  **_sampling(seed))
         out.append(engine.run()[rid].token_ids)
@@ -109,9 +117,10 @@ def check_experts(engine, *, split: bool) -> None:
             assert shard.data.shape == whole[name].shape, name
 
 
-def stream_case(mesh, rules, *, split: bool, what: str, offload=None) -> None:
+def stream_case(mesh, rules, *, split: bool, what: str, offload=None, stream=tuple(STREAM),
+                extra=()):
     engine = ShardedEngine(_params(), CONFIG, mesh=mesh, rules=rules, placement="round_robin",
-                           offload=offload, **SETTINGS)
+                           offload=offload, **SETTINGS, **dict(extra))
     assert engine.seats == RANKS * SEATS and engine.ranks == RANKS
     check_experts(engine, split=split)
     if offload is None:
@@ -124,8 +133,8 @@ def stream_case(mesh, rules, *, split: bool, what: str, offload=None) -> None:
         frames = engine.kv.pools[0].num_pages
         assert {s.data.shape[1] for s in pool.addressable_shards} == {frames}
     ids, step, waited = {}, 0, False
-    while len(ids) < len(STREAM) or engine.has_unfinished():
-        for i, (arrival, seed, length, max_tokens, rank) in enumerate(STREAM):
+    while len(ids) < len(stream) or engine.has_unfinished():
+        for i, (arrival, seed, length, max_tokens, rank) in enumerate(stream):
             if arrival == step:
                 ids[i] = engine.add_request(_prompt(seed, length), max_tokens=max_tokens,
                                             rank=rank, **_sampling(seed))
@@ -142,21 +151,22 @@ def stream_case(mesh, rules, *, split: bool, what: str, offload=None) -> None:
         waited |= any(engine.rank_of(r) == 0 for r in waiting) and engine.num_running() < 8
         step += 1
         assert step < 100, "the stream did not finish"
-    assert waited, "no request waited for a seat of its rank while other ranks had free seats"
-    placed = [engine.rank_of(ids[i]) for i in range(len(STREAM))]
-    for i, (*_, rank) in enumerate(STREAM):
+    placed = [engine.rank_of(ids[i]) for i in range(len(stream))]
+    for i, (*_, rank) in enumerate(stream):
         assert rank is None or placed[i] == rank, (i, placed)
-    assert len(set(placed)) == RANKS, placed  # every rank served some
-    solo = _solo(offload)
+    if stream == tuple(STREAM):
+        assert waited, "no request waited for a seat of its rank while others had free seats"
+        assert len(set(placed)) == RANKS, placed  # every rank served some
+    solo = _solo(offload, stream, extra)
     outs = engine.run()
-    for i in range(len(STREAM)):
+    for i in range(len(stream)):
         got = outs[ids[i]].token_ids
         assert got == solo[i], (what, i, placed[i], got, solo[i])
-        assert len(got) == STREAM[i][3], (i, got)
+        assert len(got) == stream[i][3], (i, got)
     assert engine.num_running() == 0 and not engine.num_waiting()
     assert all(r is None for r in engine.seat_request_ids())
     assert not np.asarray(engine.state.lengths).any(), np.asarray(engine.state.lengths)
-    assert engine.counters["requests_finished"] == len(STREAM)
+    assert engine.counters["requests_finished"] == len(stream)
     assert engine.counters["requests_cancelled"] == 1
     if offload is not None:  # every page back in its rank's pool
         assert [p["held"] for p in engine.rank_pool_occupancy()] == [0] * RANKS
@@ -165,8 +175,9 @@ def stream_case(mesh, rules, *, split: bool, what: str, offload=None) -> None:
     for rid in list(ids.values()) + [cancelled]:
         engine.release(rid)
     raises(lambda: engine.rank_of(cancelled), f"no request {cancelled!r}", KeyError)
-    log(f"{what}: {len(STREAM)} requests on ranks {placed}, {step} steps, "
+    log(f"{what}: {len(stream)} requests on ranks {placed}, {step} steps, "
         f"{engine.counters['prefill_calls']} prefill programs, "
+        f"{engine.counters['preemptions']} preemptions, "
         f"{engine.counters['decode_calls']} decode calls: tokens bitwise their solo runs")
     return engine
 
@@ -262,9 +273,8 @@ def raises(fn, message, kind=ValueError):
 def error_cases() -> None:
     mesh = sharding.make_mesh(RANKS)
     make = functools.partial(ShardedEngine, _params(), CONFIG, mesh=mesh)
-    raises(lambda: make(**dict(SETTINGS, offload=OFFLOAD, reserve="prompt")),
-           "the sharded engine does not run reserve='prompt' (growth and preemption per "
-           "rank) yet", NotImplementedError)
+    raises(lambda: make(**dict(SETTINGS, offload=OFFLOAD, device_bytes=10**9)),
+           "the sharded engine does not run device_bytes yet", NotImplementedError)
     raises(lambda: make(**dict(SETTINGS, prefix_cache=True)),
            "the sharded engine does not run prefix_cache yet", NotImplementedError)
     raises(lambda: make(placement="least_misses", **SETTINGS),
@@ -344,8 +354,11 @@ def serve_offloaded_case() -> None:
 def offloaded_cases():
     serve_offloaded_case()
     mesh, rules = sharding.expert_mesh(RANKS, expert=RANKS)
-    stream_case(mesh, rules, split=True, offload=OFFLOAD,
-                what="all-to-all layout, offloaded (a host pool per rank)")
+    stream_case(mesh, rules, split=True, offload=OFFLOAD, extra=(("num_pages", 8),),
+                what="all-to-all layout, offloaded (a host pool of 8 pages per rank)")
+    engine = stream_case(mesh, rules, split=True, offload=OFFLOAD, stream=tuple(PREEMPT_STREAM),
+                         extra=PREEMPT, what="offloaded, reserve='prompt', 8 pages per rank")
+    assert engine.counters["preemptions"] >= 1 and engine.counters["replayed_tokens"] >= 1
 
 
 SUITES = {"resident": resident_cases, "offloaded": offloaded_cases}

@@ -144,8 +144,6 @@ def test_the_flags_build_the_settings():
      "--expert-parallel splits the experts over --devices: add --devices"),
     (["--devices", "4", "--expert-parallel", "2"], "--expert-parallel 2 must equal --devices 4: "
      "the sharded engine splits the experts over every device"),
-    (["--devices", "2", "--expert-parallel", "2", "--offload", "--reserve", "prompt"],
-     "--expert-parallel does not run with --reserve prompt"),
     (["--devices", "2", "--expert-parallel", "2", "--offload", "--device-gb", "1"],
      "--expert-parallel does not run with --device-gb yet: drop it"),
     (["--devices", "2", "--expert-parallel", "2", "--offload", "--host-pool-gb", "1"],
@@ -165,8 +163,9 @@ def test_bad_flag_combinations_are_refused_before_any_model(argv, message):
 
 
 def test_expert_parallel_flags_are_kept():
-    args = _args("--devices", "2", "--expert-parallel", "2", "--offload")
-    assert (args.devices, args.expert_parallel, args.offload) == (2, 2, True)
+    args = _args("--devices", "2", "--expert-parallel", "2", "--offload", "--reserve", "prompt")
+    assert (args.devices, args.expert_parallel, args.offload, args.reserve) == (2, 2, True,
+                                                                                "prompt")
 
 
 def test_values_the_parser_does_not_see_are_checked_too():

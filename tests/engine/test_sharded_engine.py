@@ -4,7 +4,8 @@ stream whose tokens are bit for bit each request's solo run on one single-device
 all-to-all layout with 1/4 of the experts per device and on the plain data mesh; admission per
 rank; seats free at the end; a cancel; the server's driver over it; `serve --devices 4
 --expert-parallel 4` builds it; the refusals' messages); offloaded, with a host pool per rank,
-in another (the same stream, tokens bit for bit, every page back in its rank's pool)."""
+in another (the same stream, and one where a rank's pool runs short and its youngest request
+is preempted and resumes: tokens bit for bit, every page back in its rank's pool)."""
 
 import os
 import subprocess
@@ -31,4 +32,4 @@ def test_sharded_engine_on_four_devices():
 
 
 def test_offloaded_sharded_engine_on_four_devices():
-    _run_cases("offloaded")  # ~35 s of CPU on a quiet machine
+    _run_cases("offloaded")  # ~65 s of CPU on a quiet machine
