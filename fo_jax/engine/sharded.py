@@ -41,9 +41,8 @@ prefilled again and its tokens replayed by the sharded decode step, `ShardedRunn
 
 Not yet (refused with a message): paged, device_bytes, host_pool_bytes, the pool in device
 memory and least_misses placement; prefix reuse, drafts, log-probabilities, a metrics log, and
-moving requests between engines. It runs
-without overlap (`overlap` is set False: each decode call is read back at once). Design:
-docs/guides/many-devices.md, "One sharded engine".
+moving requests between engines. It runs without overlap (`overlap` is set False: each decode
+call is read back at once). Design: docs/guides/many-devices.md, "One sharded engine".
 """
 
 from __future__ import annotations
@@ -60,15 +59,15 @@ from fo_jax import placement as placement_rules
 from fo_jax import resident, sharded_steps, sharding
 from fo_jax.config import ModelConfig
 from fo_jax.decode_loop import OffloadedStep, ResidentStep
-from fo_jax.engine.engine import Engine
 from fo_jax.engine.costs import MemoryCosts
+from fo_jax.engine.engine import Engine
 from fo_jax.engine.kv_store import KVStore, masked_rows
 from fo_jax.engine.pages import NO_PAGE, PagePool
-from fo_jax.offload import prefill as offload_prefill
-from fo_jax.offload.state import DecodeState
 from fo_jax.engine.runner import DecodeRunner
 from fo_jax.engine.scheduler import Scheduler
 from fo_jax.engine.settings import EngineSettings
+from fo_jax.offload import prefill as offload_prefill
+from fo_jax.offload.state import DecodeState
 
 PLACEMENTS = ("round_robin", "least_requests", "least_context")
 
@@ -410,8 +409,8 @@ class ShardedEngine(Engine):
         placement = "least_context" if placement is None else placement
         if placement not in PLACEMENTS:
             raise ValueError(f"placement={placement!r}: the sharded engine places by one of "
-                             f"{PLACEMENTS} (fo_jax.placement; least_misses needs the "
-                             "offloaded path)")
+                             f"{PLACEMENTS} (fo_jax.placement; least_misses, which reads "
+                             "each seat's misses, is not run by it yet)")
         self.mesh, self.rules, self.placement = mesh, rules, placement
         self.ranks = sharding.data_size(mesh)
         self.seats_per_rank = int(settings.cache.seats)
