@@ -95,6 +95,7 @@ SLOW_FILES = (
     "tests/engine/test_engine.py",
     "tests/offload/test_decode_pallas.py",
     "tests/engine/test_dp_engine.py",
+    "tests/engine/test_sharded_engine.py",
     "tests/experiments/test_serving_bench_smoke.py",
     "tests/test_cli.py",
     "tests/sharding/test_data_parallel.py",
