@@ -26,7 +26,7 @@ for what is known about each on accelerators), the checks of `--checks`, in this
                here: ops marked as host compute (`_xla_compute_type="host"`), writes of a
                whole pool-shaped array into a new buffer, copies included (`fo_jax.
                hlo_checks.state_array_writes`), and what touches host memory besides fo_jax's
-               copy targets in the program lowered for CUDA (`fo_jax.hlo_checks.
+               copy targets in the program lowered for CUDA (`fo_jax.host_memory_checks.
                host_memory_faults`: what XLA's host offloader would turn into host compute);
                `--hlo DIR` keeps each compiled program's text
   decode       decode_step: resident vs offloaded decode steps on the `small` preset (synthetic
@@ -68,7 +68,7 @@ import numpy as np
 
 from experiments.common import run_metadata, synthetic_states, write_jsonl  # noqa: E402
 
-from fo_jax import hlo_checks, resident  # noqa: E402
+from fo_jax import hlo_checks, host_memory_checks, resident  # noqa: E402
 from fo_jax.config import get_config  # noqa: E402
 from fo_jax.model.dsa import init_params  # noqa: E402
 from fo_jax.offload import decode as offload_decode  # noqa: E402
@@ -498,8 +498,8 @@ def program_report(name, access, args, jitted, a, k, pool) -> dict:
     row = {"check": name, "host_access": access, "pool_shape": list(pool.shape)}
     start = time.perf_counter()
     try:
-        faults = hlo_checks.host_memory_faults(
-            hlo_checks.lower_for(jitted, *a, platform="cuda", **k), targets=TARGETS)
+        faults = host_memory_checks.host_memory_faults(
+            host_memory_checks.lower_for(jitted, *a, platform="cuda", **k), targets=TARGETS)
         compiled = hlo_checks.compile_jitted(jitted, *a, **k)
     except Exception as e:  # noqa: BLE001
         return {**row, "status": "compile_failed", "error": _error(e)}

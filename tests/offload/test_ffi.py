@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fo_jax import hlo_checks, resident
+from fo_jax import hlo_checks, host_memory_checks, resident
 from fo_jax.config import get_config
 from fo_jax import decode_loop as loop
 from fo_jax.model.dsa import init_params
@@ -151,21 +151,21 @@ def _lowered(access):
     fn, a, k = hlo_checks.captured_call(offload_decode, "decode_jit",
                                         offload_decode.decode_step, _params(), state, tokens,
                                         config=CONFIG, offload=offload)
-    programs["decode_step"] = hlo_checks.lower_for(fn, *a, **k)
+    programs["decode_step"] = host_memory_checks.lower_for(fn, *a, **k)
     step = loop.OffloadedStep(CONFIG, offload)
     sampling = Sampling.create(2)
     seats = loop.Seats.create(np.array([1, 2], np.int32), jax.random.key(0), sampling=sampling,
                               lengths=state.lengths, capacity=state.capacity)
     fn, a, k = hlo_checks.captured_call(loop, "loop_jit", loop.decode_loop, _params(), state,
                                         seats, 2, sampling, step=step)
-    programs["decode_loop"] = hlo_checks.lower_for(fn, *a, **k)
+    programs["decode_loop"] = host_memory_checks.lower_for(fn, *a, **k)
     pstate = offload_prefill.PrefillState.create(CONFIG, batch=2, capacity=32, page_size=4)
     fn, a, k = hlo_checks.captured_call(offload_prefill, "prefill_jit", offload_prefill.prefill,
                                         _params(), pstate, jnp.zeros((2, 4), jnp.int32),
                                         config=CONFIG, num_buffers=2, history_pages=2,
                                         check=False, host_access=access)
-    programs["prefill"] = hlo_checks.lower_for(fn, *a, **k)
-    programs["handoff"] = hlo_checks.lower_for(
+    programs["prefill"] = host_memory_checks.lower_for(fn, *a, **k)
+    programs["handoff"] = host_memory_checks.lower_for(
         offload_prefill.gather_hot, pstate.host.kv, pstate.table, jnp.zeros((2, 8), jnp.int32),
         0.0, chunk=4, on_host=True, access=access)
     return programs
@@ -173,12 +173,12 @@ def _lowered(access):
 
 def test_programs_touch_host_memory_only_through_the_copies():
     for name, module in _lowered("ffi").items():
-        faults = hlo_checks.host_memory_faults(module, targets=library.TARGETS)
+        faults = host_memory_checks.host_memory_faults(module, targets=library.TARGETS)
         assert faults == [], (name, faults)
     # The check can fail: under "gather" the same programs gather and scatter on host memory
     # (what XLA turned into host compute on an H200).
     for name, module in _lowered("gather").items():
-        faults = hlo_checks.host_memory_faults(module, targets=library.TARGETS)
+        faults = host_memory_checks.host_memory_faults(module, targets=library.TARGETS)
         assert any("reads a host value" in f for f in faults), name
 
 
@@ -187,7 +187,7 @@ def test_host_memory_faults_name_each_kind_of_fault():
     index = jnp.zeros((2, 2), jnp.int32)
 
     def faults(fn, *args):
-        return hlo_checks.host_memory_faults(hlo_checks.lower_for(jax.jit(fn), *args),
+        return host_memory_checks.host_memory_faults(host_memory_checks.lower_for(jax.jit(fn), *args),
                                              targets=library.TARGETS)
 
     assert faults(lambda p, i: ffi.gather_items(p, i), host, index) == []
