@@ -37,6 +37,7 @@ from fo_jax.engine.prefix import PagedPrefix, ResidentPrefix
 from fo_jax.engine.resident_prefix import ResidentPrefixStore
 from fo_jax.engine.settings import EngineSettings
 from fo_jax.offload import prefill as offload_prefill
+from fo_jax.offload import seat_prefill
 from fo_jax.offload.host import in_host_memory, load_history, write_back_rows
 from fo_jax.offload.state import DecodeState, committed, read_pool_keys, write_pool_keys
 
@@ -182,7 +183,7 @@ class PagedKV(KVStore):
                     oc.capacity // oc.page_size)
         view = offload_prefill.PrefillState(host=st.host, table=st.table,
                                             index_keys=st.index_keys, lengths=st.lengths)
-        logits, view, *h = offload_prefill.prefill_seat(
+        logits, view, *h = seat_prefill.prefill_seat(
             params, view, b, tokens, num_new, config=self.config, num_buffers=self.num_buffers,
             history_pages=pages, check=False, host_access=oc.host_access,
             query_block=self.query_block, return_hidden=hidden)
