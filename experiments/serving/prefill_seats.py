@@ -75,7 +75,7 @@ def packs(args, params, config, offload, meta) -> list[dict]:
     print(f"{'path':10s}{'n':>4s}{'batch':>7s}{'programs':>10s}{'step p50 s':>12s}"
           f"{'min s':>9s}{'ratio':>8s}")
     rows = []
-    for path in [] if args.skip_seats else args.paths:
+    for path in args.paths:
         engines = {}
         for b in (1, batch):
             engines[b] = Engine(params, config, seats=seats, capacity=args.capacity,
