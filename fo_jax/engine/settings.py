@@ -146,7 +146,9 @@ class SchedulerSettings:
         Default 8: four programs per bucket (1, 2, 4, 8); a pack's activations are those of
         8 x prefill_chunk tokens, as one prefill of a batch of 8 (offloaded, its layer buffers
         hold 8 requests' rows, which the device budget counts already: it counts every
-        prefilling request's buffers at once). Each request's tokens are the same bit for bit
+        prefilling request's buffers at once); one dispatch and one pass over the weights per
+        layer instead of 8 (on a 2-core CPU, compute-bound, the step time of 8 requests
+        prefilling is 0.90-1.06x that of one program each: docs/status.md). Each request's tokens are the same bit for bit
         whatever the pack, where the matmuls compute each row independently of the others (a
         pack changes their M): XLA:CPU does; on an accelerator check it, or use 1.
       decode_steps_per_call: decode steps per program (1 keeps per-token latency; more means
