@@ -639,6 +639,33 @@ def test_prefill_seats_rows_are_each_request_alone_with_its_own_history(params):
     np.testing.assert_array_equal(ps.lengths, [11, 9, 14, 0])
 
 
+def test_prefill_seats_padding_row_writes_nothing(params):
+    # A traced seat out of range (a padding row) reads a clamped seat's table row but writes
+    # nothing there: its count is 0 (every row it would write dropped) and the lengths'
+    # scatter drops it; the real row is its `prefill_seat`, every other seat still NaN.
+    from fo_jax.offload import seat_prefill
+    from fo_jax.offload.prefill import prefill_arguments
+
+    chunk = _tokens(np.random.default_rng(10), (2, 8))
+    ps, alone = (PrefillState.create(CONFIG, batch=3, capacity=32, page_size=4, fill=NAN)
+                 for _ in range(2))
+    view = dataclasses.replace(ps, table=ps.table[:2], lengths=ps.lengths[:2])
+    _, static = prefill_arguments(params, view, chunk, None, config=CONFIG, num_buffers=3,
+                                  distance=None, onload_layer_map=None, dense=False,
+                                  history_pages=0, poison=True, check=False, host_access=None,
+                                  query_block=resident.QUERY_BLOCK)
+    logits, ps = seat_prefill._seats_jit(params, ps, jnp.asarray([1, 3], jnp.int32),
+                                         jnp.asarray(chunk), jnp.asarray([8, 8], jnp.int32),
+                                         **static, return_hidden=False)
+    want, alone = prefill_seat(params, alone, 1, chunk[:1], config=CONFIG, num_buffers=3,
+                               history_pages=0, poison=True)
+    chex.assert_trees_all_equal(np.asarray(logits)[0], np.asarray(want)[0])
+    chex.assert_trees_all_equal(ps.token_rows(), alone.token_rows())
+    chex.assert_trees_all_equal(ps.token_index_keys(), alone.token_index_keys())
+    np.testing.assert_array_equal(ps.lengths, [0, 8, 0])
+    assert np.isnan(ps.token_rows()[:, [0, 2]].astype(np.float32)).all()
+
+
 def test_bad_prefill_seats_inputs(params):
     state = PrefillState.create(CONFIG, batch=3, capacity=16, page_size=4)
     _, state = prefill_seats(params, state, [1, 0], jnp.zeros((2, 8), jnp.int32), [8, 3],
