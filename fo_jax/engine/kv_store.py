@@ -206,8 +206,8 @@ class PagedKV(KVStore):
                                             index_keys=st.index_keys, lengths=st.lengths)
         logits, view, *h = run(
             params, view, seats, tokens, num_new, config=self.config,
-            num_buffers=self.num_buffers, history_pages=pages, check=False, host_access=oc.host_access,
-            query_block=self.query_block, return_hidden=hidden)
+            num_buffers=self.num_buffers, history_pages=pages, check=False,
+            host_access=oc.host_access, query_block=self.query_block, return_hidden=hidden)
         self.state = dataclasses.replace(st, host=view.host, table=view.table,
                                          index_keys=view.index_keys, lengths=view.lengths)
         return logits, h[0] if hidden else None

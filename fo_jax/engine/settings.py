@@ -148,9 +148,10 @@ class SchedulerSettings:
         hold 8 requests' rows, which the device budget counts already: it counts every
         prefilling request's buffers at once); one dispatch and one pass over the weights per
         layer instead of 8 (on a 2-core CPU, compute-bound, the step time of 8 requests
-        prefilling is 0.90-1.06x that of one program each: docs/status.md). Each request's tokens are the same bit for bit
-        whatever the pack, where the matmuls compute each row independently of the others (a
-        pack changes their M): XLA:CPU does; on an accelerator check it, or use 1.
+        prefilling is 0.90-1.06x that of one program each: docs/status.md). Each request's
+        tokens are the same bit for bit whatever the pack, where the matmuls compute each row
+        independently of the others (a pack changes their M): XLA:CPU does; on an
+        accelerator check it, or use 1.
       decode_steps_per_call: decode steps per program (1 keeps per-token latency; more means
         fewer host round trips per token).
       overlap: dispatch decode call n + 1 before reading back call n's tokens, so the
@@ -396,7 +397,6 @@ class EngineSettings:
                                                                       max_logprobs=int(top)))
 
 
-__all__ = ["DEFAULT_PREFILL_BATCH", "DEFAULT_PREFILL_CHUNK", "DRAFTERS", "MAX_LOGPROBS", "ORDERS", "RESERVES",
-           "CacheSettings",
-           "EngineSettings", "MetricsSettings", "ProgramSettings", "RequestSettings",
-           "SchedulerSettings", "SpeculativeSettings"]
+__all__ = ["DEFAULT_PREFILL_BATCH", "DEFAULT_PREFILL_CHUNK", "DRAFTERS", "MAX_LOGPROBS",
+           "ORDERS", "RESERVES", "CacheSettings", "EngineSettings", "MetricsSettings",
+           "ProgramSettings", "RequestSettings", "SchedulerSettings", "SpeculativeSettings"]

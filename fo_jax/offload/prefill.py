@@ -392,8 +392,8 @@ def prefill_forward(params, state: PrefillState, tokens, num_new, *, config: Mod
     return (logits, new_state, *hidden)
 
 
-PREFILL_STATIC = ("config", "dense", "schedule", "history_pages", "poison", "on_host", "host_access",
-           "query_block", "return_hidden")
+PREFILL_STATIC = ("config", "dense", "schedule", "history_pages", "poison", "on_host",
+                  "host_access", "query_block", "return_hidden")
 prefill_jit = functools.partial(jax.jit, static_argnames=PREFILL_STATIC,
                                 donate_argnames=("state",))(prefill_forward)
 
