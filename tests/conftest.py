@@ -5,6 +5,18 @@ import collections
 import gc
 import os
 
+# XLA:CPU compiles without LLVM's expensive passes (its loop and SLP vectorizers, unrolling), in
+# this process and the subprocesses that inherit its environment: compiling is most of the
+# suite's time, and this cuts it by about a fifth. The arithmetic is unchanged: fast-math stays
+# off, so those passes may not reorder a float operation, and FMA contraction is the code
+# generator's (test_compile_flags.py checks a model's logits bit for bit against a process
+# without the flag). FO_JAX_TEST_FULL_LLVM=1 keeps XLA's default passes.
+if os.environ.get("FO_JAX_TEST_FULL_LLVM", "0") in ("0", ""):
+    FAST_COMPILE_FLAG = "--xla_llvm_disable_expensive_passes=true"
+    if FAST_COMPILE_FLAG not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = " ".join(
+            (os.environ.get("XLA_FLAGS", ""), FAST_COMPILE_FLAG)).strip()
+
 from jaxtyping import install_import_hook
 
 # Runtime shape checks of the jaxtyping annotations of the array functions (model and cache
@@ -31,17 +43,44 @@ def random_tokens(seed: int, shape, vocab: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, size=shape, dtype=np.int32)
 
 
+def _process_maps() -> tuple[int, int] | None:
+    """(memory mappings of this process, the kernel's limit on them), or None off Linux."""
+    try:
+        with open("/proc/self/maps") as f:
+            count = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count") as f:
+            return count, int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _resident_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+# Past either, compiled programs are dropped after the module (see below).
+MAP_SHARE = 0.4          # of vm.max_map_count
+RESIDENT_BYTES = 5 << 29  # 2.5 GiB
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-    """Drop every compiled program after each test module.
+    """Drop every compiled program after a test module once the process holds many.
 
     Each XLA:CPU executable holds ~3 memory mappings of JIT code, and one pytest worker compiles
     thousands of programs: past the kernel's vm.max_map_count (65530) the next compilation
-    crashes the worker with a segmentation fault. Programs are rarely shared between modules,
-    so clearing costs little."""
+    crashes the worker with a segmentation fault. Modules share many programs (the engine's
+    loop and seat programs on the same test models), so they are kept until the mappings pass
+    MAP_SHARE of the limit or the process RESIDENT_BYTES; off Linux, after every module."""
     yield
-    jax.clear_caches()
-    gc.collect()
+    maps = _process_maps()
+    if maps is None or maps[0] > MAP_SHARE * maps[1] or _resident_bytes() > RESIDENT_BYTES:
+        jax.clear_caches()
+        gc.collect()
 
 
 # The slowest test files (seconds of their longest tests on 2 cores, `--durations`), longest
@@ -56,6 +95,7 @@ SLOW_FILES = (
     "tests/engine/test_engine.py",
     "tests/offload/test_decode_pallas.py",
     "tests/engine/test_dp_engine.py",
+    "tests/engine/test_sharded_engine.py",
     "tests/experiments/test_serving_bench_smoke.py",
     "tests/test_cli.py",
     "tests/sharding/test_data_parallel.py",

@@ -14,6 +14,9 @@ device's clock: `fo_jax.engine.overlap`) and the requests' host records
 once; `fo_jax.engine.args`: the command-line flags that build them (`EngineArgs`).
 `fo_jax.engine.data_parallel`: R engines on R devices behind one request stream
 (`DataParallelEngine`), each request placed on a rank by a `fo_jax.placement` rule.
+`fo_jax.engine.sharded`: one engine over every data-parallel rank of a mesh, each step one
+prefill program per round and one decode program over all ranks (`ShardedEngine`: resident,
+or a host pool per rank; the MoE experts split over the devices in the all-to-all layout).
 `fo_jax.engine.auto`: automatic offload (`AutoEngine`): short resident seats while a request
 fits them, offloaded seats once it outgrows them, and back when a short seat frees (lossless
 moves).
@@ -54,6 +57,7 @@ from fo_jax.engine.mtp_prefix import MTPPrefixStore
 from fo_jax.engine.prefix import PagedPrefix, PrefixReuse, ResidentPrefix
 from fo_jax.engine.resident_prefix import ResidentPrefixStore
 from fo_jax.engine.scheduler import RequestRefused
+from fo_jax.engine.sharded import ShardedEngine
 from fo_jax.sampling import Sampling, sample_tokens
 from fo_jax.engine.settings import (
     CacheSettings,
@@ -71,4 +75,5 @@ __all__ = ["AutoEngine", "CacheSettings", "DataParallelEngine", "Engine", "Engin
            "PagedPrefix", "PoolExhausted", "PrefixCache", "PrefixReuse", "ProgramSettings",
            "RequestOutput", "RequestPages", "RequestRefused", "RequestSettings", "ResidentPrefix",
            "ResidentPrefixStore", "ResidentStep", "Sampling", "SchedulerSettings", "Seats",
-           "SpeculativeSettings", "TokenLogprobs", "decode_loop", "mtp_feed", "sample_tokens"]
+           "ShardedEngine", "SpeculativeSettings", "TokenLogprobs", "decode_loop", "mtp_feed",
+           "sample_tokens"]

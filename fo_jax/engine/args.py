@@ -63,6 +63,7 @@ class EngineArgs:
     prefill_chunk: int = 256
     prefill_batch: int = DEFAULT_PREFILL_BATCH
     devices: int | None = None
+    expert_parallel: int | None = None
     placement: str | None = None
 
     @staticmethod
@@ -135,6 +136,12 @@ class EngineArgs:
                                  "request placed on one (fo_jax.engine.data_parallel). On a "
                                  "CPU, simulated devices need XLA_FLAGS="
                                  "--xla_force_host_platform_device_count=N")
+        parser.add_argument("--expert-parallel", type=int, default=None, metavar="E",
+                            help="with --devices N: one sharded engine stepping the N devices "
+                                 "in one program, the MoE experts split over them (E = N: each "
+                                 "device holds its own requests' KV and 1/N of the experts, "
+                                 "rows exchanged by all-to-all; fo_jax.engine.sharded); "
+                                 "with --offload, a host pool per device")
         parser.add_argument("--placement", default=None, choices=PLACEMENTS,
                             help="with --devices: the rank of a new request (default "
                                  "least_misses with --offload, else least_context; "
@@ -185,6 +192,28 @@ class EngineArgs:
         if self.devices is not None and self.placement == "least_misses" and not self.offload:
             raise ValueError("--placement least_misses needs --offload (the resident path "
                              "copies no misses)")
+        if self.expert_parallel is not None:
+            self._check_expert_parallel()
+
+    def _check_expert_parallel(self) -> None:
+        """--expert-parallel E: the sharded engine's limits (`fo_jax.engine.sharded`)."""
+        expert = self.expert_parallel
+        if self.devices is None:
+            raise ValueError("--expert-parallel splits the experts over --devices: add --devices")
+        if expert != self.devices:
+            raise ValueError(f"--expert-parallel {expert} must equal --devices {self.devices}: "
+                             "the sharded engine splits the experts over every device (each "
+                             "holds its own requests and 1/devices of the experts)")
+        refused = [(self.device_gb is not None, "--device-gb"),
+                   (self.host_pool_gb is not None, "--host-pool-gb"),
+                   (self.pool_memory == "device", "--pool-memory device"),
+                   (self.placement == "least_misses", "--placement least_misses"),
+                   (self.prefix_cache, "--prefix-cache"),
+                   (self.drafter is not None or bool(self.num_drafts), "drafts (--drafter, "
+                    "--num-drafts)")]
+        for bad, what in refused:
+            if bad:
+                raise ValueError(f"--expert-parallel does not run with {what} yet: drop it")
 
     def drafting(self, config: ModelConfig) -> tuple[str | None, int]:
         """(drafter or None, drafts per step) of --drafter and --num-drafts for `config`

@@ -94,13 +94,13 @@ class Engine:
         self.n_steps, self.chunk = int(sched.decode_steps_per_call), int(sched.prefill_chunk)
         self.num_drafts, self.drafter = int(spec.num_drafts), spec.drafter
         self.tokenizer, self.max_logprobs = tokenizer, int(settings.requests.max_logprobs)
-        self.kv = make_kv_store(config, settings)  # the seats' KV: resident or paged
+        self.kv = self._make_kv_store(config, settings)  # the seats' KV: resident or paged
         self.pool, self.prefix = self.kv.pool, self.kv.prefix  # None resident; None: no reuse
         # The running seats' device state and the decode programs over it (`DecodeRunner`):
         # each seat's last token, key, count and done flag, sampling settings, and with drafts
         # the n-gram histories or the MTP layer's state.
-        self.runner = DecodeRunner(params, config, settings, self.kv, mtp=mtp)
-        self.scheduler = Scheduler(settings, self.kv)  # the queue and the seats' occupants
+        self.runner = self._make_runner(params, config, settings, mtp)
+        self.scheduler = self._make_scheduler(settings)  # the queue and the seats' occupants
         self._occupant = self.scheduler.occupants  # the same lists, read and set here
         self._waiting = self.scheduler.waiting
         self._requests: dict[str, RequestState] = {}
@@ -124,6 +124,17 @@ class Engine:
         log = settings.metrics
         self.metrics = None if log.path is None else MetricsLog(self, path=log.path,
                                                                 every=log.every)
+
+    # The parts (a subclass builds its own: `fo_jax.engine.sharded.ShardedEngine`) ---------
+
+    def _make_kv_store(self, config: ModelConfig, settings: EngineSettings):
+        return make_kv_store(config, settings)
+
+    def _make_runner(self, params, config: ModelConfig, settings: EngineSettings, mtp):
+        return DecodeRunner(params, config, settings, self.kv, mtp=mtp)
+
+    def _make_scheduler(self, settings: EngineSettings) -> Scheduler:
+        return Scheduler(settings, self.kv)
 
     @property
     def state(self):

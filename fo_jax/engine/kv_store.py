@@ -88,17 +88,17 @@ class KVStore:
         """The seats of `mask` [B] start decoding from the rows they hold (paged: their hot rows,
         maps and policy state are built, `join_seats`; resident: nothing to build)."""
 
-    def history_bucket(self, prefilled: int) -> int:
-        """What a prefill chunk after `prefilled` tokens loads of its history (a static of its
-        program): requests of one bucket can share a prefill program. Resident: 0 for all
-        (every seat's rows are read whole)."""
+    def history_pages(self, prefilled: int) -> int:
+        """The history pages a prefill chunk after `prefilled` tokens loads per layer (a static
+        of its program: its bucket): requests of one bucket can share a prefill program.
+        Resident: 0 for all (every seat's rows are read whole)."""
         return 0
 
     def prefill(self, params, seats, tokens: np.ndarray, num_new: np.ndarray, *,
                 prefilled, hidden: bool = False):
         """One prefill chunk of each of the P seats `seats` in one program: tokens [P,
         prefill_chunk] (row i's first num_new[i] real), after their `prefilled` [P] tokens
-        (one `history_bucket`); each row over its own seat (`prefill_seats`; P = 1:
+        (one `history_pages` bucket); each row over its own seat (`prefill_seats`; P = 1:
         `prefill_seat`; the other seats are not touched). Returns (logits [P, chunk, V], the
         hidden states [P, chunk, E] with `hidden`, else None)."""
         raise NotImplementedError
@@ -186,7 +186,7 @@ class PagedKV(KVStore):
         self.step_fn = OffloadedStep(config, offload, programs.implementation or "xla",
                                      programs.interpret)
 
-    def history_bucket(self, prefilled: int) -> int:
+    def history_pages(self, prefilled: int) -> int:
         """Pages of history loaded per layer: the request's own, power-of-two bucketed (one
         program per bucket)."""
         oc = self.offload
@@ -197,7 +197,7 @@ class PagedKV(KVStore):
                 prefilled, hidden: bool = False):
         # Each row loads the pack's bucket of its own history (one bucket per pack).
         oc, st = self.offload, self.state
-        pages = max(self.history_bucket(p) for p in prefilled)
+        pages = max(self.history_pages(p) for p in prefilled)
         if len(seats) == 1:
             run, seats = seat_prefill.prefill_seat, int(seats[0])
         else:

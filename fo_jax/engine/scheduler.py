@@ -320,14 +320,14 @@ class Scheduler:
 
     def prefill_packs(self) -> list[list[RequestState]]:
         """The prefilling requests, in packs that share a prefill program (`KVStore.prefill`):
-        by history bucket (`KVStore.history_bucket`: offloaded, each request loads its own
+        by history bucket (`KVStore.history_pages`: offloaded, each request loads its own
         bucket of history, never a longer request's), each bucket's requests in seat order split
         into packs of powers of two up to `prefill_batch` (`pack_sizes`), so no row is padding
         and few programs compile. O(seats)."""
         buckets: dict[int, list[RequestState]] = {}
         for req in self.occupants:
             if req is not None and req.prefilled < len(req.prompt):
-                buckets.setdefault(self.kv.history_bucket(req.prefilled), []).append(req)
+                buckets.setdefault(self.kv.history_pages(req.prefilled), []).append(req)
         packs = []
         for group in buckets.values():
             start = 0

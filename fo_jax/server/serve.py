@@ -191,7 +191,7 @@ def warm_up(engine) -> None:
     whose history reaches further compile their prefill program on first use."""
     n = min(engine.chunk + 1, max(1, engine.capacity // 2))
     steps = engine.n_steps
-    ranks = getattr(engine, "ranks", None)  # a DataParallelEngine: every rank compiles
+    ranks = getattr(engine, "ranks", None)  # DataParallelEngine, ShardedEngine: every rank
     for temperature in (0.0, 1.0):
         rids = [engine.add_request([0] * n, max_tokens=3 * steps + 1, temperature=temperature,
                                    **({} if ranks is None else {"rank": r}))
@@ -206,7 +206,9 @@ def warm_up(engine) -> None:
 def build_engine(args, *, metrics_jsonl: str | None = None):
     """(engine, config, tokenizer, offload config or None) from the flags of
     `add_engine_arguments` (`EngineArgs.from_cli_args`), every flag checked before the weights
-    are read. `metrics_jsonl`: the --metrics-jsonl of the command (refused with --devices)."""
+    are read. `metrics_jsonl`: the --metrics-jsonl of the command (refused with --devices).
+    --devices N builds a `DataParallelEngine`, and with --expert-parallel N one `ShardedEngine`
+    over the N devices (the all-to-all layout: each holds 1/N of the experts)."""
     import jax
 
     from fo_jax.engine import Engine
@@ -228,6 +230,9 @@ def build_engine(args, *, metrics_jsonl: str | None = None):
         _check_mtp_flags(config, load, num_drafts)
     offload = engine_args.offload_config(config)
     devices = _devices(engine_args, metrics_jsonl)
+    if engine_args.expert_parallel is not None and config.n_routed_experts < 1:
+        raise ValueError(f"--expert-parallel splits the MoE experts, but {config.name!r} has "
+                         "none: drop it (--devices alone serves data-parallel)")
     check_param_memory(config, model_args.max_param_gb)
     mtp = None
     if load is not None and drafter == "mtp":
@@ -246,6 +251,15 @@ def build_engine(args, *, metrics_jsonl: str | None = None):
     if devices is None:
         return Engine(params, config, settings, tokenizer=tokenizer, mtp=mtp), config, \
             tokenizer, offload
+    if engine_args.expert_parallel is not None:  # one sharded engine over the devices
+        from fo_jax import sharding
+        from fo_jax.engine.sharded import ShardedEngine
+
+        mesh, rules = sharding.expert_mesh(len(devices), expert=engine_args.expert_parallel,
+                                           devices=devices)
+        engine = ShardedEngine(params, config, settings, mesh=mesh, rules=rules,
+                               placement=engine_args.placement, tokenizer=tokenizer)
+        return engine, config, tokenizer, offload
     from fo_jax.engine.data_parallel import DataParallelEngine
 
     engine = DataParallelEngine(params, config, devices=devices,

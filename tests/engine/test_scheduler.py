@@ -415,7 +415,7 @@ def test_prefilling_requests_are_packed_by_history_bucket_in_powers_of_two():
     assert pack_sizes(7, 6) == [4, 2, 1] and pack_sizes(3, 1) == [1, 1, 1]
     assert pack_sizes(0, 8) == []
     sched = _scheduler(seats=6, pages=48, prefill_batch=4)
-    sched.kv.history_bucket = lambda prefilled: -(-prefilled // 4)  # pages of history
+    sched.kv.history_pages = lambda prefilled: -(-prefilled // 4)  # pages of history
     reqs = [_request(sched, f"r{b}", 12) for b in range(6)]
     for b, (req, prefilled) in enumerate(zip(reqs, [0, 4, 0, 12, 0, 4])):
         _seat(sched, req, b, decoding=False)

@@ -146,10 +146,32 @@ def test_the_flags_build_the_settings():
     (["--placement", "round_robin"], "--placement chooses among data-parallel ranks"),
     (["--devices", "1", "--placement", "least_misses"],
      "--placement least_misses needs --offload"),
+    (["--expert-parallel", "2"],
+     "--expert-parallel splits the experts over --devices: add --devices"),
+    (["--devices", "4", "--expert-parallel", "2"], "--expert-parallel 2 must equal --devices 4: "
+     "the sharded engine splits the experts over every device"),
+    (["--devices", "2", "--expert-parallel", "2", "--offload", "--device-gb", "1"],
+     "--expert-parallel does not run with --device-gb yet: drop it"),
+    (["--devices", "2", "--expert-parallel", "2", "--offload", "--host-pool-gb", "1"],
+     "--expert-parallel does not run with --host-pool-gb yet: drop it"),
+    (["--devices", "2", "--expert-parallel", "2", "--offload", "--pool-memory", "device"],
+     "--expert-parallel does not run with --pool-memory device yet: drop it"),
+    (["--devices", "2", "--expert-parallel", "2", "--offload", "--placement", "least_misses"],
+     "--expert-parallel does not run with --placement least_misses yet: drop it"),
+    (["--devices", "2", "--expert-parallel", "2", "--prefix-cache"],
+     "--expert-parallel does not run with --prefix-cache yet: drop it"),
+    (["--devices", "2", "--expert-parallel", "2", "--drafter", "ngram"],
+     "--expert-parallel does not run with drafts"),
 ])
 def test_bad_flag_combinations_are_refused_before_any_model(argv, message):
     with pytest.raises(ValueError, match=message):
         _args(*argv)
+
+
+def test_expert_parallel_flags_are_kept():
+    args = _args("--devices", "2", "--expert-parallel", "2", "--offload", "--reserve", "prompt")
+    assert (args.devices, args.expert_parallel, args.offload, args.reserve) == (2, 2, True,
+                                                                                "prompt")
 
 
 def test_values_the_parser_does_not_see_are_checked_too():

@@ -1,0 +1,375 @@
+"""ShardedEngine on 4 simulated CPU devices against a single-device Engine, bit for bit.
+
+Run by tests/engine/test_sharded_engine.py in a subprocess (the rest of the suite keeps one
+device); runs alone too: `XLA_FLAGS=--xla_force_host_platform_device_count=4 PYTHONPATH=.
+python tests/engine/sharded_engine_cases.py [resident | offloaded]`. Prints one line per case
+and "ALL OK".
+
+A stream of requests (prompts of one to three prefill chunks, different max_tokens, staggered
+arrivals, three on one rank of two seats: one waits in its rank's queue) is served by one
+`ShardedEngine` over 4 ranks: "resident", in the all-to-all layout (each device 1/4 of the
+experts) and on the plain data mesh (every weight on every device); "offloaded", in the
+all-to-all layout with a host pool per rank (every page back in its pool at the end; `serve
+--offload` builds it), and with pools of 8 pages and reserve="prompt", where rank 0 preempts
+its younger request, which resumes (prefilled again, its tokens replayed). Every
+request's tokens (greedy, and two sampled with their own seeds) must equal those of the same
+request served alone by one single-device `Engine` of the same settings with the whole
+weights; every request sits only in seats of its rank; a request cancelled while it decodes
+frees its seat; the seats are free and the lengths zero at the end. "resident" also: the
+server's driver runs it; `sharded_steps.sharded_prefill_seats` is bit for bit
+`resident.prefill_seat` on each rank's KV alone; the refusals' messages.
+"""
+
+import functools
+import os
+import sys
+import time
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=4")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from fo_jax import sharding  # noqa: E402
+from fo_jax.config import get_config  # noqa: E402
+from fo_jax.engine.engine import Engine  # noqa: E402
+from fo_jax.engine.sharded import ShardedEngine  # noqa: E402
+from fo_jax.model.dsa import init_params  # noqa: E402
+from fo_jax.offload.config import OffloadConfig  # noqa: E402
+
+# tiny_moe cut to 2 layers: layer 0 dense, layer 1 MoE (8 experts, 2 per token, a shared one).
+CONFIG = get_config("tiny_moe").replace(num_layers=2, indexer_layers=(0,), max_ways=1)
+RANKS, SEATS, CAPACITY, CHUNK = 4, 2, 32, 8
+SETTINGS = dict(seats=SEATS, capacity=CAPACITY, decode_steps_per_call=2, prefill_chunk=CHUNK,
+                query_block=None, overlap=False)
+# (arrival step, prompt seed, prompt length, max_tokens, rank or None: the placement rule's).
+# Rank 0 gets three requests for its two seats (the third waits for a seat of rank 0 while
+# rank 3 has free ones).
+STREAM = [(0, 1, 20, 6, 0), (0, 2, 3, 8, 0), (0, 3, 9, 5, None), (0, 4, 2, 7, None),
+          (1, 5, 5, 2, 0), (2, 6, 12, 4, None), (3, 7, 4, 3, None)]
+# Prompt seeds of the requests that sample (temperature 0.8, top_p 0.9, their own PRNG seed);
+# the others are greedy.
+SAMPLED = (3, 6)
+T0 = time.time()
+
+
+def log(msg):
+    print(f"[{time.time() - T0:6.1f}s wall, {time.process_time():5.1f}s cpu] {msg}", flush=True)
+
+
+@functools.cache
+def _params():
+    """The whole weights on the first device (initialised in one program)."""
+    params = jax.jit(init_params, static_argnums=0)(CONFIG, jax.random.key(0))
+    return jax.device_put(params, jax.devices()[0])
+
+
+def _sampling(seed):
+    return dict(temperature=0.8, top_p=0.9, seed=seed) if seed in SAMPLED else {}
+
+
+def _prompt(seed, length):
+    return np.random.default_rng(seed).integers(0, CONFIG.vocab_size, length).tolist()
+
+
+OFFLOAD = OffloadConfig(hot_slots=16, page_size=4, capacity=CAPACITY, policy="ring")
+
+
+# Two requests on rank 0 whose pages outgrow its pool of 8 pages as they decode (reserve
+# "prompt"): the younger is preempted, its pages dropped, and it resumes (prefill + replay).
+# (The offloaded STREAM runs with pools of 8 pages too: the same programs.)
+PREEMPT_STREAM = [(0, 11, 9, 14, 0), (0, 12, 5, 14, 0), (0, 13, 3, 6, 1), (1, 14, 6, 8, 2)]
+PREEMPT = (("reserve", "prompt"), ("num_pages", 8))
+
+
+@functools.cache
+def _solo(offload=None, stream=tuple(STREAM), extra=()):
+    """Each request of `stream` alone in one single-device Engine of the same settings."""
+    out = []
+    engine = Engine(_params(), CONFIG, offload=offload, **SETTINGS, **dict(extra))
+    for _, seed, length, max_tokens, _ in stream:
+        rid = engine.add_request(_prompt(seed, length), max_tokens=max_tokens,
+                                 **_sampling(seed))
+        out.append(engine.run()[rid].token_ids)
+        engine.release(rid)
+    return out
+
+
+def check_experts(engine, *, split: bool) -> None:
+    """Each device holds 1/R of the routed experts (split) or all of them, read from the
+    arrays' shards; the router and the shared expert whole on every device."""
+    whole = _params()["moe"]
+    for name in ("w1", "w2", "w3"):
+        placed = engine.params["moe"][name]
+        shards = placed.addressable_shards
+        assert len(shards) == RANKS, len(shards)
+        for shard in shards:
+            want = whole[name].shape[1] // (RANKS if split else 1)
+            assert shard.data.shape[1] == want, (name, shard.data.shape)
+            np.testing.assert_array_equal(np.asarray(shard.data),
+                                          np.asarray(whole[name])[:, shard.index[1]])
+        assert sum(s.data.nbytes for s in shards) == whole[name].nbytes * (1 if split
+                                                                            else RANKS)
+    for name in ("gate", "shared_w1"):
+        for shard in engine.params["moe"][name].addressable_shards:
+            assert shard.data.shape == whole[name].shape, name
+
+
+def stream_case(mesh, rules, *, split: bool, what: str, offload=None, stream=tuple(STREAM),
+                extra=()):
+    engine = ShardedEngine(_params(), CONFIG, mesh=mesh, rules=rules, placement="round_robin",
+                           offload=offload, **SETTINGS, **dict(extra))
+    assert engine.seats == RANKS * SEATS and engine.ranks == RANKS
+    check_experts(engine, split=split)
+    if offload is None:
+        kv = engine.state.kv
+        assert kv.sharding.spec[1] == "data" and kv.addressable_shards[0].data.shape[1] == SEATS
+    else:  # one host pool shard per rank, in its device's pinned_host memory
+        pool = engine.state.host.kv
+        assert pool.sharding.memory_kind == "pinned_host", pool.sharding
+        assert pool.sharding.spec[1] == "data" and len(engine.kv.pools) == RANKS
+        frames = engine.kv.pools[0].num_pages
+        assert {s.data.shape[1] for s in pool.addressable_shards} == {frames}
+    ids, step, waited = {}, 0, False
+    while len(ids) < len(stream) or engine.has_unfinished():
+        for i, (arrival, seed, length, max_tokens, rank) in enumerate(stream):
+            if arrival == step:
+                ids[i] = engine.add_request(_prompt(seed, length), max_tokens=max_tokens,
+                                            rank=rank, **_sampling(seed))
+        if step == 1:  # a long request, cancelled two steps later while it decodes
+            cancelled = engine.add_request(_prompt(8, 4), max_tokens=20, rank=3)
+        if step == 3:
+            assert cancelled in engine.seat_request_ids() and engine.cancel(cancelled)
+            assert cancelled not in engine.seat_request_ids()
+        engine.step()
+        for b, rid in enumerate(engine.seat_request_ids()):
+            if rid is not None:
+                assert b // SEATS == engine.rank_of(rid), (b, rid, engine.rank_of(rid))
+        waiting = set(engine.waiting_ids())
+        waited |= any(engine.rank_of(r) == 0 for r in waiting) and engine.num_running() < 8
+        step += 1
+        assert step < 100, "the stream did not finish"
+    placed = [engine.rank_of(ids[i]) for i in range(len(stream))]
+    for i, (*_, rank) in enumerate(stream):
+        assert rank is None or placed[i] == rank, (i, placed)
+    if stream == tuple(STREAM):
+        assert waited, "no request waited for a seat of its rank while others had free seats"
+        assert len(set(placed)) == RANKS, placed  # every rank served some
+    solo = _solo(offload, stream, extra)
+    outs = engine.run()
+    for i in range(len(stream)):
+        got = outs[ids[i]].token_ids
+        assert got == solo[i], (what, i, placed[i], got, solo[i])
+        assert len(got) == stream[i][3], (i, got)
+    assert engine.num_running() == 0 and not engine.num_waiting()
+    assert all(r is None for r in engine.seat_request_ids())
+    assert not np.asarray(engine.state.lengths).any(), np.asarray(engine.state.lengths)
+    assert engine.counters["requests_finished"] == len(stream)
+    assert engine.counters["requests_cancelled"] == 1
+    if offload is not None:  # every page back in its rank's pool
+        assert [p["held"] for p in engine.rank_pool_occupancy()] == [0] * RANKS
+        assert engine.stats is not None
+    assert 0 < len(outs[cancelled].token_ids) < 20, outs[cancelled].token_ids
+    for rid in list(ids.values()) + [cancelled]:
+        engine.release(rid)
+    raises(lambda: engine.rank_of(cancelled), f"no request {cancelled!r}", KeyError)
+    log(f"{what}: {len(stream)} requests on ranks {placed}, {step} steps, "
+        f"{engine.counters['prefill_calls']} prefill programs, "
+        f"{engine.counters['preemptions']} preemptions, "
+        f"{engine.counters['decode_calls']} decode calls: tokens bitwise their solo runs")
+    return engine
+
+
+def driver_case(engine) -> None:
+    """The HTTP server's EngineDriver runs a ShardedEngine as it runs an Engine: requests are
+    served over the ranks and released (the engine's programs are compiled already)."""
+    import asyncio
+
+    from fo_jax.server.driver import Accepted, EngineDriver
+
+    driver = EngineDriver(engine, max_queue=8, stats_every=1)
+    driver.start()
+
+    async def drain(handle):
+        items = []
+        while not getattr(items[-1] if items else None, "finished", False):
+            items.append(await asyncio.wait_for(handle.queue.get(), 60))
+        return items
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        handles = [driver.submit([1 + i, 2, 3], loop=loop, max_tokens=3) for i in range(5)]
+        return await asyncio.gather(*(drain(h) for h in handles))
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        assert driver.stop(timeout=30)
+    assert all(isinstance(items[0], Accepted) for items in got)
+    assert [items[-1].finish_reason for items in got] == ["length"] * 5
+    assert [len(items[-1].token_ids) for items in got] == [3] * 5
+    assert not engine.has_unfinished() and not engine.requests()  # released by the driver
+    log("the server's EngineDriver over the sharded engine: 5 requests served and released")
+
+
+def prefill_seats_case(mesh, rules) -> None:
+    """`sharded_steps.sharded_prefill_seats` against `resident.prefill_seat` on each rank's KV
+    alone (the whole weights): two rounds, a rank writing nothing in each, the second over
+    history; logits and every rank's KV, lengths and untouched seats bit for bit (unwritten
+    rows NaN). The engine's shapes: its programs are compiled already."""
+    from fo_jax import resident, sharded_steps
+
+    rng = np.random.default_rng(5)
+    state = resident.ResidentState.create(CONFIG, batch=RANKS * SEATS, capacity=CAPACITY,
+                                          fill=float("nan"))
+    refs = [resident.ResidentState.create(CONFIG, batch=SEATS, capacity=CAPACITY,
+                                          fill=float("nan")) for _ in range(RANKS)]
+    refs = [jax.device_put(r, jax.devices()[0]) for r in refs]
+    state = sharding.shard_state(state, mesh, rules)
+    placed = sharding.shard_params(_params(), mesh, rules)
+    for round_, idle in enumerate((2, 0)):
+        seats = rng.integers(0, SEATS, RANKS).astype(np.int32) if round_ else \
+            np.arange(RANKS, dtype=np.int32) % SEATS
+        tokens = rng.integers(0, CONFIG.vocab_size, (RANKS, CHUNK)).astype(np.int32)
+        num_new = rng.integers(1, CHUNK + 1, RANKS).astype(np.int32)
+        num_new[idle] = 0
+        logits, state = sharded_steps.sharded_prefill_seats(
+            placed, state, seats, tokens, num_new, mesh=mesh, config=CONFIG,
+            query_block=None, rules=rules)
+        for r in range(RANKS):
+            want, refs[r] = resident.prefill_seat(_params(), refs[r], int(seats[r]),
+                                                  tokens[r:r + 1], num_new[r:r + 1],
+                                                  config=CONFIG, query_block=None)
+            n = int(num_new[r])
+            np.testing.assert_array_equal(np.asarray(logits)[r, :n], np.asarray(want)[0, :n])
+    whole = jax.tree.map(np.asarray, state)
+    for r in range(RANKS):
+        rows = slice(r * SEATS, (r + 1) * SEATS)
+        np.testing.assert_array_equal(whole.kv[:, rows], np.asarray(refs[r].kv))
+        np.testing.assert_array_equal(whole.index_keys[:, rows], np.asarray(refs[r].index_keys))
+        np.testing.assert_array_equal(whole.lengths[rows], np.asarray(refs[r].lengths))
+    raises(lambda: sharded_steps.sharded_prefill_seats(
+        placed, state, np.zeros(RANKS, np.int32), np.zeros((RANKS, CHUNK), np.int32),
+        np.asarray([0, 0, CHUNK + 1, 0]), mesh=mesh, config=CONFIG, rules=rules),
+        f"num_new must be [D = {RANKS}] ints in [0, {CHUNK}], got [0, 0, {CHUNK + 1}, 0]")
+    raises(lambda: sharded_steps.sharded_prefill_seats(
+        placed, state, np.asarray([0, SEATS, 0, 0]), np.zeros((RANKS, CHUNK), np.int32),
+        np.zeros(RANKS, np.int32), mesh=mesh, config=CONFIG, rules=rules),
+        f"seats must be [D = {RANKS}] ints in [0, {SEATS - 1}], got [0, {SEATS}, 0, 0]")
+    log("sharded_prefill_seats: 2 rounds, each rank bitwise its one-device prefill_seat")
+
+
+def raises(fn, message, kind=ValueError):
+    try:
+        fn()
+    except kind as err:
+        assert message in str(err), (str(err), message)
+        return
+    raise AssertionError(f"no {kind.__name__}: {message}")
+
+
+def error_cases() -> None:
+    mesh = sharding.make_mesh(RANKS)
+    make = functools.partial(ShardedEngine, _params(), CONFIG, mesh=mesh)
+    raises(lambda: make(**dict(SETTINGS, offload=OFFLOAD, device_bytes=10**9)),
+           "the sharded engine does not run device_bytes yet", NotImplementedError)
+    raises(lambda: make(**dict(SETTINGS, prefix_cache=True)),
+           "the sharded engine does not run prefix_cache yet", NotImplementedError)
+    raises(lambda: make(placement="least_misses", **SETTINGS),
+           "placement='least_misses': the sharded engine places by one of ('round_robin', "
+           "'least_requests', 'least_context')")
+    raises(lambda: ShardedEngine(_params(), CONFIG, mesh=sharding.make_mesh(RANKS, expert=2),
+                                 **SETTINGS),
+           "the sharded engine runs a mesh of data ranks only (make_mesh(R), or "
+           "expert_mesh(R, expert=R): the experts split over the data ranks), got mesh axes "
+           "{'data': 2, 'model': 1, 'expert': 2}", NotImplementedError)
+    engine = make(**SETTINGS)
+    raises(lambda: engine.add_request([1, 2], rank=RANKS),
+           f"rank={RANKS} must be an int in [0, R = {RANKS}) or None")
+    raises(lambda: engine.add_request([1, 2], logprobs=2),
+           "logprobs are not computed by the sharded engine yet")
+    assert not engine.has_unfinished()
+    log("refusals ok")
+
+
+def serve_case() -> None:
+    """`fo-jax serve --model tiny_moe --devices 4 --expert-parallel 4` builds one ShardedEngine
+    over the 4 devices, 1/4 of the experts on each (nothing runs); a model without experts is
+    refused before its weights are read."""
+    import argparse
+
+    from fo_jax.server.serve import add_arguments, build_engine
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flags = ["--devices", "4", "--expert-parallel", "4", "--seats", "2", "--capacity", "32",
+             "--prefill-chunk", "8"]
+    engine = build_engine(parser.parse_args(["--model", "tiny_moe", *flags]))[0]
+    assert isinstance(engine, ShardedEngine), type(engine)
+    assert (engine.ranks, engine.seats, engine.placement) == (4, 8, "least_context")
+    assert engine.rules == sharding.ALL_TO_ALL_RULES
+    for name in ("w1", "w2", "w3"):
+        w = engine.params["moe"][name]
+        assert {s.data.shape[1] for s in w.addressable_shards} == {w.shape[1] // RANKS}, name
+        assert len({s.device for s in w.addressable_shards}) == RANKS
+    raises(lambda: build_engine(parser.parse_args(["--model", "tiny", *flags])),
+           "--expert-parallel splits the MoE experts, but 'tiny' has none: drop it (--devices "
+           "alone serves data-parallel)")
+    log("serve --devices 4 --expert-parallel 4: one ShardedEngine, 1/4 of the experts per "
+        "device; a dense model refused")
+
+
+def resident_cases():
+    error_cases()
+    serve_case()
+    mesh, rules = sharding.expert_mesh(RANKS, expert=RANKS)
+    stream_case(mesh, rules, split=True, what="all-to-all layout (experts split)")
+    prefill_seats_case(mesh, rules)
+    engine = stream_case(sharding.make_mesh(RANKS), None, split=False,
+                         what="data mesh (replicated)")
+    driver_case(engine)
+
+
+def serve_offloaded_case() -> None:
+    """`fo-jax serve --devices 4 --expert-parallel 4 --offload` builds one ShardedEngine with a
+    host pool per rank (nothing runs)."""
+    import argparse
+
+    from fo_jax.server.serve import add_arguments, build_engine
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    engine = build_engine(parser.parse_args([
+        "--model", "tiny_moe", "--devices", "4", "--expert-parallel", "4", "--offload",
+        "--page-size", "4", "--seats", "2", "--capacity", "32", "--prefill-chunk", "8"]))[0]
+    assert isinstance(engine, ShardedEngine) and engine.kv.paged, type(engine.kv)
+    assert engine.rank_pool_occupancy() == [{"free": 16, "held": 0, "cached": 0,
+                                             "total": 16}] * RANKS
+    assert engine.state.host.kv.sharding.memory_kind == "pinned_host"
+    log("serve --devices 4 --expert-parallel 4 --offload: a host pool of 16 pages per rank")
+
+
+def offloaded_cases():
+    serve_offloaded_case()
+    mesh, rules = sharding.expert_mesh(RANKS, expert=RANKS)
+    stream_case(mesh, rules, split=True, offload=OFFLOAD, extra=(("num_pages", 8),),
+                what="all-to-all layout, offloaded (a host pool of 8 pages per rank)")
+    engine = stream_case(mesh, rules, split=True, offload=OFFLOAD, stream=tuple(PREEMPT_STREAM),
+                         extra=PREEMPT, what="offloaded, reserve='prompt', 8 pages per rank")
+    assert engine.counters["preemptions"] >= 1 and engine.counters["replayed_tokens"] >= 1
+
+
+SUITES = {"resident": resident_cases, "offloaded": offloaded_cases}
+
+
+def main(argv):
+    assert len(jax.devices()) == RANKS, jax.devices()
+    for name in argv[1:] or list(SUITES):
+        SUITES[name]()
+    log("ALL OK")
+
+
+if __name__ == "__main__":
+    main(sys.argv)
