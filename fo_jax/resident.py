@@ -9,7 +9,9 @@ the same logits bit for bit.
 
 `prefill` appends a chunk (history + new chunk: chunked prefill is repeated calls); requests are
 ragged (`num_new[b]` real tokens in row b, the rest padding). `prefill_seat(params, state, b,
-tokens[1, T], num_new[1], ...)` appends a chunk to request b alone, its work independent of B.
+tokens[1, T], num_new[1], ...)` appends a chunk to request b alone, its work independent of B;
+`prefill_seats(params, state, seats[P], tokens[P, T], num_new[P], ...)` to the P requests of
+`seats` in one program (a pack), each row as `prefill_seat` would compute it alone.
 `decode_step` appends W tokens per request (the current token plus W - 1 drafts, each query
 with its own top-k). All are jitted
 with the state donated; the public wrappers validate shapes and values first and raise before
@@ -160,7 +162,7 @@ def _forward(params, state: ResidentState, tokens, num_new, *, config, dense,
     """The resident forward over T new tokens per request, pure (jitted as `forward_jit`, the
     state donated): (logits, new state[, hidden]). `prefill` and `decode_step` validate their
     arguments, then run it; the data-parallel steps (`fo_jax.sharded_steps`) run it per rank;
-    `prefill_seat` runs it over one seat's rows."""
+    `prefill_seat` runs it over one seat's rows, `prefill_seats` over a pack of seats' rows."""
     num_t = tokens.shape[1]
     # Never past capacity, checked or not: tokens beyond the room left are padding (their KV is
     # dropped, their logits unspecified) and lengths stop at capacity.
@@ -197,6 +199,30 @@ def _seat_jit(params, state: ResidentState, seat, tokens, num_new, **static):
         index_keys=jax.lax.dynamic_update_slice_in_dim(state.index_keys, view.index_keys,
                                                        seat, axis=1),
         lengths=jax.lax.dynamic_update_slice_in_dim(state.lengths, view.lengths, seat, axis=0))
+    return (logits, new_state, *hidden)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
+def _seats_jit(params, state: ResidentState, seats, tokens, num_new, **static):
+    """`_forward` of the P seats `seats` [P] alone: their rows [L, P, S, D+R] gathered, the
+    [P, T] chunk run over them, scattered back in place. The seats are traced: one program per
+    P. A seat out of [0, B) reads a clamped seat's rows and writes nothing: its count is 0 (no
+    row written) and the scatters drop it."""
+    num_b = state.batch
+    inside = (seats >= 0) & (seats < num_b)
+    num_new = jnp.where(inside, num_new, 0)
+    where = jnp.where(inside, seats, num_b)  # out of range: dropped by every scatter
+
+    def take(x, axis):
+        return jnp.take(x, seats, axis=axis, mode="clip")
+
+    view = ResidentState(kv=take(state.kv, 1), index_keys=take(state.index_keys, 1),
+                         lengths=take(state.lengths, 0))
+    logits, view, *hidden = _forward(params, view, tokens, num_new, **static)
+    new_state = ResidentState(
+        kv=state.kv.at[:, where].set(view.kv, mode="drop"),
+        index_keys=state.index_keys.at[:, where].set(view.index_keys, mode="drop"),
+        lengths=state.lengths.at[where].set(view.lengths, mode="drop"))
     return (logits, new_state, *hidden)
 
 
@@ -262,6 +288,71 @@ def prefill_seat(params, state: ResidentState, seat, tokens, num_new=None, *,
         query_block=query_block)
     return _seat_jit(params, state, seat, tokens, num_new, **static,
                      return_hidden=bool(return_hidden))
+
+
+def prefill_seats(params, state: ResidentState, seats, tokens, num_new=None, *,
+                  config: ModelConfig, dense: bool = False, check: bool = True,
+                  query_block: int | None = QUERY_BLOCK, return_hidden: bool = False):
+    """Append a chunk of T tokens to each of P requests of the batch, those in `seats`, in one
+    program (a pack); return logits [P, T, V] and the new state (with `return_hidden`: and
+    their hidden states [P, T, E]).
+
+    Row i is computed over seat seats[i]'s own rows and length and written back to that seat
+    only; the other seats are left as they are, and the work grows with P, not with the batch.
+    Each row's logits, hidden states, KV rows, indexer keys and length are bit for bit those
+    of `prefill_seat` running that request alone, as long as the program's matmuls compute
+    each row independently of the others: the pack makes their M (P T tokens) depend on P.
+    XLA:CPU does (tests/test_resident.py checks it); on an accelerator it is a property to
+    check, which is why the engine's `prefill_batch=1` runs one request per program.
+
+    Args:
+      seats: [P] distinct ints in [0, B), or a traced int32 [P] array (one compiled program per
+        P, whichever seats; a traced seat out of range reads a clamped seat and writes
+        nothing, so a padding row can never touch a seat).
+      tokens: [P, T] int token ids (row i's first num_new[i] real, the rest padding).
+      num_new: [P] ints, default T.
+      dense, check, query_block: as `prefill` (the checks read the seats' lengths).
+    The state is donated: use the returned one.
+    """
+    check_live(state, "prefill_seats")
+    seats = check_seats(seats, state.batch)
+    num_p = seats.shape[0]
+    view = ResidentState(
+        kv=jax.ShapeDtypeStruct((state.kv.shape[0], num_p) + state.kv.shape[2:],
+                                state.kv.dtype),
+        index_keys=jax.ShapeDtypeStruct(
+            (state.index_keys.shape[0], num_p) + state.index_keys.shape[2:],
+            state.index_keys.dtype),
+        lengths=jnp.take(state.lengths, seats) if check else
+        jax.ShapeDtypeStruct((num_p,), state.lengths.dtype))
+    (params, _, tokens, num_new), static = _prefill_arguments(
+        params, view, tokens, num_new, config=config, dense=dense, check=check,
+        query_block=query_block)
+    return _seats_jit(params, state, seats, tokens, num_new, **static,
+                      return_hidden=bool(return_hidden))
+
+
+def check_seats(seats, batch: int):
+    """`seats` as an int32 [P] array (P >= 1); concrete ones must be distinct ints in
+    [0, batch) (ValueError): each row of a pack writes its own seat."""
+    if isinstance(seats, jax.Array) and not is_concrete(seats):
+        if seats.ndim != 1 or seats.shape[0] < 1 or not jnp.issubdtype(seats.dtype,
+                                                                        jnp.integer):
+            raise ValueError(f"seats must be a [P] integer array (P >= 1), got "
+                             f"{seats.dtype}{list(seats.shape)}")
+        return seats.astype(jnp.int32)
+    value = np.asarray(seats)
+    if value.ndim != 1 or value.size < 1 or not np.issubdtype(value.dtype, np.integer):
+        raise ValueError(f"seats={seats!r} must be a non-empty list of ints (one seat per row "
+                         "of tokens)")
+    outside = value[(value < 0) | (value >= batch)]
+    if outside.size:
+        raise ValueError(f"seats={value.tolist()} holds {int(outside[0])}: every seat must be "
+                         f"an int in [0, {batch}) (a seat of the batch)")
+    if np.unique(value).size != value.size:
+        raise ValueError(f"seats={value.tolist()} names a seat twice: each row of a pack "
+                         "writes its own seat")
+    return jnp.asarray(value.astype(np.int32))
 
 
 def check_seat(seat, batch: int):

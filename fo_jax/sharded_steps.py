@@ -49,6 +49,7 @@ from fo_jax.model.kv_format import kv_fill
 from fo_jax.model.moe import AllToAllExperts
 from fo_jax.offload import decode as offload_decode
 from fo_jax.offload import prefill as offload_prefill
+from fo_jax.offload import seat_prefill
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.offload.state import DecodeState, read_back
 from fo_jax.sampling import check_keys
@@ -472,13 +473,13 @@ def sharded_prefill(params, state, tokens, num_new=None, *, mesh: Mesh, config: 
 def _seat_prefill_program(mesh: Mesh, paged: bool, statics: tuple, rules_key):
     """jit(shard_map) of one prefill chunk per rank, for (params, state, seat [D], tokens
     [D, T], num_new [D]): rank r runs the single-device seat prefill
-    (`fo_jax.resident.prefill_seat`, or paged `fo_jax.offload.prefill.prefill_seat`: its pure
-    program, the [1, T] chunk run over its seat's rows or pages alone) on its own shard with
+    (`fo_jax.resident.prefill_seat`, or paged `fo_jax.offload.seat_prefill.prefill_seat`: its
+    pure program, the [1, T] chunk run over its seat's rows or pages alone) on its own shard with
     seat[r] (a rank-local seat), tokens[r] and num_new[r]; the state is donated and keeps its
     shardings."""
     rules = dict(rules_key) if rules_key is not None else None
     kwargs = dict(statics)
-    prefill_seat = offload_prefill.prefill_seat if paged else resident.prefill_seat
+    prefill_seat = seat_prefill.prefill_seat if paged else resident.prefill_seat
 
     def body(params, state, seat, tokens, num_new):
         return prefill_seat(_dispatching(params, mesh, rules), state, seat[0], tokens, num_new,
@@ -506,7 +507,7 @@ def sharded_prefill_seats(params, state, seats, tokens, num_new, *, mesh: Mesh,
     the first num_new[r] of tokens[r] to its seat seats[r] (rank-local: global seat r B/D +
     seats[r]) by the single-device seat prefill on its own shard (shard_map over `data`):
     `fo_jax.resident.prefill_seat` of a ResidentState, or, paged,
-    `fo_jax.offload.prefill.prefill_seat` of a PrefillState over the rank's own pool shard
+    `fo_jax.offload.seat_prefill.prefill_seat` of a PrefillState over the rank's own pool shard
     (`history_pages`, required: one static size for every rank; `num_buffers`, `host_access`
     as there). A rank with num_new[r] = 0 writes nothing; its row still runs (under
     `ALL_TO_ALL_RULES` every rank takes part in every MoE layer's all-to-alls).

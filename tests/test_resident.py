@@ -277,3 +277,79 @@ def test_bad_prefill_seat_inputs_raise_before_state_changes(params, seat, tokens
     with pytest.raises(ValueError, match=message):
         resident.prefill_seat(params, st, seat, tokens, config=CONFIG)
     chex.assert_trees_all_equal(jax.tree_util.tree_map(np.asarray, st), before)
+
+
+# A pack of seats in one program -------------------------------------------------------------
+
+
+def test_prefill_seats_rows_are_each_request_alone_and_leave_the_other_seats(params):
+    # Packs of requests with distinct histories (0, 3, 5, 8 tokens before the chunk), ragged
+    # counts (a row of 0 included) and in any seat order: every row's logits, hidden states,
+    # KV rows, indexer keys and length equal, bit for bit, the same request's `prefill_seat`
+    # run alone (on a state of its own), whose results the engine had with one program per
+    # request; the seats of no pack are never written (still NaN) nor grown. The pack makes the
+    # matmuls' M depend on P: this equality holds where they compute rows independently (true
+    # of XLA:CPU; on an accelerator a property to check, the engine's prefill_batch=1).
+    batch, capacity = 5, 32
+    toks = _tokens(21, (batch, 24))
+    packs = [([3, 0, 1], [8, 3, 5]),          # P = 3 over empty histories
+             ([0, 4, 1, 3], [8, 8, 2, 0]),    # P = 4: histories 3, 0, 5, 8 (a row of 0)
+             ([4], [6])]                      # P = 1: the `prefill_seat` case
+    st = _state(batch, capacity)
+    alone = _state(batch, capacity)
+    done = np.zeros(batch, np.int64)
+    for seats, counts in packs:
+        chunk = np.zeros((len(seats), 8), np.int32)
+        for i, (b, n) in enumerate(zip(seats, counts)):
+            chunk[i, :n] = toks[b, done[b]:done[b] + n]
+        before = jax.device_get(st)
+        logits, st, hidden = resident.prefill_seats(params, st, seats, chunk, counts,
+                                                    config=CONFIG, return_hidden=True)
+        for i, (b, n) in enumerate(zip(seats, counts)):
+            if not n:
+                continue
+            want, alone, want_hidden = resident.prefill_seat(
+                params, alone, b, chunk[i:i + 1], [n], config=CONFIG, return_hidden=True)
+            chex.assert_trees_all_equal(np.asarray(logits)[i, :n], np.asarray(want)[0, :n])
+            chex.assert_trees_all_equal(np.asarray(hidden)[i, :n],
+                                        np.asarray(want_hidden)[0, :n])
+            done[b] += n
+        after, ref = jax.device_get(st), jax.device_get(alone)
+        chex.assert_trees_all_equal(after.kv, ref.kv)
+        chex.assert_trees_all_equal(after.index_keys, ref.index_keys)
+        chex.assert_trees_all_equal(after.lengths, ref.lengths)
+        others = ~np.isin(np.arange(batch), seats)  # every seat of no pack exactly as before
+        chex.assert_trees_all_equal(after.kv[:, others], before.kv[:, others])
+        chex.assert_trees_all_equal(after.index_keys[:, others], before.index_keys[:, others])
+        chex.assert_trees_all_equal(after.lengths[others], before.lengths[others])
+    np.testing.assert_array_equal(st.lengths, [11, 7, 0, 8, 14])
+    assert np.isnan(np.asarray(st.kv[:, 2], np.float32)).all()
+
+
+def test_prefill_seats_padding_row_writes_nothing(params):
+    # A traced seat out of range (a padding row) computes over a clamped seat's rows but writes
+    # nothing: its count is 0 and every scatter drops it; the real row is its `prefill_seat`.
+    st, alone = _state(3, 32), _state(3, 32)
+    chunk = jnp.asarray(_tokens(22, (2, 4)))
+    logits, st = resident._seats_jit(params, st, jnp.asarray([1, 3], jnp.int32), chunk,
+                                     jnp.asarray([4, 4], jnp.int32), config=CONFIG,
+                                     dense=False, query_block=resident.QUERY_BLOCK)
+    want, alone = resident.prefill_seat(params, alone, 1, chunk[:1], config=CONFIG)
+    chex.assert_trees_all_equal(np.asarray(logits)[0], np.asarray(want)[0])
+    chex.assert_trees_all_equal(jax.device_get(st), jax.device_get(alone))
+
+
+@pytest.mark.parametrize("seats,tokens,message", [
+    ([0, 3], np.zeros((2, 4), np.int32), r"seats=\[0, 3\] holds 3: every seat must be an int "
+                                         r"in \[0, 3\)"),
+    ([2, 2], np.zeros((2, 4), np.int32), r"seats=\[2, 2\] names a seat twice"),
+    ([], np.zeros((0, 4), np.int32), r"seats=\[\] must be a non-empty list of ints"),
+    ([0.0], np.zeros((1, 4), np.int32), r"seats=\[0.0\] must be a non-empty list of ints"),
+    ([0, 1], np.zeros((3, 4), np.int32), r"tokens have batch 3 but the state holds 2 requests"),
+])
+def test_bad_prefill_seats_inputs_raise_before_state_changes(params, seats, tokens, message):
+    st = _state(3, 32)
+    before = jax.tree_util.tree_map(np.asarray, st)
+    with pytest.raises(ValueError, match=message):
+        resident.prefill_seats(params, st, seats, tokens, config=CONFIG)
+    chex.assert_trees_all_equal(jax.tree_util.tree_map(np.asarray, st), before)

@@ -23,8 +23,8 @@ import dataclasses
 
 from fo_jax import flags
 from fo_jax.config import ModelConfig
-from fo_jax.engine.settings import (CacheSettings, EngineSettings, SchedulerSettings,
-                                    SpeculativeSettings)
+from fo_jax.engine.settings import (DEFAULT_PREFILL_BATCH, CacheSettings, EngineSettings,
+                                    SchedulerSettings, SpeculativeSettings)
 from fo_jax.flags import ModelArgs, add_drafting_args, drafting
 from fo_jax.offload.config import MEMORY_KINDS, OffloadConfig, check_hot_slots, min_hot_slots
 
@@ -61,6 +61,7 @@ class EngineArgs:
     num_drafts: int | None = None
     drafter: str | None = None
     prefill_chunk: int = 256
+    prefill_batch: int = DEFAULT_PREFILL_BATCH
     devices: int | None = None
     expert_parallel: int | None = None
     placement: str | None = None
@@ -124,6 +125,11 @@ class EngineArgs:
                                  "side by side already)")
         add_drafting_args(parser)  # --drafter, --num-drafts: as `fo-jax generate`
         parser.add_argument("--prefill-chunk", type=int, default=256)
+        parser.add_argument("--prefill-batch", type=int, default=DEFAULT_PREFILL_BATCH,
+                            help="the most prefilling requests one prefill program runs, each "
+                                 "over its own seat and history (1: one program per request; "
+                                 "the same tokens either way where the matmuls compute rows "
+                                 "independently, as on CPU)")
         parser.add_argument("--devices", type=int, default=None,
                             help="serve data-parallel on this many local devices: one engine "
                                  "per device (--seats and the host pool per device), each "
@@ -151,7 +157,8 @@ class EngineArgs:
                       if f.name != "model_args"})
 
     def __post_init__(self):
-        for flag in ("seats", "decode_steps_per_call", "prefill_chunk", "page_size"):
+        for flag in ("seats", "decode_steps_per_call", "prefill_chunk", "prefill_batch",
+                     "page_size"):
             value = getattr(self, flag)
             if value < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
@@ -250,7 +257,8 @@ class EngineArgs:
         scheduler = SchedulerSettings(
             order=self.queue_order, reserve=self.reserve, device_bytes=gb(self.device_gb),
             max_wait_steps=None if self.max_wait_steps == -1 else self.max_wait_steps,
-            prefill_chunk=self.prefill_chunk, decode_steps_per_call=self.decode_steps_per_call,
+            prefill_chunk=self.prefill_chunk, prefill_batch=self.prefill_batch,
+            decode_steps_per_call=self.decode_steps_per_call,
             overlap=self.overlap)
         drafter, num_drafts = self.drafting(config)
         return EngineSettings(cache=cache, scheduler=scheduler, speculative=SpeculativeSettings(

@@ -12,9 +12,11 @@ engine whose steps are slower sees more requests waiting. In a closed loop (`con
 arrival times are ignored: before every step the engine holds that many unfinished requests
 (while any are left), each one that finished replaced by the next, until all are done (with
 concurrency >= seats, every seat is busy while requests remain: the engine at saturation).
-Figures are of the timed run only: every program is compiled first by an untimed request as
-long as the longest prompt (one per rank of a `DataParallelEngine`, whose imbalance figures
-are added).
+Figures are of the timed run only: every program of one request is compiled first by an
+untimed request as long as the longest prompt (one per rank of a `DataParallelEngine`, whose
+imbalance figures are added); the prefill programs of packs of several requests
+(`SchedulerSettings.prefill_batch`) compile on their first use in the timed run
+(`prefill_batch=1`, `--prefill-batch 1`, has none).
 """
 
 from __future__ import annotations

@@ -401,13 +401,16 @@ class Engine:
             self.scheduler.drop_kept(req)
 
     def _prefill(self, moved) -> None:
-        """One prefill chunk of each prefilling request, one [1, prefill_chunk] program each
-        over its own seat and history (`KVStore.prefill`): the work grows with the requests
-        prefilling, not with the seats, and a request's programs have the same shapes
-        whoever else prefills (so its KV and logits are those of its solo run, bit for bit).
-        Then the prefix cache stores what the chunk completed, the completed prompts join
-        (`_join`) and, with MTP drafts, the chunk's pairs feed their MTP state."""
-        requests = [r for r in self._occupant if r is not None and r.prefilled < len(r.prompt)]
+        """One prefill chunk of each prefilling request, packed: up to `prefill_batch`
+        requests of one history bucket per [P, prefill_chunk] program, each row over its own
+        seat and history (`Scheduler.prefill_packs`, `KVStore.prefill`): the work grows with
+        the requests prefilling, not with the seats, and each row is computed from its own
+        request alone (so its KV and logits are those of its solo run, bit for bit, given
+        row-independent matmuls: `SchedulerSettings.prefill_batch`). Then the prefix cache
+        stores what the chunk completed, the completed prompts join (`_join`) and, with MTP
+        drafts, the chunk's pairs feed their MTP state."""
+        packs = self.scheduler.prefill_packs()
+        requests = sorted((r for pack in packs for r in pack), key=lambda r: r.seat)
         if not requests:
             return
         chunk, want_hidden = self.chunk, self.runner.mtp_seats is not None
@@ -419,21 +422,25 @@ class Engine:
         before, last, hidden = {}, {}, {}
         start = time.perf_counter()
         work = self.runner.clock.begin(start)
-        for req in requests:
-            part = req.prompt[req.prefilled:req.prefilled + chunk]
-            tokens = np.zeros((1, chunk), np.int32)
-            tokens[0, :len(part)] = part
-            before[req.request_id] = (req.prefilled, len(part))
-            logits, hidden[req.seat] = self.kv.prefill(
-                self.params, req.seat, tokens, np.asarray([len(part)], np.int32),
-                prefilled=req.prefilled, hidden=want_hidden)
-            if req.prefilled + len(part) == len(req.prompt):
-                last[req.seat] = logits[0, len(part) - 1]
+        for pack in packs:
+            tokens = np.zeros((len(pack), chunk), np.int32)
+            for i, req in enumerate(pack):
+                part = req.prompt[req.prefilled:req.prefilled + chunk]
+                tokens[i, :len(part)] = part
+                before[req.request_id] = (req.prefilled, len(part))
+            counts = np.asarray([before[r.request_id][1] for r in pack], np.int32)
+            logits, h = self.kv.prefill(self.params, [r.seat for r in pack], tokens, counts,
+                                        prefilled=[r.prefilled for r in pack],
+                                        hidden=want_hidden)
+            for i, (req, n) in enumerate(zip(pack, counts)):
+                hidden[req.seat] = None if h is None else h[i:i + 1]
+                if req.prefilled + n == len(req.prompt):
+                    last[req.seat] = logits[i, n - 1]
         jax.block_until_ready(logits)  # the last program of a chain through the state
         ready = time.perf_counter()
         self.timings["prefill_s"] += ready - start
         self.runner.clock.end(work, ready, self.timings)
-        self.counters["prefill_calls"] += len(requests)
+        self.counters["prefill_calls"] += len(packs)
         self.counters["prefill_tokens"] += sum(n for _, n in before.values())
         for req in requests:
             req.prefilled += before[req.request_id][1]

@@ -4,7 +4,7 @@
     kv = make_kv_store(config, settings)            # ResidentKV or PagedKV
     hit = kv.prefix.match(prompt)                   # prefix reuse (`fo_jax.engine.prefix`)
     kv.set_seats({b: (length, row)})                # a request starts in seat b
-    logits, hidden = kv.prefill(params, b, tokens, num_new, prefilled=p)   # one chunk
+    logits, hidden = kv.prefill(params, [b, c], tokens, num_new, prefilled=[p, q])  # a pack
     out = kv.read_seat(b, length=n, row=row, rows=r)   # its rows, to move it elsewhere
     pages = kv.write_seat(b, moved, reserve_tokens=t)  # and in again, on another engine
 
@@ -37,6 +37,7 @@ from fo_jax.engine.prefix import PagedPrefix, ResidentPrefix
 from fo_jax.engine.resident_prefix import ResidentPrefixStore
 from fo_jax.engine.settings import EngineSettings
 from fo_jax.offload import prefill as offload_prefill
+from fo_jax.offload import seat_prefill
 from fo_jax.offload.host import in_host_memory, load_history, write_back_rows
 from fo_jax.offload.state import DecodeState, committed, read_pool_keys, write_pool_keys
 
@@ -87,12 +88,19 @@ class KVStore:
         """The seats of `mask` [B] start decoding from the rows they hold (paged: their hot rows,
         maps and policy state are built, `join_seats`; resident: nothing to build)."""
 
-    def prefill(self, params, b: int, tokens: np.ndarray, num_new: np.ndarray, *,
-                prefilled: int, hidden: bool = False):
-        """One prefill chunk of seat b: tokens [1, prefill_chunk] (the first num_new [1] real),
-        after its `prefilled` tokens; one [1, chunk] program over its own seat (`prefill_seat`:
-        the other seats are not touched). Returns (logits [1, chunk, V], the hidden states
-        [1, chunk, E] with `hidden`, else None)."""
+    def history_pages(self, prefilled: int) -> int:
+        """The history pages a prefill chunk after `prefilled` tokens loads per layer (a static
+        of its program: its bucket): requests of one bucket can share a prefill program.
+        Resident: 0 for all (every seat's rows are read whole)."""
+        return 0
+
+    def prefill(self, params, seats, tokens: np.ndarray, num_new: np.ndarray, *,
+                prefilled, hidden: bool = False):
+        """One prefill chunk of each of the P seats `seats` in one program: tokens [P,
+        prefill_chunk] (row i's first num_new[i] real), after their `prefilled` [P] tokens
+        (one `history_pages` bucket); each row over its own seat (`prefill_seats`; P = 1:
+        `prefill_seat`; the other seats are not touched). Returns (logits [P, chunk, V], the
+        hidden states [P, chunk, E] with `hidden`, else None)."""
         raise NotImplementedError
 
 
@@ -114,10 +122,14 @@ class ResidentKV(KVStore):
         self.step_fn = ResidentStep(config, programs.implementation or "xla",
                                     programs.interpret)
 
-    def prefill(self, params, b: int, tokens: np.ndarray, num_new: np.ndarray, *,
-                prefilled: int, hidden: bool = False):
-        logits, self.state, *h = resident.prefill_seat(
-            params, self.state, b, tokens, num_new, config=self.config, check=False,
+    def prefill(self, params, seats, tokens: np.ndarray, num_new: np.ndarray, *,
+                prefilled, hidden: bool = False):
+        if len(seats) == 1:
+            run, seats = resident.prefill_seat, int(seats[0])
+        else:
+            run, seats = resident.prefill_seats, np.asarray(seats, np.int32)
+        logits, self.state, *h = run(
+            params, self.state, seats, tokens, num_new, config=self.config, check=False,
             query_block=self.query_block, return_hidden=hidden)
         return logits, h[0] if hidden else None
 
@@ -174,18 +186,28 @@ class PagedKV(KVStore):
         self.step_fn = OffloadedStep(config, offload, programs.implementation or "xla",
                                      programs.interpret)
 
-    def prefill(self, params, b: int, tokens: np.ndarray, num_new: np.ndarray, *,
-                prefilled: int, hidden: bool = False):
-        # Its own history, power-of-two bucketed (one program per bucket).
+    def history_pages(self, prefilled: int) -> int:
+        """Pages of history loaded per layer: the request's own, power-of-two bucketed (one
+        program per bucket)."""
+        oc = self.offload
+        return min(_next_power_of_two(-(-int(prefilled) // oc.page_size)),
+                   oc.capacity // oc.page_size)
+
+    def prefill(self, params, seats, tokens: np.ndarray, num_new: np.ndarray, *,
+                prefilled, hidden: bool = False):
+        # Each row loads the pack's bucket of its own history (one bucket per pack).
         oc, st = self.offload, self.state
-        pages = min(_next_power_of_two(-(-prefilled // oc.page_size)),
-                    oc.capacity // oc.page_size)
+        pages = max(self.history_pages(p) for p in prefilled)
+        if len(seats) == 1:
+            run, seats = seat_prefill.prefill_seat, int(seats[0])
+        else:
+            run, seats = seat_prefill.prefill_seats, np.asarray(seats, np.int32)
         view = offload_prefill.PrefillState(host=st.host, table=st.table,
                                             index_keys=st.index_keys, lengths=st.lengths)
-        logits, view, *h = offload_prefill.prefill_seat(
-            params, view, b, tokens, num_new, config=self.config, num_buffers=self.num_buffers,
-            history_pages=pages, check=False, host_access=oc.host_access,
-            query_block=self.query_block, return_hidden=hidden)
+        logits, view, *h = run(
+            params, view, seats, tokens, num_new, config=self.config,
+            num_buffers=self.num_buffers, history_pages=pages, check=False,
+            host_access=oc.host_access, query_block=self.query_block, return_hidden=hidden)
         self.state = dataclasses.replace(st, host=view.host, table=view.table,
                                          index_keys=view.index_keys, lengths=view.lengths)
         return logits, h[0] if hidden else None

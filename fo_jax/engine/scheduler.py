@@ -61,6 +61,7 @@ class Scheduler:
         self.order, self.reserve = sched.order, sched.reserve
         self.max_wait_steps = sched.max_wait_steps
         self.device_bytes = None if sched.device_bytes is None else int(sched.device_bytes)
+        self.prefill_batch = int(sched.prefill_batch)
         self.call_tokens = int(sched.decode_steps_per_call) * (
             int(settings.speculative.num_drafts) + 1)  # the most one decode call stores
         # Overlap: the ids of the requests of the decode call in flight (their host records
@@ -317,9 +318,40 @@ class Scheduler:
         keep = pool_ok and (not costs.pool_on_device or self.seat_bytes(victim) >= short)
         return Room("preempt", victim, keep)
 
+    def prefill_packs(self) -> list[list[RequestState]]:
+        """The prefilling requests, in packs that share a prefill program (`KVStore.prefill`):
+        by history bucket (`KVStore.history_pages`: offloaded, each request loads its own
+        bucket of history, never a longer request's), each bucket's requests in seat order split
+        into packs of powers of two up to `prefill_batch` (`pack_sizes`), so no row is padding
+        and few programs compile. O(seats)."""
+        buckets: dict[int, list[RequestState]] = {}
+        for req in self.occupants:
+            if req is not None and req.prefilled < len(req.prompt):
+                buckets.setdefault(self.kv.history_pages(req.prefilled), []).append(req)
+        packs = []
+        for group in buckets.values():
+            start = 0
+            for size in pack_sizes(len(group), self.prefill_batch):
+                packs.append(group[start:start + size])
+                start += size
+        return packs
+
     def free_seats(self) -> list[int]:
         """The free seats, in order. O(seats)."""
         return [b for b, r in enumerate(self.occupants) if r is None]
 
 
-__all__ = ["RequestRefused", "Room", "Scheduler"]
+def pack_sizes(count: int, most: int) -> list[int]:
+    """`count` requests as packs of powers of two of at most `most` each, largest first
+    (5 with most=8: [4, 1]; 20: [8, 8, 4]; most=6: the largest power 4): one program per pack
+    size, none with a padding row."""
+    largest = 1 << (int(most).bit_length() - 1)
+    sizes = []
+    while count:
+        size = min(largest, 1 << (count.bit_length() - 1))
+        sizes.append(size)
+        count -= size
+    return sizes
+
+
+__all__ = ["RequestRefused", "Room", "Scheduler", "pack_sizes"]

@@ -27,6 +27,7 @@ from fo_jax.config import ModelConfig, check_num_drafts
 from fo_jax.offload.config import OffloadConfig
 
 DEFAULT_PREFILL_CHUNK = 256
+DEFAULT_PREFILL_BATCH = 8  # SchedulerSettings.prefill_batch: most requests per prefill program
 ORDERS = ("fifo", "shortest")  # the queue's order (`SchedulerSettings.order`)
 RESERVES = ("full", "prompt")  # the pages reserved at admission (`SchedulerSettings.reserve`)
 DRAFTERS = ("ngram", "mtp")
@@ -137,6 +138,20 @@ class SchedulerSettings:
         not fit now waits. None: no device limit beyond the seats and the pool.
       prefill_chunk: prompt tokens per seat and prefill program (at most max(capacity, 256):
         a longer chunk would only pad).
+      prefill_batch: the most prefilling requests one prefill program runs (a pack,
+        `prefill_seats`: one dispatch and one layer loop for all of them, each request over its
+        own seat and, offloaded, its own history bucket; the engine splits the requests of a
+        bucket into packs of powers of two up to it, 5 = 4 + 1, so no row is padding and at
+        most log2(prefill_batch) + 1 programs compile per bucket). 1: one program per request.
+        Default 8: four programs per bucket (1, 2, 4, 8); a pack's activations are those of
+        8 x prefill_chunk tokens, as one prefill of a batch of 8 (offloaded, its layer buffers
+        hold 8 requests' rows, which the device budget counts already: it counts every
+        prefilling request's buffers at once); one dispatch and one pass over the weights per
+        layer instead of 8 (on a 2-core CPU, compute-bound, the step time of 8 requests
+        prefilling is 0.90-1.06x that of one program each: docs/status.md). Each request's
+        tokens are the same bit for bit whatever the pack, where the matmuls compute each row
+        independently of the others (a pack changes their M): XLA:CPU does; on an
+        accelerator check it, or use 1.
       decode_steps_per_call: decode steps per program (1 keeps per-token latency; more means
         fewer host round trips per token).
       overlap: dispatch decode call n + 1 before reading back call n's tokens, so the
@@ -152,6 +167,7 @@ class SchedulerSettings:
     reserve: str = "full"
     device_bytes: int | None = None
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    prefill_batch: int = DEFAULT_PREFILL_BATCH
     decode_steps_per_call: int = 1
     overlap: bool = True
 
@@ -161,6 +177,10 @@ class SchedulerSettings:
                              "next decode call before reading back the last one)")
         _check_positive(decode_steps_per_call=self.decode_steps_per_call,
                         prefill_chunk=self.prefill_chunk)
+        batch = self.prefill_batch
+        if not isinstance(batch, numbers.Integral) or isinstance(batch, bool) or batch < 1:
+            raise ValueError(f"prefill_batch={batch!r} must be an int >= 1 (the most prefilling "
+                             "requests one prefill program runs; 1: one program per request)")
         if self.order not in ORDERS:
             raise ValueError(f"order={self.order!r} must be one of {ORDERS}")
         steps = self.max_wait_steps
@@ -283,7 +303,7 @@ _KEYWORDS = {
         "prefix_cache_bytes", "prefix_cache_memory")},
     **{name: ("scheduler", name) for name in (
         "order", "max_wait_steps", "reserve", "device_bytes", "prefill_chunk",
-        "decode_steps_per_call", "overlap")},
+        "prefill_batch", "decode_steps_per_call", "overlap")},
     **{name: ("speculative", name) for name in ("num_drafts", "drafter")},
     **{name: ("requests", name) for name in ("max_stop_ids", "max_logprobs")},
     **{name: ("programs", name) for name in (
@@ -377,7 +397,6 @@ class EngineSettings:
                                                                       max_logprobs=int(top)))
 
 
-__all__ = ["DEFAULT_PREFILL_CHUNK", "DRAFTERS", "MAX_LOGPROBS", "ORDERS", "RESERVES",
-           "CacheSettings",
-           "EngineSettings", "MetricsSettings", "ProgramSettings", "RequestSettings",
-           "SchedulerSettings", "SpeculativeSettings"]
+__all__ = ["DEFAULT_PREFILL_BATCH", "DEFAULT_PREFILL_CHUNK", "DRAFTERS", "MAX_LOGPROBS",
+           "ORDERS", "RESERVES", "CacheSettings", "EngineSettings", "MetricsSettings",
+           "ProgramSettings", "RequestSettings", "SchedulerSettings", "SpeculativeSettings"]

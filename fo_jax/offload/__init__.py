@@ -5,11 +5,12 @@ Decode: `DecodeState` (host pages, hot cache, cache slots, indexer keys, policy 
 (the CopySFA logic), `check_invariants` (numpy) and `check_state_jit` (on the device, under
 checkify). Prefill: `PrefillState`, `to_decode_state`, and the module
 `fo_jax.offload.prefill` whose `prefill` runs the layer buffers and `onload_layer_map` (not
-re-exported here: the name would shadow the module); `layer_schedule` holds the buffer and load
-rules it runs by, `pipeline_model` simulates their timing on the copy engines. `host` holds
-every read and write of host memory, in the way `OffloadConfig.host_access` chooses. Host KV
-and indexer keys are page pools addressed by a per-request page table (`assign_pages` sets a
-seat's row; `check_table` validates one).
+re-exported here: the name would shadow the module), `fo_jax.offload.seat_prefill` whose
+`prefill_seat` / `prefill_seats` run it over chosen seats (the engine's prefill);
+`layer_schedule` holds the buffer and load rules it runs by, `pipeline_model` simulates their
+timing on the copy engines. `host` holds every read and write of host memory, in the way
+`OffloadConfig.host_access` chooses. Host KV and indexer keys are page pools addressed by a
+per-request page table (`assign_pages` sets a seat's row; `check_table` validates one).
 """
 
 from fo_jax.offload.checks import check_state_jit

@@ -3,7 +3,6 @@
     state = PrefillState.create(config, batch=B, capacity=S, page_size=Z)
     logits, state = prefill(params, state, tokens[B, T], num_new[B], config=config,
                             num_buffers=4, distance=1)
-    logits, state = prefill_seat(params, state, b, tokens[1, T], num_new[1], config=config)
     decode_state = to_decode_state(state, config=config, offload=offload)
 
 `prefill` appends a chunk of tokens per request with the KV of only `num_buffers` layers on the
@@ -14,8 +13,9 @@ each layer the chunk's rows are written back to host pages and the layers of
 `onload_layer_map[i]` (or the `distance` schedule) are prefetched; a map that loads a buffer
 whose layer is not yet done, a layer twice or never, is a ValueError before tracing.
 `to_decode_state` hands the result to the offloaded decode step without putting all layers on
-the device. `prefill_seat` appends a chunk to request b alone: its own table row and history, layer
-buffers of one request, work independent of B.
+the device. The engine's programs over chosen seats of the batch (`prefill_seat`,
+`prefill_seats`: each request over its own table row and history, work independent of B) are in
+`fo_jax.offload.seat_prefill`.
 
 Contract: results are bit for bit those of `fo_jax.resident.prefill` (the same logits for real
 tokens, host pages equal to the resident KV, the same indexer keys; tests/offload/
@@ -81,7 +81,6 @@ from fo_jax.resident import (
     check_capacity,
     check_live,
     check_query_block,
-    check_seat,
     clamp_new,
     is_concrete,
     prepare_tokens,
@@ -358,14 +357,14 @@ class OffloadPrefillBackend:
         return carry, out
 
 
-def _prefill(params, state: PrefillState, tokens, num_new, *, config: ModelConfig,
+def prefill_forward(params, state: PrefillState, tokens, num_new, *, config: ModelConfig,
              dense: bool, schedule: PrefillSchedule, history_pages: int, poison: bool,
              on_host: bool, host_access: str = "gather", query_block: int | None = None,
              return_hidden: bool = False):
     """The offloaded prefill of one chunk, pure (jitted as `prefill_jit`, the state donated;
     arguments from `prefill_arguments`): (logits, new state[, hidden]). `prefill` validates,
     then runs it; the data-parallel prefill (`fo_jax.sharded_steps`) runs it per rank;
-    `prefill_seat` runs it over one seat's batch-1 view."""
+    `fo_jax.offload.seat_prefill` runs it over one seat's batch-1 view, or a pack of seats'."""
     batch, num_t = tokens.shape
     cap = state.capacity
     # Never past capacity, checked or not: tokens beyond it are padding (dropped).
@@ -393,24 +392,10 @@ def _prefill(params, state: PrefillState, tokens, num_new, *, config: ModelConfi
     return (logits, new_state, *hidden)
 
 
-_STATIC = ("config", "dense", "schedule", "history_pages", "poison", "on_host", "host_access",
-           "query_block", "return_hidden")
-prefill_jit = functools.partial(jax.jit, static_argnames=_STATIC,
-                                donate_argnames=("state",))(_prefill)
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
-def _seat_jit(params, state: PrefillState, seat, tokens, num_new, **static):
-    """`_prefill` of seat `seat` alone: a batch-1 view (its table row and length over the
-    shared pools), its layer buffers [n, 1, S, D+R]. The seat is traced: one program for
-    every seat."""
-    view = dataclasses.replace(state, table=jax.lax.dynamic_slice_in_dim(state.table, seat, 1),
-                               lengths=jax.lax.dynamic_slice_in_dim(state.lengths, seat, 1))
-    logits, view, *hidden = _prefill(params, view, tokens, num_new, **static)
-    lengths = jax.lax.dynamic_update_slice_in_dim(state.lengths, view.lengths, seat, axis=0)
-    new_state = PrefillState(host=view.host, table=state.table, index_keys=view.index_keys,
-                             lengths=lengths)
-    return (logits, new_state, *hidden)
+PREFILL_STATIC = ("config", "dense", "schedule", "history_pages", "poison", "on_host",
+                  "host_access", "query_block", "return_hidden")
+prefill_jit = functools.partial(jax.jit, static_argnames=PREFILL_STATIC,
+                                donate_argnames=("state",))(prefill_forward)
 
 
 def history_pages_for(lengths, page_size: int, num_pages: int) -> int:
@@ -461,47 +446,6 @@ def prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelC
         history_pages=history_pages, poison=poison, check=check, host_access=host_access,
         query_block=query_block)
     return prefill_jit(*args, **static, return_hidden=bool(return_hidden))
-
-
-def prefill_seat(params, state: PrefillState, seat, tokens, num_new=None, *,
-                 config: ModelConfig, num_buffers: int | None = None,
-                 distance: int | None = None, onload_layer_map=None, dense: bool = False,
-                 history_pages: int | None = None, poison: bool = False, check: bool = True,
-                 host_access: str | None = None, query_block: int | None = QUERY_BLOCK,
-                 return_hidden: bool = False):
-    """Append a chunk of T tokens to one request of the batch, the one in seat `seat`, with
-    offloaded KV; return logits [1, T, V] and the new state (with `return_hidden`: and its
-    hidden states [1, T, E]).
-
-    The program runs over that request alone: its table row and length over the shared pools,
-    layer buffers [n, 1, S, D+R], `history_pages` pages of its own history loaded per layer
-    (default ceil(its length / Z)); the other requests' pages, keys and lengths are left as
-    they are, and the work does not grow with the batch. Bit for bit `prefill` on a batch-1
-    state holding the request's table row (the same program shapes), so bit for bit
-    `fo_jax.resident.prefill_seat` too.
-
-    Args:
-      seat: int in [0, B), or a traced int32 scalar (one compiled program serves every seat;
-        a traced seat out of range is clamped into it).
-      tokens: [1, T] int token ids (the first num_new[0] real, the rest padding).
-      num_new: [1] ints, default T.
-      history_pages: pages of the request's history loaded per layer (static; must cover it).
-      The others: as `prefill` (the checks read the seat's length and table row).
-    The state is donated: use the returned one.
-    Raises:
-      ValueError: bad seat, shapes, token ids, capacity or schedule, before anything runs.
-    """
-    check_live(state, "prefill_seat")
-    seat = check_seat(seat, state.batch)
-    view = dataclasses.replace(state, table=jax.lax.dynamic_slice_in_dim(state.table, seat, 1),
-                               lengths=jax.lax.dynamic_slice_in_dim(state.lengths, seat, 1))
-    (params, _, tokens, num_new), static = prefill_arguments(
-        params, view, tokens, num_new, config=config, num_buffers=num_buffers,
-        distance=distance, onload_layer_map=onload_layer_map, dense=dense,
-        history_pages=history_pages, poison=poison, check=check, host_access=host_access,
-        query_block=query_block)
-    return _seat_jit(params, state, seat, tokens, num_new, **static,
-                     return_hidden=bool(return_hidden))
 
 
 def lower_prefill(params, state: PrefillState, tokens, num_new=None, *, config: ModelConfig,
@@ -692,6 +636,7 @@ def _merge_seats(old, new, seat):
 
 __all__ = [
     "OffloadPrefillBackend",
+    "PREFILL_STATIC",
     "PrefillSchedule",
     "PrefillState",
     "history_pages_for",
@@ -700,7 +645,8 @@ __all__ = [
     "load_history",
     "lower_prefill",
     "prefill",
-    "prefill_seat",
+    "prefill_forward",
+    "prefill_jit",
     "to_decode_state",
     "write_back_rows",
 ]

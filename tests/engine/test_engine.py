@@ -240,6 +240,24 @@ def test_more_requests_than_seats_wait_and_reuse_seats():
         assert outputs[rid].time_to_first_token > 0
 
 
+@pytest.mark.parametrize("path", ["ring", "resident"])
+def test_requests_prefilling_together_are_packed_and_get_their_solo_tokens(path):
+    # Three requests admitted at once (3 + 2 + 3 pages: the 8-page pool), prompts of 10, 5
+    # and 9 tokens (chunks of 8): step 1 packs the three new histories (bucket 0) as 2 + 1,
+    # step 2 the two of 8 tokens: 3 programs for 5 chunks (prefill_batch=1: 5), and every
+    # request's tokens are those of its solo run, bit for bit (offloaded, against the resident
+    # engine too).
+    engine = _engine(path, prefill_batch=4)
+    prompts = [_prompt(31, 10), _prompt(32, 5), _prompt(33, 9)]
+    ids = [engine.add_request(p, max_tokens=2) for p in prompts]
+    engine.step()
+    assert engine.num_running() == 3 and engine.counters["prefill_calls"] == 2
+    outputs = engine.run()
+    assert engine.counters["prefill_calls"] == 3 and engine.counters["prefill_tokens"] == 24
+    for prompt, rid in zip(prompts, ids):
+        assert outputs[rid].token_ids == list(_solo(tuple(prompt), 2, 0.0, 0)[0])
+
+
 def test_stop_token_and_capacity():
     prompt = _prompt(3, 6)
     want, _ = _solo(tuple(prompt), 8, 0.0, 0)

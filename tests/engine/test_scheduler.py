@@ -19,7 +19,7 @@ from fo_jax.engine.costs import MemoryCosts
 from fo_jax.engine.pages import PagePool, PrefixCache, RequestPages
 from fo_jax.engine.prefix import PagedPrefix
 from fo_jax.engine.requests import RequestState
-from fo_jax.engine.scheduler import RequestRefused, Room, Scheduler
+from fo_jax.engine.scheduler import RequestRefused, Room, Scheduler, pack_sizes
 from fo_jax.engine.settings import (CacheSettings, EngineSettings, SchedulerSettings,
                                     SpeculativeSettings)
 from fo_jax.offload.config import OffloadConfig
@@ -407,3 +407,19 @@ def test_random_schedule_never_short_of_pages(events, order):
     assert pool.num_free + pool.num_cached == pool.num_pages
     pool.check()
     prefix.check()
+
+
+def test_prefilling_requests_are_packed_by_history_bucket_in_powers_of_two():
+    # 5 = 4 + 1 (no padding row), never more than prefill_batch, a power of two at most.
+    assert pack_sizes(5, 8) == [4, 1] and pack_sizes(20, 8) == [8, 8, 4]
+    assert pack_sizes(7, 6) == [4, 2, 1] and pack_sizes(3, 1) == [1, 1, 1]
+    assert pack_sizes(0, 8) == []
+    sched = _scheduler(seats=6, pages=48, prefill_batch=4)
+    sched.kv.history_pages = lambda prefilled: -(-prefilled // 4)  # pages of history
+    reqs = [_request(sched, f"r{b}", 12) for b in range(6)]
+    for b, (req, prefilled) in enumerate(zip(reqs, [0, 4, 0, 12, 0, 4])):
+        _seat(sched, req, b, decoding=False)
+        req.prefilled = prefilled
+    # r3 is done prefilling; buckets 0 (r0, r2, r4) and 1 (r1, r5), each in seat order.
+    packs = [[r.request_id for r in pack] for pack in sched.prefill_packs()]
+    assert packs == [["r0", "r2"], ["r4"], ["r1", "r5"]]

@@ -38,6 +38,10 @@ def _offload(**kw):
     (lambda: CacheSettings(seats=1, offload=_offload(), num_pages=0),
      r"num_pages=0 must be an int >= 1 \(pages of 4 tokens in the shared pools\)"),
     (lambda: SchedulerSettings(prefill_chunk=0), "prefill_chunk=0 must be an int >= 1"),
+    (lambda: SchedulerSettings(prefill_batch=0), r"prefill_batch=0 must be an int >= 1 \(the "
+                                                 "most prefilling requests one prefill program "
+                                                 r"runs; 1: one program per request\)"),
+    (lambda: SchedulerSettings(prefill_batch=2.0), "prefill_batch=2.0 must be an int >= 1"),
     (lambda: SchedulerSettings(order="lifo"), r"order='lifo' must be one of"),
     (lambda: SchedulerSettings(max_wait_steps=-2), "max_wait_steps=-2 must be an int >= 0"),
     (lambda: SchedulerSettings(reserve="all"), r"reserve='all' must be one of"),
@@ -112,14 +116,15 @@ def _args(*argv):
 def test_the_flags_build_the_settings():
     args = _args("--model", "tiny", "--offload", "--capacity", "64", "--page-size", "8",
                  "--device-gb", "0.5", "--reserve", "prompt", "--queue-order", "shortest",
-                 "--max-wait-steps", "-1", "--num-drafts", "2", "--prefill-chunk", "16")
+                 "--max-wait-steps", "-1", "--num-drafts", "2", "--prefill-chunk", "16",
+                 "--prefill-batch", "4")
     offload = args.offload_config(CONFIG)
     assert (offload.capacity, offload.page_size, offload.policy) == (64, 8, "ring")
     settings = args.engine_settings(CONFIG, offload)
     assert settings.cache == CacheSettings(seats=4, capacity=64, offload=offload)
     assert settings.scheduler == SchedulerSettings(
         order="shortest", max_wait_steps=None, reserve="prompt", device_bytes=500_000_000,
-        prefill_chunk=16)
+        prefill_chunk=16, prefill_batch=4)
     assert settings.speculative == SpeculativeSettings(num_drafts=2)
     assert settings.scheduler.overlap  # on by default; --no-overlap turns it off
     assert not _args("--no-overlap").engine_settings(CONFIG, None).scheduler.overlap
@@ -132,6 +137,7 @@ def test_the_flags_build_the_settings():
 @pytest.mark.parametrize("argv, message", [
     (["--seats", "0"], "--seats must be >= 1, got 0"),
     (["--page-size", "0"], "--page-size must be >= 1, got 0"),
+    (["--prefill-batch", "0"], "--prefill-batch must be >= 1, got 0"),
     (["--offload", "--pool-memory", "disk"], "--pool-memory disk: choose pinned_host"),
     (["--hot-slots", "8"], "--hot-slots applies to the offloaded path only: add --offload"),
     (["--reserve", "prompt"], "--host-pool-gb, --device-gb and --reserve prompt need --offload"),

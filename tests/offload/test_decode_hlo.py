@@ -20,6 +20,7 @@ from fo_jax.config import get_config
 from fo_jax.model.dsa import init_params
 from fo_jax.offload import decode as offload_decode
 from fo_jax.offload import prefill as offload_prefill
+from fo_jax.offload import seat_prefill
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.offload.state import DecodeState
 
@@ -180,7 +181,7 @@ def test_prefill_seat_updates_the_pools_and_the_resident_cache_in_place():
         config, batch=BATCH, capacity=CAPACITY, page_size=PAGE, num_frames=frames,
         table=table.astype(np.int32).reshape(BATCH, pages))
     state = dataclasses.replace(state, lengths=jnp.full((BATCH,), 8, jnp.int32))
-    compiled = hlo_checks.compile_call(offload_prefill, "_seat_jit", offload_prefill.prefill_seat,
+    compiled = hlo_checks.compile_call(seat_prefill, "_seat_jit", seat_prefill.prefill_seat,
                                        params, state, 1, np.zeros((1, 8), np.int32),
                                        config=config, num_buffers=3,
                                        compiler_options=hlo_checks.FAST_COMPILE)
@@ -191,6 +192,34 @@ def test_prefill_seat_updates_the_pools_and_the_resident_cache_in_place():
     rs = resident.ResidentState.create(config, batch=BATCH, capacity=CAPACITY)
     compiled = hlo_checks.compile_call(resident, "_seat_jit", resident.prefill_seat, params, rs,
                                        1, np.zeros((1, 8), np.int32), config=config,
+                                       compiler_options=hlo_checks.FAST_COMPILE)
+    hlo_checks.assert_no_state_copies(compiled, rs, ignore=("lengths",))
+    hlo_checks.assert_donation_aliased(compiled, rs, ignore=("lengths",))
+
+
+def test_prefill_seats_updates_the_pools_and_the_resident_cache_in_place():
+    # A pack of two seats' chunks (`prefill_seats`): as one seat's, the shared pools and the
+    # table are neither copied nor rewritten, only the pack's layer buffers [3, 2, S, D+R] are
+    # made; resident, the cache and indexer keys are updated in place (the seats' rows
+    # gathered and scattered back). Both donate the state.
+    from fo_jax import resident
+
+    config = get_config("tiny").replace(index_topk=K)
+    params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    state = offload_prefill.PrefillState.create(config, batch=BATCH, capacity=CAPACITY,
+                                                page_size=PAGE)
+    state = dataclasses.replace(state, lengths=jnp.full((BATCH,), 8, jnp.int32))
+    compiled = hlo_checks.compile_call(seat_prefill, "_seats_jit", seat_prefill.prefill_seats,
+                                       params, state, [2, 0], np.zeros((2, 8), np.int32),
+                                       config=config, num_buffers=3,
+                                       compiler_options=hlo_checks.FAST_COMPILE)
+    buffers = jax.ShapeDtypeStruct((3, 2, CAPACITY, config.kv_width), config.jnp_kv_dtype)
+    hlo_checks.assert_no_state_copies(compiled, {"state": state, "buffers": buffers},
+                                      ignore=("state.lengths",), created=("buffers",))
+    hlo_checks.assert_donation_aliased(compiled, state, ignore=("lengths",))
+    rs = resident.ResidentState.create(config, batch=BATCH, capacity=CAPACITY)
+    compiled = hlo_checks.compile_call(resident, "_seats_jit", resident.prefill_seats, params,
+                                       rs, [2, 0], np.zeros((2, 8), np.int32), config=config,
                                        compiler_options=hlo_checks.FAST_COMPILE)
     hlo_checks.assert_no_state_copies(compiled, rs, ignore=("lengths",))
     hlo_checks.assert_donation_aliased(compiled, rs, ignore=("lengths",))

@@ -32,9 +32,9 @@ from fo_jax.offload.prefill import (
     layer_bytes,
     lower_prefill,
     prefill,
-    prefill_seat,
     to_decode_state,
 )
+from fo_jax.offload.seat_prefill import prefill_seat, prefill_seats
 from fo_jax.offload.state import DecodeState, HostPages, to_memory_kind, tokens_to_pool
 
 NAN = float("nan")
@@ -548,16 +548,16 @@ def test_prefill_seat_equals_the_batched_prefill_on_its_row(params):
 def test_prefill_seat_compiles_once_for_every_seat(params, monkeypatch):
     # The seat is traced: one program per (chunk, history pages), whichever seat (a chunk
     # width no other test uses, so the first call traces).
-    from fo_jax.offload import prefill as offload_prefill
+    from fo_jax.offload import seat_prefill
 
     traces = []
-    body = offload_prefill._prefill
+    body = seat_prefill.prefill_forward
 
     def counted(*args, **kwargs):
         traces.append(1)
         return body(*args, **kwargs)
 
-    monkeypatch.setattr(offload_prefill, "_prefill", counted)
+    monkeypatch.setattr(seat_prefill, "prefill_forward", counted)
     state = PrefillState.create(CONFIG, batch=3, capacity=16, page_size=4)
     tokens = jnp.zeros((1, 3), jnp.int32)
     for b in (0, 2, 1, 2):
@@ -581,4 +581,102 @@ def test_bad_prefill_seat_inputs(params):
                      history_pages=1)
     with pytest.raises(ValueError, match=r"would hold 20 tokens, beyond the state's capacity"):
         prefill_seat(params, state, 1, jnp.zeros((1, 12), jnp.int32), config=CONFIG)
+    assert not state.host.kv.is_deleted()
+
+
+# A pack of seats in one program -------------------------------------------------------------
+
+
+def test_prefill_seats_rows_are_each_request_alone_with_its_own_history(params):
+    # Packs over a pool of interleaved pages, with distinct histories in one pack (3, 0 and 8
+    # tokens: the pack loads the longest one's pages per row, each row reads only its own
+    # table row): every row's logits, hidden states, host rows, indexer keys and length equal,
+    # bit for bit, the same request's offloaded `prefill_seat` run alone with its own history
+    # pages, and `resident.prefill_seat`; the seats of no pack are untouched. Buffers are
+    # poisoned past the history. (Row-independent matmuls: `fo_jax.offload.seat_prefill`.)
+    batch, capacity, page = 4, 32, 4
+    rng = np.random.default_rng(9)
+    toks = _tokens(rng, (batch, 24))
+    packs = [([2, 0], [8, 3], 0), ([0, 1, 2], [8, 5, 6], 2), ([1], [4], 2)]
+    table, frames = _pool_table("permuted", batch, capacity // page)
+
+    def offloaded():
+        return PrefillState.create(CONFIG, batch=batch, capacity=capacity, page_size=page,
+                                   fill=NAN, num_frames=frames, table=table)
+
+    ps, alone = offloaded(), offloaded()
+    rs = resident.ResidentState.create(CONFIG, batch=batch, capacity=capacity, fill=NAN)
+    done = np.zeros(batch, np.int64)
+    for seats, counts, pages in packs:
+        chunk = np.zeros((len(seats), 8), np.int32)
+        for i, (b, n) in enumerate(zip(seats, counts)):
+            chunk[i, :n] = toks[b, done[b]:done[b] + n]
+        before = (ps.token_rows(), ps.token_index_keys(), np.asarray(ps.lengths))
+        logits, ps, hidden = prefill_seats(params, ps, seats, chunk, counts, config=CONFIG,
+                                           num_buffers=3, history_pages=pages, poison=True,
+                                           return_hidden=True)
+        for i, (b, n) in enumerate(zip(seats, counts)):
+            own = -(-int(done[b]) // page)
+            want, alone, want_hidden = prefill_seat(
+                params, alone, b, chunk[i:i + 1], [n], config=CONFIG, num_buffers=3,
+                history_pages=own, poison=True, return_hidden=True)
+            res, rs = resident.prefill_seat(params, rs, b, chunk[i:i + 1], [n], config=CONFIG)
+            chex.assert_trees_all_equal(np.asarray(logits)[i, :n], np.asarray(want)[0, :n])
+            chex.assert_trees_all_equal(np.asarray(logits)[i, :n], np.asarray(res)[0, :n])
+            chex.assert_trees_all_equal(np.asarray(hidden)[i, :n],
+                                        np.asarray(want_hidden)[0, :n])
+            done[b] += n
+        rows, keys, lengths = ps.token_rows(), ps.token_index_keys(), np.asarray(ps.lengths)
+        chex.assert_trees_all_equal(rows, alone.token_rows())
+        chex.assert_trees_all_equal(keys, alone.token_index_keys())
+        chex.assert_trees_all_equal(lengths, np.asarray(alone.lengths))
+        chex.assert_trees_all_equal(rows, np.asarray(rs.kv))
+        chex.assert_trees_all_equal(keys, np.asarray(rs.index_keys))
+        others = ~np.isin(np.arange(batch), seats)
+        chex.assert_trees_all_equal(rows[:, others], before[0][:, others])
+        chex.assert_trees_all_equal(keys[:, others], before[1][:, others])
+        chex.assert_trees_all_equal(lengths[others], before[2][others])
+    np.testing.assert_array_equal(ps.lengths, [11, 9, 14, 0])
+
+
+def test_prefill_seats_padding_row_writes_nothing(params):
+    # A traced seat out of range (a padding row) reads a clamped seat's table row but writes
+    # nothing there: its count is 0 (every row it would write dropped) and the lengths'
+    # scatter drops it; the real row is its `prefill_seat`, every other seat still NaN.
+    from fo_jax.offload import seat_prefill
+    from fo_jax.offload.prefill import prefill_arguments
+
+    chunk = _tokens(np.random.default_rng(10), (2, 8))
+    ps, alone = (PrefillState.create(CONFIG, batch=3, capacity=32, page_size=4, fill=NAN)
+                 for _ in range(2))
+    view = dataclasses.replace(ps, table=ps.table[:2], lengths=ps.lengths[:2])
+    _, static = prefill_arguments(params, view, chunk, None, config=CONFIG, num_buffers=3,
+                                  distance=None, onload_layer_map=None, dense=False,
+                                  history_pages=0, poison=True, check=False, host_access=None,
+                                  query_block=resident.QUERY_BLOCK)
+    logits, ps = seat_prefill._seats_jit(params, ps, jnp.asarray([1, 3], jnp.int32),
+                                         jnp.asarray(chunk), jnp.asarray([8, 8], jnp.int32),
+                                         **static, return_hidden=False)
+    want, alone = prefill_seat(params, alone, 1, chunk[:1], config=CONFIG, num_buffers=3,
+                               history_pages=0, poison=True)
+    chex.assert_trees_all_equal(np.asarray(logits)[0], np.asarray(want)[0])
+    chex.assert_trees_all_equal(ps.token_rows(), alone.token_rows())
+    chex.assert_trees_all_equal(ps.token_index_keys(), alone.token_index_keys())
+    np.testing.assert_array_equal(ps.lengths, [0, 8, 0])
+    assert np.isnan(ps.token_rows()[:, [0, 2]].astype(np.float32)).all()
+
+
+def test_bad_prefill_seats_inputs(params):
+    state = PrefillState.create(CONFIG, batch=3, capacity=16, page_size=4)
+    _, state = prefill_seats(params, state, [1, 0], jnp.zeros((2, 8), jnp.int32), [8, 3],
+                             config=CONFIG, num_buffers=3)
+    with pytest.raises(ValueError, match=r"seats=\[0, 3\] holds 3: every seat must be an int "
+                                         r"in \[0, 3\)"):
+        prefill_seats(params, state, [0, 3], jnp.zeros((2, 4), jnp.int32), config=CONFIG)
+    with pytest.raises(ValueError, match=r"seats=\[1, 1\] names a seat twice"):
+        prefill_seats(params, state, [1, 1], jnp.zeros((2, 4), jnp.int32), config=CONFIG)
+    with pytest.raises(ValueError, match=r"history_pages=1 does not cover the longest history "
+                                         r"\(8 tokens\)"):
+        prefill_seats(params, state, [0, 1], jnp.zeros((2, 4), jnp.int32), config=CONFIG,
+                      history_pages=1)
     assert not state.host.kv.is_deleted()
