@@ -18,7 +18,7 @@ least_misses reads each decode call's rows per seat); with `--model tiny_moe` in
 all-to-all layout (each device 1/R of the experts), else on the plain data mesh.
 
 On a CPU the R devices are simulated (XLA_FLAGS=--xla_force_host_platform_device_count=R,
-set here when not given) and share the machine's cores, so the throughput says how much
+set here from --ranks, at least 4, when not given) and share the machine's cores, so the throughput says how much
 work there was, not how long an accelerator's step would wait for its slowest rank: read the
 spread for that.
 
@@ -26,7 +26,7 @@ spread for that.
     python -m experiments.serving.dp_serving \\
         --table experiments/results/serving/dp_serving/dp_serving.jsonl
     python -m experiments.serving.dp_serving --smoke  # 2 ranks on one device; the tests
-    python -m experiments.serving.dp_serving --engine sharded --model tiny_moe \
+    python -m experiments.serving.dp_serving --engine sharded --model tiny_moe \\
         --out experiments/results/serving/dp_serving/sharded.jsonl    # 4 simulated devices
     python -m experiments.serving.dp_serving --engine sharded --smoke  # 1 rank; the tests
 """
@@ -39,9 +39,21 @@ import os
 import sys
 import time
 
+
+def _devices_wanted(argv, default=4) -> int:
+    """--ranks N of the command line (at least `default`): the simulated CPU devices."""
+    for i, arg in enumerate(argv):
+        value = arg.split("=", 1)[1] if arg.startswith("--ranks=") else (
+            argv[i + 1] if arg == "--ranks" and i + 1 < len(argv) else None)
+        if value is not None and value.isdigit():
+            return max(int(value), default)
+    return default
+
+
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=4")
+                               + " --xla_force_host_platform_device_count="
+                               + str(_devices_wanted(sys.argv[1:])))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
