@@ -41,7 +41,7 @@ the rank's seats, queue and pool); a request resumes on its rank (pages kept: re
 prefilled again and its tokens replayed by the sharded decode step, `ShardedRunner.replay`).
 
 Paged, each decode call's offload statistics ([G, R B] rows copied per seat) are read back
-with its tokens: they give each rank's rows copied (`rank_misses`, `imbalance`) and, for
+after its tokens (no further wait; O(G R B) on the host per call): they give each rank's rows copied (`rank_misses`, `imbalance`) and, for
 least_misses, each request's running estimate of its rows per step
 (`fo_jax.placement.MissEstimates`, as `DataParallelEngine` keeps it).
 
