@@ -18,9 +18,9 @@ least_misses reads each decode call's rows per seat); with `--model tiny_moe` in
 all-to-all layout (each device 1/R of the experts), else on the plain data mesh.
 
 On a CPU the R devices are simulated (XLA_FLAGS=--xla_force_host_platform_device_count=R,
-set here from --ranks, at least 4, when not given) and share the machine's cores, so the throughput says how much
-work there was, not how long an accelerator's step would wait for its slowest rank: read the
-spread for that.
+set here from --ranks, at least 4, when not given) and share the machine's cores, so the
+throughput says how much work there was, not how long an accelerator's step would wait for
+its slowest rank: read the spread for that.
 
     python -m experiments.serving.dp_serving                       # 4 devices, 3 rules, 3 seeds
     python -m experiments.serving.dp_serving \\

@@ -41,9 +41,9 @@ the rank's seats, queue and pool); a request resumes on its rank (pages kept: re
 prefilled again and its tokens replayed by the sharded decode step, `ShardedRunner.replay`).
 
 Paged, each decode call's offload statistics ([G, R B] rows copied per seat) are read back
-after its tokens (no further wait; O(G R B) on the host per call): they give each rank's rows copied (`rank_misses`, `imbalance`) and, for
-least_misses, each request's running estimate of its rows per step
-(`fo_jax.placement.MissEstimates`, as `DataParallelEngine` keeps it).
+after its tokens (no further wait; O(G R B) on the host per call): they give each rank's rows
+copied (`rank_misses`, `imbalance`) and, for least_misses, each request's running estimate of
+its rows per step (`fo_jax.placement.MissEstimates`, as `DataParallelEngine` keeps it).
 
 Not yet (refused with a message): paged, device_bytes, host_pool_bytes and the pool in device
 memory; prefix reuse, drafts, log-probabilities, a metrics log, and
