@@ -22,8 +22,8 @@ load (then most free seats, then lowest index) that still has a seat, and add it
 load: greedy longest-processing-time-first. Everything here is host-side Python on [R] loads
 and [n] costs: O(n log n + n R) per call, O(R) for one request; nothing touches device memory.
 
-What each rule buys in simulation (experiments/traces/rank_imbalance.py), in the engines
-(experiments/serving/dp_serving.py; `rank_imbalance.py --sharded`, the sharded engine):
+What each rule buys in simulation (experiments/traces/rank_imbalance.py) and in the engines
+(experiments/serving/dp_serving.py; `--engine sharded`: the sharded engine):
 docs/benchmarks/rank-imbalance.md.
 """
 
