@@ -11,7 +11,9 @@ arrivals, three on one rank of two seats: one waits in its rank's queue) is serv
 experts) and on the plain data mesh (every weight on every device); "offloaded", in the
 all-to-all layout with a host pool per rank (every page back in its pool at the end; `serve
 --offload` builds it), and with pools of 8 pages and reserve="prompt", where rank 0 preempts
-its younger request, which resumes (prefilled again, its tokens replayed). Every
+its younger request, which resumes (prefilled again, its tokens replayed), and a stream placed
+by least_misses (the default offloaded: by the loads its miss estimates give; the rows each
+rank copied are its seats' statistics). Every
 request's tokens (greedy, and two sampled with their own seeds) must equal those of the same
 request served alone by one single-device `Engine` of the same settings with the whole
 weights; every request sits only in seats of its rank; a request cancelled while it decodes
