@@ -18,6 +18,8 @@ import textwrap
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 H200 = "experiments/results/accelerator/h200/decode_bench.jsonl"
 DP = "experiments/results/serving/dp_serving/dp_serving.jsonl"
+DP_SHARDED = "experiments/results/serving/dp_serving/sharded.jsonl"
+DP_SHARDED_8 = "experiments/results/serving/dp_serving/sharded_8.jsonl"
 EXPERT_LAYOUTS = "experiments/results/parallel/expert_layouts/expert_layouts.jsonl"
 RANKS = "experiments/results/traces/rank_imbalance/rank_imbalance.jsonl"
 REPLAY = "experiments/results/traces/replay/replay.jsonl"
@@ -118,6 +120,36 @@ def dp_serving() -> str:
                    f"{statistics.mean(speed):.2f}x ({min(speed):.2f}-{max(speed):.2f}x) |")
     command = f"python -m experiments.serving.dp_serving --seeds {' '.join(map(str, seeds))}"
     return _source(rows, DP, command) + "\n\n" + "\n".join(out)
+
+
+def dp_serving_sharded(path: str = DP_SHARDED) -> str:
+    rows = _rows(path, question="dp_serving", engine="sharded")
+    rules = list(dict.fromkeys(r["rule"] for r in rows))
+    seeds = sorted({r["seed"] for r in rows})
+    base = {r["seed"]: r for r in rows if r["rule"] == rules[0]}
+    base_mean = statistics.mean(base[s]["spread"] for s in seeds)
+    out = [f"| rule | largest / mean rank, per step ({len(seeds)} seeds) | mean | "
+           f"vs {rules[0]} (mean) | mean of the steps' largest / mean | rows per step, per "
+           f"rank (mean of the seeds) |", "|---|---|---|---|---|---|"]
+    for rule in rules:
+        by_seed = {r["seed"]: r for r in rows if r["rule"] == rule}
+        spreads = [by_seed[s]["spread"] for s in seeds]
+        per_rank = [statistics.mean(col) for col in zip(*(by_seed[s]["rank_rows_per_step"]
+                                                          for s in seeds))]
+        out.append(f"| {rule} | " + ", ".join(f"{x:.2f}" for x in spreads)
+                   + f" | {statistics.mean(spreads):.2f} | "
+                   f"{statistics.mean(spreads) / base_mean:.2f}x | "
+                   f"{statistics.mean(by_seed[s]['step_spread_mean'] for s in seeds):.2f} | "
+                   + ", ".join(f"{x:.1f}" for x in per_rank) + " |")
+    first = rows[0]
+    scale = ("" if first["ranks"] == 4 else f" --ranks {first['ranks']} --rate "
+             f"{first['rate']:g} --requests {first['requests']}")
+    command = (f"python -m experiments.serving.dp_serving --engine sharded --model "
+               f"{first['model']}{scale} --seeds {' '.join(map(str, seeds))} --out {path}")
+    note = (f"ShardedEngine offloaded, {first['ranks']} ranks of {first['seats']} seats, "
+            f"`{first['model']}`, {first['requests']} requests per seed at {first['rate']:g} "
+            f"per step. ")
+    return note + _source(rows, path, command) + "\n\n" + "\n".join(out)
 
 
 def expert_layouts() -> str:
@@ -548,7 +580,9 @@ def real_sizes_all_to_all() -> str:
 
 
 TABLES = {"h200_management": h200_management, "h200_step": h200_step,
-          "dp_serving": dp_serving, "expert_layouts": expert_layouts,
+          "dp_serving": dp_serving, "dp_serving_sharded": dp_serving_sharded,
+          "dp_serving_sharded_8": lambda: dp_serving_sharded(DP_SHARDED_8),
+          "expert_layouts": expert_layouts,
           "rank_imbalance": rank_imbalance,
           "replay_8192": replay_8192, "serving_budget": serving_budget,
           "serving_latency": serving_latency, "auto_offload": auto_offload,

@@ -14,15 +14,17 @@ spread the misses. Rules (R ranks, n requests placed at once):
     least_misses    the rank whose running requests are expected to miss the least per step;
                     a request's cost is its expected misses per step: `expected_misses` from
                     its context before it has run, then the caller's running estimate (e.g.
-                    `update_estimate`, an EMA of the misses it reported)
+                    `update_estimate`, an EMA of the misses it reported; `MissEstimates`
+                    keeps both for an engine)
 
 The three `least_*` rules place the n requests in decreasing cost, each on the rank of least
 load (then most free seats, then lowest index) that still has a seat, and add its cost to that
 load: greedy longest-processing-time-first. Everything here is host-side Python on [R] loads
 and [n] costs: O(n log n + n R) per call, O(R) for one request; nothing touches device memory.
 
-What each rule buys in simulation (experiments/traces/rank_imbalance.py) and in the engine
-(experiments/serving/dp_serving.py): docs/benchmarks/rank-imbalance.md.
+What each rule buys in simulation (experiments/traces/rank_imbalance.py) and in the engines
+(experiments/serving/dp_serving.py; `--engine sharded`: the sharded engine):
+docs/benchmarks/rank-imbalance.md.
 """
 
 from __future__ import annotations
@@ -70,6 +72,50 @@ def update_estimate(estimate: float, observed: float, *, weight: float = 0.05) -
         raise ValueError(f"update_estimate: {observed=} must be a finite count >= 0 (rows "
                          "copied in one step)")
     return weight * observed + (1.0 - weight) * estimate
+
+
+class MissEstimates:
+    """least_misses's request costs, the bookkeeping an engine keeps from the rows its
+    requests copy: a request that has run costs its running estimate (`update_estimate` of
+    the rows its seat copied, step by step); one that has not, its `expected_misses` scaled
+    by the calibration of that prior so far (rows observed / rows the prior predicted for the
+    same request steps; 1 before any). Host-side; O(1) per call.
+
+    Args:
+      hot_slots, topk: the prior's C and K (`expected_misses`).
+      weight: the estimate's EMA weight (`update_estimate`).
+    """
+
+    def __init__(self, *, hot_slots: int, topk: int, weight: float = 0.05):
+        self.hot_slots, self.topk, self.weight = hot_slots, topk, weight
+        self.estimates: dict[str, float] = {}  # request id: its EMA, once it ran
+        self.observed = self.predicted = 0.0  # the prior's calibration
+
+    def prior(self, context: int) -> float:
+        """`expected_misses` of a request with `context` tokens, uncalibrated."""
+        return expected_misses(context, hot_slots=self.hot_slots, topk=self.topk)
+
+    def cost(self, request_id: str | None, context: int) -> float:
+        """The request's expected rows per step: its estimate once it ran, else the
+        calibrated prior of its `context` (a request not placed yet: request_id None)."""
+        estimate = self.estimates.get(request_id)
+        if estimate is not None:
+            return estimate
+        scale = self.observed / self.predicted if self.predicted else 1.0
+        return scale * self.prior(context)
+
+    def observe(self, request_id: str, context: int, rows: int) -> None:
+        """Fold one step's `rows` copied by the request (of `context` tokens) into its
+        estimate (starting from its cost: one step is a burst or less) and the
+        calibration."""
+        start = self.cost(request_id, context)
+        self.estimates[request_id] = update_estimate(start, rows, weight=self.weight)
+        self.observed += rows
+        self.predicted += self.prior(context)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request's estimate (it finished or was released)."""
+        self.estimates.pop(request_id, None)
 
 
 def assign(rule: str, costs: Sequence[float], *, load: Sequence[float], free: Sequence[int],

@@ -82,6 +82,21 @@ def test_expected_misses_and_estimate():
     assert placement.update_estimate(10.0, 20.0, weight=1.0) == 20.0
 
 
+def test_miss_estimates_calibrate_the_prior_then_follow_each_request():
+    est = placement.MissEstimates(hot_slots=1024, topk=64, weight=0.25)
+    # Nothing observed: a request costs its prior, K (1 - C / S) = 64 * 0.75 = 48.
+    assert est.cost(None, 4096) == est.cost("a", 4096) == est.prior(4096) == 48.0
+    est.observe("a", 4096, 24)  # from its cost: 0.25 * 24 + 0.75 * 48 = 42
+    assert est.cost("a", 4096) == 42.0 and (est.observed, est.predicted) == (24.0, 48.0)
+    # Another request's prior is scaled by observed / predicted = 24 / 48.
+    assert est.cost("b", 2048) == 0.5 * est.prior(2048) == 16.0
+    est.observe("b", 2048, 0)  # 0.75 * 16 = 12; the calibration is now 24 / 80
+    assert est.cost("b", 2048) == 12.0 and est.cost(None, 4096) == pytest.approx(14.4)
+    est.forget("a")
+    assert est.cost("a", 4096) == pytest.approx(14.4) and "a" not in est.estimates
+    est.forget("a")  # forgetting twice is harmless
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: placement.assign("fastest", [1.0], load=[0], free=[1]),
      "unknown placement rule 'fastest'; choose one of ('round_robin', 'least_requests', "

@@ -207,7 +207,6 @@ class EngineArgs:
         refused = [(self.device_gb is not None, "--device-gb"),
                    (self.host_pool_gb is not None, "--host-pool-gb"),
                    (self.pool_memory == "device", "--pool-memory device"),
-                   (self.placement == "least_misses", "--placement least_misses"),
                    (self.prefix_cache, "--prefix-cache"),
                    (self.drafter is not None or bool(self.num_drafts), "drafts (--drafter, "
                     "--num-drafts)")]

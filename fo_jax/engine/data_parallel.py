@@ -47,7 +47,6 @@ class _Placed:
     prompt_len: int
     generated: int = 0
     finished: bool = False
-    estimate: float | None = None  # least_misses: EMA of rows copied per step, once it ran
 
 
 class DataParallelEngine:
@@ -126,7 +125,8 @@ class DataParallelEngine:
         self._placed: dict[str, _Placed] = {}
         self._ids = itertools.count()
         self._turn = 0
-        self._observed = self._predicted = 0.0  # least_misses: calibration of the prior
+        self._misses = placement_rules.MissEstimates(  # least_misses's costs (offloaded)
+            hot_slots=self.offload.hot_slots, topk=self.config.index_topk) if offloaded else None
         self._union_seen = [None] * len(devices)  # [B] union rows counted so far per rank
         self._executor = None if len(devices) == 1 else concurrent.futures.ThreadPoolExecutor(
             max_workers=len(devices), thread_name_prefix="fo-jax-rank")
@@ -173,7 +173,7 @@ class DataParallelEngine:
         if not any(free):  # every seat taken or promised: it waits on one of the ranks
             free = [1] * self.ranks
         load = self.rank_loads()
-        ranks, turn = placement_rules.assign(self.placement, [self._cost(prompt_len, 0, None)],
+        ranks, turn = placement_rules.assign(self.placement, [self._cost(None, prompt_len)],
                                              load=load, free=free, turn=self._turn)
         return ranks[0], turn
 
@@ -182,25 +182,17 @@ class DataParallelEngine:
         requests' costs (requests for least_requests and round_robin, tokens for
         least_context, expected rows copied per step for least_misses). O(requests)."""
         load = [0.0] * self.ranks
-        for p in self._placed.values():
+        for rid, p in self._placed.items():
             if not p.finished:
-                load[p.rank] += self._cost(p.prompt_len, p.generated, p.estimate)
+                load[p.rank] += self._cost(rid, p.prompt_len + p.generated)
         return load
 
-    def _cost(self, prompt_len: int, generated: int, estimate: float | None) -> float:
+    def _cost(self, request_id: str | None, context: int) -> float:
         if self.placement in ("round_robin", "least_requests"):
             return 1.0
-        context = prompt_len + generated
         if self.placement == "least_context":
             return float(context)
-        if estimate is not None:
-            return estimate
-        scale = self._observed / self._predicted if self._predicted else 1.0
-        return scale * self._prior(context)
-
-    def _prior(self, context: int) -> float:
-        return placement_rules.expected_misses(context, hot_slots=self.offload.hot_slots,
-                                               topk=self.config.index_topk)
+        return self._misses.cost(request_id, context)
 
     def rank_of(self, request_id: str) -> int:
         """The rank a request was placed on (KeyError for an unknown id)."""
@@ -223,6 +215,8 @@ class DataParallelEngine:
         with jax.default_device(self.devices[rank]):
             out = self.engines[rank].release(request_id)
         del self._placed[request_id]
+        if self._misses is not None:
+            self._misses.forget(request_id)
         return out
 
     def has_unfinished(self) -> bool:
@@ -378,12 +372,7 @@ class DataParallelEngine:
         placed = self._placed.get(request_id)
         if placed is None or self.placement != "least_misses":
             return
-        context = placed.prompt_len + placed.generated
-        if placed.estimate is None:  # from its cost at placement: one step is a burst or less
-            placed.estimate = self._cost(placed.prompt_len, placed.generated, None)
-        placed.estimate = placement_rules.update_estimate(placed.estimate, rows)
-        self._observed += rows
-        self._predicted += self._prior(context)
+        self._misses.observe(request_id, placed.prompt_len + placed.generated, rows)
 
     def run(self) -> dict[str, RequestOutput]:
         """Step until every request has finished; the final output of each request."""

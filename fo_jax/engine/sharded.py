@@ -15,7 +15,8 @@ per rank), their KV on its device (resident: its shard [L, B, S, D+R] of the row
 pages, host KV in its device's `pinned_host` memory, `ShardedPagedKV`), and its own queue: a
 request
 is placed on a rank for good by `add_request` (the `placement` rule of `fo_jax.placement`:
-round_robin, least_requests, least_context; default least_context) and admitted only into a
+round_robin, least_requests, least_context, least_misses; default least_misses paged,
+least_context resident) and admitted only into a
 free seat of its rank, in its rank's queue order (`RankScheduler`). Each `step()` admits per
 rank, then prefills: one program per round over all ranks, each rank running one chunk of one
 of its prefilling requests (`fo_jax.sharded_steps.sharded_prefill_seats`; a rank with nothing
@@ -39,8 +40,13 @@ pool runs short, preempts its own youngest request (`RankScheduler`: `Scheduler`
 the rank's seats, queue and pool); a request resumes on its rank (pages kept: rejoined; dropped:
 prefilled again and its tokens replayed by the sharded decode step, `ShardedRunner.replay`).
 
-Not yet (refused with a message): paged, device_bytes, host_pool_bytes, the pool in device
-memory and least_misses placement; prefix reuse, drafts, log-probabilities, a metrics log, and
+Paged, each decode call's offload statistics ([G, R B] rows copied per seat) are read back
+after its tokens (no further wait; O(G R B) on the host per call): they give each rank's rows
+copied (`rank_misses`, `imbalance`) and, for least_misses, each request's running estimate of
+its rows per step (`fo_jax.placement.MissEstimates`, as `DataParallelEngine` keeps it).
+
+Not yet (refused with a message): paged, device_bytes, host_pool_bytes and the pool in device
+memory; prefix reuse, drafts, log-probabilities, a metrics log, and
 moving requests between engines. It runs without overlap (`overlap` is set False: each decode
 call is read back at once). Design: docs/guides/many-devices.md, "One sharded engine".
 """
@@ -69,7 +75,7 @@ from fo_jax.engine.settings import EngineSettings
 from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload.state import DecodeState
 
-PLACEMENTS = ("round_robin", "least_requests", "least_context")
+PLACEMENTS = placement_rules.RULES
 
 
 class ShardedResidentKV(KVStore):
@@ -386,7 +392,8 @@ class ShardedEngine(Engine):
         holds R times `seats` seats, and R pools).
       mesh, rules: `fo_jax.sharding.expert_mesh(R, expert=R)` (the all-to-all layout) or
         `make_mesh(R)` with rules None (`RULES`: every weight on every device).
-      placement: a rule of `PLACEMENTS` (default least_context).
+      placement: a rule of `PLACEMENTS` (default least_misses paged, least_context
+        resident; least_misses needs the paged path: the resident path copies no misses).
     Raises:
       ValueError: bad placement, and every `Engine` refusal.
       NotImplementedError: settings the sharded engine does not run yet.
@@ -406,11 +413,16 @@ class ShardedEngine(Engine):
                 f"the sharded engine runs a mesh of data ranks only (make_mesh(R), or "
                 f"expert_mesh(R, expert=R): the experts split over the data ranks), got mesh "
                 f"axes {dict(mesh.shape)}")
-        placement = "least_context" if placement is None else placement
+        paged = settings.cache.offload is not None
+        if placement is None:
+            placement = "least_misses" if paged else "least_context"
         if placement not in PLACEMENTS:
             raise ValueError(f"placement={placement!r}: the sharded engine places by one of "
-                             f"{PLACEMENTS} (fo_jax.placement; least_misses, which reads "
-                             "each seat's misses, is not run by it yet)")
+                             f"{PLACEMENTS} (fo_jax.placement)")
+        if placement == "least_misses" and not paged:
+            raise ValueError("placement='least_misses' needs the offloaded path (an "
+                             "OffloadConfig): the resident path copies no misses; use "
+                             "'least_context'")
         self.mesh, self.rules, self.placement = mesh, rules, placement
         self.ranks = sharding.data_size(mesh)
         self.seats_per_rank = int(settings.cache.seats)
@@ -423,6 +435,9 @@ class ShardedEngine(Engine):
             scheduler=dataclasses.replace(settings.scheduler, overlap=False))
         super().__init__(sharding.shard_params(params, mesh, rules), config, whole,
                          tokenizer=tokenizer)
+        self._misses = placement_rules.MissEstimates(  # least_misses's costs (paged)
+            hot_slots=self.offload.hot_slots, topk=config.index_topk) if paged else None
+        self._reset_rank_figures()
 
     def _make_kv_store(self, config: ModelConfig, settings: EngineSettings):
         store = ShardedPagedKV if settings.cache.paged else ShardedResidentKV
@@ -454,6 +469,7 @@ class ShardedEngine(Engine):
             rank, turn = self.choose_rank(len(prompt))
         rid = super().add_request(prompt, **kwargs)
         self._placed[rid], self._turn = rank, turn
+        self.placed_per_rank[rank] += 1
         return rid
 
     def choose_rank(self, prompt_len: int) -> tuple[int, int]:
@@ -465,16 +481,21 @@ class ShardedEngine(Engine):
             if req.finish_reason is None:
                 r = self._placed[req.request_id]
                 busy[r] += 1
-                load[r] += self._cost(len(req.prompt) + len(req.tokens))
+                load[r] += self._cost(req.request_id, len(req.prompt) + len(req.tokens))
         free = [max(self.seats_per_rank - n, 0) for n in busy]
         if not any(free):
             free = [1] * self.ranks
-        ranks, turn = placement_rules.assign(self.placement, [self._cost(prompt_len)],
+        ranks, turn = placement_rules.assign(self.placement, [self._cost(None, prompt_len)],
                                              load=load, free=free, turn=self._turn)
         return ranks[0], turn
 
-    def _cost(self, context: int) -> float:
-        return float(context) if self.placement == "least_context" else 1.0
+    def _cost(self, request_id: str | None, context: int) -> float:
+        """A request's cost in the placement rule's unit (None: one not placed yet)."""
+        if self.placement == "least_context":
+            return float(context)
+        if self.placement == "least_misses":
+            return self._misses.cost(request_id, context)
+        return 1.0
 
     def rank_of(self, request_id: str) -> int:
         """The rank a request was placed on (KeyError for an unknown id)."""
@@ -485,6 +506,8 @@ class ShardedEngine(Engine):
     def release(self, request_id: str):
         out = super().release(request_id)
         del self._placed[request_id]
+        if self._misses is not None:
+            self._misses.forget(request_id)
         return out
 
     def rank_seats(self, rank: int) -> range:
@@ -492,10 +515,33 @@ class ShardedEngine(Engine):
         return range(rank * self.seats_per_rank, (rank + 1) * self.seats_per_rank)
 
     def reset_figures(self) -> None:
-        """Zero the counters and timings (a warm-up left out)."""
+        """Zero the counters, timings, statistics and the ranks' figures (a warm-up left
+        out)."""
         self.counters = dict.fromkeys(self.counters, 0)
         self.timings = dict.fromkeys(self.timings, 0.0)
         self.stats = None
+        self._reset_rank_figures()
+
+    def _reset_rank_figures(self) -> None:
+        self._rank_misses = np.zeros(self.ranks, np.int64)
+        self._sum_max = self._sum_mean = 0.0
+        self._misses_calls = 0
+        self.placed_per_rank = [0] * self.ranks
+
+    def rank_misses(self) -> list[int]:
+        """[R] rows each rank copied from its host pool since the last `reset_figures` (its
+        seats' miss unions, summed over indexer groups and decode calls); zeros resident."""
+        return [int(x) for x in self._rank_misses]
+
+    def imbalance(self) -> dict:
+        """How unevenly the ranks copied (`DataParallelEngine.imbalance`'s figures): rows per
+        rank, requests placed per rank, decode calls, and the spread, sum over calls of the
+        largest rank's rows / sum of the mean rank's (1.0: even; R: one rank copied all; the
+        call waits for the largest rank)."""
+        mean = self._sum_mean
+        return {"placement": self.placement, "rank_misses": self.rank_misses(),
+                "placed_per_rank": list(self.placed_per_rank), "steps": self._misses_calls,
+                "max_over_mean": self._sum_max / mean if mean else None}
 
     def withdraw(self, request_id: str):
         raise NotImplementedError("requests do not move out of the sharded engine yet")
@@ -558,6 +604,24 @@ class ShardedEngine(Engine):
         joined = [r for r in requests if r.prefilled == len(r.prompt)]
         if joined:
             self._join(joined, last, moved)
+
+    def _read_back(self, call, moved) -> None:
+        """`Engine._read_back`, then the call's rows copied per seat (its statistics' union
+        [G, R B], summed over groups): added to each rank's figures and, for least_misses,
+        to the estimate of each request the call ran (by its context before the call)."""
+        ran = [(r.request_id, r.seat, len(r.prompt) + len(r.tokens)) for r in call.live()]
+        super()._read_back(call, moved)
+        if call.out.stats is None:
+            return
+        rows = np.asarray(call.out.stats.union).sum(axis=0)  # [R B]; the call was read
+        copied = rows.reshape(self.ranks, self.seats_per_rank).sum(axis=1)
+        self._rank_misses += copied
+        self._sum_max += float(copied.max())
+        self._sum_mean += float(copied.mean())
+        self._misses_calls += 1
+        if self.placement == "least_misses":
+            for rid, seat, context in ran:
+                self._misses.observe(rid, context, int(rows[seat]))
 
     # Pools ---------------------------------------------------------------------------------
 

@@ -11,7 +11,9 @@ arrivals, three on one rank of two seats: one waits in its rank's queue) is serv
 experts) and on the plain data mesh (every weight on every device); "offloaded", in the
 all-to-all layout with a host pool per rank (every page back in its pool at the end; `serve
 --offload` builds it), and with pools of 8 pages and reserve="prompt", where rank 0 preempts
-its younger request, which resumes (prefilled again, its tokens replayed). Every
+its younger request, which resumes (prefilled again, its tokens replayed), and a stream placed
+by least_misses (the default offloaded: by the loads its miss estimates give; the rows each
+rank copied are its seats' statistics). Every
 request's tokens (greedy, and two sampled with their own seeds) must equal those of the same
 request served alone by one single-device `Engine` of the same settings with the whole
 weights; every request sits only in seats of its rank; a request cancelled while it decodes
@@ -278,8 +280,11 @@ def error_cases() -> None:
     raises(lambda: make(**dict(SETTINGS, prefix_cache=True)),
            "the sharded engine does not run prefix_cache yet", NotImplementedError)
     raises(lambda: make(placement="least_misses", **SETTINGS),
-           "placement='least_misses': the sharded engine places by one of ('round_robin', "
-           "'least_requests', 'least_context')")
+           "placement='least_misses' needs the offloaded path (an OffloadConfig): the resident "
+           "path copies no misses; use 'least_context'")
+    raises(lambda: make(placement="fastest", **SETTINGS),
+           "placement='fastest': the sharded engine places by one of ('round_robin', "
+           "'least_requests', 'least_context', 'least_misses')")
     raises(lambda: ShardedEngine(_params(), CONFIG, mesh=sharding.make_mesh(RANKS, expert=2),
                                  **SETTINGS),
            "the sharded engine runs a mesh of data ranks only (make_mesh(R), or "
@@ -348,14 +353,80 @@ def serve_offloaded_case() -> None:
     assert engine.rank_pool_occupancy() == [{"free": 16, "held": 0, "cached": 0,
                                              "total": 16}] * RANKS
     assert engine.state.host.kv.sharding.memory_kind == "pinned_host"
+    assert engine.placement == "least_misses"  # the default offloaded
     log("serve --devices 4 --expert-parallel 4 --offload: a host pool of 16 pages per rank")
+
+
+def check_rank_misses(engine) -> None:
+    """The engine's rows copied per rank are its statistics' union rows of the rank's seats."""
+    union = np.asarray(engine.stats.union).sum(axis=0)  # [R B], summed over decode calls
+    want = union.reshape(RANKS, SEATS).sum(axis=1).tolist()
+    assert engine.rank_misses() == want, (engine.rank_misses(), want)
+    figures = engine.imbalance()
+    assert figures["steps"] == engine.counters["decode_calls"], figures
+    assert figures["rank_misses"] == want and sum(figures["placed_per_rank"]) >= 1, figures
+    assert figures["max_over_mean"] is None or 1.0 <= figures["max_over_mean"] <= RANKS
+
+
+def least_misses_case(mesh, rules) -> None:
+    """least_misses, the default offloaded: a new request goes to the rank whose unfinished
+    requests' costs (calibrated prior, then each one's estimate of rows per decode call) sum
+    least, with the loads read from the engine's bookkeeping; every decode call's rows fold
+    into the estimates of the requests it ran (observed: all the rows copied); tokens are
+    still bitwise each request's solo run."""
+    extra = (("num_pages", 8),)
+    engine = ShardedEngine(_params(), CONFIG, mesh=mesh, rules=rules, offload=OFFLOAD,
+                           **SETTINGS, **dict(extra))
+    assert engine.placement == "least_misses"
+    misses = engine._misses
+    # Nothing observed: costs are priors, 16 (1 - 16 / S), zero up to 16 tokens: the first
+    # two long prompts go to ranks 0 and 1, the short ones (cost 0) to the least loaded
+    # ranks with most free seats, then lowest index: 2 and 3.
+    stream = [(0, 21, 24, 6, None), (0, 22, 20, 6, None), (0, 23, 3, 8, None),
+              (0, 24, 5, 4, None)]
+    ids = [engine.add_request(_prompt(seed, length), max_tokens=max_tokens, **_sampling(seed))
+           for _, seed, length, max_tokens, _ in stream]
+    assert [engine.rank_of(r) for r in ids] == [0, 1, 2, 3], [engine.rank_of(r) for r in ids]
+    placed, steps = list(ids), 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        # The loads the rule reads: each unfinished request's cost on its rank.
+        load = [0.0] * RANKS
+        for rid in placed:
+            out = engine._requests.get(rid)
+            if out is not None and out.finish_reason is None:
+                load[engine.rank_of(rid)] += misses.cost(rid, len(out.prompt) + len(out.tokens))
+        if steps == 2:  # a request placed while others run: the least loaded rank
+            rank, _ = engine.choose_rank(18)
+            assert load[rank] == min(load), (rank, load)
+            placed.append(engine.add_request(_prompt(25, 18), max_tokens=3))
+            stream.append((2, 25, 18, 3, None))
+            assert engine.rank_of(placed[-1]) == rank
+        assert steps < 60, "the stream did not finish"
+    total = sum(engine.rank_misses())
+    assert total > 0 and misses.observed == total, (misses.observed, engine.rank_misses())
+    assert misses.predicted > 0 and set(misses.estimates) == set(placed), misses.estimates
+    check_rank_misses(engine)
+    assert sum(engine.imbalance()["placed_per_rank"]) == len(placed)
+    solo = _solo(OFFLOAD, tuple(stream), extra)
+    outs = engine.run()
+    for i, rid in enumerate(placed):
+        assert outs[rid].token_ids == solo[i], (i, outs[rid].token_ids, solo[i])
+        engine.release(rid)
+    assert not misses.estimates, misses.estimates  # released: forgotten
+    log(f"least_misses: {len(placed)} requests on ranks {engine.placed_per_rank}, rows copied "
+        f"per rank {engine.rank_misses()}, estimates from {steps} steps; tokens bitwise "
+        "their solo runs")
 
 
 def offloaded_cases():
     serve_offloaded_case()
     mesh, rules = sharding.expert_mesh(RANKS, expert=RANKS)
-    stream_case(mesh, rules, split=True, offload=OFFLOAD, extra=(("num_pages", 8),),
-                what="all-to-all layout, offloaded (a host pool of 8 pages per rank)")
+    engine = stream_case(mesh, rules, split=True, offload=OFFLOAD, extra=(("num_pages", 8),),
+                         what="all-to-all layout, offloaded (a host pool of 8 pages per rank)")
+    check_rank_misses(engine)
+    least_misses_case(mesh, rules)
     engine = stream_case(mesh, rules, split=True, offload=OFFLOAD, stream=tuple(PREEMPT_STREAM),
                          extra=PREEMPT, what="offloaded, reserve='prompt', 8 pages per rank")
     assert engine.counters["preemptions"] >= 1 and engine.counters["replayed_tokens"] >= 1

@@ -156,8 +156,8 @@ def test_the_flags_build_the_settings():
      "--expert-parallel does not run with --host-pool-gb yet: drop it"),
     (["--devices", "2", "--expert-parallel", "2", "--offload", "--pool-memory", "device"],
      "--expert-parallel does not run with --pool-memory device yet: drop it"),
-    (["--devices", "2", "--expert-parallel", "2", "--offload", "--placement", "least_misses"],
-     "--expert-parallel does not run with --placement least_misses yet: drop it"),
+    (["--devices", "2", "--expert-parallel", "2", "--placement", "least_misses"],
+     "--placement least_misses needs --offload"),
     (["--devices", "2", "--expert-parallel", "2", "--prefix-cache"],
      "--expert-parallel does not run with --prefix-cache yet: drop it"),
     (["--devices", "2", "--expert-parallel", "2", "--drafter", "ngram"],
@@ -172,6 +172,9 @@ def test_expert_parallel_flags_are_kept():
     args = _args("--devices", "2", "--expert-parallel", "2", "--offload", "--reserve", "prompt")
     assert (args.devices, args.expert_parallel, args.offload, args.reserve) == (2, 2, True,
                                                                                 "prompt")
+    args = _args("--devices", "2", "--expert-parallel", "2", "--offload", "--placement",
+                 "least_misses")
+    assert (args.expert_parallel, args.placement) == (2, "least_misses")
 
 
 def test_values_the_parser_does_not_see_are_checked_too():

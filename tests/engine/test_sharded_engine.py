@@ -5,7 +5,8 @@ all-to-all layout with 1/4 of the experts per device and on the plain data mesh;
 rank; seats free at the end; a cancel; the server's driver over it; `serve --devices 4
 --expert-parallel 4` builds it; the refusals' messages); offloaded, with a host pool per rank,
 in another (the same stream, and one where a rank's pool runs short and its youngest request
-is preempted and resumes: tokens bit for bit, every page back in its rank's pool)."""
+is preempted and resumes: tokens bit for bit, every page back in its rank's pool; and
+least_misses placement, its estimates and the rows copied per rank)."""
 
 import os
 import subprocess
