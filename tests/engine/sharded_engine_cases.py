@@ -27,9 +27,11 @@ import os
 import sys
 import time
 
+# FO_JAX_RANKS=8 runs the offloaded cases over 8 ranks (the resident ones assume 4).
+RANKS = int(os.environ.get("FO_JAX_RANKS", "4"))
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=4")
+                               + f" --xla_force_host_platform_device_count={RANKS}")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -43,7 +45,7 @@ from fo_jax.offload.config import OffloadConfig  # noqa: E402
 
 # tiny_moe cut to 2 layers: layer 0 dense, layer 1 MoE (8 experts, 2 per token, a shared one).
 CONFIG = get_config("tiny_moe").replace(num_layers=2, indexer_layers=(0,), max_ways=1)
-RANKS, SEATS, CAPACITY, CHUNK = 4, 2, 32, 8
+SEATS, CAPACITY, CHUNK = 2, 32, 8
 SETTINGS = dict(seats=SEATS, capacity=CAPACITY, decode_steps_per_call=2, prefill_chunk=CHUNK,
                 query_block=None, overlap=False)
 # (arrival step, prompt seed, prompt length, max_tokens, rank or None: the placement rule's).
@@ -158,7 +160,7 @@ def stream_case(mesh, rules, *, split: bool, what: str, offload=None, stream=tup
         assert rank is None or placed[i] == rank, (i, placed)
     if stream == tuple(STREAM):
         assert waited, "no request waited for a seat of its rank while others had free seats"
-        assert len(set(placed)) == RANKS, placed  # every rank served some
+        assert len(set(placed)) >= min(RANKS, 4), placed  # 4 ranks: every rank served some
     solo = _solo(offload, stream, extra)
     outs = engine.run()
     for i in range(len(stream)):
@@ -347,14 +349,16 @@ def serve_offloaded_case() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     engine = build_engine(parser.parse_args([
-        "--model", "tiny_moe", "--devices", "4", "--expert-parallel", "4", "--offload",
+        "--model", "tiny_moe", "--devices", str(RANKS), "--expert-parallel", str(RANKS),
+        "--offload",
         "--page-size", "4", "--seats", "2", "--capacity", "32", "--prefill-chunk", "8"]))[0]
     assert isinstance(engine, ShardedEngine) and engine.kv.paged, type(engine.kv)
     assert engine.rank_pool_occupancy() == [{"free": 16, "held": 0, "cached": 0,
                                              "total": 16}] * RANKS
     assert engine.state.host.kv.sharding.memory_kind == "pinned_host"
     assert engine.placement == "least_misses"  # the default offloaded
-    log("serve --devices 4 --expert-parallel 4 --offload: a host pool of 16 pages per rank")
+    log(f"serve --devices {RANKS} --expert-parallel {RANKS} --offload: a host pool of 16 "
+        "pages per rank")
 
 
 def check_rank_misses(engine) -> None:
