@@ -18,7 +18,7 @@ is placed on a rank for good by `add_request` (the `placement` rule of `fo_jax.p
 round_robin, least_requests, least_context; default least_context) and admitted only into a
 free seat of its rank, in its rank's queue order (`RankScheduler`). Each `step()` admits per
 rank, then prefills: one program per round over all ranks, each rank running one chunk of one
-of its prefilling requests (`fo_jax.sharded_steps.sharded_prefill_seats`; a rank with nothing
+of its prefilling requests (`fo_jax.sharded_seats.sharded_prefill_seats`; a rank with nothing
 to prefill runs a row that writes nothing; paged, the chunks of a round load the same number
 of history pages), until every prefilling request has had its chunk;
 then one decode call over every rank's seats (`fo_jax.sharded_steps.sharded_decode_loop`:
@@ -56,7 +56,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fo_jax import placement as placement_rules
-from fo_jax import resident, sharded_steps, sharding
+from fo_jax import resident, sharded_seats, sharded_steps, sharding
 from fo_jax.config import ModelConfig
 from fo_jax.decode_loop import OffloadedStep, ResidentStep
 from fo_jax.engine.costs import MemoryCosts
@@ -106,7 +106,7 @@ class ShardedResidentKV(KVStore):
         tokens, at most prefill_chunk)}; a rank not in `rows` writes nothing. Returns the logits
         [R, prefill_chunk, V] (row r: rank r's chunk's)."""
         seats, tokens, num_new = _round_arrays(rows, self.ranks, self.chunk)
-        logits, self.state = sharded_steps.sharded_prefill_seats(
+        logits, self.state = sharded_seats.sharded_prefill_seats(
             params, self.state, seats, tokens, num_new, mesh=self.mesh, config=self.config,
             query_block=self.query_block, check=False, rules=self.rules)
         return logits
@@ -175,7 +175,7 @@ class ShardedPagedKV(KVStore):
             masked_rows(self.state.table, mask, table), self._shardings.table))
 
     def join(self, mask: np.ndarray) -> None:
-        self.state = sharded_steps.sharded_join_seats(self.state, mask, config=self.config,
+        self.state = sharded_seats.sharded_join_seats(self.state, mask, config=self.config,
                                                       offload=self.offload, mesh=self.mesh,
                                                       rules=self.rules)
 
@@ -193,7 +193,7 @@ class ShardedPagedKV(KVStore):
         st, oc = self.state, self.offload
         view = offload_prefill.PrefillState(host=st.host, table=st.table,
                                             index_keys=st.index_keys, lengths=st.lengths)
-        logits, view = sharded_steps.sharded_prefill_seats(
+        logits, view = sharded_seats.sharded_prefill_seats(
             params, view, seats, tokens, num_new, mesh=self.mesh, config=self.config,
             query_block=self.query_block, check=False, rules=self.rules,
             history_pages=history_pages, num_buffers=self.num_buffers,
