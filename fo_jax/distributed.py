@@ -15,9 +15,12 @@ On one machine, `python -m fo_jax.distributed launch --processes 2 --devices-per
 script.py ARGS` starts the processes (a free coordinator port, simulated CPU devices, a time
 limit, every child killed on failure) and the script joins with `initialize_from_env()`.
 
+Processes stepping one program in lockstep agree on how many calls to make with
+`process_max` (a small all-gather).
+
 Sizes: P processes, D devices in all (D / P per process), B requests (B / P per process, B / D
 per device). Nothing here moves data between processes except `jax.distributed`'s own start-up
-handshake: rows go from each host to its own devices and back.
+handshake and `process_max`'s few ints: rows go from each host to its own devices and back.
 """
 
 from __future__ import annotations
@@ -305,6 +308,21 @@ def local_rows(global_array: jax.Array, *, dim: int = 0) -> np.ndarray:
                              f"contiguous block along dim {dim} (spans {spans}): build the "
                              "mesh with data_mesh() so each process holds one block")
     return np.concatenate([np.asarray(blocks[span].data) for span in spans], axis=dim)
+
+
+def process_max(values) -> np.ndarray:
+    """The elementwise max over every process of a few small ints (`values`, the same length on
+    every process): how processes stepping one program in lockstep agree on how many calls to
+    make. A collective (`process_allgather`, over the CPU backend's gloo, or NCCL / ICI): every
+    process calls it at the same point. With one process, the values themselves (no
+    collective). O(P len(values)) host traffic."""
+    values = np.asarray(values, np.int32).reshape(-1)
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(values)).reshape(
+        jax.process_count(), -1).max(axis=0)
 
 
 # ---------------------------------------------------------------------------------- launcher

@@ -39,10 +39,19 @@ pool runs short, preempts its own youngest request (`RankScheduler`: `Scheduler`
 the rank's seats, queue and pool); a request resumes on its rank (pages kept: rejoined; dropped:
 prefilled again and its tokens replayed by the sharded decode step, `ShardedRunner.replay`).
 
+Across processes (jax.distributed; resident only): each process builds the same engine over
+the global mesh, serves the ranks of its own devices (`local_ranks`: their requests, seats and
+queues) and steps in lockstep with the others: each step the processes agree (one small
+all-gather, `fo_jax.distributed.process_max`) on the number of prefill rounds (the most any
+needs) and on whether a decode call runs (any decoding seat anywhere); `run` and
+`any_unfinished` step until every process is done. No host read of another process's rows
+(`ShardedRunner`: seats and sampling kept on the process's first device between decode calls).
+
 Not yet (refused with a message): paged, device_bytes, host_pool_bytes, the pool in device
-memory and least_misses placement; prefix reuse, drafts, log-probabilities, a metrics log, and
-moving requests between engines. It runs without overlap (`overlap` is set False: each decode
-call is read back at once). Design: docs/guides/many-devices.md, "One sharded engine".
+memory and least_misses placement; prefix reuse, drafts, log-probabilities, a metrics log,
+moving requests between engines, and the paged path across processes. It runs without
+overlap (`overlap` is set False: each decode call is read back at once). Design:
+docs/guides/many-devices.md, "One sharded engine".
 """
 
 from __future__ import annotations
@@ -52,9 +61,11 @@ import time
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from fo_jax import distributed
 from fo_jax import placement as placement_rules
 from fo_jax import resident, sharded_seats, sharded_steps, sharding
 from fo_jax.config import ModelConfig
@@ -95,7 +106,8 @@ class ShardedResidentKV(KVStore):
     def set_seats(self, seats: dict) -> None:
         super().set_seats(seats)
         self.state = dataclasses.replace(  # the lengths stay split as the programs take them
-            self.state, lengths=jax.device_put(self.state.lengths, self._shardings.lengths))
+            self.state, lengths=sharded_steps.put_sharded(
+                self.state.lengths, self._shardings.lengths))
 
     def history_pages(self, prefilled: int) -> None:
         """No history pages: a resident chunk reads its seat's rows."""
@@ -162,7 +174,8 @@ class ShardedPagedKV(KVStore):
     def set_seats(self, seats: dict) -> None:
         super().set_seats(seats)
         self.state = dataclasses.replace(  # as the programs take them
-            self.state, lengths=jax.device_put(self.state.lengths, self._shardings.lengths),
+            self.state, lengths=sharded_steps.put_sharded(
+                self.state.lengths, self._shardings.lengths),
             table=jax.device_put(self.state.table, self._shardings.table))
 
     def set_rows(self, rows: dict) -> None:
@@ -223,6 +236,48 @@ class RankKV:
         self.seats, self.capacity, self.max_pages = kv.seats, kv.capacity, kv.max_pages
 
 
+def _put(x, placed: NamedSharding):
+    """`sharded_steps.put_sharded`, PRNG keys included (across processes, placed as their key
+    data)."""
+    if placed.is_fully_addressable:
+        return jax.device_put(x, placed)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = jax.random.key_data(x)
+        spec = tuple(placed.spec) + (None,) * (data.ndim - len(placed.spec))
+        return jax.random.wrap_key_data(
+            sharded_steps.put_sharded(data, NamedSharding(placed.mesh, P(*spec))),
+            impl=jax.random.key_impl(x))
+    return sharded_steps.put_sharded(x, placed)
+
+
+def _local_row(x: jax.Array, index: int) -> np.ndarray:
+    """Row `index` of `x` (split along axis 0) on the host, read from the shard of this
+    process's device that holds it (never another process's)."""
+    for shard in x.addressable_shards:
+        start, stop, _ = shard.index[0].indices(x.shape[0])
+        if start <= index < stop:
+            return np.asarray(shard.data[index - start])
+    raise ValueError(f"row {index} of the array is on another process's device")
+
+
+def _local_values(x: jax.Array, fill) -> np.ndarray:
+    """`x` (split along axis 0) on the host: the rows of this process's devices read from
+    them, every other row `fill` (another process's seats: never read by this one)."""
+    out = np.full(x.shape, fill, x.dtype)
+    for shard in x.addressable_shards:
+        out[shard.index] = np.asarray(shard.data)
+    return out
+
+
+def _local_leaf(x: jax.Array) -> jax.Array:
+    """`_local_values` of a seats leaf (PRNG keys by their key data), on this process's first
+    device."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = _local_values(jax.random.key_data(x), 0)
+        return jax.random.wrap_key_data(jnp.asarray(data), impl=jax.random.key_impl(x))
+    return jnp.asarray(_local_values(x, 0))
+
+
 def _round_arrays(rows: dict, ranks: int, chunk: int):
     """[R] seats, [R, chunk] tokens and [R] counts of a prefill round's rows {rank: (rank-local
     seat, tokens)}; a rank not in `rows` runs seat 0 with no token."""
@@ -237,12 +292,22 @@ def _round_arrays(rows: dict, ranks: int, chunk: int):
 
 class ShardedRunner(DecodeRunner):
     """`DecodeRunner` whose seats and sampling settings are split over the mesh as the KV is,
-    and whose decode call is `fo_jax.sharded_steps.sharded_decode_loop` over every rank."""
+    and whose decode call is `fo_jax.sharded_steps.sharded_decode_loop` over every rank.
+
+    Across processes (`multiprocess`) the seats and sampling settings are kept on this
+    process's first device between decode calls, only its own seats' rows meaningful: every
+    program over them (first tokens, joins, a finished seat marked) runs there alone, on no
+    other process's values (the first tokens' sampling reduces over the seats: on the mesh it
+    would be a collective every process must join). The decode call places them on the mesh
+    (each process its own rows) and takes back its own rows (`_local_values`)."""
 
     def __init__(self, params, config: ModelConfig, settings: EngineSettings, kv):
         super().__init__(params, config, settings, kv)
         self.mesh, self.rules = kv.mesh, kv.rules
-        self.seats = self._on_mesh(self.seats)
+        self.multiprocess = not kv.state.lengths.is_fully_addressable
+        self._mesh_sampling = None  # (the local settings, them on the mesh), across processes
+        if not self.multiprocess:
+            self.seats = self._on_mesh(self.seats)
 
     def _on_mesh(self, tree):
         """`tree`'s [B, ...] leaves split over `data` (the decode loop's layout)."""
@@ -250,16 +315,25 @@ class ShardedRunner(DecodeRunner):
 
         def one(x):
             spec = data if np.ndim(x) else P()
-            return jax.device_put(x, NamedSharding(self.mesh, spec))
+            return _put(x, NamedSharding(self.mesh, spec))
 
         return jax.tree.map(one, tree)
 
     def sampling(self):
         fresh = self._sampling is None
         out = super().sampling()
-        if fresh:
+        if fresh and not self.multiprocess:
             self._sampling = out = self._on_mesh(out)
         return out
+
+    def _placed_sampling(self):
+        """The sampling settings as the decode call takes them (placed once per change)."""
+        local = self.sampling()
+        if not self.multiprocess:
+            return local
+        if self._mesh_sampling is None or self._mesh_sampling[0] is not local:
+            self._mesh_sampling = (local, self._on_mesh(local))
+        return self._mesh_sampling[1]
 
     def replay(self, resumed) -> int:
         """`DecodeRunner.replay` over every rank: each resumed request's sampled tokens but the
@@ -280,14 +354,26 @@ class ShardedRunner(DecodeRunner):
             replayed += int(active.sum())
         return replayed
 
+    def dispatch(self, running, *, logprobs: int | None = None):
+        """`DecodeRunner.dispatch`; across processes, the call's tokens and lengths as this
+        process's seats' rows on the host (`_local_values`: no read of another process's
+        seats; the rest -1 and 0)."""
+        call = super().dispatch(running, logprobs=logprobs)
+        if self.multiprocess:
+            call.out = dataclasses.replace(call.out, tokens=_local_values(call.out.tokens, -1))
+            call.lengths = _local_values(call.lengths, 0)
+        return call
+
     def decode(self, *, logprobs: int | None = None):
         """One decode call of every rank's seats (`sharded_decode_loop`)."""
         if logprobs is not None:
             raise NotImplementedError("the sharded engine computes no log-probabilities")
         kv = self.kv
-        out, kv.state, self.seats = sharded_steps.sharded_decode_loop(
-            self.params, kv.state, self.seats, self.n_steps, self.sampling(), mesh=self.mesh,
-            step=kv.step_fn, rules=self.rules)
+        seats = self._on_mesh(self.seats) if self.multiprocess else self.seats
+        out, kv.state, seats = sharded_steps.sharded_decode_loop(
+            self.params, kv.state, seats, self.n_steps, self._placed_sampling(),
+            mesh=self.mesh, step=kv.step_fn, rules=self.rules)
+        self.seats = jax.tree.map(_local_leaf, seats) if self.multiprocess else seats
         return out
 
 
@@ -413,6 +499,16 @@ class ShardedEngine(Engine):
                              "each seat's misses, is not run by it yet)")
         self.mesh, self.rules, self.placement = mesh, rules, placement
         self.ranks = sharding.data_size(mesh)
+        # The ranks whose device this process drives (all of them in one process).
+        me = jax.process_index()
+        self.local_ranks = tuple(r for r, d in enumerate(mesh.devices.reshape(-1))
+                                 if d.process_index == me)
+        self.multiprocess = len(self.local_ranks) < self.ranks
+        if self.multiprocess and settings.cache.paged:
+            raise NotImplementedError(
+                "the sharded engine spans processes on the resident path only (offload=None): "
+                "its paged prefill rounds group chunks by history bucket, which the processes "
+                "do not agree on yet")
         self.seats_per_rank = int(settings.cache.seats)
         self._placed: dict[str, int] = {}  # request id -> its rank, for good
         self._turn = 0
@@ -445,6 +541,10 @@ class ShardedEngine(Engine):
                                  or not 0 <= rank < self.ranks):
             raise ValueError(f"rank={rank!r} must be an int in [0, R = {self.ranks}) or None "
                              "(placed by the rule)")
+        if rank is not None and rank not in self.local_ranks:
+            raise ValueError(f"rank={rank} is driven by another process: process "
+                             f"{jax.process_index()} takes requests for its own ranks "
+                             f"{list(self.local_ranks)}")
         if logprobs is not None:
             raise ValueError("logprobs are not computed by the sharded engine yet: pass "
                              "logprobs=None")
@@ -458,20 +558,23 @@ class ShardedEngine(Engine):
 
     def choose_rank(self, prompt_len: int) -> tuple[int, int]:
         """(the rank a new request of `prompt_len` tokens would go to now, round robin's next
-        turn): among the ranks with a free seat not promised to a waiting request (all ranks
-        when none has one), by the placement rule. Changes nothing. O(R + requests)."""
+        turn): among this process's ranks with a free seat not promised to a waiting request
+        (all of them when none has one), by the placement rule. Changes nothing.
+        O(R + requests)."""
         load, busy = [0.0] * self.ranks, [0] * self.ranks
         for req in self._requests.values():
             if req.finish_reason is None:
                 r = self._placed[req.request_id]
                 busy[r] += 1
                 load[r] += self._cost(len(req.prompt) + len(req.tokens))
-        free = [max(self.seats_per_rank - n, 0) for n in busy]
+        local = self.local_ranks  # a process places on its own ranks only
+        free = [max(self.seats_per_rank - busy[r], 0) for r in local]
         if not any(free):
-            free = [1] * self.ranks
+            free = [1] * len(local)
         ranks, turn = placement_rules.assign(self.placement, [self._cost(prompt_len)],
-                                             load=load, free=free, turn=self._turn)
-        return ranks[0], turn
+                                             load=[load[r] for r in local], free=free,
+                                             turn=self._turn)
+        return local[ranks[0]], turn
 
     def _cost(self, context: int) -> float:
         return float(context) if self.placement == "least_context" else 1.0
@@ -524,14 +627,20 @@ class ShardedEngine(Engine):
                     if r is not None and r.prefilled < len(r.prompt)]
                    for rank in range(self.ranks)]
         requests = [req for reqs in by_rank for req in reqs]
-        if not requests:
+        # Across processes every process runs as many rounds as the busiest (resident: one
+        # round per request of a rank; a process with fewer runs rounds that write nothing).
+        rounds_due = max(len(reqs) for reqs in by_rank)
+        if self.multiprocess:
+            rounds_due = int(distributed.process_max([rounds_due])[0])
+        if not rounds_due:
             return
         pending = [list(reqs) for reqs in by_rank]
         before, last, rounds = {}, {}, 0  # per request: tokens in its chunk; seat: last [V]
         start = time.perf_counter()
         work = self.runner.clock.begin(start)
-        while any(pending):
-            pages = self.kv.history_pages(next(reqs[0] for reqs in pending if reqs).prefilled)
+        while any(pending) or rounds < rounds_due:
+            first = next((reqs[0] for reqs in pending if reqs), None)
+            pages = None if first is None else self.kv.history_pages(first.prefilled)
             rows, parts = {}, {}
             for rank, reqs in enumerate(pending):
                 req = next((r for r in reqs if self.kv.history_pages(r.prefilled) == pages),
@@ -546,7 +655,8 @@ class ShardedEngine(Engine):
                 before[req.request_id] = n
                 if req.prefilled + n == len(req.prompt):
                     # on the host: the first tokens are sampled with the engine's seats
-                    last[req.seat] = np.asarray(logits[rank, n - 1])
+                    last[req.seat] = (_local_row(logits, rank)[n - 1] if self.multiprocess
+                                      else np.asarray(logits[rank, n - 1]))
         jax.block_until_ready(logits)
         ready = time.perf_counter()
         self.timings["prefill_s"] += ready - start
@@ -558,6 +668,34 @@ class ShardedEngine(Engine):
         joined = [r for r in requests if r.prefilled == len(r.prompt)]
         if joined:
             self._join(joined, last, moved)
+
+    def _decode(self, moved) -> None:
+        """`Engine._decode`; across processes every process makes the call when any has a
+        decoding seat (`distributed.process_max`), a process with none making it for its
+        ranks' all-to-alls and reading nothing back."""
+        if not self.multiprocess:
+            return super()._decode(moved)
+        running = any(r is not None and r.prefilled == len(r.prompt) and r.finish_reason is None
+                      for r in self._occupant)
+        if not distributed.process_max([running])[0]:
+            return
+        if running:
+            return super()._decode(moved)
+        self.runner.decode()  # every local seat done: its ranks step inactively
+
+    def any_unfinished(self) -> bool:
+        """Whether any process's engine has a request not finished (`has_unfinished` on each;
+        across processes a collective every process makes at the same point: they step
+        until all are done). One process: `has_unfinished`."""
+        mine = self.has_unfinished()
+        return bool(distributed.process_max([mine])[0]) if self.multiprocess else mine
+
+    def run(self) -> dict:
+        """Step until every request of every process has finished (`any_unfinished`); the
+        final output of each of this process's requests."""
+        while self.any_unfinished():
+            self.step()
+        return {rid: req.output([]) for rid, req in self._requests.items()}
 
     # Pools ---------------------------------------------------------------------------------
 
