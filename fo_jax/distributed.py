@@ -325,6 +325,25 @@ def process_max(values) -> np.ndarray:
         jax.process_count(), -1).max(axis=0)
 
 
+def local_row(x: jax.Array, index: int) -> np.ndarray:
+    """Row `index` of `x` (split along axis 0) on the host, read from the shard of this
+    process's device that holds it (never another process's)."""
+    for shard in x.addressable_shards:
+        start, stop, _ = shard.index[0].indices(x.shape[0])
+        if start <= index < stop:
+            return np.asarray(shard.data[index - start])
+    raise ValueError(f"row {index} of the array is on another process's device")
+
+
+def local_values(x: jax.Array, fill) -> np.ndarray:
+    """`x` on the host, whole-shaped: the blocks of this process's devices read from them,
+    every other element `fill` (another process's rows, which this one does not read)."""
+    out = np.full(x.shape, fill, x.dtype)
+    for shard in x.addressable_shards:
+        out[shard.index] = np.asarray(shard.data)
+    return out
+
+
 # ---------------------------------------------------------------------------------- launcher
 
 

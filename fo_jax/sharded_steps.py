@@ -193,7 +193,13 @@ def put_sharded(x, sharding: NamedSharding):
     """`x` placed with `sharding`. Host values (numpy, or an array on one device) are the whole
     array, alike on every process: with a mesh spanning processes each process places the
     shards of its own devices (`make_array_from_callback`; nothing crosses processes); a global
-    array is resharded."""
+    array is resharded. PRNG keys go as their key data."""
+    if (not sharding.is_fully_addressable and isinstance(x, jax.Array)
+            and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)):
+        data = jax.random.key_data(x)
+        spec = tuple(sharding.spec) + (None,) * (data.ndim - len(sharding.spec))
+        return jax.random.wrap_key_data(
+            put_sharded(data, NamedSharding(sharding.mesh, P(*spec))), impl=jax.random.key_impl(x))
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         return jax.device_put(x, sharding)
     if sharding.is_fully_addressable:

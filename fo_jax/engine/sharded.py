@@ -236,46 +236,13 @@ class RankKV:
         self.seats, self.capacity, self.max_pages = kv.seats, kv.capacity, kv.max_pages
 
 
-def _put(x, placed: NamedSharding):
-    """`sharded_steps.put_sharded`, PRNG keys included (across processes, placed as their key
-    data)."""
-    if placed.is_fully_addressable:
-        return jax.device_put(x, placed)
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        data = jax.random.key_data(x)
-        spec = tuple(placed.spec) + (None,) * (data.ndim - len(placed.spec))
-        return jax.random.wrap_key_data(
-            sharded_steps.put_sharded(data, NamedSharding(placed.mesh, P(*spec))),
-            impl=jax.random.key_impl(x))
-    return sharded_steps.put_sharded(x, placed)
-
-
-def _local_row(x: jax.Array, index: int) -> np.ndarray:
-    """Row `index` of `x` (split along axis 0) on the host, read from the shard of this
-    process's device that holds it (never another process's)."""
-    for shard in x.addressable_shards:
-        start, stop, _ = shard.index[0].indices(x.shape[0])
-        if start <= index < stop:
-            return np.asarray(shard.data[index - start])
-    raise ValueError(f"row {index} of the array is on another process's device")
-
-
-def _local_values(x: jax.Array, fill) -> np.ndarray:
-    """`x` (split along axis 0) on the host: the rows of this process's devices read from
-    them, every other row `fill` (another process's seats: never read by this one)."""
-    out = np.full(x.shape, fill, x.dtype)
-    for shard in x.addressable_shards:
-        out[shard.index] = np.asarray(shard.data)
-    return out
-
-
 def _local_leaf(x: jax.Array) -> jax.Array:
-    """`_local_values` of a seats leaf (PRNG keys by their key data), on this process's first
-    device."""
+    """`fo_jax.distributed.local_values` of a seats leaf (PRNG keys by their key data), on
+    this process's first device."""
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        data = _local_values(jax.random.key_data(x), 0)
+        data = distributed.local_values(jax.random.key_data(x), 0)
         return jax.random.wrap_key_data(jnp.asarray(data), impl=jax.random.key_impl(x))
-    return jnp.asarray(_local_values(x, 0))
+    return jnp.asarray(distributed.local_values(x, 0))
 
 
 def _round_arrays(rows: dict, ranks: int, chunk: int):
@@ -299,7 +266,7 @@ class ShardedRunner(DecodeRunner):
     program over them (first tokens, joins, a finished seat marked) runs there alone, on no
     other process's values (the first tokens' sampling reduces over the seats: on the mesh it
     would be a collective every process must join). The decode call places them on the mesh
-    (each process its own rows) and takes back its own rows (`_local_values`)."""
+    (each process its own rows) and takes back its own rows (`fo_jax.distributed.local_values`)."""
 
     def __init__(self, params, config: ModelConfig, settings: EngineSettings, kv):
         super().__init__(params, config, settings, kv)
@@ -315,7 +282,7 @@ class ShardedRunner(DecodeRunner):
 
         def one(x):
             spec = data if np.ndim(x) else P()
-            return _put(x, NamedSharding(self.mesh, spec))
+            return sharded_steps.put_sharded(x, NamedSharding(self.mesh, spec))
 
         return jax.tree.map(one, tree)
 
@@ -356,12 +323,13 @@ class ShardedRunner(DecodeRunner):
 
     def dispatch(self, running, *, logprobs: int | None = None):
         """`DecodeRunner.dispatch`; across processes, the call's tokens and lengths as this
-        process's seats' rows on the host (`_local_values`: no read of another process's
-        seats; the rest -1 and 0)."""
+        process's seats' rows on the host (`distributed.local_values`: no read of another
+        process's seats; the rest -1 and 0)."""
         call = super().dispatch(running, logprobs=logprobs)
         if self.multiprocess:
-            call.out = dataclasses.replace(call.out, tokens=_local_values(call.out.tokens, -1))
-            call.lengths = _local_values(call.lengths, 0)
+            tokens = distributed.local_values(call.out.tokens, -1)
+            call.out = dataclasses.replace(call.out, tokens=tokens)
+            call.lengths = distributed.local_values(call.lengths, 0)
         return call
 
     def decode(self, *, logprobs: int | None = None):
@@ -655,7 +623,8 @@ class ShardedEngine(Engine):
                 before[req.request_id] = n
                 if req.prefilled + n == len(req.prompt):
                     # on the host: the first tokens are sampled with the engine's seats
-                    last[req.seat] = (_local_row(logits, rank)[n - 1] if self.multiprocess
+                    last[req.seat] = (distributed.local_row(logits, rank)[n - 1]
+                                      if self.multiprocess
                                       else np.asarray(logits[rank, n - 1]))
         jax.block_until_ready(logits)
         ready = time.perf_counter()
