@@ -15,9 +15,12 @@ On one machine, `python -m fo_jax.distributed launch --processes 2 --devices-per
 script.py ARGS` starts the processes (a free coordinator port, simulated CPU devices, a time
 limit, every child killed on failure) and the script joins with `initialize_from_env()`.
 
+Processes stepping one program in lockstep agree on how many calls to make with
+`process_max` (a small all-gather).
+
 Sizes: P processes, D devices in all (D / P per process), B requests (B / P per process, B / D
 per device). Nothing here moves data between processes except `jax.distributed`'s own start-up
-handshake: rows go from each host to its own devices and back.
+handshake and `process_max`'s few ints: rows go from each host to its own devices and back.
 """
 
 from __future__ import annotations
@@ -305,6 +308,40 @@ def local_rows(global_array: jax.Array, *, dim: int = 0) -> np.ndarray:
                              f"contiguous block along dim {dim} (spans {spans}): build the "
                              "mesh with data_mesh() so each process holds one block")
     return np.concatenate([np.asarray(blocks[span].data) for span in spans], axis=dim)
+
+
+def process_max(values) -> np.ndarray:
+    """The elementwise max over every process of a few small ints (`values`, the same length on
+    every process): how processes stepping one program in lockstep agree on how many calls to
+    make. A collective (`process_allgather`, over the CPU backend's gloo, or NCCL / ICI): every
+    process calls it at the same point. With one process, the values themselves (no
+    collective). O(P len(values)) host traffic."""
+    values = np.asarray(values, np.int32).reshape(-1)
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(values)).reshape(
+        jax.process_count(), -1).max(axis=0)
+
+
+def local_row(x: jax.Array, index: int) -> np.ndarray:
+    """Row `index` of `x` (split along axis 0) on the host, read from the shard of this
+    process's device that holds it (never another process's)."""
+    for shard in x.addressable_shards:
+        start, stop, _ = shard.index[0].indices(x.shape[0])
+        if start <= index < stop:
+            return np.asarray(shard.data[index - start])
+    raise ValueError(f"row {index} of the array is on another process's device")
+
+
+def local_values(x: jax.Array, fill) -> np.ndarray:
+    """`x` on the host, whole-shaped: the blocks of this process's devices read from them,
+    every other element `fill` (another process's rows, which this one does not read)."""
+    out = np.full(x.shape, fill, x.dtype)
+    for shard in x.addressable_shards:
+        out[shard.index] = np.asarray(shard.data)
+    return out
 
 
 # ---------------------------------------------------------------------------------- launcher

@@ -6,9 +6,11 @@
                                                config=config, offload=offload)
 
     sharded_decode_step (+ lower_sharded_decode_step), sharded_resident_decode_step,
-    sharded_decode_loop, sharded_prefill, sharded_to_decode_state,
-    sharded_prefill_seats (one seat per rank), sharded_join_seats         steps
+    sharded_decode_loop, sharded_prefill, sharded_to_decode_state                steps
     DataParallelOffloadEngine                  fo_jax.batch_engines' OffloadEngine over them
+    data_parallel, dispatching, place_batch, put_sharded, host_view, hashable_rules
+                                the shard_map and placement pieces the steps are built from
+                                (also those of `fo_jax.sharded_seats`: one seat per rank)
 
 Each step wraps the single-device step's pure program in `shard_map` over `data`: every rank
 runs it on its B/D requests and F/D frames, in one compiled program for all ranks, with no
@@ -58,7 +60,7 @@ from fo_jax.sharding import (DATA, LAYOUTS, TABLES, check_divides, check_sharded
                              shard_state, shardings, specs, step_param_specs)
 
 
-def _data_parallel(body, mesh: Mesh, in_specs, out_specs):
+def data_parallel(body, mesh: Mesh, in_specs, out_specs):
     """`body` run by every data-parallel rank on its shard: shard_map over all mesh axes (the
     model / expert axes see replicated operands, but for what `in_specs` splits over them: the
     steps split the MoE experts over `expert`, `step_param_specs`).
@@ -109,7 +111,7 @@ def _data_parallel(body, mesh: Mesh, in_specs, out_specs):
     return run
 
 
-def _dispatching(params, mesh: Mesh, rules):
+def dispatching(params, mesh: Mesh, rules):
     """The weights a rank's step sees: with the experts split over `data`
     (`fo_jax.sharding.ALL_TO_ALL_RULES`) the MoE stacks are marked `AllToAllExperts`, so each
     MoE layer sends its rows to the experts' owners over `data` (`fo_jax.model.moe`)."""
@@ -154,14 +156,14 @@ def _program(mesh: Mesh, step, statics: tuple, has_extra: bool, rules_key):
     kwargs = dict(statics)
 
     def body(params, state, tokens, extra):
-        return step(_dispatching(params, mesh, rules), state, tokens, extra, **kwargs)
+        return step(dispatching(params, mesh, rules), state, tokens, extra, **kwargs)
 
     def run(params, state, tokens, extra):
         in_specs = (step_param_specs(params, mesh, rules), specs(state, mesh, rules),
                     logical_spec(LAYOUTS["tokens"], mesh, rules),
                     logical_spec(LAYOUTS["per_request"], mesh, rules) if has_extra else None)
         out_specs = _out_specs(jax.eval_shape(body, params, state, tokens, extra), mesh, rules)
-        out = _data_parallel(body, mesh, in_specs, out_specs)(params, state, tokens, extra)
+        out = data_parallel(body, mesh, in_specs, out_specs)(params, state, tokens, extra)
         # The new state keeps the input's shardings: host pages stay in host memory.
         new_state = jax.tree.map(jax.lax.with_sharding_constraint, out[1],
                                  shardings(state, mesh, rules))
@@ -182,16 +184,23 @@ def _offload_prefill(params, state, tokens, num_new, **statics):
     return offload_prefill.prefill_jit(params, state, tokens, num_new, **statics)
 
 
-def _place(x, axes, mesh: Mesh, rules):
+def place_batch(x, axes, mesh: Mesh, rules):
     """`x` ([B, ...] tokens, counts or flags: numpy or a jax array) split over the batch."""
-    return None if x is None else _put(x, NamedSharding(mesh, logical_spec(axes, mesh, rules)))
+    return None if x is None else put_sharded(x, NamedSharding(mesh,
+                                                             logical_spec(axes, mesh, rules)))
 
 
-def _put(x, sharding: NamedSharding):
+def put_sharded(x, sharding: NamedSharding):
     """`x` placed with `sharding`. Host values (numpy, or an array on one device) are the whole
     array, alike on every process: with a mesh spanning processes each process places the
     shards of its own devices (`make_array_from_callback`; nothing crosses processes); a global
-    array is resharded."""
+    array is resharded. PRNG keys go as their key data."""
+    if (not sharding.is_fully_addressable and isinstance(x, jax.Array)
+            and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)):
+        data = jax.random.key_data(x)
+        spec = tuple(sharding.spec) + (None,) * (data.ndim - len(sharding.spec))
+        return jax.random.wrap_key_data(
+            put_sharded(data, NamedSharding(sharding.mesh, P(*spec))), impl=jax.random.key_impl(x))
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         return jax.device_put(x, sharding)
     if sharding.is_fully_addressable:
@@ -200,7 +209,7 @@ def _put(x, sharding: NamedSharding):
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def _host_view(state):
+def host_view(state):
     """`state` with its lengths (and page table) as host values (`host_values`), for the value
     checks and static sizes computed from them; the programs take the state itself."""
     if not resident.is_concrete(state.lengths):
@@ -226,7 +235,8 @@ def _host_tokens(given, tokens):
     return tokens if isinstance(given, jax.Array) else np.asarray(given).astype(np.int32)
 
 
-def _rules_key(rules):
+def hashable_rules(rules):
+    """`rules` as a hashable key of the compiled-program caches (None stays None)."""
     return None if rules is None else tuple(sorted(rules.items()))
 
 
@@ -245,7 +255,7 @@ def _decode_arguments(params, state: DecodeState, tokens, *, mesh: Mesh, config:
     check_divides(state, mesh)
     active = resident.check_active(active, state.batch)
     if check and resident.is_concrete(state.lengths):
-        view = _host_view(state)
+        view = host_view(state)
         taken = np.full(state.batch, ways)
         if active is not None:
             taken = np.where(np.asarray(host_values(active)), taken, 0)
@@ -254,10 +264,10 @@ def _decode_arguments(params, state: DecodeState, tokens, *, mesh: Mesh, config:
         check_sharded_tables(view, mesh, taken)
     statics = (("config", config), ("offload", offload), ("implementation", implementation),
                ("scores", bool(scores)))
-    program = _program(mesh, _offload_decode, statics, active is not None, _rules_key(rules))
+    program = _program(mesh, _offload_decode, statics, active is not None, hashable_rules(rules))
     return program, (params, state,
-                     _place(_host_tokens(given, tokens), LAYOUTS["tokens"], mesh, rules),
-                     _place(active, LAYOUTS["per_request"], mesh, rules))
+                     place_batch(_host_tokens(given, tokens), LAYOUTS["tokens"], mesh, rules),
+                     place_batch(active, LAYOUTS["per_request"], mesh, rules))
 
 
 def sharded_decode_step(params, state: DecodeState, tokens, *, mesh: Mesh, config: ModelConfig,
@@ -312,10 +322,10 @@ def sharded_resident_decode_step(params, state: resident.ResidentState, tokens, 
     if check and resident.is_concrete(state.lengths):
         resident.check_capacity(host_values(state.lengths), num_new, state.capacity, config)
     statics = (("config", config), ("implementation", "xla"))
-    program = _program(mesh, _resident_decode, statics, True, _rules_key(rules))
+    program = _program(mesh, _resident_decode, statics, True, hashable_rules(rules))
     return program(params, state,
-                   _place(_host_tokens(given, tokens), LAYOUTS["tokens"], mesh, rules),
-                   _place(num_new, LAYOUTS["per_request"], mesh, rules))
+                   place_batch(_host_tokens(given, tokens), LAYOUTS["tokens"], mesh, rules),
+                   place_batch(num_new, LAYOUTS["per_request"], mesh, rules))
 
 
 def _batch_specs(tree, mesh: Mesh, rules, axis_of):
@@ -358,7 +368,7 @@ def _loop_program(mesh: Mesh, step, n_steps: int, rules_key):
 
     def body(params, state, seats, sampling, together=together):
         out, state, seats = decode_loop.loop_jit(
-            _dispatching(params, mesh, rules), state, seats, sampling, n_steps=n_steps,
+            dispatching(params, mesh, rules), state, seats, sampling, n_steps=n_steps,
             step=step, together=together)
         # The values every rank holds alike (the step counter, the random policy's key) may
         # differ here: each rank left its loop after its own number of steps.
@@ -373,7 +383,7 @@ def _loop_program(mesh: Mesh, step, n_steps: int, rules_key):
                                                             shapes[0])
         state_specs = specs(state, mesh, rules)
         per_rank = jax.tree.map(lambda _: logical_spec(("batch",), mesh, rules), shapes[3])
-        out, new_state, new_seats, counters = _data_parallel(
+        out, new_state, new_seats, counters = data_parallel(
             body, mesh, (step_param_specs(params, mesh, rules), state_specs, seat_specs,
                          sampling_specs),
             (out_specs, state_specs, seat_specs, per_rank))(params, state, seats, sampling)
@@ -427,7 +437,7 @@ def sharded_decode_loop(params, state, seats, n_steps: int, sampling, *, mesh: M
             raise ValueError(f"{name} hold {value} requests but the state holds "
                              f"{state.batch}: build them for the same batch")
     check_keys(seats.keys, state.batch)
-    program = _loop_program(mesh, step, int(n_steps), _rules_key(rules))
+    program = _loop_program(mesh, step, int(n_steps), hashable_rules(rules))
     seat_specs, sampling_specs, _ = _loop_specs(
         mesh, rules, seats, sampling, decode_loop.LoopOutput(None, None, None, None))
     place = lambda tree, tree_specs: jax.tree.map(  # noqa: E731
@@ -447,7 +457,7 @@ def sharded_prefill(params, state, tokens, num_new=None, *, mesh: Mesh, config: 
     resident.check_live(state, "sharded_prefill")
     check_divides(state, mesh)
     tokens = given = _checked_tokens(tokens, check)
-    view = _host_view(state)  # the static sizes (history_pages) from the whole batch
+    view = host_view(state)  # the static sizes (history_pages) from the whole batch
     args, static = offload_prefill.prefill_arguments(
         params, view, tokens, host_values(num_new), config=config, num_buffers=num_buffers,
         distance=distance, onload_layer_map=None, dense=False, history_pages=history_pages,
@@ -463,100 +473,10 @@ def sharded_prefill(params, state, tokens, num_new=None, *, mesh: Mesh, config: 
             resident.check_capacity(view.lengths, num_new, state.capacity, config)
             check_sharded_tables(view, mesh, np.asarray(num_new))
     program = _program(mesh, _offload_prefill, tuple(sorted(static.items())), True,
-                       _rules_key(rules))
+                       hashable_rules(rules))
     return program(params, state,
-                   _place(_host_tokens(given, tokens), LAYOUTS["tokens"], mesh, rules),
-                   _place(np.asarray(num_new), LAYOUTS["per_request"], mesh, rules))
-
-
-@functools.lru_cache(maxsize=16)
-def _seat_prefill_program(mesh: Mesh, paged: bool, statics: tuple, rules_key):
-    """jit(shard_map) of one prefill chunk per rank, for (params, state, seat [D], tokens
-    [D, T], num_new [D]): rank r runs the single-device seat prefill
-    (`fo_jax.resident.prefill_seat`, or paged `fo_jax.offload.seat_prefill.prefill_seat`: its
-    pure program, the [1, T] chunk run over its seat's rows or pages alone) on its own shard with
-    seat[r] (a rank-local seat), tokens[r] and num_new[r]; the state is donated and keeps its
-    shardings."""
-    rules = dict(rules_key) if rules_key is not None else None
-    kwargs = dict(statics)
-    prefill_seat = seat_prefill.prefill_seat if paged else resident.prefill_seat
-
-    def body(params, state, seat, tokens, num_new):
-        return prefill_seat(_dispatching(params, mesh, rules), state, seat[0], tokens, num_new,
-                            check=False, **kwargs)
-
-    def run(params, state, seat, tokens, num_new):
-        rank = logical_spec(LAYOUTS["per_request"], mesh, rules)
-        in_specs = (step_param_specs(params, mesh, rules), specs(state, mesh, rules), rank,
-                    logical_spec(LAYOUTS["tokens"], mesh, rules), rank)
-        out_specs = (logical_spec(LAYOUTS["logits"], mesh, rules), specs(state, mesh, rules))
-        logits, new_state = _data_parallel(body, mesh, in_specs, out_specs)(
-            params, state, seat, tokens, num_new)
-        new_state = jax.tree.map(jax.lax.with_sharding_constraint, new_state,
-                                 shardings(state, mesh, rules))
-        return logits, new_state
-
-    return jax.jit(run, donate_argnums=(1,))
-
-
-def sharded_prefill_seats(params, state, seats, tokens, num_new, *, mesh: Mesh,
-                          config: ModelConfig, query_block: int | None = resident.QUERY_BLOCK,
-                          check: bool = True, rules=None, history_pages: int | None = None,
-                          num_buffers: int | None = None, host_access: str | None = None):
-    """One prefill chunk of one seat per data-parallel rank, in one program: rank r appends
-    the first num_new[r] of tokens[r] to its seat seats[r] (rank-local: global seat r B/D +
-    seats[r]) by the single-device seat prefill on its own shard (shard_map over `data`):
-    `fo_jax.resident.prefill_seat` of a ResidentState, or, paged,
-    `fo_jax.offload.seat_prefill.prefill_seat` of a PrefillState over the rank's own pool shard
-    (`history_pages`, required: one static size for every rank; `num_buffers`, `host_access`
-    as there). A rank with num_new[r] = 0 writes nothing; its row still runs (under
-    `ALL_TO_ALL_RULES` every rank takes part in every MoE layer's all-to-alls).
-
-    state: placed by `shard_state` (donated). seats, num_new: [D] ints; tokens: [D, T] token
-    ids. Returns (logits [D, T, V]: row r rank r's seat's, its padding positions unspecified;
-    new state). Each rank's logits and KV are bit for bit those of its `prefill_seat` on its
-    shard alone (tiles MoE path; tests/engine/sharded_engine_cases.py). With `check`, ids,
-    counts, capacity and (paged) each rank's page table are validated against concrete values
-    (a read of the lengths and table)."""
-    resident.check_live(state, "sharded_prefill_seats")
-    ranks = check_divides(state, mesh)
-    per_rank = state.batch // ranks
-    tokens = np.asarray(tokens)
-    if tokens.ndim != 2 or tokens.shape[0] != ranks:
-        raise ValueError(f"tokens must be [D = {ranks}, T] (one chunk per data-parallel rank), "
-                         f"got shape {tokens.shape}")
-    seats, num_new = (np.asarray(x) for x in (seats, num_new))
-    for name, x, high in (("seats", seats, per_rank - 1), ("num_new", num_new, tokens.shape[1])):
-        if (x.shape != (ranks,) or not np.issubdtype(x.dtype, np.integer)
-                or np.any(x < 0) or np.any(x > high)):
-            raise ValueError(f"{name} must be [D = {ranks}] ints in [0, {high}], got "
-                             f"{x.tolist()}")
-    resident.check_token_values(tokens, config)
-    resident.check_query_block(query_block)
-    if check and resident.is_concrete(state.lengths):
-        lengths = np.asarray(host_values(state.lengths))
-        resident.check_capacity(lengths[np.arange(ranks) * per_rank + seats], num_new,
-                                state.capacity, config)
-    paged = isinstance(state, offload_prefill.PrefillState)
-    if paged and history_pages is None:
-        raise ValueError("a paged state's seat prefill needs history_pages (pages of history "
-                         "each rank loads: one static size for every rank)")
-    if not paged and (history_pages, num_buffers, host_access) != (None, None, None):
-        raise ValueError("history_pages, num_buffers and host_access apply to a paged state "
-                         "(a PrefillState)")
-    if check and paged and resident.is_concrete(state.lengths):
-        taken = np.zeros((state.batch,), np.int32)
-        taken[np.arange(ranks) * per_rank + seats] = num_new
-        check_sharded_tables(_host_view(state), mesh, taken)
-    statics = (("config", config),
-               ("query_block", None if query_block is None else int(query_block)))
-    if paged:
-        statics += (("history_pages", int(history_pages)), ("num_buffers", num_buffers),
-                    ("host_access", host_access))
-    program = _seat_prefill_program(mesh, paged, statics, _rules_key(rules))
-    place = lambda x, axes: _place(x.astype(np.int32), axes, mesh, rules)  # noqa: E731
-    return program(params, state, place(seats, LAYOUTS["per_request"]),
-                   place(tokens, LAYOUTS["tokens"]), place(num_new, LAYOUTS["per_request"]))
+                   place_batch(_host_tokens(given, tokens), LAYOUTS["tokens"], mesh, rules),
+                   place_batch(np.asarray(num_new), LAYOUTS["per_request"], mesh, rules))
 
 
 @functools.lru_cache(maxsize=16)
@@ -571,7 +491,7 @@ def _handoff_program(mesh: Mesh, chunk: int, on_host: bool, access: str):
                                          on_host=on_host, access=access)
         return keys, hot
 
-    return jax.jit(_data_parallel(body, mesh, (frames, frames, batch, batch, batch, P(), P()),
+    return jax.jit(data_parallel(body, mesh, (frames, frames, batch, batch, batch, P(), P()),
                                   (frames, P(None, DATA))))
 
 
@@ -590,15 +510,16 @@ def sharded_to_decode_state(state, *, mesh: Mesh, config: ModelConfig,
             f"prefill state's page_size={state.page_size}, capacity={state.capacity}: the host "
             "pages are handed over as they are")
     check_divides(state, mesh)
-    view = _host_view(state)
+    view = host_view(state)
     lengths = np.asarray(view.lengths).astype(np.int32)
     check_sharded_tables(view, mesh, np.zeros_like(lengths))
     row_tok, slots, policy = offload_prefill.initial_layout(config, offload, lengths)
     program = _handoff_program(mesh, offload.miss_chunk,
                                state.host.kv.sharding.memory_kind not in (None, "device"),
                                offload.host_access)
-    place = lambda x: _place(x, LAYOUTS["per_request"] + (None,), mesh, rules)  # noqa: E731
-    scalar = lambda x, dtype: _put(np.asarray(x, dtype), NamedSharding(mesh, P()))  # noqa: E731
+    place = lambda x: place_batch(x, LAYOUTS["per_request"] + (None,), mesh, rules)  # noqa: E731
+    scalar = lambda x, dtype: put_sharded(np.asarray(x, dtype),  # noqa: E731
+                                          NamedSharding(mesh, P()))
     rows = state.host.kv.dtype  # the KV rows' own fill: bytes for fp8_ds_mla rows (`kv_fill`)
     keys, hot = program(state.host.kv, state.index_keys, state.table, state.lengths,
                         place(row_tok), scalar(fill, state.index_keys.dtype),
@@ -610,71 +531,7 @@ def sharded_to_decode_state(state, *, mesh: Mesh, config: ModelConfig,
     # The maps and policy state were built on this host from the whole batch's lengths
     # (alike on every process): each process places its own devices' shards.
     return jax.tree.map(lambda x, s: x if getattr(x, "sharding", None) == s
-                        else _put(x, s), out, placed)
-
-
-@functools.lru_cache(maxsize=16)
-def _gather_hot_program(mesh: Mesh, chunk: int, on_host: bool, access: str):
-    """jit(shard_map) of `fo_jax.offload.prefill.gather_hot` per rank: the hot and tail rows
-    [L, B/D, C + 2Z, D+R] of the rank's seats from its own host pages."""
-    batch = P(DATA)
-
-    def body(host_kv, table, row_tok, row_fill):
-        return offload_prefill.gather_hot(host_kv, table, row_tok, row_fill, chunk=chunk,
-                                          on_host=on_host, access=access)
-
-    return jax.jit(_data_parallel(body, mesh, (P(None, DATA), batch, batch, P()),
-                                  P(None, DATA)))
-
-
-@jax.jit
-def _merge_joined(old, new, joined):
-    """`new` where `joined` [B], else `old`, leaf by leaf along the batch axis (axis 1 of the
-    hot rows, maps and policy arrays); empty or batch-less leaves keep `old`'s."""
-    def pick(n, o):
-        if n.size == 0 or n.ndim < 2:
-            return o
-        shape = [1] * n.ndim
-        shape[1] = -1
-        return jnp.where(joined.reshape(shape), n, o)
-
-    return jax.tree.map(pick, new, old)
-
-
-def sharded_join_seats(state: DecodeState, joined, *, mesh: Mesh, config: ModelConfig,
-                       offload: OffloadConfig, fill: float = 0.0, rules=None) -> DecodeState:
-    """`fo_jax.offload.prefill.join_seats` of a sharded DecodeState: the seats marked in
-    `joined` [B] bool, just prefilled into their rank's host pages, get their hot and tail rows
-    (gathered by each rank from its own pool shard), fresh maps and policy state for their
-    length; every other seat keeps its own. The same values as `join_seats` on each rank's
-    state alone (a gather and a select: exact). A read of the lengths; the state is not
-    donated."""
-    offload.validate_for(config)
-    check_divides(state, mesh)
-    joined = np.asarray(joined, bool)
-    if joined.shape != (state.batch,):
-        raise ValueError(f"joined must be [{state.batch}] bools (one per seat), got shape "
-                         f"{joined.shape}")
-    lengths = np.asarray(_host_view(state).lengths).astype(np.int32)
-    row_tok, slots, policy = offload_prefill.initial_layout(config, offload, lengths)
-    row_tok = np.where(joined[:, None], row_tok, -1)  # read the joined seats' rows only
-    host = state.host.kv
-    program = _gather_hot_program(mesh, offload.miss_chunk,
-                                  host.sharding.memory_kind not in (None, "device"),
-                                  offload.host_access)
-    hot = program(host, state.table, _place(row_tok, LAYOUTS["per_request"] + (None,), mesh,
-                                            rules),
-                  _put(np.asarray(kv_fill(fill, host.dtype), host.dtype),
-                       NamedSharding(mesh, P())))
-    placed = shardings(state, mesh, rules)
-    new = jax.tree.map(_put, (slots, policy), (placed.slots, placed.policy))
-    hot, new_slots, new_policy = _merge_joined((state.hot, state.slots, state.policy),
-                                               (hot, *new), _put(joined, NamedSharding(
-                                                   mesh, logical_spec(("batch",), mesh, rules))))
-    out = dataclasses.replace(state, hot=hot, slots=new_slots,
-                              policy=dataclasses.replace(new_policy, key=state.policy.key))
-    return jax.tree.map(lambda x, s: x if getattr(x, "sharding", None) == s else _put(x, s),
-                        out, placed)
+                        else put_sharded(x, s), out, placed)
 
 
 class DataParallelOffloadEngine(batch_engines.OffloadEngine):

@@ -330,9 +330,17 @@ def step_param_specs(params, mesh: Mesh, rules=None):
 
 def shard_params(params, mesh: Mesh, rules=None):
     """The weights placed on `mesh` by the rules (replicated where the mesh's model / expert
-    axes have size 1)."""
-    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params,
-                        param_specs(params, mesh, rules))
+    axes have size 1). With a mesh spanning processes every process passes the same weights
+    (not checked) and places its own devices' shards from its copy (nothing crosses
+    processes)."""
+    def put(x, spec):
+        placed = NamedSharding(mesh, spec)
+        if placed.is_fully_addressable:
+            return jax.device_put(x, placed)
+        host = np.asarray(read_back(x))
+        return jax.make_array_from_callback(host.shape, placed, lambda index: host[index])
+
+    return jax.tree.map(put, params, param_specs(params, mesh, rules))
 
 
 # States ----------------------------------------------------------------------------------------

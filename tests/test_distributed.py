@@ -176,3 +176,19 @@ def test_a_failure_ends_every_process_and_what_they_started_at_once(tmp_path):
     assert len(pids) == 4
     time.sleep(0.2)  # the orphaned children are reaped by init
     assert [p for p in pids if _alive(p)] == []
+
+
+def test_process_max_of_one_process_is_the_values():
+    """One process: the values themselves, no collective (across processes it is exercised by
+    tests/engine/test_sharded_engine.py's two-process engine, whose steps agree through it)."""
+    got = distributed.process_max([3, 0, True])
+    np.testing.assert_array_equal(got, [3, 0, 1])
+    assert got.dtype == np.int32
+
+
+def test_local_values_and_row_of_a_one_process_mesh():
+    """Every block is this process's: local_values is the array, local_row its row."""
+    mesh = distributed.data_mesh()
+    x = distributed.global_batch(np.arange(2 * len(mesh.devices.flat)).reshape(-1, 1), mesh)
+    np.testing.assert_array_equal(distributed.local_values(x, -1), np.asarray(x))
+    np.testing.assert_array_equal(distributed.local_row(x, 1), np.asarray(x)[1])

@@ -18,7 +18,7 @@ request's tokens (greedy, and two sampled with their own seeds) must equal those
 request served alone by one single-device `Engine` of the same settings with the whole
 weights; every request sits only in seats of its rank; a request cancelled while it decodes
 frees its seat; the seats are free and the lengths zero at the end. "resident" also: the
-server's driver runs it; `sharded_steps.sharded_prefill_seats` is bit for bit
+server's driver runs it; `sharded_seats.sharded_prefill_seats` is bit for bit
 `resident.prefill_seat` on each rank's KV alone; the refusals' messages.
 """
 
@@ -219,11 +219,11 @@ def driver_case(engine) -> None:
 
 
 def prefill_seats_case(mesh, rules) -> None:
-    """`sharded_steps.sharded_prefill_seats` against `resident.prefill_seat` on each rank's KV
+    """`sharded_seats.sharded_prefill_seats` against `resident.prefill_seat` on each rank's KV
     alone (the whole weights): two rounds, a rank writing nothing in each, the second over
     history; logits and every rank's KV, lengths and untouched seats bit for bit (unwritten
     rows NaN). The engine's shapes: its programs are compiled already."""
-    from fo_jax import resident, sharded_steps
+    from fo_jax import resident, sharded_seats
 
     rng = np.random.default_rng(5)
     state = resident.ResidentState.create(CONFIG, batch=RANKS * SEATS, capacity=CAPACITY,
@@ -239,7 +239,7 @@ def prefill_seats_case(mesh, rules) -> None:
         tokens = rng.integers(0, CONFIG.vocab_size, (RANKS, CHUNK)).astype(np.int32)
         num_new = rng.integers(1, CHUNK + 1, RANKS).astype(np.int32)
         num_new[idle] = 0
-        logits, state = sharded_steps.sharded_prefill_seats(
+        logits, state = sharded_seats.sharded_prefill_seats(
             placed, state, seats, tokens, num_new, mesh=mesh, config=CONFIG,
             query_block=None, rules=rules)
         for r in range(RANKS):
@@ -254,11 +254,11 @@ def prefill_seats_case(mesh, rules) -> None:
         np.testing.assert_array_equal(whole.kv[:, rows], np.asarray(refs[r].kv))
         np.testing.assert_array_equal(whole.index_keys[:, rows], np.asarray(refs[r].index_keys))
         np.testing.assert_array_equal(whole.lengths[rows], np.asarray(refs[r].lengths))
-    raises(lambda: sharded_steps.sharded_prefill_seats(
+    raises(lambda: sharded_seats.sharded_prefill_seats(
         placed, state, np.zeros(RANKS, np.int32), np.zeros((RANKS, CHUNK), np.int32),
         np.asarray([0, 0, CHUNK + 1, 0]), mesh=mesh, config=CONFIG, rules=rules),
         f"num_new must be [D = {RANKS}] ints in [0, {CHUNK}], got [0, 0, {CHUNK + 1}, 0]")
-    raises(lambda: sharded_steps.sharded_prefill_seats(
+    raises(lambda: sharded_seats.sharded_prefill_seats(
         placed, state, np.asarray([0, SEATS, 0, 0]), np.zeros((RANKS, CHUNK), np.int32),
         np.zeros(RANKS, np.int32), mesh=mesh, config=CONFIG, rules=rules),
         f"seats must be [D = {RANKS}] ints in [0, {SEATS - 1}], got [0, {SEATS}, 0, 0]")

@@ -717,7 +717,7 @@ def empty_operand_case():
         assert empty.shape == (1, 2, 0), empty.shape
         return x * 2, empty + 1
 
-    run = jax.jit(sharded_steps._data_parallel(body, sharding.make_mesh(4),
+    run = jax.jit(sharded_steps.data_parallel(body, sharding.make_mesh(4),
                                                (spec("data"), spec(None, "data")),
                                                (spec("data"), spec(None, "data"))))
     x = np.arange(24, dtype=np.int32).reshape(8, 3)
