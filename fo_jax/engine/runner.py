@@ -292,17 +292,23 @@ class DecodeRunner:
         tokens replayed."""
         if self.num_drafts:
             return self._replay_groups(resumed)
-        kv, batch, replayed = self.kv, self.batch, 0
+        batch, replayed = self.batch, 0
         for i in range(max(len(r.tokens) - 1 for r in resumed)):
             tokens = np.zeros((batch, 1), np.int32)
             active = np.zeros((batch,), bool)
             for req in resumed:
                 if i < len(req.tokens) - 1:
                     tokens[req.seat, 0], active[req.seat] = req.tokens[i], True
-            _, kv.state, _ = kv.step_fn(self.params, kv.state, committed(jnp.asarray(tokens)),
-                                        committed(jnp.asarray(active)))
+            self._replay_step(tokens, active)
             replayed += int(active.sum())
         return replayed
+
+    def _replay_step(self, tokens: np.ndarray, active: np.ndarray) -> None:
+        """One replay step: tokens [seats, 1] fed to the `active` [seats] seats by the decode
+        step (the logits are not used)."""
+        kv = self.kv
+        _, kv.state, _ = kv.step_fn(self.params, kv.state, committed(jnp.asarray(tokens)),
+                                    committed(jnp.asarray(active)))
 
     def _replay_groups(self, resumed: list[RequestState]) -> int:
         """`replay` with drafts: request b's decode step k yielded groups[k] tokens and stored

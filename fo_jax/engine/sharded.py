@@ -37,7 +37,7 @@ O(R + requests) per `add_request`.
 Paged, with reserve="prompt", each rank grows its requests' pages per decode call and, when its
 pool runs short, preempts its own youngest request (`RankScheduler`: `Scheduler`'s rules over
 the rank's seats, queue and pool); a request resumes on its rank (pages kept: rejoined; dropped:
-prefilled again and its tokens replayed by the sharded decode step, `ShardedRunner.replay`).
+prefilled again and its tokens replayed by the sharded decode step, `ShardedRunner._replay_step`).
 
 Paged, each decode call's offload statistics ([G, R B] rows copied per seat) are read back
 after its tokens (no further wait; O(G R B) on the host per call): they give each rank's rows

@@ -248,24 +248,15 @@ class ShardedRunner(DecodeRunner):
             self._mesh_sampling = (local, self._on_mesh(local))
         return self._mesh_sampling[1]
 
-    def replay(self, resumed) -> int:
-        """`DecodeRunner.replay` over every rank: each resumed request's sampled tokens but the
-        last fed again, one per step, by the sharded decode step (`sharded_decode_step`: each
-        rank the single-device step that computed them, the other seats inactive), so its KV
-        is the one it had, bit for bit. Returns the tokens replayed."""
-        kv, batch, replayed = self.kv, self.batch, 0
-        for i in range(max(len(r.tokens) - 1 for r in resumed)):
-            tokens = np.zeros((batch, 1), np.int32)
-            active = np.zeros((batch,), bool)
-            for req in resumed:
-                if i < len(req.tokens) - 1:
-                    tokens[req.seat, 0], active[req.seat] = req.tokens[i], True
-            _, kv.state, _ = sharded_steps.sharded_decode_step(
-                self.params, kv.state, tokens, mesh=self.mesh, config=self.config,
-                offload=kv.offload, active=active, check=False, implementation="xla",
-                rules=self.rules)
-            replayed += int(active.sum())
-        return replayed
+    def _replay_step(self, tokens: np.ndarray, active: np.ndarray) -> None:
+        """`DecodeRunner.replay`'s step over every rank: the sharded decode step
+        (`sharded_decode_step`: each rank the single-device step that computed the tokens, the
+        other seats inactive), so a resumed request's KV is the one it had, bit for bit."""
+        kv = self.kv
+        _, kv.state, _ = sharded_steps.sharded_decode_step(
+            self.params, kv.state, tokens, mesh=self.mesh, config=self.config,
+            offload=kv.offload, active=active, check=False, implementation="xla",
+            rules=self.rules)
 
     def dispatch(self, running, *, logprobs: int | None = None):
         """`DecodeRunner.dispatch`; across processes, the call's tokens and lengths as this
