@@ -29,7 +29,22 @@ from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload.state import DecodeState
 
 
-class ShardedResidentKV(KVStore):
+class ShardedKV(KVStore):
+    """What both sharded KV stores refuse: a one-seat prefill (every rank prefills at once,
+    `prefill_ranks`) and moving a seat's rows out or in."""
+
+    def prefill(self, params, b: int, tokens, num_new, *, prefilled: int, hidden=False):
+        raise NotImplementedError("the sharded engine prefills every rank at once "
+                                  "(prefill_ranks)")
+
+    def read_seat(self, b: int, **_):
+        raise NotImplementedError("requests do not move out of the sharded engine yet")
+
+    def write_seat(self, b: int, rows, **_):
+        raise NotImplementedError("requests do not move into the sharded engine yet")
+
+
+class ShardedResidentKV(ShardedKV):
     """Every rank's seats' resident KV in one `ResidentState` [L, R B, S, D+R] split over the
     mesh's `data` axis (rank r's rows on its device), built on the mesh directly; prefill by
     rank (`prefill_ranks`)."""
@@ -69,18 +84,8 @@ class ShardedResidentKV(KVStore):
             query_block=self.query_block, check=False, rules=self.rules)
         return logits
 
-    def prefill(self, params, b: int, tokens, num_new, *, prefilled: int, hidden=False):
-        raise NotImplementedError("the sharded engine prefills every rank at once "
-                                  "(prefill_ranks)")
 
-    def read_seat(self, b: int, **_):
-        raise NotImplementedError("requests do not move out of the sharded engine yet")
-
-    def write_seat(self, b: int, rows, **_):
-        raise NotImplementedError("requests do not move into the sharded engine yet")
-
-
-class ShardedPagedKV(KVStore):
+class ShardedPagedKV(ShardedKV):
     """Every rank's seats' paged KV: one `DecodeState` of R B seats split over the mesh's
     `data` axis, whose host KV pool [L, R F, Z, D+R] (`pinned_host`) and indexer-key pool hold
     F pages per rank (rank r's frames on its device's host memory), and one `PagePool` of F
@@ -160,16 +165,6 @@ class ShardedPagedKV(KVStore):
         self.state = dataclasses.replace(st, host=view.host, table=view.table,
                                          index_keys=view.index_keys, lengths=view.lengths)
         return logits
-
-    def prefill(self, params, b: int, tokens, num_new, *, prefilled: int, hidden=False):
-        raise NotImplementedError("the sharded engine prefills every rank at once "
-                                  "(prefill_ranks)")
-
-    def read_seat(self, b: int, **_):
-        raise NotImplementedError("requests do not move out of the sharded engine yet")
-
-    def write_seat(self, b: int, rows, **_):
-        raise NotImplementedError("requests do not move into the sharded engine yet")
 
 
 class RankKV:
