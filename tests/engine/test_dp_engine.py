@@ -2,8 +2,8 @@
 in a subprocess (dp_engine_cases.py: tokens bit for bit those of a single-device Engine, the
 placement rule followed, arrays and host pools on their rank's device, pools empty at the
 end); with MTP drafts on 2 simulated devices in another (dp_mtp_cases.py: tokens bit for bit
-those of one Engine with the same MTP drafter, offloaded and resident, each rank's MTP layer
-on its device, draft counters summed; `serve --devices 2 --drafter mtp` builds it); in this
+those of one Engine with the same MTP drafter, offloaded (resident by hand), each rank's MTP
+layer on its device, draft counters summed; `serve --devices 2 --drafter mtp` builds it); in this
 process (one device, listed twice: two ranks) the refusals and the placement bookkeeping,
 without stepping."""
 

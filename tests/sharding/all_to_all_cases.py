@@ -316,8 +316,9 @@ def error_cases(rng):
 CASES = {
     "errors": lambda rng: error_cases(rng),
     # D = 4: X/D = 2 experts per device < K' = 3 (C = 2 N); D = 2: 4 per device (C = 3 N).
-    "decode": lambda rng: decode_case(rng, ranks=4, batch=8, steps=3),
-    "decode_inactive": lambda rng: decode_case(rng, ranks=2, batch=4, steps=2, inactive=True),
+    "decode": lambda rng: decode_case(rng, ranks=4, batch=8, steps=3, inactive=True),
+    # By hand (the tests' D = 2 is the prefill case's): C = 3 N per peer.
+    "decode_two_ranks": lambda rng: decode_case(rng, ranks=2, batch=4, steps=2, inactive=True),
     "decode_fp8": lambda rng: decode_case(rng, ranks=4, batch=4, steps=2, fp8=True),
     "resident": lambda rng: resident_case(rng, ranks=4, batch=4, steps=2),
     "prefill": lambda rng: prefill_case(rng, ranks=2, batch=4, width=6),
