@@ -20,11 +20,12 @@ its rank's queue order (`RankScheduler`; the parts: `fo_jax.engine.sharded_parts
 `step()` admits per rank, then prefills: one program per round over all ranks, each rank running
 one chunk of one of its prefilling requests (`fo_jax.sharded_seats.sharded_prefill_seats`; a
 rank with nothing to prefill runs a row that writes nothing; paged, the chunks of a round load
-the same number of history pages), until every prefilling request has had its chunk; then one
-decode call over every rank's seats (`fo_jax.sharded_steps.sharded_decode_loop`: every rank
-takes part in every step's all-to-alls, a rank with no decoding seat steps inactively). The
-weights are placed by the rules (`shard_params`): with the all-to-all layout each device holds
-1/R of the experts and every other weight whole.
+the same number of history pages: the rounds go bucket by bucket, in increasing order), until
+every prefilling request has had its chunk; then one decode call over every rank's seats
+(`fo_jax.sharded_steps.sharded_decode_loop`: every rank takes part in every step's
+all-to-alls, a rank with no decoding seat steps inactively). The weights are placed by the
+rules (`shard_params`): with the all-to-all layout each device holds 1/R of the experts and
+every other weight whole.
 
 Contracts: a request's tokens are those of one single-device `Engine` of the same settings (B
 seats, `num_pages` pages, the whole weights) serving it alone, bit for bit on the tiles MoE
@@ -44,18 +45,24 @@ after its tokens (no further wait; O(G R B) on the host per call): they give eac
 copied (`rank_misses`, `imbalance`) and, for least_misses, each request's running estimate of
 its rows per step (`fo_jax.placement.MissEstimates`, as `DataParallelEngine` keeps it).
 
-Across processes (jax.distributed; resident only): each process builds the same engine over
-the global mesh, serves the ranks of its own devices (`local_ranks`: their requests, seats and
-queues) and steps in lockstep with the others: each step the processes agree (one small
-all-gather, `fo_jax.distributed.process_max`) on the number of prefill rounds (the most any
-needs) and on whether a decode call runs (any decoding seat anywhere); `run` and
-`any_unfinished` step until every process is done. No host read of another process's rows
-(`ShardedRunner`: seats and sampling kept on the process's first device between decode calls).
+Across processes (jax.distributed; resident and paged): each process builds the same engine
+over the global mesh, serves the ranks of its own devices (`local_ranks`: their requests,
+seats, queues and, paged, page pools and host KV shards) and steps in lockstep with the
+others, making the same programs in the same order: each step the processes agree (one small
+all-gather, `fo_jax.distributed.process_max`, of O(buckets) ints) on the prefill rounds of
+each history bucket (the most any process needs) and on the steps of the replay of requests
+resumed with their pages dropped (the longest: a process replaying less steps its ranks
+inactively, `ShardedRunner.replay_idle`), and then on whether a decode call runs (any decoding
+seat anywhere); `run` and `any_unfinished` step until every process is done. Admission, page
+growth and preemption stay per process (their programs involve no other rank: setting seats,
+page-table rows and joins). No host read of another process's rows (`ShardedRunner`: seats and
+sampling kept on the process's first device between decode calls; the joins' lengths and the
+rows copied, `rank_misses`, read from the process's own devices).
 
 Not yet (refused with a message): device_bytes, host_pool_bytes and a pool in device memory;
-prefix reuse, drafts, log-probabilities, a metrics log, moving requests between engines, and the
-paged path across processes. It runs without overlap (`overlap` is set False: each decode call
-is read back at once). Design: docs/guides/many-devices.md, "One sharded engine".
+prefix reuse, drafts, log-probabilities, a metrics log and moving requests between engines. It
+runs without overlap (`overlap` is set False: each decode call is read back at once). Design:
+docs/guides/many-devices.md, "One sharded engine".
 """
 
 from __future__ import annotations
