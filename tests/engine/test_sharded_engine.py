@@ -17,9 +17,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASES = os.path.join(ROOT, "tests", "engine", "sharded_engine_cases.py")
 PROCESS_CASES = os.path.join(ROOT, "tests", "engine", "multiprocess_sharded_cases.py")
-# Both processes import jax, compile the engine's programs and a solo Engine's (~35 s of wall
-# on an idle 2-core machine); generous for a loaded one.
-PROCESS_TIMEOUT_S = 240
+# Both processes import jax, compile the engine's programs and a solo Engine's, resident and
+# offloaded (~60 s of CPU each, in parallel on an idle 2-core machine; 120 to 170 s of wall on
+# a loaded one); generous for a loaded one.
+PROCESS_TIMEOUT_S = 400
 
 
 def _run_cases(suite):
