@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fo_jax import resident
 from fo_jax.config import ModelConfig
+from fo_jax.distributed import local_values
 from fo_jax.model.kv_format import kv_fill
 from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload import seat_prefill
@@ -161,15 +162,20 @@ def sharded_join_seats(state: DecodeState, joined, *, mesh: Mesh, config: ModelC
     `joined` [B] bool, just prefilled into their rank's host pages, get their hot and tail rows
     (gathered by each rank from its own pool shard), fresh maps and policy state for their
     length; every other seat keeps its own. The same values as `join_seats` on each rank's
-    state alone (a gather and a select: exact). A read of the lengths; the state is not
-    donated."""
+    state alone (a gather and a select: exact). A read of the lengths (across processes, of
+    this process's own seats: no collective; `joined` marks its own seats only); the state is
+    not donated."""
     offload.validate_for(config)
     check_divides(state, mesh)
     joined = np.asarray(joined, bool)
     if joined.shape != (state.batch,):
         raise ValueError(f"joined must be [{state.batch}] bools (one per seat), got shape "
                          f"{joined.shape}")
-    lengths = np.asarray(host_view(state).lengths).astype(np.int32)
+    if state.lengths.is_fully_addressable:
+        lengths = np.asarray(host_view(state).lengths).astype(np.int32)
+    else:  # across processes: this process's seats' lengths only (the joined seats are its
+        # own; the others' rows are neither read nor used)
+        lengths = local_values(state.lengths, 0).astype(np.int32)
     row_tok, slots, policy = offload_prefill.initial_layout(config, offload, lengths)
     row_tok = np.where(joined[:, None], row_tok, -1)  # read the joined seats' rows only
     host = state.host.kv

@@ -20,11 +20,12 @@ its rank's queue order (`RankScheduler`; the parts: `fo_jax.engine.sharded_parts
 `step()` admits per rank, then prefills: one program per round over all ranks, each rank running
 one chunk of one of its prefilling requests (`fo_jax.sharded_seats.sharded_prefill_seats`; a
 rank with nothing to prefill runs a row that writes nothing; paged, the chunks of a round load
-the same number of history pages), until every prefilling request has had its chunk; then one
-decode call over every rank's seats (`fo_jax.sharded_steps.sharded_decode_loop`: every rank
-takes part in every step's all-to-alls, a rank with no decoding seat steps inactively). The
-weights are placed by the rules (`shard_params`): with the all-to-all layout each device holds
-1/R of the experts and every other weight whole.
+the same number of history pages: the rounds go bucket by bucket, in increasing order), until
+every prefilling request has had its chunk; then one decode call over every rank's seats
+(`fo_jax.sharded_steps.sharded_decode_loop`: every rank takes part in every step's
+all-to-alls, a rank with no decoding seat steps inactively). The weights are placed by the
+rules (`shard_params`): with the all-to-all layout each device holds 1/R of the experts and
+every other weight whole.
 
 Contracts: a request's tokens are those of one single-device `Engine` of the same settings (B
 seats, `num_pages` pages, the whole weights) serving it alone, bit for bit on the tiles MoE
@@ -44,18 +45,24 @@ after its tokens (no further wait; O(G R B) on the host per call): they give eac
 copied (`rank_misses`, `imbalance`) and, for least_misses, each request's running estimate of
 its rows per step (`fo_jax.placement.MissEstimates`, as `DataParallelEngine` keeps it).
 
-Across processes (jax.distributed; resident only): each process builds the same engine over
-the global mesh, serves the ranks of its own devices (`local_ranks`: their requests, seats and
-queues) and steps in lockstep with the others: each step the processes agree (one small
-all-gather, `fo_jax.distributed.process_max`) on the number of prefill rounds (the most any
-needs) and on whether a decode call runs (any decoding seat anywhere); `run` and
-`any_unfinished` step until every process is done. No host read of another process's rows
-(`ShardedRunner`: seats and sampling kept on the process's first device between decode calls).
+Across processes (jax.distributed; resident and paged): each process builds the same engine
+over the global mesh, serves the ranks of its own devices (`local_ranks`: their requests,
+seats, queues and, paged, page pools and host KV shards) and steps in lockstep with the
+others, making the same programs in the same order: each step the processes agree (one small
+all-gather, `fo_jax.distributed.process_max`, of O(buckets) ints) on the prefill rounds of
+each history bucket (the most any process needs) and on the steps of the replay of requests
+resumed with their pages dropped (the longest: a process replaying less steps its ranks
+inactively, `ShardedRunner.replay_idle`), and then on whether a decode call runs (any decoding
+seat anywhere); `run` and `any_unfinished` step until every process is done. Admission, page
+growth and preemption stay per process (their programs involve no other rank: setting seats,
+page-table rows and joins). No host read of another process's rows (`ShardedRunner`: seats and
+sampling kept on the process's first device between decode calls; the joins' lengths and the
+rows copied, `rank_misses`, read from the process's own devices).
 
 Not yet (refused with a message): device_bytes, host_pool_bytes and a pool in device memory;
-prefix reuse, drafts, log-probabilities, a metrics log, moving requests between engines, and the
-paged path across processes. It runs without overlap (`overlap` is set False: each decode call
-is read back at once). Design: docs/guides/many-devices.md, "One sharded engine".
+prefix reuse, drafts, log-probabilities, a metrics log and moving requests between engines. It
+runs without overlap (`overlap` is set False: each decode call is read back at once). Design:
+docs/guides/many-devices.md, "One sharded engine".
 """
 
 from __future__ import annotations
@@ -130,11 +137,6 @@ class ShardedEngine(Engine):
         self.local_ranks = tuple(r for r, d in enumerate(mesh.devices.reshape(-1))
                                  if d.process_index == me)
         self.multiprocess = len(self.local_ranks) < self.ranks
-        if self.multiprocess and settings.cache.paged:
-            raise NotImplementedError(
-                "the sharded engine spans processes on the resident path only (offload=None): "
-                "its paged prefill rounds group chunks by history bucket, which the processes "
-                "do not agree on yet")
         self.seats_per_rank = int(settings.cache.seats)
         self._placed: dict[str, int] = {}  # request id -> its rank, for good
         self._turn = 0
@@ -247,14 +249,16 @@ class ShardedEngine(Engine):
 
     def rank_misses(self) -> list[int]:
         """[R] rows each rank copied from its host pool since the last `reset_figures` (its
-        seats' miss unions, summed over indexer groups and decode calls); zeros resident."""
+        seats' miss unions, summed over indexer groups and decode calls); zeros resident.
+        Across processes, this process's ranks' (read from its own devices), zeros for the
+        others'."""
         return [int(x) for x in self._rank_misses]
 
     def imbalance(self) -> dict:
         """How unevenly the ranks copied (`DataParallelEngine.imbalance`'s figures): rows per
         rank, requests placed per rank, decode calls, and the spread, sum over calls of the
         largest rank's rows / sum of the mean rank's (1.0: even; R: one rank copied all; the
-        call waits for the largest rank)."""
+        call waits for the largest rank; across processes, over this process's ranks)."""
         mean = self._sum_mean
         return {"placement": self.placement, "rank_misses": self.rank_misses(),
                 "placed_per_rank": list(self.placed_per_rank), "steps": self._misses_calls,
@@ -277,47 +281,55 @@ class ShardedEngine(Engine):
     def _prefill(self, moved) -> None:
         """One prefill chunk of each prefilling request: in rounds, each round one program over
         every rank (`prefill_ranks`) in which each rank runs one chunk of its next prefilling
-        request (by seat; paged, of those whose chunk loads the round's number of history
-        pages, the bucket of the first one waiting: a chunk runs the program one `Engine`
-        runs for it); then the completed prompts join (`Engine._join`). A request's chunk is
-        the [1, prefill_chunk] program of one `Engine`'s prefill on its own seat, so its KV and
-        logits are those of its solo run."""
+        request (by seat) of the round's history bucket (paged: the pages of history its chunk
+        loads; resident: one bucket), the buckets in increasing order, as many rounds per
+        bucket as the rank with the most chunks of it needs (a chunk runs the program one
+        `Engine` runs for it); then the completed prompts join (`Engine._join`), the resumed
+        ones replaying their tokens. A request's chunk is the [1, prefill_chunk] program of one
+        `Engine`'s prefill on its own seat, so its KV and logits are those of its solo run.
+        Across processes the rounds per bucket and the replay's steps are agreed first (one
+        `distributed.process_max` of O(buckets) ints): every process runs the same programs in
+        the same order, its ranks with nothing to run writing nothing."""
         per = self.seats_per_rank
         by_rank = [[r for r in self._occupant[rank * per:(rank + 1) * per]
                     if r is not None and r.prefilled < len(r.prompt)]
                    for rank in range(self.ranks)]
         requests = [req for reqs in by_rank for req in reqs]
-        # Across processes every process runs as many rounds as the busiest (resident: one
-        # round per request of a rank; a process with fewer runs rounds that write nothing).
-        rounds_due = max(len(reqs) for reqs in by_rank)
-        if self.multiprocess:
-            rounds_due = int(distributed.process_max([rounds_due])[0])
-        if not rounds_due:
+        buckets = self.kv.history_buckets()
+        queues = [{pages: [] for pages in buckets} for _ in range(self.ranks)]
+        for rank, reqs in enumerate(by_rank):
+            for req in reqs:
+                queues[rank][self.kv.history_pages(req.prefilled)].append(req)
+        due = [max(len(queue[pages]) for queue in queues) for pages in buckets]
+        # The replay steps of the resumed requests this step's chunks complete (pages dropped:
+        # their sampled tokens fed again, `_replay`): the longest replay.
+        replay = max((len(r.tokens) - 1 for r in requests
+                      if r.tokens and r.prefilled + self.chunk >= len(r.prompt)), default=0)
+        if self.multiprocess:  # the busiest process's rounds per bucket, and replay
+            *due, replay = (int(x) for x in distributed.process_max(due + [replay]))
+        if not any(due):
             return
-        pending = [list(reqs) for reqs in by_rank]
         before, last, rounds = {}, {}, 0  # per request: tokens in its chunk; seat: last [V]
         start = time.perf_counter()
         work = self.runner.clock.begin(start)
-        while any(pending) or rounds < rounds_due:
-            first = next((reqs[0] for reqs in pending if reqs), None)
-            pages = None if first is None else self.kv.history_pages(first.prefilled)
-            rows, parts = {}, {}
-            for rank, reqs in enumerate(pending):
-                req = next((r for r in reqs if self.kv.history_pages(r.prefilled) == pages),
-                           None)
-                if req is not None:
-                    reqs.remove(req)
-                    part = req.prompt[req.prefilled:req.prefilled + self.chunk]
-                    rows[rank], parts[rank] = (req.seat - rank * per, part), (req, len(part))
-            logits = self.kv.prefill_ranks(self.params, rows, history_pages=pages)
-            rounds += 1
-            for rank, (req, n) in parts.items():
-                before[req.request_id] = n
-                if req.prefilled + n == len(req.prompt):
-                    # on the host: the first tokens are sampled with the engine's seats
-                    last[req.seat] = (distributed.local_row(logits, rank)[n - 1]
-                                      if self.multiprocess
-                                      else np.asarray(logits[rank, n - 1]))
+        for pages, count in zip(buckets, due):
+            for _ in range(count):
+                rows, parts = {}, {}
+                for rank, queue in enumerate(queues):
+                    if queue[pages]:
+                        req = queue[pages].pop(0)
+                        part = req.prompt[req.prefilled:req.prefilled + self.chunk]
+                        rows[rank] = (req.seat - rank * per, part)
+                        parts[rank] = (req, len(part))
+                logits = self.kv.prefill_ranks(self.params, rows, history_pages=pages)
+                rounds += 1
+                for rank, (req, n) in parts.items():
+                    before[req.request_id] = n
+                    if req.prefilled + n == len(req.prompt):
+                        # on the host: the first tokens are sampled with the engine's seats
+                        last[req.seat] = (distributed.local_row(logits, rank)[n - 1]
+                                          if self.multiprocess
+                                          else np.asarray(logits[rank, n - 1]))
         jax.block_until_ready(logits)
         ready = time.perf_counter()
         self.timings["prefill_s"] += ready - start
@@ -327,8 +339,10 @@ class ShardedEngine(Engine):
         for req in requests:
             req.prefilled += before[req.request_id]
         joined = [r for r in requests if r.prefilled == len(r.prompt)]
+        ran = max((len(r.tokens) - 1 for r in joined if r.tokens), default=0)  # its replay
         if joined:
             self._join(joined, last, moved)
+        self.runner.replay_idle(replay - ran)  # across processes: while another replays longer
 
     def _read_back(self, call, moved) -> None:
         """`Engine._read_back`, then the call's rows copied per seat (its statistics' union
@@ -338,11 +352,14 @@ class ShardedEngine(Engine):
         super()._read_back(call, moved)
         if call.out.stats is None:
             return
-        rows = np.asarray(call.out.stats.union).sum(axis=0)  # [R B]; the call was read
+        union = call.out.stats.union  # [G, R B]; the call was read
+        rows = (distributed.local_values(union, 0) if self.multiprocess  # its own seats only
+                else np.asarray(union)).sum(axis=0)
         copied = rows.reshape(self.ranks, self.seats_per_rank).sum(axis=1)
         self._rank_misses += copied
-        self._sum_max += float(copied.max())
-        self._sum_mean += float(copied.mean())
+        mine = copied[list(self.local_ranks)]
+        self._sum_max += float(mine.max())
+        self._sum_mean += float(mine.mean())
         self._misses_calls += 1
         if self.placement == "least_misses":
             for rid, seat, context in ran:

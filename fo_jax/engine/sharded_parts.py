@@ -74,6 +74,10 @@ class ShardedResidentKV(ShardedKV):
         """No history pages: a resident chunk reads its seat's rows."""
         return None
 
+    def history_buckets(self) -> tuple:
+        """Every value `history_pages` takes: one bucket (None)."""
+        return (None,)
+
     def prefill_ranks(self, params, rows: dict, *, history_pages: None = None) -> jax.Array:
         """One prefill chunk per rank in one program: rows {rank: (rank-local seat, its chunk's
         tokens, at most prefill_chunk)}; a rank not in `rows` writes nothing. Returns the logits
@@ -149,6 +153,12 @@ class ShardedPagedKV(ShardedKV):
         pages = -(-int(prefilled) // self.offload.page_size)
         bucket = 1 << (pages - 1).bit_length() if pages > 0 else 0
         return min(bucket, self.max_pages)
+
+    def history_buckets(self) -> tuple[int, ...]:
+        """Every value `history_pages` takes, in increasing order: 0, the powers of two below
+        the pages of a seat's capacity, and those pages (O(log pages) buckets)."""
+        powers = tuple(1 << i for i in range(max(self.max_pages - 1, 0).bit_length()))
+        return (0,) + powers + (self.max_pages,)
 
     def prefill_ranks(self, params, rows: dict, *, history_pages: int) -> jax.Array:
         """As `ShardedResidentKV.prefill_ranks`, over each rank's own pages, every rank loading
@@ -252,6 +262,14 @@ class ShardedRunner(DecodeRunner):
             self.params, kv.state, tokens, mesh=self.mesh, config=self.config,
             offload=kv.offload, active=active, check=False, implementation="xla",
             rules=self.rules)
+
+    def replay_idle(self, steps: int) -> None:
+        """`steps` steps of the replay's program with every seat inactive (nothing changes):
+        across processes, those a process makes while another replays longer (every rank takes
+        part in the step's all-to-alls)."""
+        tokens, active = np.zeros((self.batch, 1), np.int32), np.zeros((self.batch,), bool)
+        for _ in range(steps):
+            self._replay_step(tokens, active)
 
     def dispatch(self, running, *, logprobs: int | None = None):
         """`DecodeRunner.dispatch`; across processes, the call's tokens and lengths as this

@@ -9,7 +9,11 @@ steps in lockstep with the other until both are done (`ShardedEngine.run`'s agre
 on its own: every request's tokens equal those of the request served alone by one
 single-device `Engine` of the same settings with the whole weights (greedy), its seats free
 and its ranks' lengths zero (read from its own devices only); a request for the other
-process's rank and a paged engine refused. Prints one JSON line and "ALL OK".
+process's rank refused. Then the same offloaded (`PAGED`: a host pool per rank in its
+device's host memory, reserve="prompt", least_misses placement): prompts of several chunks
+in different history buckets, a preemption and resume on process 0 only; every page back in
+its rank's pool, the rows copied read for its own ranks only. Prints one JSON line per mode
+and "ALL OK".
 """
 
 import json
@@ -39,7 +43,15 @@ SETTINGS = dict(seats=SEATS, capacity=32, decode_steps_per_call=2, prefill_chunk
 # up to three chunks; process 1: fewer, shorter, done first.
 STREAMS = {0: [(0, 20, 6, 0), (0, 3, 5, 0), (0, 9, 4, None), (1, 5, 3, 0)],
            1: [(0, 4, 2, 1), (2, 12, 3, None)]}
-LAST_ARRIVAL = max(a for stream in STREAMS.values() for a, *_ in stream)
+# Offloaded (a host pool of 8 pages of 4 tokens per rank, reserve="prompt"): process 0's first
+# rank holds two requests whose pages outgrow its pool as they decode (the younger is
+# preempted, its pages dropped, and resumes: prefilled again, its tokens replayed while process
+# 1 replays nothing); prompts of one or two chunks, whose chunks load 0 or 2 pages of history
+# (two buckets: in step 2 process 0 prefills in one and process 1 in the other).
+OFFLOAD = OffloadConfig(hot_slots=16, page_size=4, capacity=32, policy="ring")
+PAGED = dict(offload=OFFLOAD, reserve="prompt", num_pages=8)
+PAGED_STREAMS = {0: [(0, 9, 14, 0), (0, 5, 14, 0), (0, 16, 4, 1), (1, 12, 3, None)],
+                 1: [(0, 4, 2, 0), (0, 13, 3, 1), (2, 12, 5, 0)]}
 
 
 def prompt(process, i, length):
@@ -47,34 +59,17 @@ def prompt(process, i, length):
                                                              length).tolist()
 
 
-def main() -> int:
-    me = jax.process_index()
-    assert INFO is not None and INFO.num_processes == 2, INFO
-    # The same weights on every process (one seed), the whole on this process's first device.
-    params = jax.jit(init_params, static_argnums=0)(CONFIG, jax.random.key(0))
-    params = jax.device_put(params, jax.local_devices()[0])
-    mesh, rules = sharding.expert_mesh(RANKS, expert=RANKS)
-    engine = ShardedEngine(params, CONFIG, mesh=mesh, rules=rules, **SETTINGS)
-    mine = engine.local_ranks
-    assert len(mine) == 2 and engine.multiprocess, mine
-    for shard in engine.params["moe"]["w1"].addressable_shards:  # 1/4 of the experts each
-        assert shard.data.shape[1] == CONFIG.n_routed_experts // RANKS, shard.data.shape
-    try:
-        ShardedEngine(params, CONFIG, mesh=mesh, rules=rules, offload=OffloadConfig(
-            hot_slots=16, page_size=4, capacity=32, policy="ring"), **SETTINGS)
-        raise AssertionError("a paged engine across processes was built")
-    except NotImplementedError as e:
-        assert "spans processes on the resident path only" in str(e), e
-    other = next(r for r in range(RANKS) if r not in mine)
-    try:
-        engine.add_request([1, 2], max_tokens=2, rank=other)
-        raise AssertionError("a request for another process's rank was taken")
-    except ValueError as e:
-        assert f"rank={other} is driven by another process" in str(e), e
-
-    stream = STREAMS[me]
+def serve(engine, streams, settings, params) -> dict:
+    """Serve this process's stream of `streams` in lockstep with the other process until both
+    are done; check every request's tokens against its solo run on one single-device `Engine`
+    of the same `settings`, and the seats, lengths (and pools) of this process's own ranks.
+    Returns this process's figures."""
+    me, mine = jax.process_index(), engine.local_ranks
+    stream = streams[me]
+    # the same on both processes: `any_unfinished` is a collective both make
+    last_arrival = max(a for s in streams.values() for a, *_ in s)
     ids, step = {}, 0
-    while step <= LAST_ARRIVAL or engine.any_unfinished():
+    while step <= last_arrival or engine.any_unfinished():
         for i, (arrival, length, max_tokens, local) in enumerate(stream):
             if arrival == step:
                 ids[i] = engine.add_request(prompt(me, i, length), max_tokens=max_tokens,
@@ -93,8 +88,13 @@ def main() -> int:
     assert all(r is None for r in engine.seat_request_ids())
     for shard in engine.state.lengths.addressable_shards:  # this process's ranks only
         assert not np.asarray(shard.data).any(), np.asarray(shard.data)
+    if engine.pool is not None:  # every page back in its rank's pool
+        pools = engine.rank_pool_occupancy()
+        assert all(p["held"] == 0 and p["free"] == p["total"] for p in pools), pools
+        misses = engine.rank_misses()  # read from this process's devices only
+        assert all(misses[r] == 0 for r in range(RANKS) if r not in mine), misses
 
-    solo_engine = Engine(params, CONFIG, **SETTINGS)
+    solo_engine = Engine(params, CONFIG, **settings)
     tokens = []
     for i, (_, length, max_tokens, _) in enumerate(stream):
         rid = solo_engine.add_request(prompt(me, i, length), max_tokens=max_tokens)
@@ -103,9 +103,45 @@ def main() -> int:
         got = outs[ids[i]].token_ids
         assert got == solo and len(got) == max_tokens, (me, i, placed[i], got, solo)
         tokens.append(got)
-    print(json.dumps({"process": me, "ranks": list(mine), "placed": placed, "steps": step,
-                      "prefill_calls": engine.counters["prefill_calls"],
-                      "decode_calls": engine.counters["decode_calls"], "tokens": tokens}))
+    counters = engine.counters
+    return {"process": me, "ranks": list(mine), "placed": placed, "steps": step,
+            "prefill_calls": counters["prefill_calls"],
+            "decode_calls": counters["decode_calls"], "preemptions": counters["preemptions"],
+            "replayed_tokens": counters["replayed_tokens"],
+            "rank_misses": engine.rank_misses(), "tokens": tokens}
+
+
+def main() -> int:
+    assert INFO is not None and INFO.num_processes == 2, INFO
+    # The same weights on every process (one seed), the whole on this process's first device.
+    params = jax.jit(init_params, static_argnums=0)(CONFIG, jax.random.key(0))
+    params = jax.device_put(params, jax.local_devices()[0])
+    mesh, rules = sharding.expert_mesh(RANKS, expert=RANKS)
+    engine = ShardedEngine(params, CONFIG, mesh=mesh, rules=rules, **SETTINGS)
+    mine = engine.local_ranks
+    assert len(mine) == 2 and engine.multiprocess, mine
+    for shard in engine.params["moe"]["w1"].addressable_shards:  # 1/4 of the experts each
+        assert shard.data.shape[1] == CONFIG.n_routed_experts // RANKS, shard.data.shape
+    other = next(r for r in range(RANKS) if r not in mine)
+    try:
+        engine.add_request([1, 2], max_tokens=2, rank=other)
+        raise AssertionError("a request for another process's rank was taken")
+    except ValueError as e:
+        assert f"rank={other} is driven by another process" in str(e), e
+    print(json.dumps(dict(mode="resident", **serve(engine, STREAMS, SETTINGS, params))))
+
+    settings = dict(SETTINGS, **PAGED)
+    engine = ShardedEngine(params, CONFIG, mesh=mesh, rules=rules, **settings)
+    assert engine.placement == "least_misses" and engine.local_ranks == mine
+    pool = engine.state.host.kv  # this process's ranks' pool shards, in their host memory
+    assert pool.sharding.memory_kind == "pinned_host", pool.sharding
+    assert {s.data.shape[1] for s in pool.addressable_shards} == {8}, pool.sharding
+    # the buckets the processes agree on: every number of history pages a chunk may load
+    buckets = engine.kv.history_buckets()
+    assert buckets == (0, 1, 2, 4, 8), buckets
+    assert {engine.kv.history_pages(n) for n in range(33)} == set(buckets)
+    print(json.dumps(dict(mode="offloaded", **serve(engine, PAGED_STREAMS, settings,
+                                                    params))))
     print("ALL OK", flush=True)
     return 0
 

@@ -7,7 +7,7 @@ rank; seats free at the end; a cancel; the server's driver over it; `serve --dev
 in another (the same stream, and one where a rank's pool runs short and its youngest request
 is preempted and resumes: tokens bit for bit, every page back in its rank's pool; and
 least_misses placement, its estimates and the rows copied per rank); and across two processes
-on jax.distributed (multiprocess_sharded_cases.py)."""
+on jax.distributed, resident and offloaded (multiprocess_sharded_cases.py)."""
 
 import json
 import os
@@ -17,9 +17,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASES = os.path.join(ROOT, "tests", "engine", "sharded_engine_cases.py")
 PROCESS_CASES = os.path.join(ROOT, "tests", "engine", "multiprocess_sharded_cases.py")
-# Both processes import jax, compile the engine's programs and a solo Engine's (~35 s of wall
-# on an idle 2-core machine); generous for a loaded one.
-PROCESS_TIMEOUT_S = 240
+# Both processes import jax, compile the engine's programs and a solo Engine's, resident and
+# offloaded (~60 s of CPU each, in parallel on an idle 2-core machine; 120 to 170 s of wall on
+# a loaded one); generous for a loaded one.
+PROCESS_TIMEOUT_S = 400
 
 
 def _run_cases(suite):
@@ -45,11 +46,13 @@ def test_offloaded_sharded_engine_on_four_devices():
 def test_sharded_engine_across_two_processes():
     """One ShardedEngine over 2 processes x 2 simulated CPU devices (4 ranks: fewer devices
     than 2 x 4, so that both processes compile and run on a 2-core machine in under a minute;
-    the all-to-alls cross the processes all the same): each process adds requests for its own
-    ranks and the processes step in lockstep until both are done; every request's tokens equal
-    its solo single-device Engine run (greedy), seats free and lengths zero on every process
-    (checked in each, multiprocess_sharded_cases.py). `launch` kills both processes on a
-    failure or when the time is up."""
+    the all-to-alls cross the processes all the same), resident and then offloaded (a host
+    pool per rank, reserve="prompt": a preemption and resume on process 0 only): each process
+    adds requests for its own ranks and the processes step in lockstep until both are done;
+    every request's tokens equal its solo single-device Engine run (greedy), seats free,
+    lengths zero and every page back in its pool on every process (checked in each,
+    multiprocess_sharded_cases.py). `launch` kills both processes on a failure or when the
+    time is up."""
     from fo_jax import distributed
 
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -60,10 +63,15 @@ def test_sharded_engine_across_two_processes():
     lines = [[json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
              for r in results]
     assert all("ALL OK" in r.stdout for r in results), report[-6000:]
-    assert [[(x["process"], x["ranks"]) for x in mine] for mine in lines] == [
-        [(0, [0, 1])], [(1, [2, 3])]], report[-6000:]
+    assert [[(x["mode"], x["process"], x["ranks"]) for x in mine] for mine in lines] == [
+        [("resident", 0, [0, 1]), ("offloaded", 0, [0, 1])],
+        [("resident", 1, [2, 3]), ("offloaded", 1, [2, 3])]], report[-6000:]
     # Lockstep: the same steps and prefill programs on both, though their streams differ.
-    (first,), (second,) = lines
-    assert first["steps"] == second["steps"], (first, second)
-    assert first["prefill_calls"] == second["prefill_calls"], (first, second)
-    assert first["decode_calls"] > second["decode_calls"] > 0, (first, second)
+    for first, second in zip(*lines):
+        assert first["steps"] == second["steps"], (first, second)
+        assert first["prefill_calls"] == second["prefill_calls"], (first, second)
+        assert first["decode_calls"] > second["decode_calls"] > 0, (first, second)
+    # Offloaded: a preemption, its resume's tokens replayed, on process 0 alone.
+    (_, paged0), (_, paged1) = lines
+    assert paged0["preemptions"] >= 1 and paged0["replayed_tokens"] >= 1, paged0
+    assert paged1["preemptions"] == 0 and paged1["replayed_tokens"] == 0, paged1
