@@ -56,6 +56,9 @@ STREAM = [(0, 1, 20, 6, 0), (0, 2, 3, 8, 0), (0, 3, 9, 5, None), (0, 4, 2, 7, No
 # Prompt seeds of the requests that sample (temperature 0.8, top_p 0.9, their own PRNG seed);
 # the others are greedy.
 SAMPLED = (3, 6)
+# Prompt seeds of the requests that ask for log-probabilities, and their k (a sampled one and
+# a greedy one): equal to their solo runs' bit for bit.
+LOGPROBS = {3: 2, 1: 0}
 T0 = time.time()
 
 
@@ -71,7 +74,8 @@ def _params():
 
 
 def _sampling(seed):
-    return dict(temperature=0.8, top_p=0.9, seed=seed) if seed in SAMPLED else {}
+    out = dict(temperature=0.8, top_p=0.9, seed=seed) if seed in SAMPLED else {}
+    return dict(out, logprobs=LOGPROBS[seed]) if seed in LOGPROBS else out
 
 
 def _prompt(seed, length):
@@ -90,13 +94,15 @@ PREEMPT = (("reserve", "prompt"), ("num_pages", 8))
 
 @functools.cache
 def _solo(offload=None, stream=tuple(STREAM), extra=()):
-    """Each request of `stream` alone in one single-device Engine of the same settings."""
+    """Each request of `stream` alone in one single-device Engine of the same settings: its
+    (tokens, log-probabilities or None)."""
     out = []
     engine = Engine(_params(), CONFIG, offload=offload, **SETTINGS, **dict(extra))
     for _, seed, length, max_tokens, _ in stream:
         rid = engine.add_request(_prompt(seed, length), max_tokens=max_tokens,
                                  **_sampling(seed))
-        out.append(engine.run()[rid].token_ids)
+        got = engine.run()[rid]
+        out.append((got.token_ids, got.logprobs))
         engine.release(rid)
     return out
 
@@ -165,8 +171,12 @@ def stream_case(mesh, rules, *, split: bool, what: str, offload=None, stream=tup
     outs = engine.run()
     for i in range(len(stream)):
         got = outs[ids[i]].token_ids
-        assert got == solo[i], (what, i, placed[i], got, solo[i])
+        assert (got, outs[ids[i]].logprobs) == solo[i], (what, i, placed[i], got, solo[i])
         assert len(got) == stream[i][3], (i, got)
+        if stream[i][1] in LOGPROBS:  # each token's entry: its id, k top tokens
+            lps = outs[ids[i]].logprobs
+            assert [lp.token_id for lp in lps] == got, (i, lps)
+            assert {len(lp.top) for lp in lps} == {LOGPROBS[stream[i][1]]}, (i, lps)
     assert engine.num_running() == 0 and not engine.num_waiting()
     assert all(r is None for r in engine.seat_request_ids())
     assert not np.asarray(engine.state.lengths).any(), np.asarray(engine.state.lengths)
@@ -204,7 +214,8 @@ def driver_case(engine) -> None:
 
     async def main():
         loop = asyncio.get_running_loop()
-        handles = [driver.submit([1 + i, 2, 3], loop=loop, max_tokens=3) for i in range(5)]
+        handles = [driver.submit([1 + i, 2, 3], loop=loop, max_tokens=3,
+                                 **({"logprobs": 1} if i == 0 else {})) for i in range(5)]
         return await asyncio.gather(*(drain(h) for h in handles))
 
     try:
@@ -214,6 +225,7 @@ def driver_case(engine) -> None:
     assert all(isinstance(items[0], Accepted) for items in got)
     assert [items[-1].finish_reason for items in got] == ["length"] * 5
     assert [len(items[-1].token_ids) for items in got] == [3] * 5
+    assert [len(items[-1].logprobs or ()) for items in got] == [3, 0, 0, 0, 0]
     assert not engine.has_unfinished() and not engine.requests()  # released by the driver
     log("the server's EngineDriver over the sharded engine: 5 requests served and released")
 
@@ -295,8 +307,8 @@ def error_cases() -> None:
     engine = make(**SETTINGS)
     raises(lambda: engine.add_request([1, 2], rank=RANKS),
            f"rank={RANKS} must be an int in [0, R = {RANKS}) or None")
-    raises(lambda: engine.add_request([1, 2], logprobs=2),
-           "logprobs are not computed by the sharded engine yet")
+    raises(lambda: engine.add_request([1, 2], logprobs=21),
+           "logprobs=21 must be None (no log-probabilities) or an int in [0, max_logprobs=20]")
     assert not engine.has_unfinished()
     log("refusals ok")
 
@@ -416,7 +428,7 @@ def least_misses_case(mesh, rules) -> None:
     solo = _solo(OFFLOAD, tuple(stream), extra)
     outs = engine.run()
     for i, rid in enumerate(placed):
-        assert outs[rid].token_ids == solo[i], (i, outs[rid].token_ids, solo[i])
+        assert (outs[rid].token_ids, outs[rid].logprobs) == solo[i], (i, outs[rid], solo[i])
         engine.release(rid)
     assert not misses.estimates, misses.estimates  # released: forgotten
     log(f"least_misses: {len(placed)} requests on ranks {engine.placed_per_rank}, rows copied "
