@@ -52,10 +52,19 @@ needs) and on whether a decode call runs (any decoding seat anywhere); `run` and
 `any_unfinished` step until every process is done. No host read of another process's rows
 (`ShardedRunner`: seats and sampling kept on the process's first device between decode calls).
 
-Not yet (refused with a message): device_bytes, host_pool_bytes and a pool in device memory;
-prefix reuse, drafts, log-probabilities, a metrics log, moving requests between engines, and the
-paged path across processes. It runs without overlap (`overlap` is set False: each decode call
-is read back at once). Design: docs/guides/many-devices.md, "One sharded engine".
+As one `Engine` does: log-probabilities (`add_request(logprobs=k)`: the decode call over the
+mesh computes them on each rank, `sharded_decode_loop(logprobs=K)`; each request's are its
+solo run's, bit for bit; across processes the processes agree on the call's K with its other
+figures, one program); `device_bytes` and `host_pool_bytes` per rank (each rank's scheduler
+charges its own device budget, each rank's pool holds `host_pool_bytes` of host KV:
+`device_bytes_used()` per rank, `scheduler.device_bytes_used()` their sum); a metrics log
+(`metrics_path`, or a `MetricsLog` set as `engine.metrics`: the engine's figures summed over
+the ranks, and each rank's, `rank_figures`, in every record's "ranks"; one process only).
+
+Not yet (refused with a message): a pool in device memory; prefix reuse, drafts, moving
+requests between engines, the paged path and a metrics log across processes. It runs without
+overlap (`overlap` is set False: each decode call is read back at once). Design:
+docs/guides/many-devices.md, "One sharded engine".
 """
 
 from __future__ import annotations

@@ -7,13 +7,17 @@ engine over the global mesh, takes requests for its own two ranks only (a stream
 the processes' prefill rounds and decode calls differ, and one runs out of work first), and
 steps in lockstep with the other until both are done (`ShardedEngine.run`'s agreement). Then,
 on its own: every request's tokens equal those of the request served alone by one
-single-device `Engine` of the same settings with the whole weights (greedy), its seats free
-and its ranks' lengths zero (read from its own devices only); a request for the other
-process's rank and a paged engine refused. Prints one JSON line and "ALL OK".
+single-device `Engine` of the same settings with the whole weights (greedy), and so do the
+log-probabilities of the one that asks for them (on process 0 only: the processes agree on
+the decode program), its seats free and its ranks' lengths zero (read from its own devices
+only); a request for the other process's rank, a paged engine and a metrics log refused.
+Prints one JSON line and "ALL OK".
 """
 
 import json
+import os
 import sys
+import tempfile
 
 from fo_jax import distributed
 
@@ -40,6 +44,9 @@ SETTINGS = dict(seats=SEATS, capacity=32, decode_steps_per_call=2, prefill_chunk
 STREAMS = {0: [(0, 20, 6, 0), (0, 3, 5, 0), (0, 9, 4, None), (1, 5, 3, 0)],
            1: [(0, 4, 2, 1), (2, 12, 3, None)]}
 LAST_ARRIVAL = max(a for stream in STREAMS.values() for a, *_ in stream)
+# (process, request index) -> k: the requests that ask for log-probabilities (process 1 has
+# none: it makes the decode calls with them all the same, one program on both).
+LOGPROBS = {(0, 1): 2}
 
 
 def prompt(process, i, length):
@@ -65,6 +72,12 @@ def main() -> int:
         raise AssertionError("a paged engine across processes was built")
     except NotImplementedError as e:
         assert "spans processes on the resident path only" in str(e), e
+    try:
+        ShardedEngine(params, CONFIG, mesh=mesh, rules=rules, **SETTINGS,
+                      metrics_path=os.path.join(tempfile.gettempdir(), "never.jsonl"))
+        raise AssertionError("a metrics log across processes was built")
+    except NotImplementedError as e:
+        assert "the metrics log (metrics_path, --metrics-jsonl) runs in one process" in str(e), e
     other = next(r for r in range(RANKS) if r not in mine)
     try:
         engine.add_request([1, 2], max_tokens=2, rank=other)
@@ -78,7 +91,8 @@ def main() -> int:
         for i, (arrival, length, max_tokens, local) in enumerate(stream):
             if arrival == step:
                 ids[i] = engine.add_request(prompt(me, i, length), max_tokens=max_tokens,
-                                            rank=None if local is None else mine[local])
+                                            rank=None if local is None else mine[local],
+                                            logprobs=LOGPROBS.get((me, i)))
         engine.step()
         for b, rid in enumerate(engine.seat_request_ids()):
             if rid is not None:
@@ -97,11 +111,14 @@ def main() -> int:
     solo_engine = Engine(params, CONFIG, **SETTINGS)
     tokens = []
     for i, (_, length, max_tokens, _) in enumerate(stream):
-        rid = solo_engine.add_request(prompt(me, i, length), max_tokens=max_tokens)
-        solo = solo_engine.run()[rid].token_ids
+        rid = solo_engine.add_request(prompt(me, i, length), max_tokens=max_tokens,
+                                      logprobs=LOGPROBS.get((me, i)))
+        solo = solo_engine.run()[rid]
         solo_engine.release(rid)
         got = outs[ids[i]].token_ids
-        assert got == solo and len(got) == max_tokens, (me, i, placed[i], got, solo)
+        assert got == solo.token_ids and len(got) == max_tokens, (me, i, placed[i], got, solo)
+        assert outs[ids[i]].logprobs == solo.logprobs, (me, i, outs[ids[i]].logprobs, solo)
+        assert (solo.logprobs is not None) == ((me, i) in LOGPROBS), (me, i)
         tokens.append(got)
     print(json.dumps({"process": me, "ranks": list(mine), "placed": placed, "steps": step,
                       "prefill_calls": engine.counters["prefill_calls"],

@@ -19,11 +19,18 @@ request served alone by one single-device `Engine` of the same settings with the
 weights; every request sits only in seats of its rank; a request cancelled while it decodes
 frees its seat; the seats are free and the lengths zero at the end. "resident" also: the
 server's driver runs it; `sharded_seats.sharded_prefill_seats` is bit for bit
-`resident.prefill_seat` on each rank's KV alone; the refusals' messages.
+`resident.prefill_seat` on each rank's KV alone; the refusals' messages. Two requests ask for
+log-probabilities: they equal their solo runs' bit for bit. "offloaded" also: each rank's pool
+sized in bytes (host_pool_bytes) and a device budget per rank (device_bytes), the planner's
+bytes checked against each rank's shards of the state; a metrics log of one record per step
+with every rank's figures.
 """
 
+import dataclasses
 import functools
+import json
 import os
+import tempfile
 import sys
 import time
 
@@ -38,7 +45,9 @@ import numpy as np  # noqa: E402
 
 from fo_jax import sharding  # noqa: E402
 from fo_jax.config import get_config  # noqa: E402
+from fo_jax.engine.costs import MemoryCosts  # noqa: E402
 from fo_jax.engine.engine import Engine  # noqa: E402
+from fo_jax.engine.metrics import POOL_STATES  # noqa: E402
 from fo_jax.engine.sharded import ShardedEngine  # noqa: E402
 from fo_jax.model.dsa import init_params  # noqa: E402
 from fo_jax.offload.config import OffloadConfig  # noqa: E402
@@ -83,6 +92,14 @@ def _prompt(seed, length):
 
 
 OFFLOAD = OffloadConfig(hot_slots=16, page_size=4, capacity=CAPACITY, policy="ring")
+# The planner's bytes of a seat and a page (`MemoryCosts`): the offloaded STREAM runs with each
+# rank's pool sized in bytes (8 pages, and a byte: host_pool_bytes) and a device budget per
+# rank (device_bytes: two full seats with every page and prompt page fit it).
+COSTS = MemoryCosts.from_config(CONFIG, page_size=OFFLOAD.page_size,
+                                hot_slots=OFFLOAD.hot_slots, num_buffers=CONFIG.num_layers)
+RANK_BUDGET = 2 * (COSTS.seat_device_bytes + 8 * COSTS.page_device_bytes
+                   + (CAPACITY // OFFLOAD.page_size) * COSTS.page_prefill_bytes)
+BYTES = (("host_pool_bytes", 8 * COSTS.page_host_bytes + 1), ("device_bytes", RANK_BUDGET))
 
 
 # Two requests on rank 0 whose pages outgrow its pool of 8 pages as they decode (reserve
@@ -128,9 +145,12 @@ def check_experts(engine, *, split: bool) -> None:
 
 
 def stream_case(mesh, rules, *, split: bool, what: str, offload=None, stream=tuple(STREAM),
-                extra=()):
+                extra=(), log=None):
+    """The stream served by one ShardedEngine (`extra`: settings of it and of the solo
+    Engines; `log`: a metrics log's path, one record per step)."""
+    logged = {} if log is None else dict(metrics_path=log, metrics_every=1)
     engine = ShardedEngine(_params(), CONFIG, mesh=mesh, rules=rules, placement="round_robin",
-                           offload=offload, **SETTINGS, **dict(extra))
+                           offload=offload, **SETTINGS, **dict(extra), **logged)
     assert engine.seats == RANKS * SEATS and engine.ranks == RANKS
     check_experts(engine, split=split)
     if offload is None:
@@ -157,6 +177,10 @@ def stream_case(mesh, rules, *, split: bool, what: str, offload=None, stream=tup
         for b, rid in enumerate(engine.seat_request_ids()):
             if rid is not None:
                 assert b // SEATS == engine.rank_of(rid), (b, rid, engine.rank_of(rid))
+        budget = dict(extra).get("device_bytes")
+        if budget is not None:  # a budget per rank: each rank's request state within it
+            used = engine.device_bytes_used()
+            assert max(used) <= budget and sum(used) == engine.scheduler.device_bytes_used()
         waiting = set(engine.waiting_ids())
         waited |= any(engine.rank_of(r) == 0 for r in waiting) and engine.num_running() < 8
         step += 1
@@ -194,6 +218,51 @@ def stream_case(mesh, rules, *, split: bool, what: str, offload=None, stream=tup
         f"{engine.counters['preemptions']} preemptions, "
         f"{engine.counters['decode_calls']} decode calls: tokens bitwise their solo runs")
     return engine
+
+
+def check_rank_bytes(engine, pages: int) -> None:
+    """Each rank's pool holds `pages` pages, and the planner's bytes (`engine.kv.costs`, what
+    host_pool_bytes and device_bytes are counted in) are those of each rank's shards of the
+    state: its host KV pages, its seats' hot rows and slot maps, its indexer-key pages."""
+    costs, st = engine.kv.costs, engine.state
+    assert [p.num_pages for p in engine.kv.pools] == [pages] * RANKS
+
+    def per_device(x):
+        return {s.device: s.data.nbytes for s in x.addressable_shards}
+
+    host, hot, seat_slots, keys, page_slots = map(per_device, (
+        st.host.kv, st.hot, st.slots.slot_to_token, st.index_keys, st.slots.token_to_slot))
+    assert len(host) == RANKS, host
+    for d in host:
+        assert host[d] == pages * costs.page_host_bytes, (host[d], costs)
+        assert hot[d] + seat_slots[d] == SEATS * costs.seat_device_bytes, (hot[d], costs)
+        assert (keys[d] // pages + page_slots[d] // (SEATS * engine.kv.max_pages)
+                == costs.page_device_bytes), (keys[d], page_slots[d], costs)
+
+
+def check_metrics_log(engine, path) -> None:
+    """The sharded engine's metrics log (metrics_every=1): one record per step, each with
+    every rank's figures, which sum to the engine's; the offload counters' rows copied are
+    the ranks'; Prometheus' text has the per-rank gauges."""
+    with open(path) as f:
+        records = [json.loads(line) for line in f]
+    assert len(records) == engine.counters["steps"], (len(records), engine.counters)
+    for rec in records:
+        ranks, gauges = rec["ranks"], rec["gauges"]
+        assert [r["rank"] for r in ranks] == list(range(RANKS)), ranks
+        assert sum(r["running"] for r in ranks) == gauges["running"], rec
+        assert sum(r["waiting"] for r in ranks) == gauges["queue_length"], rec
+        assert {k: sum(r["pool_pages"][k] for r in ranks) for k in POOL_STATES} == \
+            gauges["pool_pages"], rec
+    last = records[-1]
+    assert [r["rows_copied"] for r in last["ranks"]] == engine.rank_misses(), last["ranks"]
+    assert sum(last["totals"]["union"]) == sum(engine.rank_misses()) > 0, last["totals"]
+    assert last["totals"]["decode_calls_offloaded"] == engine.counters["decode_calls"]
+    assert [r["device_bytes_used"] for r in last["ranks"]] == engine.device_bytes_used()
+    text = engine.metrics.prometheus_text()
+    for r in range(RANKS):
+        assert f'fojax_rank_requests_running{{rank="{r}"}}' in text, text
+        assert f'fojax_rank_pool_pages{{rank="{r}",state="held"}}' in text, text
 
 
 def driver_case(engine) -> None:
@@ -289,8 +358,10 @@ def raises(fn, message, kind=ValueError):
 def error_cases() -> None:
     mesh = sharding.make_mesh(RANKS)
     make = functools.partial(ShardedEngine, _params(), CONFIG, mesh=mesh)
-    raises(lambda: make(**dict(SETTINGS, offload=OFFLOAD, device_bytes=10**9)),
-           "the sharded engine does not run device_bytes yet", NotImplementedError)
+    raises(lambda: make(**dict(SETTINGS, offload=dataclasses.replace(
+        OFFLOAD, host_memory_kind="device"))),
+        "the sharded engine does not run the paged KV pool in device memory "
+        "(host_memory_kind='device') yet", NotImplementedError)
     raises(lambda: make(**dict(SETTINGS, prefix_cache=True)),
            "the sharded engine does not run prefix_cache yet", NotImplementedError)
     raises(lambda: make(placement="least_misses", **SETTINGS),
@@ -336,6 +407,10 @@ def serve_case() -> None:
     raises(lambda: build_engine(parser.parse_args(["--model", "tiny", *flags])),
            "--expert-parallel splits the MoE experts, but 'tiny' has none: drop it (--devices "
            "alone serves data-parallel)")
+    raises(lambda: build_engine(parser.parse_args(["--model", "tiny_moe", "--devices", "4"]),
+                                metrics_jsonl="m.jsonl"),
+           "--metrics-jsonl is not supported with --devices alone (one log per engine; the "
+           "data-parallel server runs one engine per device): add --expert-parallel N")
     log("serve --devices 4 --expert-parallel 4: one ShardedEngine, 1/4 of the experts per "
         "device; a dense model refused")
 
@@ -436,11 +511,33 @@ def least_misses_case(mesh, rules) -> None:
         "their solo runs")
 
 
+def budget_case(mesh, rules) -> None:
+    """device_bytes is each rank's budget: a request that can never fit it alone is refused
+    (nothing queued); host_pool_bytes that holds no page is refused."""
+    from fo_jax.engine.scheduler import RequestRefused
+
+    engine = ShardedEngine(_params(), CONFIG, mesh=mesh, rules=rules, offload=OFFLOAD,
+                           **SETTINGS, num_pages=8, device_bytes=5000)
+    raises(lambda: engine.add_request(_prompt(1, 20), max_tokens=6),
+           "prompt of 20 tokens + max_tokens=6 can never fit device_bytes=5,000", RequestRefused)
+    assert not engine.has_unfinished() and engine.device_bytes_used() == [0] * RANKS
+    raises(lambda: ShardedEngine(_params(), CONFIG, mesh=mesh, rules=rules, offload=OFFLOAD,
+                                 **SETTINGS, host_pool_bytes=COSTS.page_host_bytes - 1),
+           f"host_pool_bytes={COSTS.page_host_bytes - 1} holds no page of 4 tokens "
+           f"({COSTS.page_host_bytes} bytes over 2 layers): raise it")
+    log("device_bytes and host_pool_bytes per rank: the refusals")
+
+
 def offloaded_cases():
     serve_offloaded_case()
     mesh, rules = sharding.expert_mesh(RANKS, expert=RANKS)
-    engine = stream_case(mesh, rules, split=True, offload=OFFLOAD, extra=(("num_pages", 8),),
-                         what="all-to-all layout, offloaded (a host pool of 8 pages per rank)")
+    budget_case(mesh, rules)
+    path = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
+    engine = stream_case(mesh, rules, split=True, offload=OFFLOAD, extra=BYTES, log=path,
+                         what="all-to-all layout, offloaded (a host pool of 8 pages per rank, "
+                         "sized in bytes; a device budget per rank; a metrics log)")
+    check_rank_bytes(engine, pages=8)
+    check_metrics_log(engine, path)
     check_rank_misses(engine)
     least_misses_case(mesh, rules)
     engine = stream_case(mesh, rules, split=True, offload=OFFLOAD, stream=tuple(PREEMPT_STREAM),
