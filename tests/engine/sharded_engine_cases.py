@@ -145,10 +145,10 @@ def check_experts(engine, *, split: bool) -> None:
 
 
 def stream_case(mesh, rules, *, split: bool, what: str, offload=None, stream=tuple(STREAM),
-                extra=(), log=None):
+                extra=(), metrics=None):
     """The stream served by one ShardedEngine (`extra`: settings of it and of the solo
-    Engines; `log`: a metrics log's path, one record per step)."""
-    logged = {} if log is None else dict(metrics_path=log, metrics_every=1)
+    Engines; `metrics`: a metrics log's path, one record per step)."""
+    logged = {} if metrics is None else dict(metrics_path=metrics, metrics_every=1)
     engine = ShardedEngine(_params(), CONFIG, mesh=mesh, rules=rules, placement="round_robin",
                            offload=offload, **SETTINGS, **dict(extra), **logged)
     assert engine.seats == RANKS * SEATS and engine.ranks == RANKS
@@ -299,6 +299,32 @@ def driver_case(engine) -> None:
     log("the server's EngineDriver over the sharded engine: 5 requests served and released")
 
 
+def http_case(engine) -> None:
+    """`fo-jax serve`'s app over the sharded engine: an OpenAI completion with `logprobs: k`
+    (token ids in, greedy) gives the tokens and log-probabilities of the request's solo run
+    on one Engine, bit for bit (the engine's programs are compiled already)."""
+    import httpx
+
+    from fo_jax.server.serve import ServerThread, build_served
+    from fo_jax.tokenizer import ByteTokenizer
+
+    seed, length, max_tokens = 1, 20, 6  # STREAM's first request: greedy, LOGPROBS[1] = 0
+    want_tokens, want = _solo(None)[0]
+    served = build_served(engine, ByteTokenizer(), model_name=CONFIG.name, stop_token_ids=(),
+                          shutdown_timeout=2.0)
+    with ServerThread(served, shutdown_timeout=2.0) as srv:
+        resp = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+            "model": CONFIG.name, "prompt": _prompt(seed, length), "max_tokens": max_tokens,
+            "temperature": 0, "logprobs": LOGPROBS[seed], "return_token_ids": True})
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert choice["token_ids"] == want_tokens, (choice, want_tokens)
+    assert choice["logprobs"]["token_logprobs"] == [e.logprob for e in want], choice
+    assert not engine.has_unfinished() and not engine.requests()
+    log("the server's app over the sharded engine: a completion's logprobs bitwise its solo "
+        "run's")
+
+
 def prefill_seats_case(mesh, rules) -> None:
     """`sharded_seats.sharded_prefill_seats` against `resident.prefill_seat` on each rank's KV
     alone (the whole weights): two rounds, a rank writing nothing in each, the second over
@@ -424,6 +450,7 @@ def resident_cases():
     engine = stream_case(sharding.make_mesh(RANKS), None, split=False,
                          what="data mesh (replicated)")
     driver_case(engine)
+    http_case(engine)
 
 
 def serve_offloaded_case() -> None:
@@ -533,7 +560,7 @@ def offloaded_cases():
     mesh, rules = sharding.expert_mesh(RANKS, expert=RANKS)
     budget_case(mesh, rules)
     path = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
-    engine = stream_case(mesh, rules, split=True, offload=OFFLOAD, extra=BYTES, log=path,
+    engine = stream_case(mesh, rules, split=True, offload=OFFLOAD, extra=BYTES, metrics=path,
                          what="all-to-all layout, offloaded (a host pool of 8 pages per rank, "
                          "sized in bytes; a device budget per rank; a metrics log)")
     check_rank_bytes(engine, pages=8)
