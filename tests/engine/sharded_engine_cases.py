@@ -555,6 +555,29 @@ def budget_case(mesh, rules) -> None:
     log("device_bytes and host_pool_bytes per rank: the refusals")
 
 
+def budget_binds_case(mesh, rules) -> None:
+    """device_bytes binds per rank: with a budget that holds one request's state (its seat,
+    prefill buffers and pages), rank 0's second request waits for its first to finish while
+    rank 1 admits its own; the three (one prompt) get the same tokens. The stream's shapes:
+    its programs are compiled already."""
+    need = (COSTS.seat_device_bytes + COSTS.page_prefill_bytes
+            + 2 * COSTS.page_device_bytes)  # 3 prompt tokens + 4 sampled: 2 pages of 4
+    engine = ShardedEngine(_params(), CONFIG, mesh=mesh, rules=rules, offload=OFFLOAD,
+                           **SETTINGS, num_pages=8, device_bytes=need)
+    prompt = _prompt(31, 3)
+    ids = [engine.add_request(prompt, max_tokens=4, rank=r) for r in (0, 0, 1)]
+    engine.step()
+    assert engine.waiting_ids() == [ids[1]], engine.waiting_ids()
+    assert sorted(engine.rank_of(r) for r in engine.seat_request_ids() if r) == [0, 1]
+    used = engine.device_bytes_used()
+    assert 0 < used[0] <= need and 0 < used[1] <= need and used[2:] == [0] * (RANKS - 2), used
+    outs = engine.run()
+    tokens = [outs[r].token_ids for r in ids]
+    assert tokens[0] == tokens[1] == tokens[2] and len(tokens[0]) == 4, tokens
+    assert engine.device_bytes_used() == [0] * RANKS
+    log(f"device_bytes={need:,} per rank: rank 0's second request waited, rank 1 ran its own")
+
+
 def offloaded_cases():
     serve_offloaded_case()
     mesh, rules = sharding.expert_mesh(RANKS, expert=RANKS)
@@ -566,6 +589,7 @@ def offloaded_cases():
     check_rank_bytes(engine, pages=8)
     check_metrics_log(engine, path)
     check_rank_misses(engine)
+    budget_binds_case(mesh, rules)
     least_misses_case(mesh, rules)
     engine = stream_case(mesh, rules, split=True, offload=OFFLOAD, stream=tuple(PREEMPT_STREAM),
                          extra=PREEMPT, what="offloaded, reserve='prompt', 8 pages per rank")
