@@ -441,7 +441,7 @@ class ShardedEngine(Engine):
 
 def check_settings(settings: EngineSettings) -> None:
     """Raise NotImplementedError for settings the sharded engine does not run yet."""
-    cache, sched, offload = settings.cache, settings.scheduler, settings.cache.offload
+    cache, offload = settings.cache, settings.cache.offload
     refused = [(offload is not None and offload.host_memory_kind == "device", "the paged KV "
                 "pool in device memory (host_memory_kind='device')"),
                (cache.prefix_cache, "prefix_cache"),
