@@ -38,7 +38,7 @@ def _run_cases(suite):
 
 
 def test_sharded_engine_on_four_devices():
-    _run_cases("resident")  # ~40 s of CPU on a quiet machine
+    _run_cases("resident")  # ~47 s of CPU on a quiet machine
 
 
 def test_offloaded_sharded_engine_on_four_devices():
