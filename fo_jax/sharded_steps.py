@@ -54,7 +54,7 @@ from fo_jax.offload import prefill as offload_prefill
 from fo_jax.offload import seat_prefill
 from fo_jax.offload.config import OffloadConfig
 from fo_jax.offload.state import DecodeState, read_back
-from fo_jax.sampling import check_keys
+from fo_jax.sampling import check_keys, check_logprobs
 from fo_jax.sharding import (DATA, LAYOUTS, TABLES, check_divides, check_sharded_tables,
                              data_size, experts_over_data, host_values, logical_spec,
                              shard_state, shardings, specs, step_param_specs)
@@ -342,25 +342,28 @@ def _batch_specs(tree, mesh: Mesh, rules, axis_of):
 
 def _loop_specs(mesh: Mesh, rules, seats, sampling, out):
     """Specs of the decode loop's per-request pytrees: Seats and Sampling leaves are [B, ...]
-    (a [] key, one for the batch, is replicated), LoopOutput's tokens [B, N], fed [B] and
-    per-rank step counts [D], LoopStats [G, B, ...] or [B]."""
+    (a [] key, one for the batch, is replicated), LoopOutput's tokens [B, N], fed [B],
+    per-rank step counts [D] and log-probabilities [B, N, K + 1], LoopStats [G, B, ...] or
+    [B]."""
     first = lambda x: 0 if np.ndim(x) else None  # noqa: E731
     stats_axis = lambda x: 1 if np.ndim(x) >= 2 else 0  # noqa: E731
     out_specs = LoopOutput(
         tokens=_batch_specs(out.tokens, mesh, rules, first),
         fed=_batch_specs(out.fed, mesh, rules, first),
         num_steps=_batch_specs(out.num_steps, mesh, rules, first),
-        stats=None if out.stats is None else _batch_specs(out.stats, mesh, rules, stats_axis))
+        stats=None if out.stats is None else _batch_specs(out.stats, mesh, rules, stats_axis),
+        logprobs=_batch_specs(out.logprobs, mesh, rules, first),
+        logprob_ids=_batch_specs(out.logprob_ids, mesh, rules, first))
     return (_batch_specs(seats, mesh, rules, first), _batch_specs(sampling, mesh, rules, first),
             out_specs)
 
 
 @functools.lru_cache(maxsize=16)
-def _loop_program(mesh: Mesh, step, n_steps: int, rules_key):
+def _loop_program(mesh: Mesh, step, n_steps: int, rules_key, logprobs: int | None = None):
     """jit(shard_map(decode loop)) for (params, state, seats, sampling): every rank runs the
-    single-device loop (`fo_jax.decode_loop.loop_jit`) on its requests, its while_loop ending
-    when its own requests are done (all-to-all layout: when every rank's are); the state is
-    donated and keeps its shardings."""
+    single-device loop (`fo_jax.decode_loop.loop_jit`, with `logprobs`) on its requests, its
+    while_loop ending when its own requests are done (all-to-all layout: when every rank's
+    are); the state is donated and keeps its shardings."""
     rules = dict(rules_key) if rules_key is not None else None
 
     offloaded = isinstance(step, decode_loop.OffloadedStep)
@@ -369,7 +372,7 @@ def _loop_program(mesh: Mesh, step, n_steps: int, rules_key):
     def body(params, state, seats, sampling, together=together):
         out, state, seats = decode_loop.loop_jit(
             dispatching(params, mesh, rules), state, seats, sampling, n_steps=n_steps,
-            step=step, together=together)
+            step=step, logprobs=logprobs, together=together)
         # The values every rank holds alike (the step counter, the random policy's key) may
         # differ here: each rank left its loop after its own number of steps.
         counters = (state.step[None], state.policy.key[None]) if offloaded else ()
@@ -406,7 +409,7 @@ def _loop_program(mesh: Mesh, step, n_steps: int, rules_key):
 
 
 def sharded_decode_loop(params, state, seats, n_steps: int, sampling, *, mesh: Mesh, step,
-                        rules=None):
+                        rules=None, logprobs: int | None = None):
     """`fo_jax.decode_loop.decode_loop`, data-parallel over `data`: up to `n_steps` decode steps
     with on-device sampling in one program, each rank looping over its B/D requests and its
     pool shard (offloaded) or KV shard (resident) and leaving its loop when its own requests
@@ -417,9 +420,11 @@ def sharded_decode_loop(params, state, seats, n_steps: int, sampling, *, mesh: M
     policy key (values every rank holds alike: each rank's are what its loop would hold after
     inactive steps up to that count). state: placed by `shard_state` (donated); seats, sampling: as
     `decode_loop` (numpy or jax arrays; split over `data` here). step: `OffloadedStep` or
-    `ResidentStep`, XLA implementation. Each rank's tokens, stats and state are bit for bit
-    those of `decode_loop` run on its requests alone, followed by inactive steps up to the
-    busiest rank's count (tests/sharding/)."""
+    `ResidentStep`, XLA implementation. logprobs: as `decode_loop` (K, or None: none computed;
+    `LoopOutput.logprobs` / `logprob_ids` [B, N, K + 1] split over `data`). Each rank's tokens,
+    log-probabilities, stats and state are bit for bit those of `decode_loop` run on its
+    requests alone, followed by inactive steps up to the busiest rank's count (tests/sharding/,
+    tests/engine/sharded_engine_cases.py)."""
     if (not isinstance(n_steps, numbers.Integral) or isinstance(n_steps, bool)
             or n_steps < 1):
         raise ValueError(f"n_steps={n_steps!r} must be an int >= 1 (decode steps per call)")
@@ -437,7 +442,9 @@ def sharded_decode_loop(params, state, seats, n_steps: int, sampling, *, mesh: M
             raise ValueError(f"{name} hold {value} requests but the state holds "
                              f"{state.batch}: build them for the same batch")
     check_keys(seats.keys, state.batch)
-    program = _loop_program(mesh, step, int(n_steps), hashable_rules(rules))
+    check_logprobs(logprobs, step.config)
+    program = _loop_program(mesh, step, int(n_steps), hashable_rules(rules),
+                            None if logprobs is None else int(logprobs))
     seat_specs, sampling_specs, _ = _loop_specs(
         mesh, rules, seats, sampling, decode_loop.LoopOutput(None, None, None, None))
     place = lambda tree, tree_specs: jax.tree.map(  # noqa: E731

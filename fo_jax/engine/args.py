@@ -92,7 +92,8 @@ class EngineArgs:
                                  "admission and preemption by bytes)")
         parser.add_argument("--host-pool-gb", type=flags.gigabytes, default=None,
                             help="with --offload: host KV pool shared by the seats, in GB "
-                                 "(default every seat full at once)")
+                                 "(default every seat full at once; with --expert-parallel, "
+                                 "each device's pool)")
         parser.add_argument("--prefix-cache", action="store_true",
                             help="reuse earlier prompts' prefixes: offloaded, their pool pages; "
                                  "resident, their KV rows, copied from a prefix store in device "
@@ -104,7 +105,8 @@ class EngineArgs:
                             help="with --offload: device budget of request state in GB (hot "
                                  "caches, indexer-key pages, prefill buffers, and the KV pages "
                                  "with --pool-memory device: the planner's arithmetic); "
-                                 "requests wait for it, one that never fits is refused")
+                                 "requests wait for it, one that never fits is refused (with "
+                                 "--expert-parallel, each device's budget)")
         parser.add_argument("--reserve", choices=("full", "prompt"), default="full",
                             help="with --offload: pages reserved at admission: prompt + "
                                  "max_tokens (full), or the prompt and the next decode call, "
@@ -204,9 +206,7 @@ class EngineArgs:
             raise ValueError(f"--expert-parallel {expert} must equal --devices {self.devices}: "
                              "the sharded engine splits the experts over every device (each "
                              "holds its own requests and 1/devices of the experts)")
-        refused = [(self.device_gb is not None, "--device-gb"),
-                   (self.host_pool_gb is not None, "--host-pool-gb"),
-                   (self.pool_memory == "device", "--pool-memory device"),
+        refused = [(self.pool_memory == "device", "--pool-memory device"),
                    (self.prefix_cache, "--prefix-cache"),
                    (self.drafter is not None or bool(self.num_drafts), "drafts (--drafter, "
                     "--num-drafts)")]

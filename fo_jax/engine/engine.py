@@ -508,9 +508,7 @@ class Engine:
         call = None
         if running:
             start = time.perf_counter()
-            want = any(r.top_logprobs is not None for r in running)
-            call = self.runner.dispatch(running, logprobs=self.max_logprobs if want else None)
-            # another program with logprobs: only while a seated request asks for them
+            call = self.runner.dispatch(running, logprobs=self._decode_logprobs(running))
             self.timings["decode_s"] += time.perf_counter() - start
         if previous is not None:
             self._read_back(previous, moved)
@@ -521,6 +519,12 @@ class Engine:
             self.scheduler.unread.update(r.request_id for r in call.live())
         else:  # without overlap; or every request of it has ended (its tokens unused)
             self._read_back(call, moved)
+
+    def _decode_logprobs(self, running: list[RequestState]) -> int | None:
+        """The decode call's log-probabilities K: `max_logprobs` while a request of `running`
+        asks for them, else None (another program with them: only while one asks)."""
+        want = any(r.top_logprobs is not None for r in running)
+        return self.max_logprobs if want else None
 
     def _read_back(self, call, moved) -> None:
         """Read a decode call's tokens (waiting for the device) and record them for the

@@ -147,6 +147,23 @@ class ResidentKV(KVStore):
         self.set_seats({b: (rows.length, None)})
 
 
+def pool_pages(host_pool_bytes: int, costs: MemoryCosts, config: ModelConfig, *,
+               mtp_rows: bool = False) -> int:
+    """The pages a pool of `host_pool_bytes` bytes of host KV holds: the planner's bytes of
+    one page (every layer, `MemoryCosts.page_host_bytes`; + its MTP rows with `mtp_rows`,
+    `MTPPrefixStore`). ValueError when not even one fits."""
+    page_bytes = costs.page_host_bytes
+    if mtp_rows:
+        page_bytes += mtp_block_bytes(config, costs.page_size)
+    num_pages = int(host_pool_bytes) // page_bytes
+    if num_pages < 1:
+        mtp_layer = " and the MTP layer" if mtp_rows else ""
+        raise ValueError(f"host_pool_bytes={host_pool_bytes} holds no page of "
+                         f"{costs.page_size} tokens ({page_bytes} bytes over "
+                         f"{config.num_layers} layers{mtp_layer}): raise it")
+    return num_pages
+
+
 class PagedKV(KVStore):
     """The seats share one pool of pages (host KV and indexer keys) through page tables; the
     pool lives in host memory (offloaded) or on the device (`host_memory_kind="device"`)."""
@@ -165,16 +182,8 @@ class PagedKV(KVStore):
             config, page_size=z, hot_slots=offload.hot_slots,
             num_buffers=min(4, config.num_layers) if num_buffers is None else num_buffers,
             pool_memory=offload.host_memory_kind)
-        if cache.host_pool_bytes is not None:  # the planner's bytes of one page (every layer)
-            page_bytes = self.costs.page_host_bytes
-            if mtp_rows:  # + its MTP rows (`MTPPrefixStore`)
-                page_bytes += mtp_block_bytes(config, z)
-            num_pages = int(cache.host_pool_bytes) // page_bytes
-            if num_pages < 1:
-                mtp_layer = " and the MTP layer" if mtp_rows else ""
-                raise ValueError(f"host_pool_bytes={cache.host_pool_bytes} holds no page of "
-                                 f"{z} tokens ({page_bytes} bytes over {config.num_layers} "
-                                 f"layers{mtp_layer}): raise it")
+        if cache.host_pool_bytes is not None:
+            num_pages = pool_pages(cache.host_pool_bytes, self.costs, config, mtp_rows=mtp_rows)
         num_pages = self.seats * self.max_pages if num_pages is None else num_pages
         self.pool = PagePool(int(num_pages), z)
         if prefix_cache:

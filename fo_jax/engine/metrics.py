@@ -121,6 +121,16 @@ def pool_bytes(pages: dict | None, per_page: dict) -> dict | None:
             for pool, size in per_page.items()}
 
 
+def check_engine(engine) -> None:
+    """Raise NotImplementedError for an engine whose steps span processes
+    (`ShardedEngine.multiprocess`): its offload statistics are split over the processes and a
+    read of them would be a collective every process makes at the same point."""
+    if getattr(engine, "multiprocess", False):
+        raise NotImplementedError(
+            "the metrics log (metrics_path, --metrics-jsonl) runs in one process: the "
+            "sharded engine across processes writes none yet")
+
+
 class MetricsLog:
     """Counters of an engine, accumulated on the device per step and read every `every` steps
     (see the module doc). The engine calls `add_stats` after each decode call and `on_step`
@@ -139,6 +149,7 @@ class MetricsLog:
         if not isinstance(every, numbers.Integral) or isinstance(every, bool) or every < 1:
             raise ValueError(f"metrics_every={every!r} must be an int >= 1 (engine steps "
                              "between reads of the device counters)")
+        check_engine(engine)
         if path is not None:  # refused now, not at the first record
             check_output_path(path)
         self.engine, self.path, self.every = engine, path, int(every)
@@ -216,6 +227,7 @@ class MetricsLog:
             deltas[name] = value - self._totals.get(name, 0)
             self._totals[name] = value
         occupancy = engine.pool_occupancy() if hasattr(engine, "pool_occupancy") else None
+        ranks = engine.rank_figures() if hasattr(engine, "rank_figures") else None
         record = {
             "step": self.steps, "time": time.time(),
             "elapsed_s": time.perf_counter() - self._start,
@@ -229,6 +241,8 @@ class MetricsLog:
                        "pool_bytes": pool_bytes(occupancy, self._page_bytes)},
             "requests": self._finished,
         }
+        if ranks is not None:  # an engine of many ranks (`ShardedEngine.rank_figures`)
+            record["ranks"] = ranks
         self._finished, self._queue_max = [], 0
         self._last_read_step = self.steps
         self.last = record
@@ -257,6 +271,36 @@ class MetricsLog:
 
         registry.register(_Collector())
         return generate_latest(registry).decode()
+
+
+def rank_families(ranks: list[dict]):
+    """Per-rank gauges of a record's "ranks" (`ShardedEngine.rank_figures`):
+    `fojax_rank_requests_running{rank}`, `fojax_rank_requests_waiting{rank}`,
+    `fojax_rank_rows_copied{rank}` and, paged, `fojax_rank_pool_pages{rank, state}` and
+    `fojax_rank_device_bytes_used{rank}`."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    for name, doc in (("running", "Requests in a seat of the rank"),
+                      ("waiting", "Requests waiting for a seat of the rank"),
+                      ("rows_copied", "Rows the rank copied from its host pool (since the "
+                       "figures were reset)"),
+                      ("device_bytes_used", "Device bytes of the rank's request state (the "
+                       "planner's arithmetic; what its device_bytes budget is charged)")):
+        if any(r[name] is None for r in ranks):
+            continue
+        metric = "fojax_rank_" + (f"requests_{name}" if name in ("running", "waiting")
+                                  else name)
+        family = GaugeMetricFamily(metric, doc, labels=["rank"])
+        for r in ranks:
+            family.add_metric([str(r["rank"])], r[name])
+        yield family
+    if all(r["pool_pages"] for r in ranks):
+        pages = GaugeMetricFamily("fojax_rank_pool_pages", "Pages of the rank's pool by state",
+                                  labels=["rank", "state"])
+        for r in ranks:
+            for state in POOL_STATES:
+                pages.add_metric([str(r["rank"]), state], r["pool_pages"][state])
+        yield pages
 
 
 def summarize(records) -> dict:
@@ -379,8 +423,11 @@ def prometheus_families(record: dict):
         yield pages
     if gauges["pool_bytes"]:
         yield pool_bytes_family(gauges["pool_bytes"])
+    if record.get("ranks"):
+        yield from rank_families(record["ranks"])
 
 
-__all__ = ["DeviceCounters", "MetricsLog", "accumulate", "group_family", "group_totals",
-           "page_bytes", "pool_bytes", "pool_bytes_family", "preemption_families",
-           "preemptions_family", "prefix_hits_family", "prometheus_families", "summarize"]
+__all__ = ["DeviceCounters", "MetricsLog", "accumulate", "check_engine", "group_family",
+           "group_totals", "page_bytes", "pool_bytes", "pool_bytes_family",
+           "preemption_families", "preemptions_family", "prefix_hits_family",
+           "prometheus_families", "rank_families", "summarize"]

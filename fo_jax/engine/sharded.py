@@ -59,9 +59,18 @@ page-table rows and joins). No host read of another process's rows (`ShardedRunn
 sampling kept on the process's first device between decode calls; the joins' lengths and the
 rows copied, `rank_misses`, read from the process's own devices).
 
-Not yet (refused with a message): device_bytes, host_pool_bytes and a pool in device memory;
-prefix reuse, drafts, log-probabilities, a metrics log and moving requests between engines. It
-runs without overlap (`overlap` is set False: each decode call is read back at once). Design:
+As one `Engine` does: log-probabilities (`add_request(logprobs=k)`: the decode call over the
+mesh computes them on each rank, `sharded_decode_loop(logprobs=K)`; each request's are its
+solo run's, bit for bit; across processes the processes agree on the call's K with its other
+figures, one program); `device_bytes` and `host_pool_bytes` per rank (each rank's scheduler
+charges its own device budget, each rank's pool holds `host_pool_bytes` of host KV:
+`device_bytes_used()` per rank, `scheduler.device_bytes_used()` their sum); a metrics log
+(`metrics_path`, or a `MetricsLog` set as `engine.metrics`: the engine's figures summed over
+the ranks, and each rank's, `rank_figures`, in every record's "ranks"; one process only).
+
+Not yet (refused with a message): a pool in device memory; prefix reuse, drafts, moving
+requests between engines, and a metrics log across processes. It runs without
+overlap (`overlap` is set False: each decode call is read back at once). Design:
 docs/guides/many-devices.md, "One sharded engine".
 """
 
@@ -80,6 +89,7 @@ from fo_jax import placement as placement_rules
 from fo_jax import sharding
 from fo_jax.config import ModelConfig
 from fo_jax.engine.engine import Engine
+from fo_jax.engine.metrics import check_engine as check_logged
 from fo_jax.engine.scheduler import Scheduler
 from fo_jax.engine.settings import EngineSettings
 from fo_jax.engine.sharded_parts import (ShardedPagedKV, ShardedResidentKV, ShardedRunner,
@@ -137,7 +147,10 @@ class ShardedEngine(Engine):
         self.local_ranks = tuple(r for r, d in enumerate(mesh.devices.reshape(-1))
                                  if d.process_index == me)
         self.multiprocess = len(self.local_ranks) < self.ranks
+        if settings.metrics.path is not None:
+            check_logged(self)  # one process only, before anything is allocated
         self.seats_per_rank = int(settings.cache.seats)
+        self._agreed_logprobs = None  # across processes: the decode call's K (`_decode`)
         self._placed: dict[str, int] = {}  # request id -> its rank, for good
         self._turn = 0
         # Every rank's seats; without overlap (each decode call is read back at once).
@@ -166,8 +179,9 @@ class ShardedEngine(Engine):
     def add_request(self, prompt: Sequence[int], *, rank: int | None = None,
                     logprobs: int | None = None, **kwargs) -> str:
         """Place a request on a rank (the placement rule on the ranks' loads, or `rank`) and
-        queue it there; returns its id. kwargs: `Engine.add_request`'s; refusals are its own
-        and leave the engine as it was. O(R + requests)."""
+        queue it there; returns its id. logprobs and kwargs: `Engine.add_request`'s (the
+        log-probabilities those of one `Engine` serving the request alone, bit for bit);
+        refusals are its own and leave the engine as it was. O(R + requests)."""
         if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)
                                  or not 0 <= rank < self.ranks):
             raise ValueError(f"rank={rank!r} must be an int in [0, R = {self.ranks}) or None "
@@ -176,14 +190,11 @@ class ShardedEngine(Engine):
             raise ValueError(f"rank={rank} is driven by another process: process "
                              f"{jax.process_index()} takes requests for its own ranks "
                              f"{list(self.local_ranks)}")
-        if logprobs is not None:
-            raise ValueError("logprobs are not computed by the sharded engine yet: pass "
-                             "logprobs=None")
         prompt = list(prompt)
         turn = self._turn
         if rank is None:
             rank, turn = self.choose_rank(len(prompt))
-        rid = super().add_request(prompt, **kwargs)
+        rid = super().add_request(prompt, logprobs=logprobs, **kwargs)
         self._placed[rid], self._turn = rank, turn
         self.placed_per_rank[rank] += 1
         return rid
@@ -246,6 +257,23 @@ class ShardedEngine(Engine):
         self._sum_max = self._sum_mean = 0.0
         self._misses_calls = 0
         self.placed_per_rank = [0] * self.ranks
+
+    def rank_figures(self) -> list[dict]:
+        """[R] each rank's figures now, as the metrics log records them (`MetricsLog`, its
+        "ranks"): requests running and waiting, pool pages (free, held, cached, total) and
+        device bytes of request state (paged; None resident), rows copied from its host pool
+        and requests placed since the last `reset_figures`. O(R + seats + queue)."""
+        running, waiting = [0] * self.ranks, [0] * self.ranks
+        for req in self._occupant:
+            if req is not None:
+                running[self._placed[req.request_id]] += 1
+        for req in self._waiting:
+            waiting[self._placed[req.request_id]] += 1
+        pools, used = self.rank_pool_occupancy(), self.device_bytes_used()
+        return [{"rank": r, "running": running[r], "waiting": waiting[r],
+                 "pool_pages": None if pools is None else pools[r],
+                 "device_bytes_used": used[r], "rows_copied": int(self._rank_misses[r]),
+                 "placed": self.placed_per_rank[r]} for r in range(self.ranks)]
 
     def rank_misses(self) -> list[int]:
         """[R] rows each rank copied from its host pool since the last `reset_figures` (its
@@ -367,17 +395,29 @@ class ShardedEngine(Engine):
 
     def _decode(self, moved) -> None:
         """`Engine._decode`; across processes every process makes the call when any has a
-        decoding seat (`distributed.process_max`), a process with none making it for its
-        ranks' all-to-alls and reading nothing back."""
+        decoding seat, with log-probabilities when any has a decoding request that asks for
+        them (one `distributed.process_max` for both: the processes run one program), a
+        process with none making it for its ranks' all-to-alls and reading nothing back."""
         if not self.multiprocess:
             return super()._decode(moved)
-        running = any(r is not None and r.prefilled == len(r.prompt) and r.finish_reason is None
-                      for r in self._occupant)
-        if not distributed.process_max([running])[0]:
+        running = [r for r in self._occupant
+                   if r is not None and r.prefilled == len(r.prompt) and r.finish_reason is None]
+        any_running, any_logprobs = distributed.process_max(
+            [bool(running), super()._decode_logprobs(running) is not None])
+        if not any_running:
             return
+        self._agreed_logprobs = self.max_logprobs if any_logprobs else None
         if running:
             return super()._decode(moved)
-        self.runner.decode()  # every local seat done: its ranks step inactively
+        # every local seat done: its ranks step inactively
+        self.runner.decode(logprobs=self._agreed_logprobs)
+
+    def _decode_logprobs(self, running) -> int | None:
+        """`Engine._decode_logprobs`; across processes, the K the processes agreed on
+        (`_decode`)."""
+        if self.multiprocess:
+            return self._agreed_logprobs
+        return super()._decode_logprobs(running)
 
     def any_unfinished(self) -> bool:
         """Whether any process's engine has a request not finished (`has_unfinished` on each;
@@ -404,7 +444,8 @@ class ShardedEngine(Engine):
 
     def device_bytes_used(self) -> list[int | None]:
         """[R] each rank's device bytes of request state by the planner's arithmetic
-        (`Scheduler.device_bytes_used` of its scheduler; None resident)."""
+        (`Scheduler.device_bytes_used` of its scheduler, what its `device_bytes` budget is
+        charged; None resident). Their sum: `scheduler.device_bytes_used()`."""
         return [rank.device_bytes_used() for rank in self.scheduler.ranks]
 
     def pool_occupancy(self) -> dict | None:
@@ -417,15 +458,11 @@ class ShardedEngine(Engine):
 
 def check_settings(settings: EngineSettings) -> None:
     """Raise NotImplementedError for settings the sharded engine does not run yet."""
-    cache, sched, offload = settings.cache, settings.scheduler, settings.cache.offload
+    cache, offload = settings.cache, settings.cache.offload
     refused = [(offload is not None and offload.host_memory_kind == "device", "the paged KV "
                 "pool in device memory (host_memory_kind='device')"),
-               (sched.device_bytes is not None, "device_bytes"),
-               (cache.host_pool_bytes is not None, "host_pool_bytes (size each rank's pool "
-                "with num_pages)"),
                (cache.prefix_cache, "prefix_cache"),
-               (settings.speculative.num_drafts > 0, "drafts (num_drafts > 0)"),
-               (settings.metrics.path is not None, "a metrics log (metrics_path)")]
+               (settings.speculative.num_drafts > 0, "drafts (num_drafts > 0)")]
     for bad, what in refused:
         if bad:
             raise NotImplementedError(f"the sharded engine does not run {what} yet")

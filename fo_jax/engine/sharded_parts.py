@@ -20,7 +20,7 @@ from fo_jax import resident, sharded_seats, sharded_steps, sharding
 from fo_jax.config import ModelConfig
 from fo_jax.decode_loop import OffloadedStep, ResidentStep
 from fo_jax.engine.costs import MemoryCosts
-from fo_jax.engine.kv_store import KVStore, masked_rows
+from fo_jax.engine.kv_store import KVStore, masked_rows, pool_pages
 from fo_jax.engine.pages import NO_PAGE, PagePool
 from fo_jax.engine.runner import DecodeRunner
 from fo_jax.engine.scheduler import Scheduler
@@ -94,8 +94,10 @@ class ShardedPagedKV(ShardedKV):
     `data` axis, whose host KV pool [L, R F, Z, D+R] (`pinned_host`) and indexer-key pool hold
     F pages per rank (rank r's frames on its device's host memory), and one `PagePool` of F
     pages per rank (`pools`; rank-local page ids, as the sharded state's page table holds
-    them). `num_pages` (default B P) is per rank. The state is built on one device and split
-    once (`shard_state`: a one-off O(pool) copy through host memory)."""
+    them). `num_pages` (default B P) and `host_pool_bytes` (`pool_pages`) size each rank's
+    pool; `costs` are the planner's bytes of one rank's seat and page (every rank's alike).
+    The state is built on one device and split once (`shard_state`: a one-off O(pool) copy
+    through host memory)."""
 
     paged = True
 
@@ -106,16 +108,18 @@ class ShardedPagedKV(ShardedKV):
         self.per_rank = self.seats // self.ranks
         z = self.offload.page_size
         self.max_pages = self.capacity // z
-        num_pages = settings.cache.num_pages
-        num_pages = self.per_rank * self.max_pages if num_pages is None else int(num_pages)
-        self.pools = [PagePool(num_pages, z) for _ in range(self.ranks)]
-        self.pool = self.pools[0]  # the sizes every rank's pool has (`check_fits_alone`)
         num_buffers = self.num_buffers
         # The planner's bytes of one rank's seats and pages (each rank's scheduler's, `RankKV`).
-        self.rank_costs = MemoryCosts.from_config(
+        self.costs = MemoryCosts.from_config(
             config, page_size=z, hot_slots=self.offload.hot_slots,
             num_buffers=min(4, config.num_layers) if num_buffers is None else num_buffers,
             pool_memory=self.offload.host_memory_kind)
+        cache = settings.cache
+        num_pages = (pool_pages(cache.host_pool_bytes, self.costs, config)
+                     if cache.host_pool_bytes is not None else cache.num_pages)
+        num_pages = self.per_rank * self.max_pages if num_pages is None else int(num_pages)
+        self.pools = [PagePool(num_pages, z) for _ in range(self.ranks)]
+        self.pool = self.pools[0]  # the sizes every rank's pool has (`check_fits_alone`)
         state = DecodeState.create(
             config, self.offload, batch=self.seats, num_frames=self.ranks * num_pages,
             table=np.full((self.seats, self.max_pages), NO_PAGE, np.int32))
@@ -183,7 +187,7 @@ class RankKV:
     paged, prefix = True, None
 
     def __init__(self, kv: ShardedPagedKV, rank: int):
-        self.pool, self.costs = kv.pools[rank], kv.rank_costs
+        self.pool, self.costs = kv.pools[rank], kv.costs
         self.seats, self.capacity, self.max_pages = kv.seats, kv.capacity, kv.max_pages
 
 
@@ -272,25 +276,29 @@ class ShardedRunner(DecodeRunner):
             self._replay_step(tokens, active)
 
     def dispatch(self, running, *, logprobs: int | None = None):
-        """`DecodeRunner.dispatch`; across processes, the call's tokens and lengths as this
-        process's seats' rows on the host (`distributed.local_values`: no read of another
-        process's seats; the rest -1 and 0)."""
+        """`DecodeRunner.dispatch`; across processes, the call's tokens, log-probabilities
+        and lengths as this process's seats' rows on the host (`distributed.local_values`: no
+        read of another process's seats; the rest -1, 0 and 0)."""
         call = super().dispatch(running, logprobs=logprobs)
         if self.multiprocess:
-            tokens = distributed.local_values(call.out.tokens, -1)
-            call.out = dataclasses.replace(call.out, tokens=tokens)
+            out = call.out
+            local = distributed.local_values
+            call.out = dataclasses.replace(
+                out, tokens=local(out.tokens, -1),
+                logprobs=None if out.logprobs is None else local(out.logprobs, 0),
+                logprob_ids=None if out.logprob_ids is None else local(out.logprob_ids, -1))
             call.lengths = distributed.local_values(call.lengths, 0)
         return call
 
     def decode(self, *, logprobs: int | None = None):
-        """One decode call of every rank's seats (`sharded_decode_loop`)."""
-        if logprobs is not None:
-            raise NotImplementedError("the sharded engine computes no log-probabilities")
+        """One decode call of every rank's seats (`sharded_decode_loop`; logprobs: its K, or
+        None). Across processes every process makes it with the same `logprobs`
+        (`ShardedEngine._decode_logprobs`): one program."""
         kv = self.kv
         seats = self._on_mesh(self.seats) if self.multiprocess else self.seats
         out, kv.state, seats = sharded_steps.sharded_decode_loop(
             self.params, kv.state, seats, self.n_steps, self._placed_sampling(),
-            mesh=self.mesh, step=kv.step_fn, rules=self.rules)
+            mesh=self.mesh, step=kv.step_fn, rules=self.rules, logprobs=logprobs)
         self.seats = jax.tree.map(_local_leaf, seats) if self.multiprocess else seats
         return out
 
@@ -377,3 +385,9 @@ class ShardedScheduler(Scheduler):
     def make_room(self, req):
         """`Scheduler.make_room` on the request's rank (its pool, its requests)."""
         return self.ranks[self.placed[req.request_id]].make_room(req)
+
+    def device_bytes_used(self) -> int | None:
+        """Every rank's `Scheduler.device_bytes_used` summed (None resident): a budget
+        (`device_bytes`) is per rank, each rank's scheduler charging its own."""
+        used = [rank.device_bytes_used() for rank in self.ranks]
+        return None if used[0] is None else sum(used)

@@ -52,7 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip the start-up request that compiles the programs")
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--metrics-jsonl", type=flags.output_path, default=None, metavar="PATH",
-                        help="append the engine's counters here as JSON lines (after warm-up)")
+                        help="append the engine's counters here as JSON lines (after "
+                        "warm-up; with --devices N --expert-parallel N each record also holds "
+                        "every rank's figures)")
     parser.add_argument("--metrics-every", type=int, default=16,
                         help="engine steps between two reads of the device counters")
 
@@ -206,7 +208,8 @@ def warm_up(engine) -> None:
 def build_engine(args, *, metrics_jsonl: str | None = None):
     """(engine, config, tokenizer, offload config or None) from the flags of
     `add_engine_arguments` (`EngineArgs.from_cli_args`), every flag checked before the weights
-    are read. `metrics_jsonl`: the --metrics-jsonl of the command (refused with --devices).
+    are read. `metrics_jsonl`: the --metrics-jsonl of the command (refused with --devices
+    without --expert-parallel).
     --devices N builds a `DataParallelEngine`, and with --expert-parallel N one `ShardedEngine`
     over the N devices (the all-to-all layout: each holds 1/N of the experts)."""
     import jax
@@ -296,9 +299,11 @@ def _devices(engine_args, metrics_jsonl: str | None):
         raise ValueError(f"--devices {count} must be in [1, {len(local)}] (this process's "
                          "devices; on a CPU, simulate more with XLA_FLAGS="
                          f"--xla_force_host_platform_device_count={max(count, 1)})")
-    if metrics_jsonl:
-        raise ValueError("--metrics-jsonl is not supported with --devices (one log per "
-                         "engine)")
+    if metrics_jsonl and engine_args.expert_parallel is None:
+        raise ValueError("--metrics-jsonl is not supported with --devices alone (one log "
+                         "per engine; the data-parallel server runs one engine per device): "
+                         "add --expert-parallel N for the one sharded engine, which logs "
+                         "per-rank figures")
     return local[:count]
 
 

@@ -7,9 +7,10 @@ engine over the global mesh, takes requests for its own two ranks only (a stream
 the processes' prefill rounds and decode calls differ, and one runs out of work first), and
 steps in lockstep with the other until both are done (`ShardedEngine.run`'s agreement). Then,
 on its own: every request's tokens equal those of the request served alone by one
-single-device `Engine` of the same settings with the whole weights (greedy), its seats free
-and its ranks' lengths zero (read from its own devices only); a request for the other
-process's rank refused. Then the same offloaded (`PAGED`: a host pool per rank in its
+single-device `Engine` of the same settings with the whole weights (greedy), and so do the
+log-probabilities of the one that asks for them (on process 0 only: the processes agree on
+the decode program), its seats free and its ranks' lengths zero (read from its own devices
+only); a request for the other process's rank and a metrics log refused. Then the same offloaded (`PAGED`: a host pool per rank in its
 device's host memory, reserve="prompt", least_misses placement): prompts of several chunks
 in different history buckets, a preemption and resume on process 0 only; every page back in
 its rank's pool, the rows copied read for its own ranks only. Prints one JSON line per mode
@@ -17,7 +18,9 @@ and "ALL OK".
 """
 
 import json
+import os
 import sys
+import tempfile
 
 from fo_jax import distributed
 
@@ -43,6 +46,9 @@ SETTINGS = dict(seats=SEATS, capacity=32, decode_steps_per_call=2, prefill_chunk
 # up to three chunks; process 1: fewer, shorter, done first.
 STREAMS = {0: [(0, 20, 6, 0), (0, 3, 5, 0), (0, 9, 4, None), (1, 5, 3, 0)],
            1: [(0, 4, 2, 1), (2, 12, 3, None)]}
+# (process, request index) -> k: the resident requests that ask for log-probabilities (process
+# 1 has none: it makes the decode calls with them all the same, one program on both).
+LOGPROBS = {(0, 1): 2}
 # Offloaded (a host pool of 8 pages of 4 tokens per rank, reserve="prompt"): process 0's first
 # rank holds two requests whose pages outgrow its pool as they decode (the younger is
 # preempted, its pages dropped, and resumes: prefilled again, its tokens replayed while process
@@ -59,11 +65,13 @@ def prompt(process, i, length):
                                                              length).tolist()
 
 
-def serve(engine, streams, settings, params) -> dict:
+def serve(engine, streams, settings, params, logprobs=None) -> dict:
     """Serve this process's stream of `streams` in lockstep with the other process until both
     are done; check every request's tokens against its solo run on one single-device `Engine`
     of the same `settings`, and the seats, lengths (and pools) of this process's own ranks.
-    Returns this process's figures."""
+    `logprobs`: (process, request index) -> k of the requests that ask for log-probabilities
+    (checked against the solo run's too). Returns this process's figures."""
+    logprobs = logprobs or {}
     me, mine = jax.process_index(), engine.local_ranks
     stream = streams[me]
     # the same on both processes: `any_unfinished` is a collective both make
@@ -73,7 +81,8 @@ def serve(engine, streams, settings, params) -> dict:
         for i, (arrival, length, max_tokens, local) in enumerate(stream):
             if arrival == step:
                 ids[i] = engine.add_request(prompt(me, i, length), max_tokens=max_tokens,
-                                            rank=None if local is None else mine[local])
+                                            rank=None if local is None else mine[local],
+                                            logprobs=logprobs.get((me, i)))
         engine.step()
         for b, rid in enumerate(engine.seat_request_ids()):
             if rid is not None:
@@ -97,11 +106,14 @@ def serve(engine, streams, settings, params) -> dict:
     solo_engine = Engine(params, CONFIG, **settings)
     tokens = []
     for i, (_, length, max_tokens, _) in enumerate(stream):
-        rid = solo_engine.add_request(prompt(me, i, length), max_tokens=max_tokens)
-        solo = solo_engine.run()[rid].token_ids
+        rid = solo_engine.add_request(prompt(me, i, length), max_tokens=max_tokens,
+                                      logprobs=logprobs.get((me, i)))
+        solo = solo_engine.run()[rid]
         solo_engine.release(rid)
         got = outs[ids[i]].token_ids
-        assert got == solo and len(got) == max_tokens, (me, i, placed[i], got, solo)
+        assert got == solo.token_ids and len(got) == max_tokens, (me, i, placed[i], got, solo)
+        assert outs[ids[i]].logprobs == solo.logprobs, (me, i, outs[ids[i]].logprobs, solo)
+        assert (solo.logprobs is not None) == ((me, i) in logprobs), (me, i)
         tokens.append(got)
     counters = engine.counters
     return {"process": me, "ranks": list(mine), "placed": placed, "steps": step,
@@ -122,13 +134,20 @@ def main() -> int:
     assert len(mine) == 2 and engine.multiprocess, mine
     for shard in engine.params["moe"]["w1"].addressable_shards:  # 1/4 of the experts each
         assert shard.data.shape[1] == CONFIG.n_routed_experts // RANKS, shard.data.shape
+    try:
+        ShardedEngine(params, CONFIG, mesh=mesh, rules=rules, **SETTINGS,
+                      metrics_path=os.path.join(tempfile.gettempdir(), "never.jsonl"))
+        raise AssertionError("a metrics log across processes was built")
+    except NotImplementedError as e:
+        assert "the metrics log (metrics_path, --metrics-jsonl) runs in one process" in str(e), e
     other = next(r for r in range(RANKS) if r not in mine)
     try:
         engine.add_request([1, 2], max_tokens=2, rank=other)
         raise AssertionError("a request for another process's rank was taken")
     except ValueError as e:
         assert f"rank={other} is driven by another process" in str(e), e
-    print(json.dumps(dict(mode="resident", **serve(engine, STREAMS, SETTINGS, params))))
+    print(json.dumps(dict(mode="resident", **serve(engine, STREAMS, SETTINGS, params,
+                                                   LOGPROBS))))
 
     settings = dict(SETTINGS, **PAGED)
     engine = ShardedEngine(params, CONFIG, mesh=mesh, rules=rules, **settings)

@@ -19,11 +19,18 @@ request served alone by one single-device `Engine` of the same settings with the
 weights; every request sits only in seats of its rank; a request cancelled while it decodes
 frees its seat; the seats are free and the lengths zero at the end. "resident" also: the
 server's driver runs it; `sharded_seats.sharded_prefill_seats` is bit for bit
-`resident.prefill_seat` on each rank's KV alone; the refusals' messages.
+`resident.prefill_seat` on each rank's KV alone; the refusals' messages. Two requests ask for
+log-probabilities: they equal their solo runs' bit for bit. "offloaded" also: each rank's pool
+sized in bytes (host_pool_bytes) and a device budget per rank (device_bytes), the planner's
+bytes checked against each rank's shards of the state; a metrics log of one record per step
+with every rank's figures.
 """
 
+import dataclasses
 import functools
+import json
 import os
+import tempfile
 import sys
 import time
 
@@ -38,7 +45,9 @@ import numpy as np  # noqa: E402
 
 from fo_jax import sharding  # noqa: E402
 from fo_jax.config import get_config  # noqa: E402
+from fo_jax.engine.costs import MemoryCosts  # noqa: E402
 from fo_jax.engine.engine import Engine  # noqa: E402
+from fo_jax.engine.metrics import POOL_STATES  # noqa: E402
 from fo_jax.engine.sharded import ShardedEngine  # noqa: E402
 from fo_jax.model.dsa import init_params  # noqa: E402
 from fo_jax.offload.config import OffloadConfig  # noqa: E402
@@ -56,6 +65,9 @@ STREAM = [(0, 1, 20, 6, 0), (0, 2, 3, 8, 0), (0, 3, 9, 5, None), (0, 4, 2, 7, No
 # Prompt seeds of the requests that sample (temperature 0.8, top_p 0.9, their own PRNG seed);
 # the others are greedy.
 SAMPLED = (3, 6)
+# Prompt seeds of the requests that ask for log-probabilities, and their k (a sampled one and
+# a greedy one): equal to their solo runs' bit for bit.
+LOGPROBS = {3: 2, 1: 0}
 T0 = time.time()
 
 
@@ -71,7 +83,8 @@ def _params():
 
 
 def _sampling(seed):
-    return dict(temperature=0.8, top_p=0.9, seed=seed) if seed in SAMPLED else {}
+    out = dict(temperature=0.8, top_p=0.9, seed=seed) if seed in SAMPLED else {}
+    return dict(out, logprobs=LOGPROBS[seed]) if seed in LOGPROBS else out
 
 
 def _prompt(seed, length):
@@ -79,6 +92,14 @@ def _prompt(seed, length):
 
 
 OFFLOAD = OffloadConfig(hot_slots=16, page_size=4, capacity=CAPACITY, policy="ring")
+# The planner's bytes of a seat and a page (`MemoryCosts`): the offloaded STREAM runs with each
+# rank's pool sized in bytes (8 pages, and a byte: host_pool_bytes) and a device budget per
+# rank (device_bytes: two full seats with every page and prompt page fit it).
+COSTS = MemoryCosts.from_config(CONFIG, page_size=OFFLOAD.page_size,
+                                hot_slots=OFFLOAD.hot_slots, num_buffers=CONFIG.num_layers)
+RANK_BUDGET = 2 * (COSTS.seat_device_bytes + 8 * COSTS.page_device_bytes
+                   + (CAPACITY // OFFLOAD.page_size) * COSTS.page_prefill_bytes)
+BYTES = (("host_pool_bytes", 8 * COSTS.page_host_bytes + 1), ("device_bytes", RANK_BUDGET))
 
 
 # Two requests on rank 0 whose pages outgrow its pool of 8 pages as they decode (reserve
@@ -90,13 +111,15 @@ PREEMPT = (("reserve", "prompt"), ("num_pages", 8))
 
 @functools.cache
 def _solo(offload=None, stream=tuple(STREAM), extra=()):
-    """Each request of `stream` alone in one single-device Engine of the same settings."""
+    """Each request of `stream` alone in one single-device Engine of the same settings: its
+    (tokens, log-probabilities or None)."""
     out = []
     engine = Engine(_params(), CONFIG, offload=offload, **SETTINGS, **dict(extra))
     for _, seed, length, max_tokens, _ in stream:
         rid = engine.add_request(_prompt(seed, length), max_tokens=max_tokens,
                                  **_sampling(seed))
-        out.append(engine.run()[rid].token_ids)
+        got = engine.run()[rid]
+        out.append((got.token_ids, got.logprobs))
         engine.release(rid)
     return out
 
@@ -122,9 +145,13 @@ def check_experts(engine, *, split: bool) -> None:
 
 
 def stream_case(mesh, rules, *, split: bool, what: str, offload=None, stream=tuple(STREAM),
-                extra=()):
+                extra=(), metrics=None, logprobs=True):
+    """The stream served by one ShardedEngine (`extra`: settings of it and of the solo
+    Engines; `metrics`: a metrics log's path, one record per step; logprobs=False: no request
+    asks for log-probabilities, their tokens those of the solo runs that did)."""
+    logged = {} if metrics is None else dict(metrics_path=metrics, metrics_every=1)
     engine = ShardedEngine(_params(), CONFIG, mesh=mesh, rules=rules, placement="round_robin",
-                           offload=offload, **SETTINGS, **dict(extra))
+                           offload=offload, **SETTINGS, **dict(extra), **logged)
     assert engine.seats == RANKS * SEATS and engine.ranks == RANKS
     check_experts(engine, split=split)
     if offload is None:
@@ -140,8 +167,11 @@ def stream_case(mesh, rules, *, split: bool, what: str, offload=None, stream=tup
     while len(ids) < len(stream) or engine.has_unfinished():
         for i, (arrival, seed, length, max_tokens, rank) in enumerate(stream):
             if arrival == step:
+                kwargs = _sampling(seed)
+                if not logprobs:
+                    kwargs.pop("logprobs", None)
                 ids[i] = engine.add_request(_prompt(seed, length), max_tokens=max_tokens,
-                                            rank=rank, **_sampling(seed))
+                                            rank=rank, **kwargs)
         if step == 1:  # a long request, cancelled two steps later while it decodes
             cancelled = engine.add_request(_prompt(8, 4), max_tokens=20, rank=3)
         if step == 3:
@@ -151,6 +181,10 @@ def stream_case(mesh, rules, *, split: bool, what: str, offload=None, stream=tup
         for b, rid in enumerate(engine.seat_request_ids()):
             if rid is not None:
                 assert b // SEATS == engine.rank_of(rid), (b, rid, engine.rank_of(rid))
+        budget = dict(extra).get("device_bytes")
+        if budget is not None:  # a budget per rank: each rank's request state within it
+            used = engine.device_bytes_used()
+            assert max(used) <= budget and sum(used) == engine.scheduler.device_bytes_used()
         waiting = set(engine.waiting_ids())
         waited |= any(engine.rank_of(r) == 0 for r in waiting) and engine.num_running() < 8
         step += 1
@@ -165,8 +199,13 @@ def stream_case(mesh, rules, *, split: bool, what: str, offload=None, stream=tup
     outs = engine.run()
     for i in range(len(stream)):
         got = outs[ids[i]].token_ids
-        assert got == solo[i], (what, i, placed[i], got, solo[i])
+        want = solo[i] if logprobs else (solo[i][0], None)
+        assert (got, outs[ids[i]].logprobs) == want, (what, i, placed[i], got, solo[i])
         assert len(got) == stream[i][3], (i, got)
+        if logprobs and stream[i][1] in LOGPROBS:  # each token's entry: its id, k top tokens
+            lps = outs[ids[i]].logprobs
+            assert [lp.token_id for lp in lps] == got, (i, lps)
+            assert {len(lp.top) for lp in lps} == {LOGPROBS[stream[i][1]]}, (i, lps)
     assert engine.num_running() == 0 and not engine.num_waiting()
     assert all(r is None for r in engine.seat_request_ids())
     assert not np.asarray(engine.state.lengths).any(), np.asarray(engine.state.lengths)
@@ -184,6 +223,51 @@ def stream_case(mesh, rules, *, split: bool, what: str, offload=None, stream=tup
         f"{engine.counters['preemptions']} preemptions, "
         f"{engine.counters['decode_calls']} decode calls: tokens bitwise their solo runs")
     return engine
+
+
+def check_rank_bytes(engine, pages: int) -> None:
+    """Each rank's pool holds `pages` pages, and the planner's bytes (`engine.kv.costs`, what
+    host_pool_bytes and device_bytes are counted in) are those of each rank's shards of the
+    state: its host KV pages, its seats' hot rows and slot maps, its indexer-key pages."""
+    costs, st = engine.kv.costs, engine.state
+    assert [p.num_pages for p in engine.kv.pools] == [pages] * RANKS
+
+    def per_device(x):
+        return {s.device: s.data.nbytes for s in x.addressable_shards}
+
+    host, hot, seat_slots, keys, page_slots = map(per_device, (
+        st.host.kv, st.hot, st.slots.slot_to_token, st.index_keys, st.slots.token_to_slot))
+    assert len(host) == RANKS, host
+    for d in host:
+        assert host[d] == pages * costs.page_host_bytes, (host[d], costs)
+        assert hot[d] + seat_slots[d] == SEATS * costs.seat_device_bytes, (hot[d], costs)
+        assert (keys[d] // pages + page_slots[d] // (SEATS * engine.kv.max_pages)
+                == costs.page_device_bytes), (keys[d], page_slots[d], costs)
+
+
+def check_metrics_log(engine, path) -> None:
+    """The sharded engine's metrics log (metrics_every=1): one record per step, each with
+    every rank's figures, which sum to the engine's; the offload counters' rows copied are
+    the ranks'; Prometheus' text has the per-rank gauges."""
+    with open(path) as f:
+        records = [json.loads(line) for line in f]
+    assert len(records) == engine.counters["steps"], (len(records), engine.counters)
+    for rec in records:
+        ranks, gauges = rec["ranks"], rec["gauges"]
+        assert [r["rank"] for r in ranks] == list(range(RANKS)), ranks
+        assert sum(r["running"] for r in ranks) == gauges["running"], rec
+        assert sum(r["waiting"] for r in ranks) == gauges["queue_length"], rec
+        assert {k: sum(r["pool_pages"][k] for r in ranks) for k in POOL_STATES} == \
+            gauges["pool_pages"], rec
+    last = records[-1]
+    assert [r["rows_copied"] for r in last["ranks"]] == engine.rank_misses(), last["ranks"]
+    assert sum(last["totals"]["union"]) == sum(engine.rank_misses()) > 0, last["totals"]
+    assert last["totals"]["decode_calls_offloaded"] == engine.counters["decode_calls"]
+    assert [r["device_bytes_used"] for r in last["ranks"]] == engine.device_bytes_used()
+    text = engine.metrics.prometheus_text()
+    for r in range(RANKS):
+        assert f'fojax_rank_requests_running{{rank="{r}"}}' in text, text
+        assert f'fojax_rank_pool_pages{{rank="{r}",state="held"}}' in text, text
 
 
 def driver_case(engine) -> None:
@@ -204,7 +288,8 @@ def driver_case(engine) -> None:
 
     async def main():
         loop = asyncio.get_running_loop()
-        handles = [driver.submit([1 + i, 2, 3], loop=loop, max_tokens=3) for i in range(5)]
+        handles = [driver.submit([1 + i, 2, 3], loop=loop, max_tokens=3,
+                                 **({"logprobs": 1} if i == 0 else {})) for i in range(5)]
         return await asyncio.gather(*(drain(h) for h in handles))
 
     try:
@@ -214,8 +299,35 @@ def driver_case(engine) -> None:
     assert all(isinstance(items[0], Accepted) for items in got)
     assert [items[-1].finish_reason for items in got] == ["length"] * 5
     assert [len(items[-1].token_ids) for items in got] == [3] * 5
+    assert [len(items[-1].logprobs or ()) for items in got] == [3, 0, 0, 0, 0]
     assert not engine.has_unfinished() and not engine.requests()  # released by the driver
     log("the server's EngineDriver over the sharded engine: 5 requests served and released")
+
+
+def http_case(engine) -> None:
+    """`fo-jax serve`'s app over the sharded engine: an OpenAI completion with `logprobs: k`
+    (token ids in, greedy) gives the tokens and log-probabilities of the request's solo run
+    on one Engine, bit for bit (the engine's programs are compiled already)."""
+    import httpx
+
+    from fo_jax.server.serve import ServerThread, build_served
+    from fo_jax.tokenizer import ByteTokenizer
+
+    seed, length, max_tokens = 1, 20, 6  # STREAM's first request: greedy, LOGPROBS[1] = 0
+    want_tokens, want = _solo(None)[0]
+    served = build_served(engine, ByteTokenizer(), model_name=CONFIG.name, stop_token_ids=(),
+                          shutdown_timeout=2.0)
+    with ServerThread(served, shutdown_timeout=2.0) as srv:
+        resp = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+            "model": CONFIG.name, "prompt": _prompt(seed, length), "max_tokens": max_tokens,
+            "temperature": 0, "logprobs": LOGPROBS[seed], "return_token_ids": True})
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert choice["token_ids"] == want_tokens, (choice, want_tokens)
+    assert choice["logprobs"]["token_logprobs"] == [e.logprob for e in want], choice
+    assert not engine.has_unfinished() and not engine.requests()
+    log("the server's app over the sharded engine: a completion's logprobs bitwise its solo "
+        "run's")
 
 
 def prefill_seats_case(mesh, rules) -> None:
@@ -277,8 +389,10 @@ def raises(fn, message, kind=ValueError):
 def error_cases() -> None:
     mesh = sharding.make_mesh(RANKS)
     make = functools.partial(ShardedEngine, _params(), CONFIG, mesh=mesh)
-    raises(lambda: make(**dict(SETTINGS, offload=OFFLOAD, device_bytes=10**9)),
-           "the sharded engine does not run device_bytes yet", NotImplementedError)
+    raises(lambda: make(**dict(SETTINGS, offload=dataclasses.replace(
+        OFFLOAD, host_memory_kind="device"))),
+        "the sharded engine does not run the paged KV pool in device memory "
+        "(host_memory_kind='device') yet", NotImplementedError)
     raises(lambda: make(**dict(SETTINGS, prefix_cache=True)),
            "the sharded engine does not run prefix_cache yet", NotImplementedError)
     raises(lambda: make(placement="least_misses", **SETTINGS),
@@ -295,8 +409,8 @@ def error_cases() -> None:
     engine = make(**SETTINGS)
     raises(lambda: engine.add_request([1, 2], rank=RANKS),
            f"rank={RANKS} must be an int in [0, R = {RANKS}) or None")
-    raises(lambda: engine.add_request([1, 2], logprobs=2),
-           "logprobs are not computed by the sharded engine yet")
+    raises(lambda: engine.add_request([1, 2], logprobs=21),
+           "logprobs=21 must be None (no log-probabilities) or an int in [0, max_logprobs=20]")
     assert not engine.has_unfinished()
     log("refusals ok")
 
@@ -324,6 +438,10 @@ def serve_case() -> None:
     raises(lambda: build_engine(parser.parse_args(["--model", "tiny", *flags])),
            "--expert-parallel splits the MoE experts, but 'tiny' has none: drop it (--devices "
            "alone serves data-parallel)")
+    raises(lambda: build_engine(parser.parse_args(["--model", "tiny_moe", "--devices", "4"]),
+                                metrics_jsonl="m.jsonl"),
+           "--metrics-jsonl is not supported with --devices alone (one log per engine; the "
+           "data-parallel server runs one engine per device): add --expert-parallel N")
     log("serve --devices 4 --expert-parallel 4: one ShardedEngine, 1/4 of the experts per "
         "device; a dense model refused")
 
@@ -332,11 +450,13 @@ def resident_cases():
     error_cases()
     serve_case()
     mesh, rules = sharding.expert_mesh(RANKS, expert=RANKS)
-    stream_case(mesh, rules, split=True, what="all-to-all layout (experts split)")
-    prefill_seats_case(mesh, rules)
-    engine = stream_case(sharding.make_mesh(RANKS), None, split=False,
-                         what="data mesh (replicated)")
+    engine = stream_case(mesh, rules, split=True, what="all-to-all layout (experts split)")
     driver_case(engine)
+    http_case(engine)
+    prefill_seats_case(mesh, rules)
+    # Without log-probabilities (their programs compiled once, for the layout above).
+    stream_case(sharding.make_mesh(RANKS), None, split=False, what="data mesh (replicated)",
+                logprobs=False)
 
 
 def serve_offloaded_case() -> None:
@@ -416,7 +536,7 @@ def least_misses_case(mesh, rules) -> None:
     solo = _solo(OFFLOAD, tuple(stream), extra)
     outs = engine.run()
     for i, rid in enumerate(placed):
-        assert outs[rid].token_ids == solo[i], (i, outs[rid].token_ids, solo[i])
+        assert (outs[rid].token_ids, outs[rid].logprobs) == solo[i], (i, outs[rid], solo[i])
         engine.release(rid)
     assert not misses.estimates, misses.estimates  # released: forgotten
     log(f"least_misses: {len(placed)} requests on ranks {engine.placed_per_rank}, rows copied "
@@ -424,12 +544,58 @@ def least_misses_case(mesh, rules) -> None:
         "their solo runs")
 
 
+def budget_case(mesh, rules) -> None:
+    """device_bytes is each rank's budget: a request that can never fit it alone is refused
+    (nothing queued); host_pool_bytes that holds no page is refused."""
+    from fo_jax.engine.scheduler import RequestRefused
+
+    engine = ShardedEngine(_params(), CONFIG, mesh=mesh, rules=rules, offload=OFFLOAD,
+                           **SETTINGS, num_pages=8, device_bytes=5000)
+    raises(lambda: engine.add_request(_prompt(1, 20), max_tokens=6),
+           "prompt of 20 tokens + max_tokens=6 can never fit device_bytes=5,000", RequestRefused)
+    assert not engine.has_unfinished() and engine.device_bytes_used() == [0] * RANKS
+    raises(lambda: ShardedEngine(_params(), CONFIG, mesh=mesh, rules=rules, offload=OFFLOAD,
+                                 **SETTINGS, host_pool_bytes=COSTS.page_host_bytes - 1),
+           f"host_pool_bytes={COSTS.page_host_bytes - 1} holds no page of 4 tokens "
+           f"({COSTS.page_host_bytes} bytes over 2 layers): raise it")
+    log("device_bytes and host_pool_bytes per rank: the refusals")
+
+
+def budget_binds_case(mesh, rules) -> None:
+    """device_bytes binds per rank: with a budget that holds one request's state (its seat,
+    prefill buffers and pages), rank 0's second request waits for its first to finish while
+    rank 1 admits its own; the three (one prompt) get the same tokens. The stream's shapes:
+    its programs are compiled already."""
+    need = (COSTS.seat_device_bytes + COSTS.page_prefill_bytes
+            + 2 * COSTS.page_device_bytes)  # 3 prompt tokens + 4 sampled: 2 pages of 4
+    engine = ShardedEngine(_params(), CONFIG, mesh=mesh, rules=rules, offload=OFFLOAD,
+                           **SETTINGS, num_pages=8, device_bytes=need)
+    prompt = _prompt(31, 3)
+    ids = [engine.add_request(prompt, max_tokens=4, rank=r) for r in (0, 0, 1)]
+    engine.step()
+    assert engine.waiting_ids() == [ids[1]], engine.waiting_ids()
+    assert sorted(engine.rank_of(r) for r in engine.seat_request_ids() if r) == [0, 1]
+    used = engine.device_bytes_used()
+    assert 0 < used[0] <= need and 0 < used[1] <= need and used[2:] == [0] * (RANKS - 2), used
+    outs = engine.run()
+    tokens = [outs[r].token_ids for r in ids]
+    assert tokens[0] == tokens[1] == tokens[2] and len(tokens[0]) == 4, tokens
+    assert engine.device_bytes_used() == [0] * RANKS
+    log(f"device_bytes={need:,} per rank: rank 0's second request waited, rank 1 ran its own")
+
+
 def offloaded_cases():
     serve_offloaded_case()
     mesh, rules = sharding.expert_mesh(RANKS, expert=RANKS)
-    engine = stream_case(mesh, rules, split=True, offload=OFFLOAD, extra=(("num_pages", 8),),
-                         what="all-to-all layout, offloaded (a host pool of 8 pages per rank)")
+    budget_case(mesh, rules)
+    path = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
+    engine = stream_case(mesh, rules, split=True, offload=OFFLOAD, extra=BYTES, metrics=path,
+                         what="all-to-all layout, offloaded (a host pool of 8 pages per rank, "
+                         "sized in bytes; a device budget per rank; a metrics log)")
+    check_rank_bytes(engine, pages=8)
+    check_metrics_log(engine, path)
     check_rank_misses(engine)
+    budget_binds_case(mesh, rules)
     least_misses_case(mesh, rules)
     engine = stream_case(mesh, rules, split=True, offload=OFFLOAD, stream=tuple(PREEMPT_STREAM),
                          extra=PREEMPT, what="offloaded, reserve='prompt', 8 pages per rank")

@@ -150,10 +150,6 @@ def test_the_flags_build_the_settings():
      "--expert-parallel splits the experts over --devices: add --devices"),
     (["--devices", "4", "--expert-parallel", "2"], "--expert-parallel 2 must equal --devices 4: "
      "the sharded engine splits the experts over every device"),
-    (["--devices", "2", "--expert-parallel", "2", "--offload", "--device-gb", "1"],
-     "--expert-parallel does not run with --device-gb yet: drop it"),
-    (["--devices", "2", "--expert-parallel", "2", "--offload", "--host-pool-gb", "1"],
-     "--expert-parallel does not run with --host-pool-gb yet: drop it"),
     (["--devices", "2", "--expert-parallel", "2", "--offload", "--pool-memory", "device"],
      "--expert-parallel does not run with --pool-memory device yet: drop it"),
     (["--devices", "2", "--expert-parallel", "2", "--placement", "least_misses"],
@@ -175,6 +171,13 @@ def test_expert_parallel_flags_are_kept():
     args = _args("--devices", "2", "--expert-parallel", "2", "--offload", "--placement",
                  "least_misses")
     assert (args.expert_parallel, args.placement) == (2, "least_misses")
+    # The budgets are each device's (the sharded engine's per rank: tests/engine/
+    # sharded_engine_cases.py).
+    args = _args("--model", "tiny", "--devices", "2", "--expert-parallel", "2", "--offload",
+                 "--device-gb", "1", "--host-pool-gb", "0.5")
+    settings = args.engine_settings(CONFIG, args.offload_config(CONFIG))
+    assert (settings.scheduler.device_bytes, settings.cache.host_pool_bytes) == (
+        1_000_000_000, 500_000_000)
 
 
 def test_values_the_parser_does_not_see_are_checked_too():

@@ -1,13 +1,17 @@
 """ShardedEngine (fo_jax.engine.sharded): one engine stepping 4 data-parallel ranks in one
 program per step, on 4 simulated devices in a subprocess (sharded_engine_cases.py: a request
 stream whose tokens are bit for bit each request's solo run on one single-device Engine, in the
-all-to-all layout with 1/4 of the experts per device and on the plain data mesh; admission per
-rank; seats free at the end; a cancel; the server's driver over it; `serve --devices 4
---expert-parallel 4` builds it; the refusals' messages); offloaded, with a host pool per rank,
-in another (the same stream, and one where a rank's pool runs short and its youngest request
-is preempted and resumes: tokens bit for bit, every page back in its rank's pool; and
-least_misses placement, its estimates and the rows copied per rank); and across two processes
-on jax.distributed, resident and offloaded (multiprocess_sharded_cases.py)."""
+all-to-all layout with 1/4 of the experts per device and on the plain data mesh, and the
+log-probabilities of those that ask for them; admission per rank; seats free at the end; a
+cancel; the server's driver and app over it; `serve --devices 4 --expert-parallel 4` builds it;
+the refusals' messages); offloaded, with a host pool per rank, in another (the same stream,
+each rank's pool sized in bytes, a device budget per rank and a metrics log with every rank's
+figures, the planner's bytes checked against each rank's shards; a budget that binds per rank;
+one where a rank's pool runs short and its youngest request is preempted and resumes: tokens
+bit for bit, every page back in its rank's pool; and least_misses placement, its estimates and
+the rows copied per rank); and across two processes on jax.distributed,
+resident and offloaded (multiprocess_sharded_cases.py: log-probabilities too, a metrics log
+refused)."""
 
 import json
 import os
@@ -36,7 +40,7 @@ def _run_cases(suite):
 
 
 def test_sharded_engine_on_four_devices():
-    _run_cases("resident")  # ~40 s of CPU on a quiet machine
+    _run_cases("resident")  # ~47 s of CPU on a quiet machine
 
 
 def test_offloaded_sharded_engine_on_four_devices():
