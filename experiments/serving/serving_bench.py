@@ -148,10 +148,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.smoke:
         # Prompts of at most 2 chunks, 3 with the one-chunk system prompt: the offloaded
-        # prefill compiles for histories of 0, 2 and 4 pages (its buckets), no more.
+        # prefill compiles for histories of 0, 2 and 4 pages (its buckets), no more. The budget
+        # holds 2 resident seats (4 offloaded, 4 paged on the device): a closed loop at 2 seats
+        # then runs the resident Poisson cells' programs (compiled once in one process).
         args.model, args.capacity, args.page_size, args.requests = "tiny", 64, 4, 5
         args.prompt_len, args.output_len, args.prefill_chunk = [4, 16], [2, 6], 8
-        args.rate, args.device_budget_mb = 50.0, 0.2
+        args.rate, args.device_budget_mb = 50.0, 0.06
         args.steps_per_call = args.steps_per_call or [1, 4]
         args.prefix_len, args.prefix_paths = 8, ["offload"]
     args.steps_per_call = args.steps_per_call or [1, 16]
