@@ -136,7 +136,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.smoke:
         args.model, args.capacity, args.page_size, args.seats = "tiny", 64, 4, [2, 8]
-        args.prompt_len, args.prefill_chunk, args.repeats = 24, 8, 2
+        # 2 chunks: the prefill compiles for histories of 0 and 2 pages (its buckets) only.
+        args.prompt_len, args.prefill_chunk, args.repeats = 16, 8, 2
         args.prefilling = [2]
     config = get_config(args.model).replace(max_ways=1)
     if args.capacity > config.max_seq_len:
