@@ -140,6 +140,8 @@ def main(argv=None):
         args.prompt_len, args.prefill_chunk, args.repeats = 16, 8, 2
         args.prefilling = [2]
     config = get_config(args.model).replace(max_ways=1)
+    if args.smoke:  # one indexer group (each group is its own code in every program)
+        config = config.replace(name=f"{config.name}-1group", indexer_layers=(0,))
     if args.capacity > config.max_seq_len:
         config = config.replace(max_seq_len=args.capacity)
     if args.prompt_len >= args.capacity:
