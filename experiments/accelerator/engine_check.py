@@ -65,8 +65,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.smoke or not embedded_available():
         config = get_config("tiny")
+        if args.smoke:  # one indexer group (each group is its own code in every program)
+            config = config.replace(name="tiny-1group", indexer_layers=(0,))
         params = init_params(config, jax.random.key(0))
-        model = "tiny (random)"
+        model = f"{config.name} (random)"
         args.capacity = min(args.capacity, 128)
         prompt_len, output_len, prefix_len, chunk, page = (3, 40), (2, 12), 32, 16, 8
     else:

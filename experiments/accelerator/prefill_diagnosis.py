@@ -101,6 +101,8 @@ def main(argv=None):
     if args.smoke:
         args.preset, args.history, args.chunk, args.page_size = "tiny", 32, 16, 8
     config = get_config(args.preset)
+    if args.smoke:  # one indexer group (each group is its own code in every program)
+        config = config.replace(name=f"{config.name}-1group", indexer_layers=(0,))
     hist, chunk, z, b = args.history, args.chunk, args.page_size, args.batch
     cap = hist + chunk
     config = config.replace(max_seq_len=max(config.max_seq_len, cap))

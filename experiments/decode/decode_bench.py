@@ -212,6 +212,8 @@ WORKLOADS = {
 def run_step(args, meta):
     config = get_config(args.model)
     config = dataclasses.replace(config, max_ways=args.ways)
+    if args.smoke:  # one indexer group (each group is its own code in every program)
+        config = config.replace(name=f"{config.name}-1group", indexer_layers=(0,))
     context = args.context
     hot = max(context // 4, config.index_topk * args.ways)
     page = 64 if hot >= 64 else 16

@@ -106,6 +106,8 @@ def _looped(params, state, first, key, tokens, n, *, step, sampling):
 
 def run(args, meta):
     config = get_config(args.model).replace(max_ways=1)
+    if args.smoke:  # one indexer group (each group is its own code in every program)
+        config = config.replace(name=f"{config.name}-1group", indexer_layers=(0,))
     batch, context = args.batch, args.context
     hot = max(context // 4, config.index_topk)
     page = 16

@@ -125,9 +125,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     config = get_config(args.model)
     block = (128, 128)
-    if args.smoke:  # the preset's structure (1 dense + 3 MoE, an indexer per layer), tiny
+    if args.smoke:  # the preset's structure (a dense layer, then MoE, an indexer per layer),
+        # tiny, 2 layers (1 dense + 1 MoE: half the indexer groups to compile)
         config = config.replace(
-            name="deepseek_v32_width-smoke", vocab_size=256, dim=64, num_heads=4,
+            name="deepseek_v32_width-smoke", num_layers=2, indexer_layers=(0, 1),
+            vocab_size=256, dim=64, num_heads=4,
             q_lora_rank=32, kv_lora_rank=128, qk_nope_head_dim=16, qk_rope_head_dim=16,
             v_head_dim=16, mlp_hidden=96, index_n_heads=4, index_head_dim=32, index_topk=16,
             n_routed_experts=8, num_experts_per_tok=2, moe_hidden=32, n_group=2, topk_group=1,

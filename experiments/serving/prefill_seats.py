@@ -136,9 +136,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.smoke:
         args.model, args.capacity, args.page_size, args.seats = "tiny", 64, 4, [2, 8]
-        args.prompt_len, args.prefill_chunk, args.repeats = 24, 8, 2
+        # 2 chunks: the prefill compiles for histories of 0 and 2 pages (its buckets) only.
+        args.prompt_len, args.prefill_chunk, args.repeats = 16, 8, 2
         args.prefilling = [2]
     config = get_config(args.model).replace(max_ways=1)
+    if args.smoke:  # one indexer group (each group is its own code in every program)
+        config = config.replace(name=f"{config.name}-1group", indexer_layers=(0,))
     if args.capacity > config.max_seq_len:
         config = config.replace(max_seq_len=args.capacity)
     if args.prompt_len >= args.capacity:

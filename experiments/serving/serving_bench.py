@@ -148,10 +148,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.smoke:
         # Prompts of at most 2 chunks, 3 with the one-chunk system prompt: the offloaded
-        # prefill compiles for histories of 0, 2 and 4 pages (its buckets), no more.
+        # prefill compiles for histories of 0, 2 and 4 pages (its buckets), no more. The budget
+        # holds 2 resident seats (5 offloaded, 4 paged on the device): a closed loop at 2 seats
+        # then runs the resident Poisson cells' programs (compiled once in one process).
         args.model, args.capacity, args.page_size, args.requests = "tiny", 64, 4, 5
         args.prompt_len, args.output_len, args.prefill_chunk = [4, 16], [2, 6], 8
-        args.rate, args.device_budget_mb = 50.0, 0.2
+        args.rate, args.device_budget_mb = 50.0, 0.06
         args.steps_per_call = args.steps_per_call or [1, 4]
         args.prefix_len, args.prefix_paths = 8, ["offload"]
     args.steps_per_call = args.steps_per_call or [1, 16]
@@ -165,6 +167,8 @@ def main(argv=None):
                      "device budget)")
     seats_closed = args.seats or args.max_seats
     config = get_config(args.model).replace(max_ways=1)
+    if args.smoke:  # one indexer group (each group is its own code in every program)
+        config = config.replace(name=f"{config.name}-1group", indexer_layers=(0,))
     if args.capacity > config.max_seq_len:
         config = config.replace(max_seq_len=args.capacity)
     hot = args.hot_slots or config.index_topk

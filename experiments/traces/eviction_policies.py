@@ -74,6 +74,8 @@ def main(argv=None):
         args.model, args.context, args.steps, args.warmup = "tiny", 300, 4, 2
         args.multiples = [1]
     config = dataclasses.replace(get_config(args.model), max_ways=args.ways)
+    if args.smoke:  # one indexer group (each group is its own code in the decode step)
+        config = config.replace(name=f"{config.name}-1group", indexer_layers=(0,))
     params = init_params(config, jax.random.key(0))
     rng = np.random.default_rng(2)
     tokens = [jnp.asarray(rng.integers(0, config.vocab_size, (args.batch, args.ways), np.int32))

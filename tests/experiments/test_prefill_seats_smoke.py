@@ -16,8 +16,8 @@ def test_smoke(load_experiment, tmp_path, capsys):
     assert {(r["path"], r["seats"]) for r in lines} == {
         (p, s) for p in ("resident", "offload") for s in (2, 8)}
     for r in lines:
-        # 2 measured requests of 3 chunks each; the first seat count is the ratio's base.
-        assert r["prefill_steps"] == 6 and r["first_seats"] == 2
+        # 2 measured requests of 2 chunks each; the first seat count is the ratio's base.
+        assert r["prefill_steps"] == 4 and r["first_seats"] == 2
         assert 0 < r["prefill_step_min_s"] <= r["prefill_step_p50_s"] <= r["prefill_step_max_s"]
         assert r["ratio_to_first"] > 0 and "jax" in r and "git" in r
     assert all(r["ratio_to_first"] == 1.0 for r in lines if r["seats"] == 2)
@@ -26,8 +26,8 @@ def test_smoke(load_experiment, tmp_path, capsys):
     assert {(r["path"], r["prefill_batch"]) for r in packed} == {
         (p, b) for p in ("resident", "offload") for b in (1, 2)}
     for r in packed:
-        # 2 measured rounds of 3 chunks; both requests in one program when packed.
-        assert r["prefilling"] == 2 and r["prefill_steps"] == 6
+        # 2 measured rounds of 2 chunks; both requests in one program when packed.
+        assert r["prefilling"] == 2 and r["prefill_steps"] == 4
         assert r["programs_per_step"] == (1.0 if r["prefill_batch"] == 2 else 2.0)
         assert r["ratio_to_per_request"] > 0
     assert all(r["ratio_to_per_request"] == 1.0 for r in packed if r["prefill_batch"] == 1)

@@ -1,6 +1,8 @@
 """The serving benchmark's smoke mode: the three paths (resident, paged on the device,
 offloaded), two steps-per-call settings, as JSON lines."""
 
+import contextlib
+import io
 import json
 
 import pytest
@@ -47,41 +49,48 @@ def test_smoke(load_experiment, tmp_path, capsys):
     assert on["output_tokens"] == off["output_tokens"]
 
 
-def test_closed_loop(load_experiment, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def closed_loop(load_experiment, tmp_path_factory):
+    """One closed-loop run at 2 seats and 1 step per call (the smoke budget's resident seats:
+    the Poisson cells' programs), each cell with the engine's overlap and without: (rows, the
+    JSON lines written, what it printed)."""
+    out = tmp_path_factory.mktemp("closed") / "closed.jsonl"
+    module = load_experiment("serving_bench")
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        rows = module.main(["--smoke", "--closed-loop", "--seats", "2", "--steps-per-call", "1",
+                            "--workloads", "poisson", "--host-access", "ffi", "--overlap", "on",
+                            "off", "--out", str(out)])
+    return rows, [json.loads(line) for line in out.read_text().splitlines()], printed.getvalue()
+
+
+def test_closed_loop(closed_loop):
     """At saturation: resident and offloaded at the same seats, every seat busy, the same
     greedy tokens; the TPOT ratio printed against its target."""
-    out = tmp_path / "closed.jsonl"
-    module = load_experiment("serving_bench")
-    rows = module.main(["--smoke", "--closed-loop", "--seats", "2", "--steps-per-call", "2",
-                        "--workloads", "poisson", "--host-access", "ffi", "--out", str(out)])
-    printed = capsys.readouterr().out
-    assert [(r["path"], r["workload"], r["seats"]) for r in rows] == [
-        ("resident", "closed_loop", 2), ("offload", "closed_loop", 2)]
-    assert [json.loads(line) for line in out.read_text().splitlines()] == rows
+    rows, lines, printed = closed_loop
+    assert [(r["path"], r["workload"], r["seats"], r["overlap"]) for r in rows] == [
+        ("resident", "closed_loop", 2, True), ("resident", "closed_loop", 2, False),
+        ("offload", "closed_loop", 2, True), ("offload", "closed_loop", 2, False)]
+    assert lines == rows
     assert all(r["peak_running"] == 2 and r["tpot_p50"] > 0 for r in rows)
-    assert rows[0]["output_tokens"] == rows[1]["output_tokens"]
-    assert rows[1]["host_access"] == "ffi" and rows[0]["host_access"] is None
-    ratio = rows[1]["tpot_p50"] / rows[0]["tpot_p50"]
-    assert (f"TPOT p50 offloaded / resident at saturation (target <= 1.2): N=2 x{ratio:.2f}"
+    assert len({r["output_tokens"] for r in rows}) == 1
+    assert all(r["host_access"] == "ffi" for r in rows[2:])
+    assert all(r["host_access"] is None for r in rows[:2])
+    ratio = rows[2]["tpot_p50"] / rows[0]["tpot_p50"]  # the first --overlap setting's
+    assert (f"TPOT p50 offloaded / resident at saturation (target <= 1.2): N=1 x{ratio:.2f}"
             in printed)
 
 
-def test_overlap_on_and_off(load_experiment, capsys):
+def test_overlap_on_and_off(closed_loop):
     """`--overlap on off`: each cell served with the engine's overlap and without, the same
     greedy tokens; the host shares and idle times per step printed side by side."""
-    module = load_experiment("serving_bench")
-    rows = module.main(["--smoke", "--closed-loop", "--seats", "2", "--steps-per-call", "1",
-                        "--workloads", "poisson", "--paths", "resident", "--overlap", "on",
-                        "off"])
-    printed = capsys.readouterr().out
-    assert [(r["path"], r["overlap"]) for r in rows] == [("resident", True),
-                                                         ("resident", False)]
-    assert rows[0]["output_tokens"] == rows[1]["output_tokens"]
+    rows, _, printed = closed_loop
     for r in rows:
         assert 0 <= r["host_share"] <= 1 and r["device_idle_per_step_s"] >= 0
-    on, off = rows
-    assert (f"host share with overlap vs without: resident N=1 {on['host_share']:.3f} vs "
-            f"{off['host_share']:.3f}" in printed)
+    for path, (on, off) in (("resident", rows[:2]), ("offload", rows[2:])):
+        assert on["output_tokens"] == off["output_tokens"]
+        assert (f"{path} N=1 {on['host_share']:.3f} vs {off['host_share']:.3f}" in printed)
+    assert (f"host share with overlap vs without: resident N=1 {rows[0]['host_share']:.3f} vs "
+            f"{rows[1]['host_share']:.3f}" in printed)
 
 
 def test_closed_loop_flags(load_experiment, capsys):
