@@ -193,7 +193,8 @@ def test_cli_devices_flags(capsys):
             (["--devices", "1", "--placement", "least_misses"], "--placement least_misses "
              "needs --offload (the resident path copies no misses)"),
             (["--devices", "1", "--metrics-jsonl", "m.jsonl"], "--metrics-jsonl is not "
-             "supported with --devices (one log per engine)")]:
+             "supported with --devices alone (one log per engine; the data-parallel server "
+             "runs one engine per device): add --expert-parallel N")]:
         assert cli.main(["bench-serve", "--model", "tiny", *flags]) == 2
         assert message in capsys.readouterr().err
 
