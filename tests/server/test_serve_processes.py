@@ -54,6 +54,42 @@ def _kill(procs):
         proc.wait()
 
 
+def _engine_args(*flags):
+    import argparse
+
+    from fo_jax.engine.args import EngineArgs
+    from fo_jax.server.serve import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return EngineArgs.from_cli_args(parser.parse_args(list(flags)))
+
+
+@pytest.mark.parametrize("flags, message", [
+    ((), "across 2 processes `serve` runs one sharded engine over every process's devices "
+         "(2 processes x 4 devices), but --devices is missing: pass --devices 8 "
+         "--expert-parallel 8"),
+    (("--devices", "4", "--expert-parallel", "4"),
+     "--devices 4 across 2 processes must be the global device count 8 (2 processes x 4 "
+     "devices: each process serves its own devices): pass --devices 8 --expert-parallel 8"),
+    (("--devices", "8"), "--devices 8 across 2 processes needs --expert-parallel 8: one sharded "
+                         "engine spans the processes (the data-parallel engines of --devices "
+                         "alone run in one process)"),
+    (("--devices", "8", "--expert-parallel", "8", "--offload"),
+     "across 2 processes the sharded engine runs the resident path only: drop --offload"),
+], ids=["no_devices", "local_count", "no_expert_parallel", "offload"])
+def test_flags_across_processes_are_checked(flags, message):
+    """What serve needs across processes, said before any weight is read."""
+    from fo_jax.server.serve import check_processes
+
+    with pytest.raises(ValueError) as err:
+        check_processes(_engine_args(*flags), processes=2, device_count=8,
+                        local_device_count=4)
+    assert str(err.value) == message
+    check_processes(_engine_args("--devices", "8", "--expert-parallel", "8"), processes=2,
+                    device_count=8, local_device_count=4)
+
+
 def test_serve_across_two_processes(tmp_path):
     import jax
 
