@@ -15,6 +15,13 @@ process prints one line of request counts and pool pages (`final_report`) and ex
 engine thread dies (a fault of the engine's own state), the server shuts down the same way and
 the process exits 1, saying so.
 
+Across processes (jax.distributed: launched by `python -m fo_jax.distributed launch`, or the
+FO_JAX_* variables set on each host; `run` joins them first): one ShardedEngine over every
+process's devices (`--devices` the global count, `--expert-parallel` the same, resident), the
+HTTP server on process 0 only, whose `LockstepDriver` (fo_jax.server.lockstep) the other
+processes follow tick by tick; each process prints its part of the engine at start and at
+stop (`process_report`); stopping process 0 stops them all (exit 0).
+
 `ServerThread` runs the same server in a background thread (tests, benchmarks).
 """
 
