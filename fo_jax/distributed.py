@@ -21,7 +21,8 @@ outputs) with `allgather_bytes`.
 
 Sizes: P processes, D devices in all (D / P per process), B requests (B / P per process, B / D
 per device). Nothing here moves data between processes except `jax.distributed`'s own start-up
-handshake, `process_max`'s few ints and `allgather_bytes`'s messages: rows go from each host to its own devices and back.
+handshake, `process_max`'s few ints and `allgather_bytes`'s messages: rows go from each host
+to its own devices and back.
 """
 
 from __future__ import annotations

@@ -45,7 +45,8 @@ the process exits 0). A fault (an exception in a step, or a malformed tick) ends
 the process where it happens without another collective (its peers may be waiting in the
 step's collectives): process 0 fails its requests and its server shuts down (exit 1, saying
 so); another process returns 1 from `follow` with the message. Its peers' next collective then
-fails (the peer is gone), which ends them the same way.
+fails (the peer is gone: "process P lost the other processes"), which ends them the same way
+(`fo_jax.server.serve.run` then leaves at once, without jax.distributed's shutdown barrier).
 """
 
 from __future__ import annotations
@@ -271,7 +272,13 @@ class LockstepDriver(EngineDriver):
             mine = Tick(self.process, tuple(commands), stop, engine.has_unfinished(),
                         tuple(self._records))
             self._records = []
-            ticks = [unpack(data) for data in self.exchange(pack(mine))]
+            try:
+                messages = self.exchange(pack(mine))
+            except Exception as err:  # noqa: BLE001 - e.g. gloo: the connection was reset
+                raise RuntimeError(f"process {self.process} lost the other processes (one "
+                                   f"failed or was stopped): {type(err).__name__}: {err}"
+                                   ) from err
+            ticks = [unpack(data) for data in messages]
             self.ticks += 1
             if [t.process for t in ticks] != list(range(len(ticks))):
                 raise ValueError(f"the exchange returned the ticks of processes "

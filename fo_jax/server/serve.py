@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import errno
 import json
+import os
 import signal
 import socket
 import sys
@@ -397,13 +398,26 @@ def run(args) -> int:
     from fo_jax import distributed
 
     info = distributed.initialize_from_env()  # joins the others when launched as processes
-    if info is not None and info.process_id > 0:
-        return _follow(args)
-    sock = bind_socket(args.host, args.port)
-    try:
-        return _serve(args, sock)
-    finally:
-        sock.close()
+    if info is None:
+        sock = bind_socket(args.host, args.port)
+        try:
+            return _serve(args, sock)
+        finally:
+            sock.close()
+    if info.process_id > 0:
+        code = _follow(args)
+    else:
+        sock = bind_socket(args.host, args.port)
+        try:
+            code = _serve(args, sock)
+        finally:
+            sock.close()
+    if code:  # a process failed or is gone: jax.distributed's shutdown barrier would wait for
+        # it (the runtime's heartbeat timeout, about a minute) and then abort: leave now
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _build_and_warm(args):
@@ -493,5 +507,5 @@ def final_report(served: Served) -> str:
 
 
 __all__ = ["Served", "ServerThread", "add_arguments", "add_engine_arguments", "bind_socket",
-           "build_engine", "check_processes", "build_served", "final_report", "make_server", "path_name", "run",
-           "warm_up"]
+           "build_engine", "build_served", "check_processes", "final_report", "make_server",
+           "path_name", "run", "warm_up"]

@@ -228,7 +228,9 @@ def test_a_fault_on_a_follower_ends_both():
     follower.join(10)
     assert codes == [1]
     assert drivers[1].failure == "engine failure: RuntimeError: boom"
-    assert failed.wait(10) and drivers[0].failure.startswith("engine failure: BrokenBarrierError")
+    assert failed.wait(10) and drivers[0].failure.startswith(
+        "engine failure: RuntimeError: process 0 lost the other processes (one failed or was "
+        "stopped): BrokenBarrierError")
     assert all(isinstance(items[-1], Failed) for items in got), got
     assert engines[1].requests == {}  # the follower cancelled its own on the way out
     assert not drivers[0].accepting

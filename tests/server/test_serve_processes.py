@@ -90,41 +90,72 @@ def test_flags_across_processes_are_checked(flags, message):
                     device_count=8, local_device_count=4)
 
 
-def test_serve_across_two_processes(tmp_path):
+def _model_dir(tmp_path):
     import jax
 
-    from fo_jax.embedded import load_model_dir, save_model_dir
-    from fo_jax.engine import Engine
+    from fo_jax.embedded import save_model_dir
     from fo_jax.model.dsa import init_params
     from fo_jax.tokenizer import ByteTokenizer
 
     config = _config()
     params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
-    model_dir = save_model_dir(tmp_path / "model", config, params, ByteTokenizer(),
-                               dtype=config.dtype)
-    port = distributed.free_port()
-    coordinator = f"127.0.0.1:{distributed.free_port()}"
-    cmd = [sys.executable, "-m", "fo_jax.cli", "serve", "--model-dir", str(model_dir),
-           "--port", str(port), "--devices", str(RANKS), "--expert-parallel", str(RANKS),
-           "--seats", str(SEATS), "--capacity", str(CAPACITY), "--prefill-chunk", str(CHUNK),
-           "--decode-steps-per-call", "2", "--shutdown-timeout", "0", "--log-level", "warning"]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
-               **{distributed.ENV_COORDINATOR: coordinator,
-                  distributed.ENV_NUM_PROCESSES: str(PROCESSES),
-                  distributed.ENV_LOCAL_DEVICES: str(LOCAL_DEVICES)})
-    logs = [tmp_path / f"{i}.log" for i in range(PROCESSES)]
-    procs = []
+    return save_model_dir(tmp_path / "model", config, params, ByteTokenizer(),
+                          dtype=config.dtype)
 
-    def output() -> list[str]:
-        return [log.read_text() for log in logs]
 
-    try:
-        for i, log in enumerate(logs):
+class _Servers:
+    """`fo-jax serve` as 2 processes (jax.distributed, 2 simulated CPU devices each), each in
+    its own process group, output to a file each; `kill` ends both groups."""
+
+    def __init__(self, tmp_path, model_dir, *flags):
+        self.port = distributed.free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "fo_jax.cli", "serve", "--model-dir", str(model_dir),
+               "--port", str(self.port), "--devices", str(RANKS), "--expert-parallel",
+               str(RANKS), "--seats", str(SEATS), "--capacity", str(CAPACITY),
+               "--prefill-chunk", str(CHUNK), "--decode-steps-per-call", "2",
+               "--shutdown-timeout", "0", "--log-level", "warning", *flags]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
+                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   **{distributed.ENV_COORDINATOR: f"127.0.0.1:{distributed.free_port()}",
+                      distributed.ENV_NUM_PROCESSES: str(PROCESSES),
+                      distributed.ENV_LOCAL_DEVICES: str(LOCAL_DEVICES)})
+        self.logs = [tmp_path / f"{i}.log" for i in range(PROCESSES)]
+        self.procs = []
+        for i, log in enumerate(self.logs):
             with open(log, "w") as out:
-                procs.append(subprocess.Popen(
-                    cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                self.procs.append(subprocess.Popen(
+                    cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                    start_new_session=True,
                     env=dict(env, **{distributed.ENV_PROCESS_ID: str(i)})))
+
+    def output(self) -> list[str]:
+        return [log.read_text(errors="replace") for log in self.logs]
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert all(p.poll() is None for p in self.procs), "\n".join(self.output())[-6000:]
+            assert time.monotonic() < deadline, "\n".join(self.output())[-6000:]
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+
+    def kill(self) -> None:
+        _kill(self.procs)
+
+
+def test_serve_across_two_processes(tmp_path):
+    from fo_jax.embedded import load_model_dir
+    from fo_jax.engine import Engine
+
+    config = _config()
+    model_dir = _model_dir(tmp_path)
+    servers = _Servers(tmp_path, model_dir)
+    try:
         # Meanwhile, each request alone on one single-device Engine with the whole weights.
         _, whole, _ = load_model_dir(model_dir)
         solo = Engine(whole, config, seats=SEATS, capacity=CAPACITY, prefill_chunk=CHUNK,
@@ -135,22 +166,13 @@ def test_serve_across_two_processes(tmp_path):
             expected.append(solo.run()[rid].token_ids)
             solo.release(rid)
 
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert all(p.poll() is None for p in procs), "\n".join(output())[-6000:]
-            assert time.monotonic() < deadline, "\n".join(output())[-6000:]
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        started = [_reports(text, "fo-jax serve: process: ") for text in output()]
+        servers.wait_ready()
+        started = [_reports(text, "fo-jax serve: process: ") for text in servers.output()]
         assert [[(r["process"], r["ranks"], r["experts_per_device"]) for r in mine]
                 for mine in started] == [[(0, [0, 1], [2])], [(1, [2, 3], [2])]], started
 
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=servers.url + "/v1", api_key="none", max_retries=0,
+                               timeout=120)
 
         def ask(i):
             length, max_tokens = REQUESTS[i]
@@ -164,12 +186,12 @@ def test_serve_across_two_processes(tmp_path):
         assert [tokens for tokens, _ in got] == expected
         assert [reason for _, reason in got] == ["length"] * len(REQUESTS)
 
-        procs[0].send_signal(signal.SIGTERM)
-        codes = [p.wait(timeout=STOP_TIMEOUT_S) for p in procs]
-        texts = output()
+        servers.procs[0].send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=STOP_TIMEOUT_S) for p in servers.procs]
+        texts = servers.output()
         assert codes == [0, 0], "\n".join(texts)[-6000:]
     finally:
-        _kill(procs)
+        servers.kill()
     stopped = [_reports(text, "fo-jax serve: stopped: process: ") for text in texts]
     assert [[r["process"] for r in mine] for mine in stopped] == [[0], [1]], texts
     for (report,) in stopped:  # every seat and queue empty, every length zero
@@ -177,3 +199,22 @@ def test_serve_across_two_processes(tmp_path):
         assert sum(report["placed"]) > 0, stopped  # requests on both processes' ranks
     assert sum(sum(r["placed"]) for (r,) in stopped) == len(REQUESTS), stopped
     assert "requests received 6, completed 6, cancelled 0" in texts[0], texts[0]
+
+
+def test_a_lost_process_ends_the_server(tmp_path):
+    """Process 1 killed (no warm-up: the processes only tick): process 0's next exchange
+    fails, its server shuts down and it exits 1 at once, saying why."""
+    servers = _Servers(tmp_path, _model_dir(tmp_path), "--no-warmup")
+    try:
+        servers.wait_ready()
+        os.killpg(servers.procs[1].pid, signal.SIGKILL)
+        start = time.monotonic()
+        code = servers.procs[0].wait(timeout=STOP_TIMEOUT_S)
+        assert time.monotonic() - start < 20  # not the runtime's heartbeat timeout
+        text = servers.output()[0]
+    finally:
+        servers.kill()
+    assert code == 1, text[-6000:]
+    assert ("fo-jax serve: engine failure: RuntimeError: process 0 lost the other processes "
+            "(one failed or was stopped)") in text, text[-6000:]
+    assert "the engine stopped, exit status 1" in text, text[-6000:]
