@@ -381,6 +381,13 @@ class LockstepDriver(EngineDriver):
 
         engine, commands = self.engine, []
         for handle in handles:
+            with self._lock:
+                self._pending_adds -= 1
+            try:
+                kwargs = add_kwargs(handle.kwargs)
+            except (TypeError, ValueError) as err:  # not JSON: no owner could receive it
+                handle.put(Refused(f"the request's settings cannot be sent to its rank: {err}"))
+                continue
             load, busy = [0.0] * engine.ranks, [0] * engine.ranks
             for flight in self._flights.values():
                 busy[flight.rank] += 1
@@ -391,12 +398,9 @@ class LockstepDriver(EngineDriver):
             ranks, self._turn = placement_rules.assign(
                 engine.placement, [self._cost(len(handle.prompt))], load=load, free=free,
                 turn=self._turn)
-            kwargs = add_kwargs(handle.kwargs)
             self._handles[handle.request_id] = handle
             self._flights[handle.request_id] = _Flight(ranks[0], len(handle.prompt),
                                                        tuple(kwargs.get("stop", ())))
-            with self._lock:
-                self._pending_adds -= 1
             commands.append(AddCommand(handle.request_id, ranks[0], handle.prompt, kwargs))
         self._count()
         return commands

@@ -183,9 +183,13 @@ def test_two_drivers_serve_every_rank_and_stop_cleanly():
         handles = [drivers[0].submit(p, loop=loop, max_tokens=3 + i)
                    for i, p in enumerate(prompts)]
         refused = drivers[0].submit([1], loop=loop, max_tokens=1000)
+        unsendable = drivers[0].submit([1], loop=loop, max_tokens=2, temperature=float("nan"))
         long = drivers[0].submit([2], loop=loop, max_tokens=90)
         got = await asyncio.gather(*map(_collect, handles))
         refusal = await refused.queue.get()
+        assert await unsendable.queue.get() == Refused(
+            "the request's settings cannot be sent to its rank: Out of range float values are "
+            "not JSON compliant: nan")
         assert isinstance(await long.queue.get(), Accepted)
         first = await long.queue.get()  # running: then cancelled
         drivers[0].cancel(long.request_id)

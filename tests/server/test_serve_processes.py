@@ -185,6 +185,14 @@ def test_serve_across_two_processes(tmp_path):
             got = list(pool.map(ask, range(len(REQUESTS))))
         assert [tokens for tokens, _ in got] == expected
         assert [reason for _, reason in got] == ["length"] * len(REQUESTS)
+        deadline = time.monotonic() + 10  # process 0's books, published once idle
+        while True:
+            metrics = httpx.get(servers.url + "/metrics", timeout=10).text
+            if "fojax_requests_running 0.0" in metrics or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert "fojax_requests_running 0.0" in metrics, metrics
+        assert "fojax_requests_waiting 0.0" in metrics, metrics
 
         servers.procs[0].send_signal(signal.SIGTERM)
         codes = [p.wait(timeout=STOP_TIMEOUT_S) for p in servers.procs]
