@@ -190,7 +190,6 @@ class _Flight:
     prompt_tokens: int
     stop: tuple[str, ...]
     tokens: list[int] = dataclasses.field(default_factory=list)
-    accepted: bool = False
 
 
 class LockstepDriver(EngineDriver):
@@ -417,7 +416,6 @@ class LockstepDriver(EngineDriver):
             if handle is None or flight is None:
                 continue
             if record.event == "accepted":
-                flight.accepted = True
                 handle.put(Accepted(record.request_id))
                 continue
             if record.event in ("refused", "failed"):
