@@ -210,11 +210,16 @@ def test_serve_across_two_processes(tmp_path):
 
 
 def test_a_lost_process_ends_the_server(tmp_path):
-    """Process 1 killed (no warm-up: the processes only tick): process 0's next exchange
-    fails, its server shuts down and it exits 1 at once, saying why."""
+    """Process 1 killed once both serve (no warm-up; one request of one token, so that both
+    processes have exchanged ticks): process 0's next exchange fails, its server shuts down
+    and it exits 1 at once, saying why."""
     servers = _Servers(tmp_path, _model_dir(tmp_path), "--no-warmup")
     try:
         servers.wait_ready()
+        client = openai.OpenAI(base_url=servers.url + "/v1", api_key="none", max_retries=0,
+                               timeout=120)
+        assert len(client.completions.create(model="tiny_moe", prompt=[1, 2, 3], max_tokens=1,
+                                             temperature=0).choices) == 1
         os.killpg(servers.procs[1].pid, signal.SIGKILL)
         start = time.monotonic()
         code = servers.procs[0].wait(timeout=STOP_TIMEOUT_S)
