@@ -36,8 +36,9 @@ every process.
 Outputs: a record carries a request's new tokens and finish reason only; process 0 keeps each
 request's tokens and decodes the text with the engine's tokenizer, cut before the first stop
 string (the engine's rule, `RequestState.record`: tokens after a stop string are never sent).
-Choices (`n`) are added at once, each placed on its own (the sharded engine has no prefix cache
-to share a prompt's prefill). Log-probabilities are refused by the sharded engine (HTTP 400).
+Log-probabilities (`logprobs=k`) go with their tokens: each new token's value and top k
+(JSON writes floats exactly; -inf as -Infinity). Choices (`n`) are added at once, each placed
+on its own (the sharded engine has no prefix cache to share a prompt's prefill).
 
 Ending: process 0's "stop" command (server shutdown, after the drain) is the last tick: every
 process leaves the loop, cancels what its engine still holds and returns (`follow` returns 0:
@@ -57,6 +58,7 @@ import logging
 import queue
 import time
 
+from fo_jax.engine.requests import TokenLogprobs
 from fo_jax.server.driver import (Accepted, EngineDriver, Failed, Refused, RequestHandle,
                                   Snapshot)
 
@@ -93,6 +95,7 @@ class Record:
       new_token_ids: an output's tokens sampled since the last one.
       finish_reason: an output's, None while running ("stop", "length", "cancelled").
       num_tokens: an output's tokens so far (process 0 checks its own count against it).
+      logprobs: with `logprobs=k`, one `TokenLogprobs` per token of new_token_ids; else None.
     """
     request_id: str
     event: str
@@ -100,6 +103,7 @@ class Record:
     new_token_ids: tuple[int, ...] = ()
     finish_reason: str | None = None
     num_tokens: int = 0
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 EVENTS = ("accepted", "refused", "failed", "output")
@@ -137,10 +141,14 @@ def pack(tick: Tick) -> bytes:
             raise TypeError(f"a tick's commands are AddCommand or CancelCommand, got "
                             f"{type(cmd).__name__}")
     records = [[r.request_id, r.event, r.message, [int(t) for t in r.new_token_ids],
-                r.finish_reason, r.num_tokens] for r in tick.records]
+                r.finish_reason, r.num_tokens,
+                None if r.logprobs is None else [
+                    [int(e.token_id), float(e.logprob), [[int(t), float(v)] for t, v in e.top]]
+                    for e in r.logprobs]] for r in tick.records]
+    # allow_nan: a log-probability may be -inf (the commands' floats are finite: add_kwargs)
     return json.dumps({"process": tick.process, "commands": commands, "stop": tick.stop,
                        "unfinished": tick.unfinished, "records": records},
-                      separators=(",", ":"), allow_nan=False).encode()
+                      separators=(",", ":"), allow_nan=True).encode()
 
 
 def unpack(data: bytes) -> Tick:
@@ -155,11 +163,15 @@ def unpack(data: bytes) -> Tick:
             else:
                 commands.append(CancelCommand(str(cmd["cancel"])))
         records = []
-        for rid, event, message, new, reason, count in raw["records"]:
+        for rid, event, message, new, reason, count, logprobs in raw["records"]:
             if event not in EVENTS:
                 raise ValueError(f"event {event!r} is not one of {EVENTS}")
+            if logprobs is not None:
+                logprobs = tuple(TokenLogprobs(int(t), float(v), tuple(
+                    (int(i), float(w)) for i, w in top)) for t, v, top in logprobs)
             records.append(Record(str(rid), event, str(message), tuple(int(t) for t in new),
-                                  None if reason is None else str(reason), int(count)))
+                                  None if reason is None else str(reason), int(count),
+                                  logprobs))
         return Tick(int(raw["process"]), tuple(commands), bool(raw["stop"]),
                     bool(raw["unfinished"]), tuple(records))
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
@@ -190,6 +202,7 @@ class _Flight:
     prompt_tokens: int
     stop: tuple[str, ...]
     tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None  # with logprobs=k
 
 
 class LockstepDriver(EngineDriver):
@@ -337,8 +350,11 @@ class LockstepDriver(EngineDriver):
 
     @staticmethod
     def _output_record(out) -> Record:
+        logprobs = None
+        if out.logprobs is not None:  # the full list so far: the new tokens' are its last
+            logprobs = tuple(out.logprobs[len(out.logprobs) - len(out.new_token_ids):])
         return Record(out.request_id, "output", "", tuple(out.new_token_ids),
-                      out.finish_reason, len(out.token_ids))
+                      out.finish_reason, len(out.token_ids), logprobs)
 
     def _cancel_mine(self) -> None:
         """Cancel and release what this process's engine still holds (the loop has ended)."""
@@ -398,8 +414,9 @@ class LockstepDriver(EngineDriver):
                 engine.placement, [self._cost(len(handle.prompt))], load=load, free=free,
                 turn=self._turn)
             self._handles[handle.request_id] = handle
-            self._flights[handle.request_id] = _Flight(ranks[0], len(handle.prompt),
-                                                       tuple(kwargs.get("stop", ())))
+            self._flights[handle.request_id] = _Flight(
+                ranks[0], len(handle.prompt), tuple(kwargs.get("stop", ())),
+                logprobs=None if kwargs.get("logprobs") is None else [])
             commands.append(AddCommand(handle.request_id, ranks[0], handle.prompt, kwargs))
         self._count()
         return commands
@@ -424,6 +441,8 @@ class LockstepDriver(EngineDriver):
                            else Failed(record.message, engine=False))
                 continue
             flight.tokens += record.new_token_ids
+            if flight.logprobs is not None and record.logprobs is not None:
+                flight.logprobs += record.logprobs
             if len(flight.tokens) != record.num_tokens:
                 raise RuntimeError(
                     f"request {record.request_id}: process 0 holds {len(flight.tokens)} of its "
@@ -440,7 +459,8 @@ class LockstepDriver(EngineDriver):
         return RequestOutput(record.request_id, list(record.new_token_ids), list(flight.tokens),
                              output_text(self.engine.tokenizer, flight.tokens, flight.stop),
                              record.finish_reason is not None, record.finish_reason,
-                             flight.prompt_tokens, None)
+                             flight.prompt_tokens, None, None,
+                             None if flight.logprobs is None else list(flight.logprobs))
 
     def _cancel(self, request_id: str) -> None:
         """(Process 0, the loop has ended) the request's final output, "cancelled", from

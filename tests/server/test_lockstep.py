@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from fo_jax.engine.requests import RequestOutput, RequestState
+from fo_jax.engine.requests import RequestOutput, RequestState, TokenLogprobs
 from fo_jax.server.driver import Accepted, Failed, Refused
 from fo_jax.server.lockstep import (AddCommand, CancelCommand, LockstepDriver, Record, Tick,
                                     add_kwargs, output_text, pack, unpack)
@@ -21,11 +21,14 @@ def test_tick_round_trip():
         max_tokens=4, temperature=0.1 + 0.2, top_p=1.0, seed=2 ** 40, stop_token_ids=(7, 8),
         stop=("é\n", "</s>")))), CancelCommand("cmpl-0")), stop=False, unfinished=True,
         records=(Record("cmpl-0", "output", "", (5, 6), "cancelled", 9),
+                 Record("cmpl-3", "output", "", (7,), None, 1, (TokenLogprobs(
+                     7, -0.1 - 0.2, ((7, -0.1 - 0.2), (1, float("-inf")))),)),
                  Record("cmpl-2", "refused", "max_tokens=0 must be an int >= 1")))
     back = unpack(pack(tick))
     assert back == tick
     assert back.commands[0].kwargs["temperature"] == 0.1 + 0.2  # exact (shortest repr)
     assert back.commands[0].kwargs["stop_token_ids"] == [7, 8]
+    assert back.records[1].logprobs[0].top[1][1] == float("-inf")  # a logprob may be -inf
     assert unpack(pack(Tick(1))) == Tick(1)
 
 
@@ -33,7 +36,7 @@ def test_tick_round_trip():
     (b"\xff", "a malformed tick (1 bytes"),
     (b"{}", "a malformed tick (2 bytes: b'{}'): KeyError: 'commands'"),
     (b'{"process":0,"commands":[],"stop":false,"unfinished":false,'
-     b'"records":[["r","done","",[],null,0]]}', "event 'done' is not one of"),
+     b'"records":[["r","done","",[],null,0,null]]}', "event 'done' is not one of"),
 ], ids=["not_utf8", "no_fields", "bad_event"])
 def test_unpack_refuses_malformed_ticks(data, message):
     with pytest.raises(ValueError) as err:

@@ -2,8 +2,8 @@
 (jax.distributed): one HTTP endpoint on process 0, process 1 following it tick by tick
 (fo_jax.server.lockstep). A MoE model (tiny_moe cut to 2 layers, random weights, in a model
 directory) with 1/4 of its experts on each device; concurrent greedy requests land on the ranks
-of both processes and each one's tokens equal its solo run on a single-device Engine with the
-whole weights; SIGTERM to process 0 ends both with exit 0, every seat empty (lengths 0). Both
+of both processes and each one's tokens (and one's log-probabilities) equal its solo run on a
+single-device Engine with the whole weights; SIGTERM to process 0 ends both with exit 0, every seat empty (lengths 0). Both
 processes are killed (their process groups) whatever happens."""
 
 import concurrent.futures
@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from fo_jax import distributed
+from fo_jax.server.app import LOGPROB_FLOOR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROCESSES, LOCAL_DEVICES, SEATS, CAPACITY, CHUNK = 2, 2, 2, 32, 8
@@ -27,6 +28,7 @@ RANKS = PROCESSES * LOCAL_DEVICES
 START_TIMEOUT_S, STOP_TIMEOUT_S = 240, 60
 # (prompt length, max_tokens): 6 requests over 4 ranks of 2 seats, prompts of 1 to 3 chunks.
 REQUESTS = [(20, 6), (3, 5), (9, 4), (5, 3), (12, 5), (7, 4)]
+LOGPROBS = 2  # the first request asks for its tokens' log-probabilities (and 2 top tokens)
 
 
 def _config():
@@ -162,8 +164,12 @@ def test_serve_across_two_processes(tmp_path):
                       decode_steps_per_call=2, overlap=False)
         expected = []
         for i, (length, max_tokens) in enumerate(REQUESTS):
-            rid = solo.add_request(_prompt(i, length), max_tokens=max_tokens)
-            expected.append(solo.run()[rid].token_ids)
+            rid = solo.add_request(_prompt(i, length), max_tokens=max_tokens,
+                                   logprobs=LOGPROBS if i == 0 else None)
+            out = solo.run()[rid]
+            expected.append(out.token_ids)
+            if i == 0:  # OpenAI's: each token's log-probability, floored
+                expected_logprobs = [max(e.logprob, LOGPROB_FLOOR) for e in out.logprobs]
             solo.release(rid)
 
         servers.wait_ready()
@@ -178,8 +184,15 @@ def test_serve_across_two_processes(tmp_path):
             length, max_tokens = REQUESTS[i]
             resp = client.completions.create(
                 model=config.name, prompt=_prompt(i, length), max_tokens=max_tokens,
-                temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
-            return resp.choices[0].model_extra["token_ids"], resp.choices[0].finish_reason
+                temperature=0, logprobs=LOGPROBS if i == 0 else None,
+                extra_body={"return_token_ids": True, "ignore_eos": True})
+            choice = resp.choices[0]
+            if i == 0:
+                assert choice.logprobs.token_logprobs == expected_logprobs
+                # the top tokens, and the sampled one if it is not among them
+                assert all(LOGPROBS <= len(top) <= LOGPROBS + 1
+                           for top in choice.logprobs.top_logprobs)
+            return choice.model_extra["token_ids"], choice.finish_reason
 
         with concurrent.futures.ThreadPoolExecutor(len(REQUESTS)) as pool:
             got = list(pool.map(ask, range(len(REQUESTS))))
