@@ -16,11 +16,13 @@ script.py ARGS` starts the processes (a free coordinator port, simulated CPU dev
 limit, every child killed on failure) and the script joins with `initialize_from_env()`.
 
 Processes stepping one program in lockstep agree on how many calls to make with
-`process_max` (a small all-gather).
+`process_max` (a small all-gather), and trade messages of any length (a server's commands and
+outputs) with `allgather_bytes`.
 
 Sizes: P processes, D devices in all (D / P per process), B requests (B / P per process, B / D
 per device). Nothing here moves data between processes except `jax.distributed`'s own start-up
-handshake and `process_max`'s few ints: rows go from each host to its own devices and back.
+handshake, `process_max`'s few ints and `allgather_bytes`'s messages: rows go from each host
+to its own devices and back.
 """
 
 from __future__ import annotations
@@ -323,6 +325,38 @@ def process_max(values) -> np.ndarray:
 
     return np.asarray(multihost_utils.process_allgather(values)).reshape(
         jax.process_count(), -1).max(axis=0)
+
+
+MIN_MESSAGE_BYTES = 256  # `allgather_bytes` pads every message to a power of two >= this
+
+
+def padded_size(nbytes: int) -> int:
+    """The size `allgather_bytes` pads a longest message of `nbytes` bytes to: the next power
+    of two, at least `MIN_MESSAGE_BYTES` (so the gather compiles one program per size bucket,
+    O(log longest) in all, not one per length)."""
+    nbytes = _check_int("nbytes", nbytes, 0)
+    return max(MIN_MESSAGE_BYTES, 1 << max(nbytes - 1, 0).bit_length())
+
+
+def allgather_bytes(message: bytes) -> list[bytes]:
+    """Every process's `message` (bytes of any length, each process its own), in process
+    order. A collective every process makes at the same point (like `process_max`): one small
+    all-gather of the lengths, then one of the messages as uint8 rows padded to
+    `padded_size(longest)`. With one process, [message] (no collective). O(P padded) host
+    traffic."""
+    if not isinstance(message, (bytes, bytearray, memoryview)):
+        raise TypeError(f"allgather_bytes takes bytes, got {type(message).__name__}")
+    message = bytes(message)
+    if jax.process_count() == 1:
+        return [message]
+    from jax.experimental import multihost_utils
+
+    lengths = np.asarray(multihost_utils.process_allgather(
+        np.array([len(message)], np.int32))).reshape(-1)
+    rows = np.zeros(padded_size(int(lengths.max())), np.uint8)
+    rows[:len(message)] = np.frombuffer(message, np.uint8)
+    gathered = np.asarray(multihost_utils.process_allgather(rows)).reshape(len(lengths), -1)
+    return [gathered[p, :n].tobytes() for p, n in enumerate(lengths.tolist())]
 
 
 def local_row(x: jax.Array, index: int) -> np.ndarray:

@@ -1,6 +1,8 @@
-"""fo_jax.distributed without a second process: argument errors, the launcher's kill and time
-limit (children that never import jax), rows in and out of a one-process mesh."""
+"""fo_jax.distributed: argument errors, the launcher's kill and time limit (children that never
+import jax), rows in and out of a one-process mesh, and messages of any length between two
+processes (`allgather_bytes`)."""
 
+import json
 import os
 import time
 
@@ -192,3 +194,40 @@ def test_local_values_and_row_of_a_one_process_mesh():
     x = distributed.global_batch(np.arange(2 * len(mesh.devices.flat)).reshape(-1, 1), mesh)
     np.testing.assert_array_equal(distributed.local_values(x, -1), np.asarray(x))
     np.testing.assert_array_equal(distributed.local_row(x, 1), np.asarray(x)[1])
+
+
+def test_padded_sizes_are_few():
+    """The gather compiles one program per padded size: powers of two from 256 bytes."""
+    assert [distributed.padded_size(n) for n in (0, 1, 256, 257, 1000, 4096, 4097)] == [
+        256, 256, 256, 512, 1024, 4096, 8192]
+    with pytest.raises(ValueError, match="nbytes=-1 must be >= 0"):
+        distributed.padded_size(-1)
+
+
+def test_allgather_bytes_of_one_process_is_the_message():
+    assert distributed.allgather_bytes(b"abc") == [b"abc"]
+    assert distributed.allgather_bytes(bytearray(b"")) == [b""]
+    with pytest.raises(TypeError, match="allgather_bytes takes bytes, got str"):
+        distributed.allgather_bytes("abc")
+
+
+# Each process sends its own messages, empty, short and longer than the smallest padding (and
+# one longer on process 1 only: the longest sets the padding), and prints what came back.
+GATHER = ("import json; from fo_jax import distributed; info = distributed.initialize_from_env(); "
+          "me = info.process_id; "
+          "sends = [b'', bytes([me]) * (3 + me), ('\\u00e9' * 200 + str(me)).encode(), "
+          "bytes(range(256)) * (1 + 3 * me)]; "
+          "print(json.dumps([[m.hex() for m in distributed.allgather_bytes(s)] for s in sends]))")
+
+
+def test_allgather_bytes_across_two_processes():
+    """Two processes (one CPU device each): every process gets every message, whole and in
+    process order, whatever their lengths."""
+    results = distributed.launch(["-c", GATHER], processes=2, devices_per_process=1,
+                                 timeout_s=120)
+    assert [r.returncode for r in results] == [0, 0], distributed.report(results)
+    sent = [[b"", bytes([p]) * (3 + p), ("\u00e9" * 200 + str(p)).encode(),
+             bytes(range(256)) * (1 + 3 * p)] for p in range(2)]
+    expected = [[m.hex() for m in (sent[0][i], sent[1][i])] for i in range(4)]
+    for r in results:
+        assert json.loads(r.stdout.splitlines()[-1]) == expected

@@ -137,7 +137,10 @@ class EngineArgs:
                                  "per device (--seats and the host pool per device), each "
                                  "request placed on one (fo_jax.engine.data_parallel). On a "
                                  "CPU, simulated devices need XLA_FLAGS="
-                                 "--xla_force_host_platform_device_count=N")
+                                 "--xla_force_host_platform_device_count=N. Across processes "
+                                 "(jax.distributed, e.g. python -m fo_jax.distributed launch): "
+                                 "the global device count, each process driving its own, with "
+                                 "--expert-parallel (one endpoint, on process 0)")
         parser.add_argument("--expert-parallel", type=int, default=None, metavar="E",
                             help="with --devices N: one sharded engine stepping the N devices "
                                  "in one program, the MoE experts split over them (E = N: each "

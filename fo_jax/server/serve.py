@@ -15,6 +15,13 @@ process prints one line of request counts and pool pages (`final_report`) and ex
 engine thread dies (a fault of the engine's own state), the server shuts down the same way and
 the process exits 1, saying so.
 
+Across processes (jax.distributed: launched by `python -m fo_jax.distributed launch`, or the
+FO_JAX_* variables set on each host; `run` joins them first): one ShardedEngine over every
+process's devices (`--devices` the global count, `--expert-parallel` the same, resident), the
+HTTP server on process 0 only, whose `LockstepDriver` (fo_jax.server.lockstep) the other
+processes follow tick by tick; each process prints its part of the engine at start and at
+stop (`process_report`); stopping process 0 stops them all (exit 0).
+
 `ServerThread` runs the same server in a background thread (tests, benchmarks).
 """
 
@@ -23,6 +30,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import json
+import os
 import signal
 import socket
 import sys
@@ -91,7 +100,12 @@ def build_served(engine, tokenizer, *, model_name: str, max_queue: int = 64,
         def chat_template(messages):  # the checkpoint's own template (Hugging Face tokenizers)
             return tokenizer.apply_chat_template(
                 [{"role": m.role, "content": m.text()} for m in messages])
-    driver = EngineDriver(engine, max_queue=max_queue, stats_every=stats_every)
+    if getattr(engine, "multiprocess", False):  # a ShardedEngine across processes
+        from fo_jax.server.lockstep import LockstepDriver
+
+        driver = LockstepDriver(engine, max_queue=max_queue, stats_every=stats_every)
+    else:
+        driver = EngineDriver(engine, max_queue=max_queue, stats_every=stats_every)
     app = build_app(driver, tokenizer=tokenizer, model_name=model_name,
                     capacity=engine.capacity, stop_token_ids=tuple(stop_token_ids),
                     chat_template=chat_template, shutdown_timeout=shutdown_timeout,
@@ -194,10 +208,12 @@ def warm_up(engine) -> None:
     n = min(engine.chunk + 1, max(1, engine.capacity // 2))
     steps = engine.n_steps
     ranks = getattr(engine, "ranks", None)  # DataParallelEngine, ShardedEngine: every rank
+    # A ShardedEngine across processes: each process its own ranks (`run` steps them all).
+    ranks = getattr(engine, "local_ranks", None if ranks is None else range(ranks))
     for temperature in (0.0, 1.0):
         rids = [engine.add_request([0] * n, max_tokens=3 * steps + 1, temperature=temperature,
                                    **({} if ranks is None else {"rank": r}))
-                for r in range(ranks or 1)]
+                for r in (ranks or [None])]
         engine.run()
         for rid in rids:
             engine.release(rid)
@@ -286,12 +302,45 @@ def _check_mtp_flags(config, load, num_drafts: int) -> None:
                          "(--model-dir of one with num_nextn_predict_layers >= 1)")
 
 
+def check_processes(engine_args, *, processes: int, device_count: int,
+                    local_device_count: int) -> None:
+    """Raise ValueError unless the flags serve across `processes` processes (of
+    `local_device_count` devices each, `device_count` in all): one ShardedEngine over every
+    process's devices, so --devices is the global device count, --expert-parallel the same,
+    on the resident path. Each process drives its own devices (jax.distributed)."""
+    fix = f"pass --devices {device_count} --expert-parallel {device_count}"
+    where = f"{processes} processes x {local_device_count} devices"
+    count, expert = engine_args.devices, engine_args.expert_parallel
+    if count is None:
+        raise ValueError(f"across {processes} processes `serve` runs one sharded engine over "
+                         f"every process's devices ({where}), but --devices is missing: {fix}")
+    if count != device_count:
+        raise ValueError(f"--devices {count} across {processes} processes must be the global "
+                         f"device count {device_count} ({where}: each process serves its "
+                         f"own devices): {fix}")
+    if expert is None:
+        raise ValueError(f"--devices {count} across {processes} processes needs "
+                         f"--expert-parallel {count}: one sharded engine spans the processes "
+                         "(the data-parallel engines of --devices alone run in one process)")
+    if engine_args.offload:
+        raise ValueError(f"across {processes} processes the sharded engine runs the resident "
+                         "path only: drop --offload")
+
+
 def _devices(engine_args, metrics_jsonl: str | None):
-    """The local devices of --devices (None without it), checked before the weights are
-    read."""
+    """The devices of --devices (None without it), checked before the weights are read: this
+    process's, or across processes (jax.distributed) every process's (`check_processes`)."""
     import jax
 
     count = engine_args.devices
+    if jax.process_count() > 1:
+        check_processes(engine_args, processes=jax.process_count(),
+                        device_count=jax.device_count(),
+                        local_device_count=jax.local_device_count())
+        if metrics_jsonl:
+            raise ValueError("--metrics-jsonl is not supported with --devices (one log per "
+                             "engine)")
+        return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     if count is None:
         return None
     local = jax.local_devices()
@@ -346,20 +395,64 @@ def run(args) -> int:
                          "between two reads)")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
-    sock = bind_socket(args.host, args.port)
-    try:
-        return _serve(args, sock)
-    finally:
-        sock.close()
+    from fo_jax import distributed
+
+    info = distributed.initialize_from_env()  # joins the others when launched as processes
+    if info is None:
+        sock = bind_socket(args.host, args.port)
+        try:
+            return _serve(args, sock)
+        finally:
+            sock.close()
+    if info.process_id > 0:
+        code = _follow(args)
+    else:
+        sock = bind_socket(args.host, args.port)
+        try:
+            code = _serve(args, sock)
+        finally:
+            sock.close()
+    if code:  # a process failed or is gone: jax.distributed's shutdown barrier would wait for
+        # it (the runtime's heartbeat timeout, about a minute) and then abort: leave now
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
-def _serve(args, sock: socket.socket) -> int:
+def _build_and_warm(args):
+    """(engine, config, tokenizer, offload) built and warmed up (unless --no-warmup); across
+    processes, with one line on this process's part."""
     engine, config, tokenizer, offload = build_engine(args, metrics_jsonl=args.metrics_jsonl)
-    capacity = engine.capacity
     if not args.no_warmup:
         t0 = time.perf_counter()
         warm_up(engine)
         print(f"fo-jax serve: compiled in {time.perf_counter() - t0:.1f} s", flush=True)
+    if getattr(engine, "multiprocess", False):
+        from fo_jax.server.lockstep import process_report
+
+        print(f"fo-jax serve: process: {json.dumps(process_report(engine))}", flush=True)
+    return engine, config, tokenizer, offload
+
+
+def _follow(args) -> int:
+    """A process other than 0 of `serve` across processes: the same engine, no HTTP server;
+    its driver follows process 0's ticks until process 0 stops (exit 0) or a fault (exit 1)."""
+    from fo_jax.server.lockstep import LockstepDriver, process_report
+
+    engine = _build_and_warm(args)[0]
+    driver = LockstepDriver(engine, max_queue=args.max_queue, stats_every=args.metrics_every)
+    code = driver.follow()
+    print(f"fo-jax serve: stopped: process: {json.dumps(process_report(engine))}", flush=True)
+    if code:
+        print(f"fo-jax serve: process {driver.process}: {driver.failure}: the engine stopped, "
+              "exit status 1", file=sys.stderr, flush=True)
+    return code
+
+
+def _serve(args, sock: socket.socket) -> int:
+    engine, config, tokenizer, offload = _build_and_warm(args)
+    capacity = engine.capacity
     if args.metrics_jsonl:  # attached after the warm-up: its request is not counted
         from fo_jax.engine.metrics import MetricsLog
         engine.metrics = MetricsLog(engine, path=args.metrics_jsonl, every=args.metrics_every)
@@ -377,6 +470,11 @@ def _serve(args, sock: socket.socket) -> int:
     if engine.metrics is not None:
         engine.metrics.flush()
     print(final_report(served), flush=True)
+    if getattr(engine, "multiprocess", False):
+        from fo_jax.server.lockstep import process_report
+
+        print(f"fo-jax serve: stopped: process: {json.dumps(process_report(engine))}",
+              flush=True)
     if served.driver.failure is not None:
         print(f"fo-jax serve: {served.driver.failure}: the engine stopped, exit status 1",
               file=sys.stderr, flush=True)
@@ -409,5 +507,5 @@ def final_report(served: Served) -> str:
 
 
 __all__ = ["Served", "ServerThread", "add_arguments", "add_engine_arguments", "bind_socket",
-           "build_engine", "build_served", "final_report", "make_server", "path_name", "run",
-           "warm_up"]
+           "build_engine", "build_served", "check_processes", "final_report", "make_server",
+           "path_name", "run", "warm_up"]
