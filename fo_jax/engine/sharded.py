@@ -210,18 +210,20 @@ class ShardedEngine(Engine):
             if req.finish_reason is None:
                 r = self._placed[req.request_id]
                 busy[r] += 1
-                load[r] += self._cost(req.request_id, len(req.prompt) + len(req.tokens))
+                load[r] += self.placement_cost(req.request_id, len(req.prompt) + len(req.tokens))
         local = self.local_ranks  # a process places on its own ranks only
         free = [max(self.seats_per_rank - busy[r], 0) for r in local]
         if not any(free):
             free = [1] * len(local)
-        ranks, turn = placement_rules.assign(self.placement, [self._cost(None, prompt_len)],
+        ranks, turn = placement_rules.assign(self.placement, [self.placement_cost(None, prompt_len)],
                                              load=[load[r] for r in local], free=free,
                                              turn=self._turn)
         return local[ranks[0]], turn
 
-    def _cost(self, request_id: str | None, context: int) -> float:
-        """A request's cost in the placement rule's unit (None: one not placed yet)."""
+    def placement_cost(self, request_id: str | None, context: int) -> float:
+        """A request's cost in the placement rule's unit, with `context` tokens (request_id
+        None: one not placed yet; least_misses: its estimate of rows per step once it ran,
+        else the calibrated prior). O(1)."""
         if self.placement == "least_context":
             return float(context)
         if self.placement == "least_misses":

@@ -25,12 +25,16 @@ next tick (at once when one comes), so idle processes do not spin: about 1 / idl
 all-gathers a second (20 with the default 0.05 s).
 
 Placement (process 0, over every rank of every process): the engine's rule
-(`ShardedEngine.placement`: least_context by default resident, least_requests, round_robin;
-`fo_jax.placement.assign`) on process 0's own bookkeeping of what runs where: each request in
-flight, its rank and its context (prompt + tokens so far, from the records), the ranks with a
-free seat first, as `ShardedEngine.choose_rank` does on one process's ranks. least_context
-because a resident seat's step costs grow with its context (attention over it), and a rank's
-decode step waits for its longest. Request ids are process 0's ("cmpl-" + a uuid), unique over
+(`ShardedEngine.placement`: least_context by default resident, least_misses offloaded,
+least_requests, round_robin; `fo_jax.placement.assign`) on process 0's own bookkeeping of what
+runs where: each request in flight, its rank and its cost, the ranks with a free seat first, as
+`ShardedEngine.choose_rank` does on one process's ranks. least_context because a resident
+seat's step costs grow with its context (attention over it), and a rank's decode step waits
+for its longest: a request's cost is its context (prompt + tokens so far, from the records).
+least_misses: its owner's estimate of its rows copied per step, sent with each output
+(`Record.cost`, `ShardedEngine.placement_cost`: the estimate lives where the request's rows
+are copied); before its first output, the prior of its context, calibrated by process 0's own
+ranks' steps. Request ids are process 0's ("cmpl-" + a uuid), unique over
 every process.
 
 Outputs: a record carries a request's new tokens and finish reason only; process 0 keeps each
@@ -96,6 +100,8 @@ class Record:
       finish_reason: an output's, None while running ("stop", "length", "cancelled").
       num_tokens: an output's tokens so far (process 0 checks its own count against it).
       logprobs: with `logprobs=k`, one `TokenLogprobs` per token of new_token_ids; else None.
+      cost: an output's cost in the placement rule's unit now (`placement_cost` on its owner:
+        least_misses, the owner's estimate of its rows copied per step), or None.
     """
     request_id: str
     event: str
@@ -104,6 +110,7 @@ class Record:
     finish_reason: str | None = None
     num_tokens: int = 0
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    cost: float | None = None
 
 
 EVENTS = ("accepted", "refused", "failed", "output")
@@ -144,7 +151,8 @@ def pack(tick: Tick) -> bytes:
                 r.finish_reason, r.num_tokens,
                 None if r.logprobs is None else [
                     [int(e.token_id), float(e.logprob), [[int(t), float(v)] for t, v in e.top]]
-                    for e in r.logprobs]] for r in tick.records]
+                    for e in r.logprobs],
+                None if r.cost is None else float(r.cost)] for r in tick.records]
     # allow_nan: a log-probability may be -inf (the commands' floats are finite: add_kwargs)
     return json.dumps({"process": tick.process, "commands": commands, "stop": tick.stop,
                        "unfinished": tick.unfinished, "records": records},
@@ -163,7 +171,7 @@ def unpack(data: bytes) -> Tick:
             else:
                 commands.append(CancelCommand(str(cmd["cancel"])))
         records = []
-        for rid, event, message, new, reason, count, logprobs in raw["records"]:
+        for rid, event, message, new, reason, count, logprobs, cost in raw["records"]:
             if event not in EVENTS:
                 raise ValueError(f"event {event!r} is not one of {EVENTS}")
             if logprobs is not None:
@@ -171,7 +179,7 @@ def unpack(data: bytes) -> Tick:
                     (int(i), float(w)) for i, w in top)) for t, v, top in logprobs)
             records.append(Record(str(rid), event, str(message), tuple(int(t) for t in new),
                                   None if reason is None else str(reason), int(count),
-                                  logprobs))
+                                  logprobs, None if cost is None else float(cost)))
         return Tick(int(raw["process"]), tuple(commands), bool(raw["stop"]),
                     bool(raw["unfinished"]), tuple(records))
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
@@ -203,6 +211,7 @@ class _Flight:
     stop: tuple[str, ...]
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None  # with logprobs=k
+    cost: float | None = None  # its owner's last `placement_cost` (None: none reported yet)
 
 
 class LockstepDriver(EngineDriver):
@@ -348,13 +357,16 @@ class LockstepDriver(EngineDriver):
             engine.cancel(cmd.request_id)
             self._records.append(self._output_record(engine.release(cmd.request_id)))
 
-    @staticmethod
-    def _output_record(out) -> Record:
+    def _output_record(self, out) -> Record:
         logprobs = None
         if out.logprobs is not None:  # the full list so far: the new tokens' are its last
             logprobs = tuple(out.logprobs[len(out.logprobs) - len(out.new_token_ids):])
+        cost = None
+        if self.engine.placement == "least_misses" and out.finish_reason is None:
+            cost = self.engine.placement_cost(out.request_id,
+                                              out.prompt_tokens + len(out.token_ids))
         return Record(out.request_id, "output", "", tuple(out.new_token_ids),
-                      out.finish_reason, len(out.token_ids), logprobs)
+                      out.finish_reason, len(out.token_ids), logprobs, cost)
 
     def _cancel_mine(self) -> None:
         """Cancel and release what this process's engine still holds (the loop has ended)."""
@@ -406,7 +418,8 @@ class LockstepDriver(EngineDriver):
             load, busy = [0.0] * engine.ranks, [0] * engine.ranks
             for flight in self._flights.values():
                 busy[flight.rank] += 1
-                load[flight.rank] += self._cost(flight.prompt_tokens + len(flight.tokens))
+                load[flight.rank] += (self._cost(flight.prompt_tokens + len(flight.tokens))
+                                      if flight.cost is None else flight.cost)
             free = [max(engine.seats_per_rank - n, 0) for n in busy]
             if not any(free):
                 free = [1] * engine.ranks
@@ -422,6 +435,11 @@ class LockstepDriver(EngineDriver):
         return commands
 
     def _cost(self, context: int) -> float:
+        """A request's cost by process 0's own books (least_misses: the prior of its
+        context, calibrated by process 0's ranks' steps, until its owner reports its
+        estimate)."""
+        if self.engine.placement == "least_misses":
+            return self.engine.placement_cost(None, context)
         return float(context) if self.engine.placement == "least_context" else 1.0
 
     def _receive(self, records) -> None:
@@ -441,6 +459,7 @@ class LockstepDriver(EngineDriver):
                            else Failed(record.message, engine=False))
                 continue
             flight.tokens += record.new_token_ids
+            flight.cost = record.cost
             if flight.logprobs is not None and record.logprobs is not None:
                 flight.logprobs += record.logprobs
             if len(flight.tokens) != record.num_tokens:
@@ -508,12 +527,15 @@ def process_report(engine) -> dict:
     """What this process's part of `engine` holds (a ShardedEngine, printed at start-up and
     shutdown): its ranks, the requests placed on each since the warm-up, its requests running
     and waiting, the sum of its seats' lengths (read from its own devices: 0 once every request
-    has left), and the routed experts each of its devices holds."""
+    has left), offloaded the pages its ranks' pools hold (0 once every request has left; None
+    resident), and the routed experts each of its devices holds."""
     import numpy as np
 
     lengths = getattr(getattr(engine, "state", None), "lengths", None)
     held = None if lengths is None else int(sum(
         np.asarray(s.data).sum() for s in lengths.addressable_shards))
+    pools = engine.rank_pool_occupancy()
+    pages = None if pools is None else sum(pools[r]["held"] for r in engine.local_ranks)
     moe = engine.params.get("moe", {}) if isinstance(engine.params, dict) else {}
     experts = sorted({int(s.data.shape[1]) for s in moe["w1"].addressable_shards}) \
         if "w1" in moe else []
@@ -523,7 +545,7 @@ def process_report(engine) -> dict:
             "ranks": list(engine.local_ranks),
             "placed": [engine.placed_per_rank[r] for r in engine.local_ranks],
             "running": engine.num_running(), "waiting": engine.num_waiting(),
-            "lengths": held, "experts_per_device": experts}
+            "lengths": held, "pages_held": pages, "experts_per_device": experts}
 
 
 __all__ = ["AddCommand", "CancelCommand", "IDLE_S", "LockstepDriver", "Record", "Tick",

@@ -306,8 +306,8 @@ def check_processes(engine_args, *, processes: int, device_count: int,
                     local_device_count: int) -> None:
     """Raise ValueError unless the flags serve across `processes` processes (of
     `local_device_count` devices each, `device_count` in all): one ShardedEngine over every
-    process's devices, so --devices is the global device count, --expert-parallel the same,
-    on the resident path. Each process drives its own devices (jax.distributed)."""
+    process's devices, so --devices is the global device count, --expert-parallel the same
+    (resident or --offload). Each process drives its own devices (jax.distributed)."""
     fix = f"pass --devices {device_count} --expert-parallel {device_count}"
     where = f"{processes} processes x {local_device_count} devices"
     count, expert = engine_args.devices, engine_args.expert_parallel
@@ -322,9 +322,6 @@ def check_processes(engine_args, *, processes: int, device_count: int,
         raise ValueError(f"--devices {count} across {processes} processes needs "
                          f"--expert-parallel {count}: one sharded engine spans the processes "
                          "(the data-parallel engines of --devices alone run in one process)")
-    if engine_args.offload:
-        raise ValueError(f"across {processes} processes the sharded engine runs the resident "
-                         "path only: drop --offload")
 
 
 def _devices(engine_args, metrics_jsonl: str | None):

@@ -22,13 +22,14 @@ def test_tick_round_trip():
         stop=("é\n", "</s>")))), CancelCommand("cmpl-0")), stop=False, unfinished=True,
         records=(Record("cmpl-0", "output", "", (5, 6), "cancelled", 9),
                  Record("cmpl-3", "output", "", (7,), None, 1, (TokenLogprobs(
-                     7, -0.1 - 0.2, ((7, -0.1 - 0.2), (1, float("-inf")))),)),
+                     7, -0.1 - 0.2, ((7, -0.1 - 0.2), (1, float("-inf")))),), cost=1 / 3),
                  Record("cmpl-2", "refused", "max_tokens=0 must be an int >= 1")))
     back = unpack(pack(tick))
     assert back == tick
     assert back.commands[0].kwargs["temperature"] == 0.1 + 0.2  # exact (shortest repr)
     assert back.commands[0].kwargs["stop_token_ids"] == [7, 8]
     assert back.records[1].logprobs[0].top[1][1] == float("-inf")  # a logprob may be -inf
+    assert back.records[1].cost == 1 / 3 and back.records[0].cost is None
     assert unpack(pack(Tick(1))) == Tick(1)
 
 
@@ -36,7 +37,7 @@ def test_tick_round_trip():
     (b"\xff", "a malformed tick (1 bytes"),
     (b"{}", "a malformed tick (2 bytes: b'{}'): KeyError: 'commands'"),
     (b'{"process":0,"commands":[],"stop":false,"unfinished":false,'
-     b'"records":[["r","done","",[],null,0,null]]}', "event 'done' is not one of"),
+     b'"records":[["r","done","",[],null,0,null,null]]}', "event 'done' is not one of"),
 ], ids=["not_utf8", "no_fields", "bad_event"])
 def test_unpack_refuses_malformed_ticks(data, message):
     with pytest.raises(ValueError) as err:
@@ -116,6 +117,13 @@ class FakeEngine:
     def num_running(self):
         return len(self.requests)
 
+    def placement_cost(self, rid, context):
+        """least_misses's cost: rank 3's requests copy no rows, the others' 10 per step;
+        one not placed yet (rid None) the prior, 5."""
+        if rid is None:
+            return 5.0
+        return 0.0 if self.requests[rid]["rank"] == 3 else 10.0
+
     def num_waiting(self):
         return 0
 
@@ -148,8 +156,10 @@ class Exchange:
         return exchange
 
 
-def _pair(fail_at_step=None):
+def _pair(fail_at_step=None, placement="least_requests"):
     engines = [FakeEngine(0), FakeEngine(1)]
+    for engine in engines:
+        engine.placement = placement
     engines[1].fail_at_step = fail_at_step
     exchange = Exchange(2)
     failed = threading.Event()
@@ -241,3 +251,33 @@ def test_a_fault_on_a_follower_ends_both():
     assert all(isinstance(items[-1], Failed) for items in got), got
     assert engines[1].requests == {}  # the follower cancelled its own on the way out
     assert not drivers[0].accepting
+
+
+def test_least_misses_places_by_the_owners_estimates():
+    """least_misses: each output carries its owner's estimate of the request's rows per step
+    (`placement_cost`); process 0 sums them per rank. With every seat taken, a new request
+    goes to the rank whose requests copy least (rank 3, on process 1), not to the first rank
+    of a tie of priors."""
+    engines, drivers, follower, codes, failed = _pair(placement="least_misses")
+    follower.start()
+    drivers[0].start()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        handles = [drivers[0].submit([i + 1], loop=loop, max_tokens=60) for i in range(4)]
+        for handle in handles:  # accepted, then a first output: its cost is on process 0
+            assert isinstance(await handle.queue.get(), Accepted)
+            await handle.queue.get()
+        late = drivers[0].submit([9], loop=loop, max_tokens=2)
+        for handle in handles:
+            drivers[0].cancel(handle.request_id)
+        return await _collect(late), await asyncio.gather(*map(_collect, handles))
+
+    late, _ = asyncio.run(main())
+    assert late[-1].token_ids == expected_tokens([9], 2)
+    assert drivers[0].stop(timeout=10)
+    follower.join(10)
+    assert codes == [0] and not failed.is_set()
+    placed = {**engines[0].added, **engines[1].added}
+    assert sorted(placed.values())[:4] == [0, 1, 2, 3]
+    assert placed[late[0].request_id] == 3, placed

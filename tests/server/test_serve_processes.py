@@ -3,8 +3,10 @@
 (fo_jax.server.lockstep). A MoE model (tiny_moe cut to 2 layers, random weights, in a model
 directory) with 1/4 of its experts on each device; concurrent greedy requests land on the ranks
 of both processes and each one's tokens (and one's log-probabilities) equal its solo run on a
-single-device Engine with the whole weights; SIGTERM to process 0 ends both with exit 0, every
-seat empty (lengths 0). Both processes are killed (their process groups) whatever happens."""
+single-device Engine with the whole weights (resident: offloaded equals it bit for bit). Served
+offloaded (a host pool per rank, least_misses placement from process 0 with each request's
+estimate sent by its owner); SIGTERM to process 0 ends both with exit 0, every seat empty
+(lengths 0) and every page back in its rank's pool. Both processes are killed (their process groups) whatever happens."""
 
 import concurrent.futures
 import json
@@ -77,9 +79,7 @@ def _engine_args(*flags):
     (("--devices", "8"), "--devices 8 across 2 processes needs --expert-parallel 8: one sharded "
                          "engine spans the processes (the data-parallel engines of --devices "
                          "alone run in one process)"),
-    (("--devices", "8", "--expert-parallel", "8", "--offload"),
-     "across 2 processes the sharded engine runs the resident path only: drop --offload"),
-], ids=["no_devices", "local_count", "no_expert_parallel", "offload"])
+], ids=["no_devices", "local_count", "no_expert_parallel"])
 def test_flags_across_processes_are_checked(flags, message):
     """What serve needs across processes, said before any weight is read."""
     from fo_jax.server.serve import check_processes
@@ -88,8 +88,9 @@ def test_flags_across_processes_are_checked(flags, message):
         check_processes(_engine_args(*flags), processes=2, device_count=8,
                         local_device_count=4)
     assert str(err.value) == message
-    check_processes(_engine_args("--devices", "8", "--expert-parallel", "8"), processes=2,
-                    device_count=8, local_device_count=4)
+    for path in ((), ("--offload",)):  # resident or offloaded
+        check_processes(_engine_args("--devices", "8", "--expert-parallel", "8", *path),
+                        processes=2, device_count=8, local_device_count=4)
 
 
 def _model_dir(tmp_path):
@@ -156,7 +157,7 @@ def test_serve_across_two_processes(tmp_path):
 
     config = _config()
     model_dir = _model_dir(tmp_path)
-    servers = _Servers(tmp_path, model_dir)
+    servers = _Servers(tmp_path, model_dir, "--offload", "--page-size", "4")
     try:
         # Meanwhile, each request alone on one single-device Engine with the whole weights.
         _, whole, _ = load_model_dir(model_dir)
@@ -217,7 +218,8 @@ def test_serve_across_two_processes(tmp_path):
     stopped = [_reports(text, "fo-jax serve: stopped: process: ") for text in texts]
     assert [[r["process"] for r in mine] for mine in stopped] == [[0], [1]], texts
     for (report,) in stopped:  # every seat and queue empty, every length zero
-        assert (report["running"], report["waiting"], report["lengths"]) == (0, 0, 0), report
+        assert (report["running"], report["waiting"], report["lengths"],
+                report["pages_held"]) == (0, 0, 0, 0), report
         assert sum(report["placed"]) > 0, stopped  # requests on both processes' ranks
     assert sum(sum(r["placed"]) for (r,) in stopped) == len(REQUESTS), stopped
     assert "requests received 6, completed 6, cancelled 0" in texts[0], texts[0]
