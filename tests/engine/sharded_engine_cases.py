@@ -2,18 +2,19 @@
 
 Run by tests/engine/test_sharded_engine.py in a subprocess (the rest of the suite keeps one
 device); runs alone too: `XLA_FLAGS=--xla_force_host_platform_device_count=4 PYTHONPATH=.
-python tests/engine/sharded_engine_cases.py [resident | offloaded]`. Prints one line per case
-and "ALL OK".
+python tests/engine/sharded_engine_cases.py [resident | offloaded | preempt]` (no argument:
+all three; the tests run the first two). Prints one line per case and "ALL OK".
 
 A stream of requests (prompts of one to three prefill chunks, different max_tokens, staggered
 arrivals, three on one rank of two seats: one waits in its rank's queue) is served by one
 `ShardedEngine` over 4 ranks: "resident", in the all-to-all layout (each device 1/4 of the
 experts) and on the plain data mesh (every weight on every device); "offloaded", in the
 all-to-all layout with a host pool per rank (every page back in its pool at the end; `serve
---offload` builds it), and with pools of 8 pages and reserve="prompt", where rank 0 preempts
-its younger request, which resumes (prefilled again, its tokens replayed), and a stream placed
-by least_misses (the default offloaded: by the loads its miss estimates give; the rows each
-rank copied are its seats' statistics). Every
+--offload` builds it), and a stream placed by least_misses (the default offloaded: by the loads its miss estimates give; the rows each
+rank copied are its seats' statistics); "preempt" (by hand: the tests' preemption across
+processes is multiprocess_sharded_cases.py's, on the same rank scheduler), with pools of 8
+pages and reserve="prompt", where rank 0 preempts its younger request, which resumes
+(prefilled again, its tokens replayed). Every
 request's tokens (greedy, and two sampled with their own seeds) must equal those of the same
 request served alone by one single-device `Engine` of the same settings with the whole
 weights; every request sits only in seats of its rank; a request cancelled while it decodes
@@ -597,12 +598,16 @@ def offloaded_cases():
     check_rank_misses(engine)
     budget_binds_case(mesh, rules)
     least_misses_case(mesh, rules)
+
+
+def preempt_cases():
+    mesh, rules = sharding.expert_mesh(RANKS, expert=RANKS)
     engine = stream_case(mesh, rules, split=True, offload=OFFLOAD, stream=tuple(PREEMPT_STREAM),
                          extra=PREEMPT, what="offloaded, reserve='prompt', 8 pages per rank")
     assert engine.counters["preemptions"] >= 1 and engine.counters["replayed_tokens"] >= 1
 
 
-SUITES = {"resident": resident_cases, "offloaded": offloaded_cases}
+SUITES = {"resident": resident_cases, "offloaded": offloaded_cases, "preempt": preempt_cases}
 
 
 def main(argv):

@@ -7,11 +7,10 @@ cancel; the server's driver and app over it; `serve --devices 4 --expert-paralle
 the refusals' messages); offloaded, with a host pool per rank, in another (the same stream,
 each rank's pool sized in bytes, a device budget per rank and a metrics log with every rank's
 figures, the planner's bytes checked against each rank's shards; a budget that binds per rank;
-one where a rank's pool runs short and its youngest request is preempted and resumes: tokens
-bit for bit, every page back in its rank's pool; and least_misses placement, its estimates and
-the rows copied per rank); and across two processes on jax.distributed,
-resident and offloaded (multiprocess_sharded_cases.py: log-probabilities too, a metrics log
-refused)."""
+and least_misses placement, its estimates and the rows copied per rank: every page back in
+its rank's pool); and across two processes on jax.distributed, resident and offloaded
+(multiprocess_sharded_cases.py: a rank's pool runs short and its youngest request is
+preempted and resumes, tokens bit for bit; log-probabilities too; a metrics log refused)."""
 
 import json
 import os

@@ -1,12 +1,15 @@
-"""`fo-jax serve --devices 4 --expert-parallel 4` across 2 processes x 2 simulated CPU devices
-(jax.distributed): one HTTP endpoint on process 0, process 1 following it tick by tick
+"""`fo-jax serve --devices 4 --expert-parallel 4 --offload` across 2 processes x 2 simulated
+CPU devices (jax.distributed): one HTTP endpoint on process 0, process 1 following it tick by tick
 (fo_jax.server.lockstep). A MoE model (tiny_moe cut to 2 layers, random weights, in a model
 directory) with 1/4 of its experts on each device; concurrent greedy requests land on the ranks
 of both processes and each one's tokens (and one's log-probabilities) equal its solo run on a
 single-device Engine with the whole weights (resident: offloaded equals it bit for bit). Served
 offloaded (a host pool per rank, least_misses placement from process 0 with each request's
 estimate sent by its owner); SIGTERM to process 0 ends both with exit 0, every seat empty
-(lengths 0) and every page back in its rank's pool. Both processes are killed (their process groups) whatever happens."""
+(lengths 0) and every page back in its rank's pool. Both processes are killed (their process
+groups) whatever happens. FO_JAX_SERVE_LOCAL_DEVICES=4 (by hand) runs a node's shape:
+`--devices 8 --expert-parallel 8` over 2 processes x 4 devices, one expert of 8 per device, 10
+requests."""
 
 import concurrent.futures
 import json
@@ -25,11 +28,13 @@ from fo_jax import distributed
 from fo_jax.server.app import LOGPROB_FLOOR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PROCESSES, LOCAL_DEVICES, SEATS, CAPACITY, CHUNK = 2, 2, 2, 32, 8
+PROCESSES, SEATS, CAPACITY, CHUNK = 2, 2, 32, 8
+LOCAL_DEVICES = int(os.environ.get("FO_JAX_SERVE_LOCAL_DEVICES", "2"))
 RANKS = PROCESSES * LOCAL_DEVICES
 START_TIMEOUT_S, STOP_TIMEOUT_S = 240, 60
 # (prompt length, max_tokens): 6 requests over 4 ranks of 2 seats, prompts of 1 to 3 chunks.
-REQUESTS = [(20, 6), (3, 5), (9, 4), (5, 3), (12, 5), (7, 4)]
+REQUESTS = [(20, 6), (3, 5), (9, 4), (5, 3), (12, 5), (7, 4), (4, 6), (11, 3), (2, 5),
+            (16, 4)][:6 if RANKS <= 4 else 10]
 LOGPROBS = 2  # the first request asks for its tokens' log-probabilities (and 2 top tokens)
 
 
@@ -176,7 +181,9 @@ def test_serve_across_two_processes(tmp_path):
         servers.wait_ready()
         started = [_reports(text, "fo-jax serve: process: ") for text in servers.output()]
         assert [[(r["process"], r["ranks"], r["experts_per_device"]) for r in mine]
-                for mine in started] == [[(0, [0, 1], [2])], [(1, [2, 3], [2])]], started
+                for mine in started] == [
+            [(p, list(range(p * LOCAL_DEVICES, (p + 1) * LOCAL_DEVICES)),
+              [config.n_routed_experts // RANKS])] for p in range(PROCESSES)], started
 
         client = openai.OpenAI(base_url=servers.url + "/v1", api_key="none", max_retries=0,
                                timeout=120)
@@ -222,7 +229,8 @@ def test_serve_across_two_processes(tmp_path):
                 report["pages_held"]) == (0, 0, 0, 0), report
         assert sum(report["placed"]) > 0, stopped  # requests on both processes' ranks
     assert sum(sum(r["placed"]) for (r,) in stopped) == len(REQUESTS), stopped
-    assert "requests received 6, completed 6, cancelled 0" in texts[0], texts[0]
+    n = len(REQUESTS)
+    assert f"requests received {n}, completed {n}, cancelled 0" in texts[0], texts[0]
 
 
 def test_a_lost_process_ends_the_server(tmp_path):
