@@ -4,6 +4,7 @@ and small helpers."""
 import collections
 import gc
 import os
+import time
 
 # XLA:CPU compiles without LLVM's expensive passes (its loop and SLP vectorizers, unrolling), in
 # this process and the subprocesses that inherit its environment: compiling is most of the
@@ -69,17 +70,25 @@ RESIDENT_BYTES = 5 << 29  # 2.5 GiB
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _release_compiled_programs():
+def _release_compiled_programs(request):
     """Drop every compiled program after a test module once the process holds many.
 
     Each XLA:CPU executable holds ~3 memory mappings of JIT code, and one pytest worker compiles
     thousands of programs: past the kernel's vm.max_map_count (65530) the next compilation
     crashes the worker with a segmentation fault. Modules share many programs (the engine's
     loop and seat programs on the same test models), so they are kept until the mappings pass
-    MAP_SHARE of the limit or the process RESIDENT_BYTES; off Linux, after every module."""
+    MAP_SHARE of the limit or the process RESIDENT_BYTES; off Linux, after every module.
+    FO_JAX_TEST_CACHE_LOG=PATH appends each module's mappings, resident MiB and whether it
+    cleared to PATH."""
     yield
     maps = _process_maps()
-    if maps is None or maps[0] > MAP_SHARE * maps[1] or _resident_bytes() > RESIDENT_BYTES:
+    resident = _resident_bytes()
+    clear = maps is None or maps[0] > MAP_SHARE * maps[1] or resident > RESIDENT_BYTES
+    if os.environ.get("FO_JAX_TEST_CACHE_LOG"):  # where the suite's compile time goes
+        with open(os.environ["FO_JAX_TEST_CACHE_LOG"], "a") as f:
+            f.write(f"{os.getpid()} {time.time():.1f} {request.module.__name__} "
+                    f"maps={maps and maps[0]} rss_mib={resident >> 20} clear={clear}\n")
+    if clear:
         jax.clear_caches()
         gc.collect()
 
