@@ -58,7 +58,7 @@ growth and preemption stay per process (their programs involve no other rank: se
 page-table rows and joins). No host read of another process's rows (`ShardedRunner`: seats and
 sampling kept on the process's first device between decode calls; the joins' lengths and the
 rows copied, `rank_misses`, read from the process's own devices). `fo-jax serve` drives it
-across processes (resident): one endpoint on process 0 (fo_jax.server.lockstep).
+across processes (resident or offloaded): one endpoint on process 0 (fo_jax.server.lockstep).
 
 As one `Engine` does: log-probabilities (`add_request(logprobs=k)`: the decode call over the
 mesh computes them on each rank, `sharded_decode_loop(logprobs=K)`; each request's are its

@@ -435,12 +435,10 @@ class LockstepDriver(EngineDriver):
         return commands
 
     def _cost(self, context: int) -> float:
-        """A request's cost by process 0's own books (least_misses: the prior of its
-        context, calibrated by process 0's ranks' steps, until its owner reports its
-        estimate)."""
-        if self.engine.placement == "least_misses":
-            return self.engine.placement_cost(None, context)
-        return float(context) if self.engine.placement == "least_context" else 1.0
+        """A request's cost by process 0's own books, until its owner reports its estimate:
+        the engine's rule for one not placed yet (`placement_cost`; least_misses: the prior
+        of its context, calibrated by process 0's ranks' steps)."""
+        return self.engine.placement_cost(None, context)
 
     def _receive(self, records) -> None:
         """Hand records to their requests' handlers (process 0)."""
